@@ -1,0 +1,156 @@
+"""The compile driver: model directory in, artifact directory out.
+
+Wires the stages together and owns nothing else: frontend (import), ir_passes
+(lower, with schedules), `tvm.compile` (codegen), weight conversion, manifest.
+The artifact is assembled in a temporary sibling directory and renamed into place
+only when complete, so a failure or Ctrl-C never leaves a half artifact at OUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+
+import ember
+from ember.convert import write_params
+from ember.errors import EmberError
+from ember.frontend.hf import import_hf_model
+from ember.ir_passes import pipeline
+from ember.ir_passes.memory_report import MemoryReport, memory_report
+from ember.ir_passes.weight_recipes import get_recipes, weight_params
+from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.targets import resolve_target
+
+log = logging.getLogger("ember")
+
+QUANTIZATIONS = {"q0f32": "float32", "q0f16": "float16"}
+PAGE_SIZE = 16
+
+
+@dataclass
+class CompileOptions:
+    """What to build; the defaults suit a laptop-class CPU."""
+
+    target: str = "cpu"
+    quantization: str = "q0f32"
+    prefill_chunk: int = 256
+    max_batch: int = 8
+    memory_budget: int | None = None
+    show_progress: bool = True
+
+
+@dataclass
+class CompileResult:
+    """What `compile_model` produced."""
+
+    output_dir: Path
+    manifest: Manifest
+    memory: MemoryReport
+    seconds: float
+
+
+def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
+    """Compile the Hugging Face checkpoint in `model_dir` into an artifact at `output_dir`."""
+    start = time.perf_counter()
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if options.quantization not in QUANTIZATIONS:
+        raise EmberError(
+            f"--quant {options.quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
+        )
+    if options.prefill_chunk < 1 or options.max_batch < 1:
+        raise EmberError("--prefill-chunk and --max-batch must be positive")
+    target = resolve_target(options.target)
+    model_dtype = QUANTIZATIONS[options.quantization]
+
+    log.info("importing %s", model_dir)
+    imported = import_hf_model(model_dir, target.target, model_dtype)
+    config = imported.config
+    prefill_chunk = min(options.prefill_chunk, config.context_window)
+
+    log.info("lowering and scheduling for %s", target.tvm_target)
+    lowered = pipeline.lower(imported.mod, target, prefill_chunk, options.max_batch)
+    kv_bytes_per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        * tvm.runtime.DataType(model_dtype).bits // 8
+    )
+    memory = memory_report(lowered, kv_bytes_per_token, config.context_window)
+    if options.memory_budget is not None and memory.max_context(options.memory_budget) < 1:
+        raise EmberError(
+            f"--memory-budget {options.memory_budget} bytes does not hold the weights "
+            f"({memory.weight_bytes} bytes) and workspace ({memory.peak_workspace_bytes} bytes)"
+        )
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    try:
+        log.info("generating code")
+        executable = tvm.compile(lowered, target.target, relax_pipeline=None)
+        executable.export_library(str(staging / LIBRARY_NAME))
+        params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
+        write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
+        for path in imported.tokenizer_files:
+            shutil.copyfile(path, staging / path.name)
+        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir)
+        write_manifest(staging, manifest)
+        _replace_dir(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start)
+
+
+def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir) -> Manifest:
+    config = imported.config
+    max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        ember_version=ember.__version__,
+        tvm_version=tvm.__version__,
+        model=config.to_json(),
+        quantization=options.quantization,
+        model_dtype=imported.model_dtype,
+        target=target.to_json(),
+        entry_functions={
+            "prefill": {"inputs": ["input_ids[1, seq_len] int32", "logit_positions[num_logits] int32", "kv_cache"],
+                        "outputs": ["logits[1, num_logits, vocab] float32", "kv_cache"]},
+            "decode": {"inputs": ["input_ids[batch_size, 1] int32", "kv_cache"],
+                       "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
+            "create_paged_kv_cache": {"inputs": ["max_batch_size", "max_total_seq_len", "prefill_chunk_size",
+                                                 "page_size", "support_sliding_window"]},
+        },
+        kv_cache={
+            "kind": "tir_paged",
+            "page_size": PAGE_SIZE,
+            "prefill_chunk": prefill_chunk,
+            "max_batch": options.max_batch,
+            "max_context": max_context,
+            "num_layers": config.num_hidden_layers,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "dtype": imported.model_dtype,
+            "sliding_window": config.sliding_window,
+            "rope": {"theta": config.rope_theta, "scaling": config.rope_scaling},
+        },
+        params=[name for name, _ in params],
+        memory=memory.to_json(),
+        source=str(model_dir.resolve()),
+    )
+
+
+def _replace_dir(staging: Path, output_dir: Path) -> None:
+    """Move `staging` to `output_dir`, replacing an older artifact there."""
+    if output_dir.exists():
+        if not (output_dir / "manifest.json").exists() and any(output_dir.iterdir()):
+            raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
+        old = output_dir.with_name(f".{output_dir.name}.old-{time.time_ns()}")
+        output_dir.rename(old)
+        staging.rename(output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(output_dir)

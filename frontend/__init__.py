@@ -1,0 +1,1 @@
+"""Importers: model files in, a Relax IRModule plus a weight recipe out."""

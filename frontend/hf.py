@@ -1,0 +1,74 @@
+"""Import a Hugging Face checkpoint directory: config, weights, tokenizer.
+
+The result is plain data for the next stage: a Relax IRModule whose weight
+parameters carry recipes (`ember.weight_recipes`, initially "load tensor X"), the
+model config, and the tokenizer files to copy into the artifact. Every tensor the
+graph needs is checked against the checkpoint's headers here (present, right
+shape, readable dtype) so a bad checkpoint fails before minutes of compilation.
+A checkpoint without `tokenizer.json` still compiles; its artifact then takes and
+returns token ids only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+
+from ember.errors import ModelError
+from ember.frontend.config import ModelConfig, load_model_config
+from ember.frontend.llama import LlamaForCausalLM
+from ember.frontend.weights import CheckpointWeights
+from ember.ir_passes.weight_recipes import set_recipes, weight_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+@dataclass
+class ImportedModel:
+    """A model in ember's graph IR, with what is needed to finish the artifact."""
+
+    mod: tvm.IRModule
+    config: ModelConfig
+    weights: CheckpointWeights
+    tokenizer_files: list[Path]
+    model_dtype: str
+
+
+def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32") -> ImportedModel:
+    """Build the Relax IRModule for the checkpoint in `model_dir`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
+    config = load_model_config(model_dir)
+    weights = CheckpointWeights(model_dir)
+    model = LlamaForCausalLM(config, model_dtype, target)
+    mod, params = model.export_tvm(spec=model.export_spec())
+    for name, param in params:
+        _check_tensor(weights, name, tuple(int(d) for d in param.shape))
+    relax_names = [p.name for p in weight_params(mod["decode"])]
+    recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
+    _check_json(model_dir / "tokenizer_config.json")
+    tokenizer_files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
+    return ImportedModel(set_recipes(mod, recipes), config, weights, tokenizer_files, model_dtype)
+
+
+def _check_tensor(weights: CheckpointWeights, name: str, shape: tuple[int, ...]) -> None:
+    record = weights.record(name)
+    if record.shape != shape:
+        raise ModelError(
+            f"{record.path}: tensor {name!r} has shape {list(record.shape)}, "
+            f"but config.json implies {list(shape)}"
+        )
+    if record.dtype.kind not in "f" and record.dtype.name != "bfloat16":
+        raise ModelError(f"{record.path}: tensor {name!r} has non-float dtype {record.dtype}")
+
+
+def _check_json(path: Path) -> None:
+    if path.exists():
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ModelError(f"{path}: malformed JSON: {err}") from None

@@ -1,0 +1,13 @@
+"""ember's light runtime: load an artifact, manage the paged KV cache, generate text.
+
+Imports only TVM's runtime, numpy, tokenizers and jinja2: never the compiler side
+of ember (frontend, ir_passes, schedules) nor torch or transformers, so it runs on
+a device that has only TVM's runtime libraries (`TVM_USE_RUNTIME_LIB=1`).
+"""
+
+from ember.runtime.artifact import Artifact, load_artifact
+from ember.runtime.engine import Engine
+from ember.runtime.generate import Generation, generate
+from ember.runtime.sampling import SamplingParams
+
+__all__ = ["Artifact", "Engine", "Generation", "SamplingParams", "generate", "load_artifact"]

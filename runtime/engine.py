@@ -1,0 +1,156 @@
+"""The model engine: paged KV cache of several sequences, chunked prefill, batched decode.
+
+Sequences are identified by integer ids. A prompt longer than the compiled prefill
+chunk is fed chunk by chunk; decode advances any set of sequences by one token in
+one call. Every length is checked against the artifact's bounds before TVM sees
+it, so an overflow is an error that says which limit was hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import tvm
+from tvm import runtime as tvm_runtime
+
+from ember.errors import GenerationError
+from ember.runtime.artifact import Artifact
+
+_ShapeTuple = tvm_runtime.ShapeTuple
+
+
+def _builtin(name: str):
+    return tvm.get_global_func(f"vm.builtin.{name}")
+
+
+class Engine:
+    """Runs an artifact's prefill and decode over one paged KV cache."""
+
+    def __init__(self, artifact: Artifact, max_context: int | None = None) -> None:
+        self.artifact = artifact
+        kv = artifact.manifest.kv_cache
+        self.prefill_chunk = int(kv["prefill_chunk"])
+        self.max_batch = int(kv["max_batch"])
+        self.context_window = int(max_context or kv["max_context"])
+        self.vocab_size = int(artifact.manifest.model["vocab_size"])
+        self._vm = artifact.vm
+        self._params = artifact.params
+        # The cache holds max_batch full contexts; pages are only used as tokens arrive.
+        total = self.context_window * self.max_batch
+        self.kv_cache = self._vm["create_paged_kv_cache"](
+            _ShapeTuple([self.max_batch]), _ShapeTuple([total]), _ShapeTuple([self.prefill_chunk]),
+            _ShapeTuple([int(kv["page_size"])]), _ShapeTuple([0]),
+        )
+        self._lengths: dict[int, int] = {}
+        self._ids = itertools.count()
+        self._f_add = _builtin("kv_state_add_sequence")
+        self._f_remove = _builtin("kv_state_remove_sequence")
+        self._f_fork = _builtin("kv_state_fork_sequence")
+        self._f_popn = _builtin("kv_state_popn")
+        self._f_begin = _builtin("kv_state_begin_forward")
+        self._f_end = _builtin("kv_state_end_forward")
+
+    def add_sequence(self) -> int:
+        """Start an empty sequence; returns its id."""
+        if len(self._lengths) >= self.max_batch:
+            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
+        seq_id = next(self._ids)
+        self._f_add(self.kv_cache, seq_id)
+        self._lengths[seq_id] = 0
+        return seq_id
+
+    def fork_sequence(self, parent: int, length: int | None = None) -> int:
+        """A new sequence sharing `parent`'s first `length` tokens (all by default)."""
+        self._check_known(parent)
+        if len(self._lengths) >= self.max_batch:
+            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
+        length = self._lengths[parent] if length is None else length
+        if not 0 < length <= self._lengths[parent]:
+            raise GenerationError(f"cannot fork sequence {parent} at {length}: it has {self._lengths[parent]} tokens")
+        child = next(self._ids)
+        self._f_fork(self.kv_cache, parent, child, length)
+        self._lengths[child] = length
+        return child
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Free a sequence's pages."""
+        self._check_known(seq_id)
+        self._f_remove(self.kv_cache, seq_id)
+        del self._lengths[seq_id]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop the tokens of `seq_id` after the first `length`."""
+        self._check_known(seq_id)
+        drop = self._lengths[seq_id] - length
+        if drop < 0:
+            raise GenerationError(f"sequence {seq_id} has only {self._lengths[seq_id]} tokens")
+        if drop:
+            self._f_popn(self.kv_cache, seq_id, drop)
+            self._lengths[seq_id] = length
+
+    def length(self, seq_id: int) -> int:
+        """Tokens currently cached for `seq_id`."""
+        self._check_known(seq_id)
+        return self._lengths[seq_id]
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append `token_ids` to `seq_id`; logits [n, vocab] for all tokens, or [vocab] for the last."""
+        self._check_known(seq_id)
+        if not token_ids:
+            raise GenerationError("prefill needs at least one token")
+        self._check_room(seq_id, len(token_ids))
+        tokens = self._check_tokens(token_ids)
+        outputs = []
+        for begin in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[begin: begin + self.prefill_chunk]
+            last = begin + len(chunk) >= len(tokens)
+            # Without all_logits only the last row of the last chunk is used.
+            positions = np.arange(len(chunk), dtype=np.int32) if all_logits else np.array([len(chunk) - 1], np.int32)
+            self._f_begin(self.kv_cache, _ShapeTuple([seq_id]), _ShapeTuple([len(chunk)]))
+            out = self._vm["prefill"](
+                tvm_runtime.tensor(chunk[None, :], self.artifact.device),
+                tvm_runtime.tensor(positions, self.artifact.device),
+                self.kv_cache, *self._params,
+            )
+            self._f_end(self.kv_cache)
+            self._lengths[seq_id] += len(chunk)
+            if all_logits or last:
+                outputs.append(out[0].numpy()[0])
+        logits = np.concatenate(outputs, axis=0)
+        return logits if all_logits else logits[-1]
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Append one token to each sequence; logits [len(seq_ids), vocab]."""
+        if len(seq_ids) != len(token_ids) or not seq_ids:
+            raise GenerationError("decode needs one token per sequence")
+        for seq_id in seq_ids:
+            self._check_known(seq_id)
+            self._check_room(seq_id, 1)
+        tokens = self._check_tokens(token_ids)
+        self._f_begin(self.kv_cache, _ShapeTuple(list(seq_ids)), _ShapeTuple([1] * len(seq_ids)))
+        out = self._vm["decode"](
+            tvm_runtime.tensor(tokens[:, None], self.artifact.device), self.kv_cache, *self._params
+        )
+        self._f_end(self.kv_cache)
+        for seq_id in seq_ids:
+            self._lengths[seq_id] += 1
+        return out[0].numpy()[:, 0, :]
+
+    def _check_known(self, seq_id: int) -> None:
+        if seq_id not in self._lengths:
+            raise GenerationError(f"unknown sequence id {seq_id}")
+
+    def _check_room(self, seq_id: int, new_tokens: int) -> None:
+        if self._lengths[seq_id] + new_tokens > self.context_window:
+            raise GenerationError(
+                f"sequence {seq_id} would hold {self._lengths[seq_id] + new_tokens} tokens, more than the "
+                f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+            )
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise GenerationError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
+        return tokens.astype(np.int32)
