@@ -21,6 +21,7 @@ from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, load_model_config
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
 from ember.ir_passes.weight_recipes import set_recipes, weight_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -52,7 +53,21 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
     _check_json(model_dir / "tokenizer_config.json")
     tokenizer_files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
-    return ImportedModel(set_recipes(mod, recipes), config, weights, tokenizer_files, model_dtype)
+    return ImportedModel(set_recipes(_tag_library_kernels(mod), recipes), config, weights, tokenizer_files, model_dtype)
+
+
+def _tag_library_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Mark the PrimFuncs that exist before legalization: TVM's paged-KV-cache kernels.
+
+    The model itself is Relax operators at this point, so every PrimFunc here was
+    written by hand in `tvm.relax.frontend.nn.llm`; the schedule check accepts them.
+    """
+    updates = {
+        gv.name_hint: func.with_attr(KERNEL_SOURCE_ATTR, "tvm.relax.frontend.nn.llm.kv_cache")
+        for gv, func in mod.functions_items()
+        if isinstance(func, tvm.tirx.PrimFunc)
+    }
+    return replace_functions(mod, updates)
 
 
 def _check_tensor(weights: CheckpointWeights, name: str, shape: tuple[int, ...]) -> None:

@@ -1,8 +1,11 @@
-"""Small IRModule helpers shared by ember's passes."""
+"""Small IRModule helpers and attribute names shared by ember's stages."""
 
 from __future__ import annotations
 
 import tvm
+
+# Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
+KERNEL_SOURCE_ATTR = "ember.kernel_source"
 
 
 def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) -> tvm.IRModule:

@@ -1,0 +1,222 @@
+"""The `ember` command line: a thin shell over ember's Python API.
+
+Every user error is an `EmberError`, caught here once and printed as one line
+without a traceback (`--verbose` shows it). Exit codes: 0 success, 1 an error in
+the input or the request, 2 bad command-line usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+from ember.errors import EmberError
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+_EPILOG = """\
+examples:
+  ember compile demo -o demo-cpu            compile the bundled demo model for this CPU
+  ember generate demo-cpu --prompt "And the LORD said"
+  ember chat demo-cpu
+  ember compile path/to/hf-llama -o llama-cpu --target cpu --memory-budget 8GB
+  ember inspect llama-cpu
+
+MODEL is a Hugging Face checkpoint directory (config.json, model.safetensors or a
+sharded index, tokenizer.json) of a llama, mistral or qwen2 model, or `demo`.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ember` console script."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.run(args)
+    except EmberError as err:
+        print(f"ember: error: {err}", file=sys.stderr)
+        if args.verbose:
+            raise
+        return 1
+    except KeyboardInterrupt:
+        print("ember: interrupted", file=sys.stderr)
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ember",
+        description="Compile large language models for the hardware you own, and run them.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage; show tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    compile_ = commands.add_parser("compile", help="compile a model into an artifact directory",
+                                   description="Compile a Hugging Face checkpoint into a deployable artifact.",
+                                   epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compile_.add_argument("model", help="checkpoint directory, or `demo` for the bundled demo model")
+    compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
+    compile_.add_argument("--target", default="cpu",
+                          help="`cpu` (this machine, default) or a TVM target JSON object or file, "
+                               'e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\'')
+    compile_.add_argument("--quant", default="q0f32",
+                          help="weight format: q0f32 (float32, default) or q0f16 (float16 weights)")
+    compile_.add_argument("--prefill-chunk", type=int, default=256,
+                          help="largest number of prompt tokens per prefill call (default 256)")
+    compile_.add_argument("--max-batch", type=int, default=8,
+                          help="most sequences decoded together (default 8)")
+    compile_.add_argument("--memory-budget", type=_parse_bytes,
+                          help="memory for weights + workspace + KV cache, e.g. 4GB; "
+                               "sets the longest context the artifact allows")
+    compile_.add_argument("--no-progress", action="store_true", help="no progress bars")
+    compile_.set_defaults(run=_run_compile)
+
+    inspect = commands.add_parser("inspect", help="describe an artifact")
+    inspect.add_argument("artifact", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print the raw manifest")
+    inspect.set_defaults(run=_run_inspect)
+
+    for name, helptext in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
+        sub = commands.add_parser(name, help=helptext)
+        sub.add_argument("artifact", type=Path)
+        if name == "generate":
+            sub.add_argument("--prompt", required=True, help="text to continue")
+        else:
+            sub.add_argument("--system", help="system message, if the chat template accepts one")
+        sub.add_argument("--max-new-tokens", type=int, default=128)
+        sub.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
+        sub.add_argument("--top-k", type=int, default=0, help="0 disables")
+        sub.add_argument("--top-p", type=float, default=0.95)
+        sub.add_argument("--repetition-penalty", type=float, default=1.0)
+        sub.add_argument("--seed", type=int)
+        sub.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+        sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
+    return parser
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from ember.compiler import CompileOptions, compile_model
+
+    model_dir = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
+    options = CompileOptions(
+        target=args.target,
+        quantization=args.quant,
+        prefill_chunk=args.prefill_chunk,
+        max_batch=args.max_batch,
+        memory_budget=args.memory_budget,
+        show_progress=not args.no_progress,
+    )
+    result = compile_model(model_dir, args.output, options)
+    memory = result.memory
+    print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
+    print(f"  weights {_mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
+          f"planned workspace {_mib(memory.peak_workspace_bytes)}")
+    if args.memory_budget:
+        print(f"  longest context in {_mib(args.memory_budget)}: {memory.max_context(args.memory_budget)} tokens")
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from ember.manifest import read_manifest
+
+    manifest = read_manifest(args.artifact)
+    if args.json:
+        print(json.dumps(manifest.to_json(), indent=2))
+        return 0
+    model, kv, memory = manifest.model, manifest.kv_cache, manifest.memory
+    rows = [
+        ("artifact", f"{args.artifact} (format {manifest.format_version}, ember {manifest.ember_version}, "
+                     f"TVM {manifest.tvm_version})"),
+        ("source", manifest.source),
+        ("model", f"{model['model_type']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
+                  f"{model['num_attention_heads']} heads / {model['num_key_value_heads']} KV heads, "
+                  f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}"),
+        ("context", f"window {model['context_window']}, artifact allows {kv['max_context']}"
+                    + (f", sliding window {kv['sliding_window']}" if kv["sliding_window"] else "")),
+        ("quantization", f"{manifest.quantization} ({manifest.model_dtype} compute)"),
+        ("target", json.dumps(manifest.target["tvm_target"])),
+        ("entry functions", ", ".join(manifest.entry_functions)),
+        ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "
+                     f"heads x {kv['head_dim']} ({kv['dtype']}); prefill chunk {kv['prefill_chunk']}, "
+                     f"max batch {kv['max_batch']}"),
+        ("memory", f"weights {_mib(memory['weight_bytes'])}, KV {memory['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
+                   f"workspace {_mib(memory['peak_workspace_bytes'])}"),
+        ("weights", f"{len(manifest.params)} tensors"),
+        ("files", ", ".join(f"{name} ({sha[:12]})" for name, sha in manifest.files.items())),
+    ]
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key:>{width}}  {value}")
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from ember.runtime import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+                          seed=args.seed, stop_strings=tuple(args.stop))
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from ember.runtime import Engine, generate, load_artifact
+
+    engine = Engine(load_artifact(args.artifact))
+    generation = generate(engine, args.prompt, _sampling(args))
+    print(args.prompt, end="", flush=True)
+    for piece in generation:
+        print(piece, end="", flush=True)
+    stats = generation.stats
+    print(f"\n\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
+          f"decode {stats.new_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.chat import ChatSession
+
+    session = ChatSession(Engine(load_artifact(args.artifact)), system=args.system)
+    sampling = _sampling(args)
+    print("ember chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if message.strip() == "/exit":
+            return 0
+        if message.strip() == "/reset":
+            session.reset()
+            continue
+        start = time.perf_counter()
+        reply = session.send(message, sampling)
+        for piece in reply:
+            print(piece, end="", flush=True)
+        print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
+              f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if match and match.group(2).upper() in units:
+        try:
+            return int(float(match.group(1)) * units[match.group(2).upper()])
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MB, 4GB, 2GiB)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,36 @@
+"""Fail compilation if any kernel would run unscheduled.
+
+Runs after the rules. A PrimFunc passes if a rule scheduled it (`tirx.is_scheduled`)
+or if it was written as explicit loops by TVM's paged-KV-cache library (tagged
+`ember.kernel_source` by the frontend). Anything else is a kernel no rule matched: an error naming it, so a
+new operator shows up as a compile failure instead of a silent serial loop.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+
+
+
+@tvm.transform.module_pass(opt_level=0, name="CheckAllScheduled")
+def check_all_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """Raise if a PrimFunc is neither scheduled nor library-written."""
+    unscheduled = [gv.name_hint for gv, func in mod.functions_items() if not _accounted_for(func)]
+    if unscheduled:
+        raise RuntimeError(
+            f"no ember schedule rule matched kernels {sorted(unscheduled)}; "
+            "add a rule in schedules/ (or report this model to ember's issue tracker)"
+        )
+    return mod
+
+
+def _accounted_for(func: tvm.ir.BaseFunc) -> bool:
+    if not isinstance(func, tirx.PrimFunc):
+        return True
+    attrs = func.attrs or {}
+    if "tirx.is_scheduled" in attrs and int(attrs["tirx.is_scheduled"]) == 1:
+        return True
+    return KERNEL_SOURCE_ATTR in attrs

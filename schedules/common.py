@@ -1,0 +1,40 @@
+"""Helpers shared by ember's schedule rules."""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.runtime import DataType
+
+
+def const_extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:
+    """The loop's extent if it is a compile-time constant."""
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def reduction_lanes(extent: int | None, vector_bits: int, dtype: str) -> int | None:
+    """The widest power-of-two vector width (at most one register) that divides `extent`."""
+    if extent is None:
+        return None
+    lanes = max(vector_bits // DataType(dtype).bits, 1)
+    while lanes > 1 and extent % lanes:
+        lanes //= 2
+    return lanes if lanes >= 4 or extent < 4 else None
+
+
+def inline_all_but(sch: s_tir.Schedule, keep: list[s_tir.SBlockRV]) -> None:
+    """Inline every block except `keep` into its consumers (or producers, if it is a sink)."""
+    kept = [sch.get(block) for block in keep]
+    progress = True
+    while progress:
+        progress = False
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            if any(sch.get(block).same_as(stmt) for stmt in kept):
+                continue
+            for inline in (sch.compute_inline, sch.reverse_compute_inline):
+                try:
+                    inline(block)
+                    progress = True
+                    break
+                except s_tir.ScheduleError:
+                    continue

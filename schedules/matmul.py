@@ -1,0 +1,98 @@
+"""CPU schedule for `NT` matmuls: C[m, n] = sum_k A[m, k] * W[n, k], with epilogues.
+
+Matches a PrimFunc with exactly one reduction block whose two inputs are both
+indexed last by the reduction variable (a row-major weight read along its rows,
+as `FuseTransposeMatmul` produces for every projection), any number of leading
+spatial axes folded into m (batch x sequence), and optional elementwise epilogues
+(bias, residual add). Decode (m = batch) makes it a GEMV, prefill (m = tokens) a GEMM.
+
+Schedule, per block of `rows` weight rows (4 by default):
+
+    parallel n_o                    # weight row blocks across cores
+      for m                         # every token/sequence reuses the rows from L1
+        acc[rows, lanes] = 0        # rfactor of k by the SIMD width: register tile
+        for k_o
+          unroll n_i in rows
+            vector k_i in lanes:    acc[n_i, k_i] += A[m, k] * W[n, k]   (FMA)
+        C[m, n] = sum(acc[n_i, :])  # horizontal add, then the epilogue, in cache
+
+Why: the weight is the large operand and streams from memory exactly once per call
+(the rows stay in L1 while all m reuse them); the inner loop is contiguous vector
+loads and FMAs on `rows` independent accumulators, which hides FMA latency.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight import ScheduleRule
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.target import Target
+
+from ember.schedules.common import const_extent, reduction_lanes
+
+
+class NTMatmul(ScheduleRule):
+    """GEMV/GEMM with a row-major [N, K] weight, vectorized along K."""
+
+    def __init__(self, vector_bits: int, rows: int = 4) -> None:
+        self.vector_bits = vector_bits
+        self.rows = rows
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        reductions = [info for info in infos if not info.is_injective()]
+        if len(reductions) != 1 or reductions[0] is not infos[0]:
+            return None
+        main = reductions[0]
+        kinds = main.dom_kind()
+        if len(kinds) < 2 or kinds[-1] != "R" or kinds[:-1] != "S" * (len(kinds) - 1):
+            return None
+        block = main.block_rv
+        if not _is_nt_access(sch, block):
+            return None
+        *m_loops, n, k = sch.get_loops(block)
+        n_extent, k_extent = const_extent(sch, n), const_extent(sch, k)
+        dtype = str(sch.get(block).writes[0].source.dtype)
+        lanes = reduction_lanes(k_extent, self.vector_bits, dtype)
+        if n_extent is None or lanes is None:
+            return None
+        rows = next(r for r in (self.rows, 2, 1) if n_extent % r == 0)
+        epilogues = [info.block_rv for info in infos[1:]]
+
+        m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
+        n_o, n_i = sch.split(n, [None, rows])
+        k_o, k_i = sch.split(k, [None, lanes])
+        sch.reorder(n_o, m, k_o, n_i, k_i)
+        accumulate = sch.rfactor(k_i, factor_axis=0)
+        sch.set_scope(accumulate, 0, "local")
+        rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
+        sch.parallel(rf_n_o)
+        sch.reverse_compute_at(block, rf_m)
+        for epilogue in epilogues:
+            sch.reverse_compute_at(epilogue, rf_m)
+        sch.vectorize(rf_k_i)
+        sch.unroll(rf_n_i)
+        sch.decompose_reduction(accumulate, rf_k_o)
+        return sch
+
+
+def _is_nt_access(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> bool:
+    """Both inputs are indexed last by the reduction variable (contiguous along k)."""
+    stmt = sch.get(block)
+    reduce_vars = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    if len(reduce_vars) != 1:
+        return False
+    output = stmt.writes[0].source
+    inputs = [region for region in stmt.reads if not region.source.same_as(output)]
+    if len(inputs) != 2:
+        return False
+    for region in inputs:
+        last = region.region[-1]
+        if not (isinstance(last.min, tirx.Var) and last.min.same_as(reduce_vars[0])):
+            return False
+    return True
