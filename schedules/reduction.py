@@ -2,7 +2,8 @@
 
 Matches a PrimFunc with exactly one reduction block over the innermost axis of
 rows (`sum_k f(x[r, k])`) whose result feeds an elementwise output over the same
-rows; every other block must inline. Emits, per row (rows in parallel):
+rows; every other block must inline. Emits, per row (serial: a row is a few KB,
+cheaper than waking the thread pool):
 
     acc[lanes] = 0; for k_o: acc[:] += f(x[r, k_o*lanes : (k_o+1)*lanes])   (vector)
     s = sum(acc)                                                              (16 adds)
@@ -24,7 +25,7 @@ from ember.schedules.common import const_extent, inline_all_but, reduction_lanes
 
 
 class RowReduction(ScheduleRule):
-    """Vectorized per-row reduction + elementwise epilogue, parallel over rows."""
+    """Vectorized per-row reduction + elementwise epilogue."""
 
     def __init__(self, vector_bits: int) -> None:
         self.vector_bits = vector_bits
@@ -61,7 +62,6 @@ class RowReduction(ScheduleRule):
         row = sch.fuse(*out_rows) if len(out_rows) > 1 else out_rows[0]
         h_o, h_i = sch.split(h, [None, out_lanes])
         sch.vectorize(h_i)
-        sch.parallel(row)
         k_o, k_i = sch.split(k, [None, lanes])
         accumulate = sch.rfactor(k_i, factor_axis=0)
         sch.set_scope(accumulate, 0, "local")
