@@ -1,0 +1,514 @@
+"""Peer baselines for ember's CPU benchmarks.
+
+ember's numbers only mean something next to other runtimes measured on the same
+weights, on the same machine, in the same run. This module provides those
+peers, so a benchmark script can put ember's row beside them:
+
+* ``measure_torch_eager``: PyTorch eager through transformers, KV cache via the
+  model's own ``past_key_values``.
+* ``measure_onnxruntime``: the same checkpoint exported to ONNX with an explicit
+  KV cache and run by onnxruntime.
+
+Every measurement runs in a fresh Python interpreter, so its peak RSS is that
+peer's alone (not the caller's, and not whatever the caller imported, such as
+TVM). The heavy libraries are imported only inside those interpreters, which
+keeps ``import peers`` cheap.
+
+Each peer does the same work: one warmup run, then a timed greedy generation in
+which the prefill (one forward over the prompt, keeping only the last position's
+logits, as a generation loop would) is timed apart from the decode
+(``new_tokens`` forwards of one token each).
+
+Run as a script for a table of the peers::
+
+    python scripts/peers.py --make-random /tmp/llama-random --prompt-len 128 \\
+        --new-tokens 128 --threads 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# How many greedy tokens onnxruntime must reproduce from PyTorch eager.
+_REFERENCE_TOKENS = 16
+
+
+@dataclass
+class Measurement:
+    """One peer's speed and memory on one prompt.
+
+    ``token_ids`` are the greedy tokens the timed run produced: the token chosen
+    from the prefill's logits, then one per decode step (``new_tokens + 1`` in
+    all), so runtimes can be checked against each other, not only timed.
+    """
+
+    name: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_rss_mb: float
+    token_ids: list[int] = field(default_factory=list)
+
+
+def make_random_llama(
+    out_dir: str | os.PathLike,
+    hidden: int = 768,
+    layers: int = 12,
+    heads: int = 12,
+    kv_heads: int = 4,
+    ffn: int = 2048,
+    vocab: int = 32000,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised Llama checkpoint (fp32 safetensors) to ``out_dir``.
+
+    The defaults give 124.7M parameters (75.5M in the layers, 24.6M each in
+    the embedding and the untied LM head), a size whose runs take seconds
+    rather than minutes on a small CPU. The weights are drawn from
+    transformers' own initialiser (normal, std ``initializer_range`` = 0.02):
+    with RMSNorm in front of every projection that keeps hidden states and
+    logits at trained-model scale, so greedy decoding picks clearly separated
+    tokens rather than ties that rounding could flip between runtimes.
+    Embeddings are not tied, so the LM head is a separate matrix, as in most
+    Llama checkpoints. No tokenizer is written: benchmarks feed token ids.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+def measure_torch_eager(
+    model_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: int, threads: int
+) -> Measurement:
+    """Time PyTorch eager (transformers, fp32) on ``prompt_ids`` in a fresh process."""
+    result = _run_isolated(
+        "_torch_eager_worker",
+        model_dir=str(model_dir),
+        prompt_ids=list(prompt_ids),
+        new_tokens=new_tokens,
+        threads=threads,
+    )
+    return Measurement(name="pytorch-eager", **result)
+
+
+def measure_onnxruntime(
+    model_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: int, threads: int
+) -> Measurement:
+    """Time onnxruntime on ``prompt_ids`` in a fresh process.
+
+    The ONNX model is exported once (in its own process) to
+    ``model_dir/onnx/model.onnx`` and reused after that. The measuring process
+    imports onnxruntime but not torch, so its peak RSS is onnxruntime's. Raises
+    ``RuntimeError`` if its first greedy tokens differ from PyTorch eager's, since
+    a fast wrong answer is no baseline.
+    """
+    onnx_path = Path(model_dir) / "onnx" / "model.onnx"
+    if not onnx_path.exists():
+        _run_isolated("_export_onnx_worker", model_dir=str(model_dir), onnx_path=str(onnx_path))
+    result = _run_isolated(
+        "_onnxruntime_worker",
+        onnx_path=str(onnx_path),
+        prompt_ids=list(prompt_ids),
+        new_tokens=new_tokens,
+        threads=threads,
+    )
+    checked = min(_REFERENCE_TOKENS, new_tokens + 1)
+    reference = _run_isolated(
+        "_torch_reference_worker",
+        model_dir=str(model_dir),
+        prompt_ids=list(prompt_ids),
+        new_tokens=checked - 1,
+        threads=threads,
+    )
+    if result["token_ids"][:checked] != reference["token_ids"][:checked]:
+        raise RuntimeError(
+            f"onnxruntime's greedy tokens {result['token_ids'][:checked]} differ from "
+            f"PyTorch eager's {reference['token_ids'][:checked]}"
+        )
+    return Measurement(name="onnxruntime", **result)
+
+
+def wait_for_quiet_machine(max_load: float = 0.3, timeout_s: float = 60) -> bool:
+    """Wait until the machine is mostly idle; return whether it got there in time.
+
+    Other work on the machine (on a shared 2-core box, someone's compile) would
+    make any runtime look slow, so benchmarks wait for it to pass. ``max_load``
+    is in busy cores, the unit of a load average. On Linux the busy share of
+    the CPUs is sampled from ``/proc/stat`` over one second, which reacts at
+    once, unlike the 1-minute load average that is the fallback elsewhere.
+    Never raises on a busy machine: the caller decides what a False means.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if _busy_cores() <= max_load:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(1.0)
+
+
+def _busy_cores() -> float:
+    """How many CPUs' worth of work the machine is doing now.
+
+    Sampled from ``/proc/stat`` over one second (idle and iowait count as
+    idle); where that file is missing, the 1-minute load average.
+    """
+
+    def cpu_times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]
+
+    try:
+        total0, idle0 = cpu_times()
+        time.sleep(1.0)
+        total1, idle1 = cpu_times()
+    except OSError:
+        return os.getloadavg()[0]
+    busy_share = 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+    return busy_share * (os.cpu_count() or 1)
+
+
+def summarize(runs: Sequence[Measurement]) -> Measurement:
+    """Combine repeated measurements of one peer: median speeds, largest peak RSS.
+
+    The median shrugs off a run disturbed by other work; the peak RSS is a
+    ceiling, so the largest is reported. Token ids are the first run's.
+    """
+    return Measurement(
+        name=runs[0].name,
+        prefill_tokens_per_s=statistics.median(r.prefill_tokens_per_s for r in runs),
+        decode_tokens_per_s=statistics.median(r.decode_tokens_per_s for r in runs),
+        peak_rss_mb=max(r.peak_rss_mb for r in runs),
+        token_ids=runs[0].token_ids,
+    )
+
+
+def format_table(rows: Sequence[Measurement]) -> str:
+    """Render measurements as a fixed-width text table, one row per runtime."""
+    lines = [f"{'runtime':<16} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MB':>12}"]
+    for row in rows:
+        lines.append(
+            f"{row.name:<16} {row.prefill_tokens_per_s:>14.1f} "
+            f"{row.decode_tokens_per_s:>13.2f} {row.peak_rss_mb:>12.0f}"
+        )
+    return "\n".join(lines)
+
+
+# --- isolation ---------------------------------------------------------------
+
+
+def _run_isolated(worker: str, **kwargs: Any) -> dict[str, Any]:
+    """Call ``peers.<worker>(**kwargs)`` in a fresh interpreter and return its dict.
+
+    A plain subprocess rather than a multiprocessing spawn: spawn re-imports the
+    parent's ``__main__`` in the child, which would load the calling benchmark's
+    own imports (TVM, say) and count them in the peer's peak RSS. The child
+    writes its result as JSON to a file, because libraries print to stdout.
+    """
+    threads = kwargs.get("threads")
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryDirectory(prefix="ember-peer-") as tmp:
+        request, response = Path(tmp) / "request.json", Path(tmp) / "response.json"
+        request.write_text(json.dumps({"worker": worker, "kwargs": kwargs}))
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); import peers; "
+            "peers._child_main(sys.argv[2], sys.argv[3])"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(request), str(response)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"peer worker {worker} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        return json.loads(response.read_text())
+
+
+def _child_main(request_path: str, response_path: str) -> None:
+    """Entry point of an isolated child: run the requested worker, save its result."""
+    request = json.loads(Path(request_path).read_text())
+    worker: Callable[..., dict[str, Any]] = globals()[request["worker"]]
+    result = worker(**request["kwargs"])
+    if "peak_rss_mb" in result:
+        result["peak_rss_mb"] = _peak_rss_mb()
+    Path(response_path).write_text(json.dumps(result))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB, read after the peer's work.
+
+    Linux's ``getrusage(RUSAGE_SELF).ru_maxrss`` carries over the peak of the
+    process image replaced by ``exec``, here a fork of the (possibly large)
+    caller, so the per-image high-water mark ``VmHWM`` is read instead, with
+    ``ru_maxrss`` only where ``/proc`` is missing.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    scale = 1024 * 1024 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def _rates(prompt_len: int, new_tokens: int, prefill_s: float, decode_s: float) -> dict[str, float]:
+    """Turn timings into tokens per second (decode over its ``new_tokens`` steps)."""
+    return {
+        "prefill_tokens_per_s": prompt_len / prefill_s,
+        "decode_tokens_per_s": new_tokens / decode_s if new_tokens else float("nan"),
+    }
+
+
+# --- PyTorch eager -----------------------------------------------------------
+
+
+def _load_torch_model(model_dir: str, threads: int) -> Any:
+    """Load the checkpoint in fp32 for inference on ``threads`` intra-op threads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _torch_generate(model: Any, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+    """Greedy-generate with the model's own KV cache; return tokens, prefill s, decode s."""
+    import torch
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        prefill_s = time.perf_counter() - start
+
+        tokens = [token]
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(
+                input_ids=torch.tensor([[token]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+        decode_s = time.perf_counter() - start
+    return tokens, prefill_s, decode_s
+
+
+def _torch_eager_worker(model_dir: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+    """Child side of ``measure_torch_eager``: warm up, then time one generation."""
+    model = _load_torch_model(model_dir, threads)
+    _torch_generate(model, prompt_ids, new_tokens)
+    tokens, prefill_s, decode_s = _torch_generate(model, prompt_ids, new_tokens)
+    return {"token_ids": tokens, "peak_rss_mb": 0.0, **_rates(len(prompt_ids), new_tokens, prefill_s, decode_s)}
+
+
+def _torch_reference_worker(model_dir: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+    """Child that only computes PyTorch eager's greedy tokens, to check other peers by."""
+    tokens, _, _ = _torch_generate(_load_torch_model(model_dir, threads), prompt_ids, new_tokens)
+    return {"token_ids": tokens}
+
+
+# --- onnxruntime -------------------------------------------------------------
+
+
+def _export_onnx_worker(model_dir: str, onnx_path: str) -> dict[str, Any]:
+    """Export the checkpoint to ONNX with the KV cache as explicit inputs and outputs.
+
+    Uses the TorchScript-based exporter (``dynamo=False``): the torch.export one
+    needs onnxscript, which is not installed. Tracing records one path through
+    the Python code, so nothing shape-dependent may be decided inside the HF
+    model: the wrapper passes explicit position ids and a ready 4-D causal mask
+    (an HF model uses a 4-D mask as given), which also keeps SDPA from baking in
+    an ``is_causal`` chosen for the traced prompt length. The trace uses a
+    non-empty past and a multi-token input, with both lengths marked dynamic, so
+    the one graph serves the prefill (empty past) and the decode (one token).
+    The file is written under a temporary name and renamed, so an interrupted
+    export never leaves a broken cache behind.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    config = model.config
+    layers = config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    class KVCacheWrapper(torch.nn.Module):
+        """Flat-tensor interface: (input_ids, past k/v per layer) -> (logits, present k/v)."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            past_len = past[0].shape[2]
+            seq_len = input_ids.shape[1]
+            positions = torch.arange(seq_len, dtype=torch.int64) + past_len
+            keys = torch.arange(past_len + seq_len, dtype=torch.int64)
+            allowed = keys[None, :] <= positions[:, None]
+            mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(
+                ~allowed, torch.finfo(torch.float32).min
+            )
+            cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=config)
+            out = self.inner(
+                input_ids=input_ids,
+                position_ids=positions[None, :],
+                attention_mask=mask[None, None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *present)
+
+    kv_names = [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
+    past_names = [f"past_{name}" for name in kv_names]
+    present_names = [f"present_{name}" for name in kv_names]
+    dummy_past = [torch.zeros(1, config.num_key_value_heads, 3, head_dim) for _ in kv_names]
+    dummy_ids = torch.zeros(1, 2, dtype=torch.int64)
+    dynamic_axes = {"input_ids": {1: "seq"}}
+    dynamic_axes.update({name: {2: "past"} for name in past_names})
+    dynamic_axes.update({name: {2: "total"} for name in present_names})
+
+    target = Path(onnx_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    with torch.inference_mode():
+        torch.onnx.export(
+            KVCacheWrapper(model),
+            (dummy_ids, *dummy_past),
+            str(partial),
+            dynamo=False,
+            input_names=["input_ids", *past_names],
+            output_names=["logits", *present_names],
+            dynamic_axes=dynamic_axes,
+            opset_version=17,
+        )
+    os.replace(partial, target)
+    return {}
+
+
+def _onnxruntime_worker(onnx_path: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+    """Child side of ``measure_onnxruntime``: warm up, then time one generation."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    _onnxruntime_generate(session, prompt_ids, new_tokens)
+    tokens, prefill_s, decode_s = _onnxruntime_generate(session, prompt_ids, new_tokens)
+    return {"token_ids": tokens, "peak_rss_mb": 0.0, **_rates(len(prompt_ids), new_tokens, prefill_s, decode_s)}
+
+
+def _onnxruntime_generate(session: Any, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+    """Greedy-generate, feeding each step's present k/v back as the next past."""
+    past_inputs = [i for i in session.get_inputs() if i.name.startswith("past_")]
+    # Past inputs are [batch, kv_heads, past, head_dim]; the prefill's past is empty.
+    past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), dtype=np.float32) for i in past_inputs}
+
+    def step(ids: list[int]) -> int:
+        logits, *present = session.run(None, {"input_ids": np.array([ids], dtype=np.int64), **past})
+        past.update(zip((i.name for i in past_inputs), present))
+        return int(logits[0, -1].argmax())
+
+    start = time.perf_counter()
+    token = step(prompt_ids)
+    prefill_s = time.perf_counter() - start
+
+    tokens = [token]
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = step([token])
+        tokens.append(token)
+    decode_s = time.perf_counter() - start
+    return tokens, prefill_s, decode_s
+
+
+# --- command line ------------------------------------------------------------
+
+_PEERS: dict[str, Callable[[str, list[int], int, int], Measurement]] = {
+    "pytorch-eager": measure_torch_eager,
+    "onnxruntime": measure_onnxruntime,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Measure every peer ``--repeats`` times and print the summary table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="existing Hugging Face Llama checkpoint directory")
+    source.add_argument("--make-random", metavar="DIR", help="write a random 125M-parameter Llama to DIR and use it")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights and prompt")
+    args = parser.parse_args(argv)
+
+    if args.make_random:
+        model_dir = str(make_random_llama(args.make_random, seed=args.seed))
+    else:
+        model_dir = args.model
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompt_ids = np.random.default_rng(args.seed).integers(0, vocab, args.prompt_len).tolist()
+
+    rows = []
+    for measure in _PEERS.values():
+        runs = []
+        for _ in range(args.repeats):
+            if not wait_for_quiet_machine():
+                print("warning: machine still busy, measuring anyway", file=sys.stderr)
+            runs.append(measure(model_dir, prompt_ids, args.new_tokens, args.threads))
+        rows.append(summarize(runs))
+    print(
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.threads} threads, "
+        f"median of {args.repeats} (peak RSS: largest)"
+    )
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
