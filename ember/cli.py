@@ -78,6 +78,12 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--no-progress", action="store_true", help="no progress bars")
     compile_.set_defaults(run=_run_compile)
 
+    from ember.analyze import cli as analyze_cli
+
+    analyze = commands.add_parser("analyze", help="roofline analysis of a model on a hardware preset")
+    analyze_cli.add_arguments(analyze)
+    analyze.set_defaults(run=analyze_cli.run)
+
     inspect = commands.add_parser("inspect", help="describe an artifact")
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true", help="print the raw manifest")

@@ -25,7 +25,7 @@ from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
-from ember.targets import resolve_target
+from ember.targets.registry import resolve_target
 
 log = logging.getLogger("ember")
 

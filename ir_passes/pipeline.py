@@ -19,7 +19,7 @@ from tvm import relax
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.schedules import schedule_passes
-from ember.targets import TargetSpec
+from ember.targets.registry import TargetSpec
 
 
 def graph_passes(target: TargetSpec, prefill_chunk: int, max_batch: int) -> list[tvm.transform.Pass]:

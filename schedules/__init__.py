@@ -15,7 +15,7 @@ from ember.schedules.check import check_all_scheduled
 from ember.schedules.elementwise import Elementwise
 from ember.schedules.matmul import NTMatmul
 from ember.schedules.reduction import RowReduction
-from ember.targets import TargetSpec
+from ember.targets.registry import TargetSpec
 
 
 def schedule_passes(target: TargetSpec) -> list[tvm.transform.Pass]:

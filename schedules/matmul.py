@@ -68,7 +68,8 @@ class NTMatmul(ScheduleRule):
         n_o, n_i = sch.split(n, [None, rows])
         k_o, k_i = sch.split(k, [None, lanes])
         sch.reorder(n_o, m, k_o, n_i, k_i)
-        accumulate = sch.rfactor(k_i, factor_axis=0)
+        # Lanes as the last axis of the accumulator: contiguous vector registers.
+        accumulate = sch.rfactor(k_i, factor_axis=len(sch.get(block).writes[0].region))
         sch.set_scope(accumulate, 0, "local")
         rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
         sch.parallel(rf_n_o)

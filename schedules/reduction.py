@@ -63,7 +63,8 @@ class RowReduction(ScheduleRule):
         h_o, h_i = sch.split(h, [None, out_lanes])
         sch.vectorize(h_i)
         k_o, k_i = sch.split(k, [None, lanes])
-        accumulate = sch.rfactor(k_i, factor_axis=0)
+        # Lanes as the last axis of the accumulator: contiguous vector registers.
+        accumulate = sch.rfactor(k_i, factor_axis=len(sch.get(reduce_block).writes[0].region))
         sch.set_scope(accumulate, 0, "local")
         sch.compute_at(reduce_block, row)
         sch.compute_at(accumulate, row)

@@ -1,0 +1,108 @@
+"""`ember analyze`: the roofline of a model on a device, per layer, for prefill and decode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from ember.analyze.operators import Precision, load_architecture, model_presets
+from ember.analyze.report import format_text, to_json, write_plots
+from ember.analyze.roofline import Workload, analyze
+from ember.targets.hardware import hardware_presets, load_hardware
+
+DESCRIPTION = """\
+Estimate, without compiling anything, how fast MODEL can run on a device and why.
+
+Every operator of a decoder layer (q/k/v/o projections, RoPE, the qk and sv matmuls,
+softmax, norms, residual adds, MLP projections) and the lm_head is placed on the
+device's roofline: arithmetic intensity = operations / bytes moved, attainable
+performance = min(peak compute, intensity x memory bandwidth), one multiply-accumulate
+= 2 operations. An operator below the ridge point (peak / bandwidth) is memory-bound:
+making it faster means moving fewer bytes (smaller bit widths, bigger batches), not
+more FLOP/s. Prefill is mostly compute-bound, decode mostly memory-bound.
+
+The tables show, for the prefill and for one decode step: operations, bytes moved,
+intensity, attainable op/s, the bound, time and share of the step. Then totals (time
+to first token, per-token decode, the whole generation) and memory (weights, KV cache,
+peak activations). Times are ideal: each kernel at its roofline, one after another."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `ember analyze`'s options on `parser`."""
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
+    parser.add_argument("model", metavar="MODEL",
+                        help="an HF checkpoint directory, a config.json, or a preset name (see below)")
+    parser.add_argument("--hardware", required=True, metavar="NAME",
+                        help="a device preset (a unique part of its name is enough, e.g. a6000), "
+                             "'host' to measure this machine (cached), or a JSON file shaped like a preset")
+    parser.add_argument("--batch", type=_positive_int, default=1, metavar="B",
+                        help="sequences processed together (default: 1)")
+    parser.add_argument("--prompt-len", type=_positive_int, default=1024, metavar="S",
+                        help="prompt tokens per sequence (default: 1024)")
+    parser.add_argument("--gen-len", type=_positive_int, default=256, metavar="G",
+                        help="tokens generated per sequence (default: 256)")
+    parser.add_argument("--context", type=_positive_int, metavar="C",
+                        help="the decode step shown in detail attends to C tokens (default: the prompt length)")
+    parser.add_argument("--wbits", type=float, choices=(2, 3, 4, 8, 16, 32), default=16,
+                        help="weight bits of the linear layers and embeddings (default: 16)")
+    parser.add_argument("--abits", type=float, choices=(4, 8, 16, 32), default=16,
+                        help="activation bits; with --wbits <= 8 and --abits 8, matmuls run in int8 (default: 16)")
+    parser.add_argument("--kvbits", type=float, choices=(2, 3, 4, 8, 16, 32),
+                        help="KV-cache bits (default: --abits)")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="fuse qk, softmax and sv into one kernel (FlashAttention / flash-decoding)")
+    parser.add_argument("--json", action="store_true", help="print the full analysis as JSON instead of tables")
+    parser.add_argument("--plot", type=Path, metavar="DIR",
+                        help="also write roofline.png, batch_sweep.png and seqlen_sweep.png to DIR "
+                             "(needs matplotlib: pip install 'ember[plot]')")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Analyze, print the report (or JSON), write plots if asked."""
+    arch = load_architecture(args.model)
+    hardware = load_hardware(args.hardware)
+    float16 = "bf16" if arch.config.weight_dtype == "bfloat16" else "fp16"
+    precision = Precision(args.wbits, args.abits, args.kvbits or args.abits, float16)
+    workload = Workload(args.batch, args.prompt_len, args.gen_len, args.context, args.flash_attention)
+    analysis = analyze(arch, hardware, precision, workload)
+    print(json.dumps(to_json(analysis), indent=2) if args.json else format_text(analysis))
+    if args.plot:
+        paths = write_plots(analysis, args.plot)
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
+def _epilog() -> str:
+    wrap = lambda names: textwrap.fill(", ".join(names), 88, initial_indent="  ", subsequent_indent="  ",
+                                       break_on_hyphens=False)
+    return f"""\
+examples:
+  ember analyze Llama-2-7b --hardware nvidia-rtx-a6000 --prompt-len 2048
+      per-layer prefill and decode tables of Llama-2-7b in fp16 on an RTX A6000
+  ember analyze Llama-3.1-8B --hardware rtx-4090 --wbits 4 --kvbits 8 --flash-attention
+      4-bit weights, 8-bit KV cache, fused attention: what decode speed to expect
+  ember analyze ./my-checkpoint --hardware host --batch 8 --json > analysis.json
+      an HF checkpoint directory on this machine (measured once, cached in ~/.cache/ember/)
+  ember analyze Qwen2.5-7B --hardware apple-m2-max --plot plots/
+      roofline plot, and time vs batch size and vs sequence length for several bit widths
+
+model presets:
+{wrap(model_presets())}
+hardware presets:
+{wrap(hardware_presets())}
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

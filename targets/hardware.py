@@ -1,0 +1,258 @@
+"""What a device can do, as the roofline model sees it: peak operations per second per
+data type, memory bandwidth, memory capacity and on-chip memory.
+
+Presets are JSON files in `targets/hardware/`, one per device, each citing where its
+numbers come from (a datasheet, a whitepaper, or a derivation from core counts and
+clocks when the vendor publishes none). The JSON uses the units spec sheets use
+(TFLOP/s, GB/s, GiB, KiB); `Hardware` holds SI base units (op/s, bytes/s, bytes).
+
+`host` is this machine, measured once (a multi-threaded numpy copy for bandwidth, a
+float32 matmul for peak FLOP/s) and cached under `~/.cache/ember/`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ember.errors import TargetError
+
+PRESET_DIR = Path(__file__).with_name("hardware")
+DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+# A data type a device lacks runs as the next one that it has: an int4 matmul without
+# int4 units unpacks to int8, a bf16 checkpoint runs in fp16 on pre-Ampere GPUs, and
+# CPUs without half-precision arithmetic compute in fp32.
+_FALLBACK = {"int4": "int8", "int8": "fp16", "bf16": "fp16", "fp16": "fp32"}
+_KINDS = ("cpu", "gpu")
+_GIB, _KIB = 2**30, 2**10
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """A device's roofline: peak compute per data type, memory bandwidth and sizes.
+
+    `peak_flops["fp32"]` is the vector-unit rate (CUDA cores, SIMD lanes), which also
+    bounds elementwise work; the other entries are dense matrix-unit rates (tensor
+    cores, AMX, dot-product instructions), without structured-sparsity doubling.
+    `onchip_memory` is the fast memory one compute unit tiles in (shared memory/L1 of
+    one GPU SM, L2 of one CPU core): it sets the tile sizes of fused kernels.
+    """
+
+    name: str
+    description: str
+    kind: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_capacity: float
+    onchip_memory: int
+    source: str
+    notes: str = ""
+
+    def compute_dtype(self, dtype: str) -> str:
+        """The data type that `dtype` work runs as here (itself, or its fallback)."""
+        while dtype not in self.peak_flops:
+            dtype = _FALLBACK[dtype]
+        return dtype
+
+    def peak(self, dtype: str) -> float:
+        """Peak operations per second for `dtype` work, after fallback."""
+        return self.peak_flops[self.compute_dtype(dtype)]
+
+    def ridge_point(self, dtype: str) -> float:
+        """Arithmetic intensity (op/byte) above which `dtype` work is compute-bound."""
+        return self.peak(dtype) / self.memory_bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        """The preset-file form (spec-sheet units), as read by `load_hardware`."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "kind": self.kind,
+            "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+            "memory_bandwidth_gbps": self.memory_bandwidth / 1e9,
+            "memory_capacity_gib": self.memory_capacity / _GIB,
+            "onchip_kib": self.onchip_memory / _KIB,
+            "source": self.source,
+            "notes": self.notes,
+        }
+
+
+def hardware_presets() -> list[str]:
+    """Names of the shipped hardware presets, sorted."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_hardware(name: str) -> Hardware:
+    """A preset by name (exact, without its vendor prefix, or a unique part of it), `host`, or a
+    path to a preset-style JSON file."""
+    if name == "host":
+        return load_host()
+    if name.endswith(".json"):
+        return _read_preset(Path(name))
+    presets = hardware_presets()
+    query = name.lower()
+    matches = ([p for p in presets if p == query] or [p for p in presets if p.split("-", 1)[-1] == query]
+               or [p for p in presets if query in p])
+    if len(matches) == 1:
+        return _read_preset(PRESET_DIR / f"{matches[0]}.json")
+    if matches:
+        raise TargetError(f"--hardware {name!r} is ambiguous: it matches {', '.join(matches)}")
+    raise TargetError(
+        f"--hardware {name!r} is not a known device; presets: {', '.join(presets)}; "
+        "or 'host' (this machine, measured), or a path to a JSON file shaped like "
+        f"{PRESET_DIR / 'nvidia-rtx-a6000.json'}"
+    )
+
+
+def _read_preset(path: Path) -> Hardware:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TargetError(f"hardware file {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TargetError(f"{path}: malformed JSON: {err}") from None
+    return _from_json(data, str(path))
+
+
+def _from_json(data: Any, origin: str) -> Hardware:
+    if not isinstance(data, dict):
+        raise TargetError(f"{origin}: expected a JSON object")
+
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise TargetError(f"{origin}: {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    missing = [k for k in ("name", "kind", "peak_tflops", "memory_bandwidth_gbps",
+                           "memory_capacity_gib", "onchip_kib", "source") if k not in data]
+    if missing:
+        raise TargetError(f"{origin}: missing {', '.join(missing)}")
+    if data["kind"] not in _KINDS:
+        raise TargetError(f"{origin}: 'kind' must be one of {', '.join(_KINDS)}, got {data['kind']!r}")
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or "fp32" not in peaks:
+        raise TargetError(f"{origin}: 'peak_tflops' must be an object with at least 'fp32'")
+    unknown = sorted(set(peaks) - set(DTYPES))
+    if unknown:
+        raise TargetError(f"{origin}: unknown data types {', '.join(unknown)} in 'peak_tflops' "
+                          f"(known: {', '.join(DTYPES)})")
+    return Hardware(
+        name=str(data["name"]),
+        description=str(data.get("description", data["name"])),
+        kind=data["kind"],
+        peak_flops={k: number(f"peak_tflops.{k}", v) * 1e12 for k, v in peaks.items()},
+        memory_bandwidth=number("memory_bandwidth_gbps", data["memory_bandwidth_gbps"]) * 1e9,
+        memory_capacity=number("memory_capacity_gib", data["memory_capacity_gib"]) * _GIB,
+        onchip_memory=int(number("onchip_kib", data["onchip_kib"]) * _KIB),
+        source=str(data["source"]),
+        notes=str(data.get("notes", "")),
+    )
+
+
+def host_cache_path() -> Path:
+    """Where the measured `host` description is cached."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "ember" / "host-hardware.json"
+
+
+def load_host() -> Hardware:
+    """This machine: read from the cache if it was measured here, else measured and cached."""
+    path = host_cache_path()
+    fingerprint = _host_fingerprint()
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(cached, dict) and cached.get("fingerprint") == fingerprint:
+            return _from_json(cached, str(path))
+    except (OSError, ValueError, TargetError):
+        pass  # absent or damaged: measure again (as when it was measured on another machine)
+    print(f"measuring this machine's memory bandwidth and peak FLOP/s (cached in {path}) ...",
+          file=sys.stderr)
+    hardware = measure_host()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**hardware.to_json(), "fingerprint": fingerprint}, indent=2))
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return hardware
+
+
+def measure_host(copy_bytes: int = 128 * 2**20, matmul_size: int = 2048, repeats: int = 3) -> Hardware:
+    """Measure memory bandwidth (threaded copy) and fp32 peak (numpy matmul) on this machine."""
+    import numpy as np
+
+    threads = _host_cores()
+    src = np.ones(copy_bytes // 8)
+    dst = np.empty_like(src)
+    step = -(-src.size // threads)
+    bounds = [(start, min(start + step, src.size)) for start in range(0, src.size, step)]
+
+    def copy_chunk(bound: tuple[int, int]) -> None:
+        np.copyto(dst[bound[0]:bound[1]], src[bound[0]:bound[1]])
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        # numpy releases the GIL while copying, so the threads load every memory channel.
+        copy_s = _best_time(lambda: list(pool.map(copy_chunk, bounds)), repeats)
+    bandwidth = 2 * src.nbytes / copy_s  # STREAM convention: read + write, no write-allocate
+
+    a = np.ones((matmul_size, matmul_size), dtype=np.float32)
+    b = np.ones_like(a)
+    matmul_s = _best_time(lambda: a @ b, repeats)
+    fp32 = 2 * matmul_size**3 / matmul_s
+
+    l2 = _sysconf("SC_LEVEL2_CACHE_SIZE") or _KIB * _KIB
+    return Hardware(
+        name="host",
+        description=f"this machine ({_cpu_model()}, {threads} cores)",
+        kind="cpu",
+        peak_flops={"fp32": fp32},
+        memory_bandwidth=bandwidth,
+        memory_capacity=float(_sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE")),
+        onchip_memory=l2,
+        source="measured by ember: threaded numpy copy (bandwidth), numpy float32 matmul (peak)",
+        notes=f"measured on {time.strftime('%Y-%m-%d')}; numpy's BLAS may reach less than the "
+              "vector units' peak, so this is an attainable rather than a theoretical roofline",
+    )
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: page faults, thread start-up, BLAS initialisation
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _host_fingerprint() -> dict[str, Any]:
+    return {"machine": platform.machine(), "cpu": _cpu_model(), "cores": _host_cores(),
+            "memory": _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE")}
+
+
+def _host_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sysconf(name: str) -> int:
+    try:
+        return max(int(os.sysconf(name)), 0)
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -1,0 +1,414 @@
+"""`ember analyze`: per-operator formulas on hand-computed cases, an independent
+re-derivation of LLM-Viewer's counts, the Llama-2-7b / RTX A6000 reference case,
+hardware presets and the `host` cache, and the CLI's table, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from ember.analyze import cli
+from ember.analyze.operators import (
+    Architecture,
+    Precision,
+    architecture_from_config,
+    decode,
+    experts_touched,
+    flash_tile_rows,
+    load_architecture,
+    model_presets,
+    prefill,
+)
+from ember.analyze.report import format_text
+from ember.analyze.roofline import Workload, analyze, evaluate, kv_cache_bytes, place, weight_bytes
+from ember.errors import EmberError, ModelError, TargetError
+from ember.targets import hardware as hw_module
+from ember.targets.hardware import Hardware, hardware_presets, load_hardware
+
+FP16 = Precision(16, 16, 16)
+# h=8, I=16, H=2, Hkv=1, d=4, L=2, V=10: small enough to count every operator by hand.
+TINY = {
+    "model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+    "max_position_embeddings": 64, "torch_dtype": "float16",
+}
+
+
+def tiny(**overrides) -> Architecture:
+    return architecture_from_config({**TINY, **overrides}, "tiny/config.json", "tiny")
+
+
+def by_name(ops) -> dict:
+    return {op.name: op for op in ops}
+
+
+def toy_hardware(**peaks: float) -> Hardware:
+    return Hardware("toy", "toy", "gpu", {"fp32": 10.0, **peaks}, memory_bandwidth=10.0,
+                    memory_capacity=1e9, onchip_memory=1024, source="test")
+
+
+# --- formulas on hand-computed cases -------------------------------------------------
+
+
+def test_prefill_operators_match_hand_counts():
+    stage = prefill(tiny(), FP16, batch=1, prompt_len=3)
+    ops = by_name(stage.layer)
+    # (ops, weight, act_read, act_write, kv_read, kv_write) in operations and bytes, fp16.
+    expected = {
+        "attn_norm": (96, 16, 48, 48, 0, 0),        # 4 x 3 x 8; g = 8 x 2 B
+        "q_proj": (384, 128, 48, 48, 0, 0),         # 2 x 3 x 8 x 8
+        "k_proj": (192, 64, 48, 24, 0, 0),          # 2 x 3 x 8 x 4
+        "v_proj": (192, 64, 48, 0, 0, 24),          # written straight into the KV cache
+        "rope": (108, 0, 96, 48, 0, 24),            # 3 x 3 x (2 + 1) x 4; q, k, cos/sin in
+        "qk_matmul": (144, 0, 48, 36, 24, 0),       # 2 x 2 heads x 3 x 3 keys x 4
+        "softmax": (90, 0, 36, 36, 0, 0),           # 5 x 18 scores
+        "sv_matmul": (144, 0, 36, 48, 24, 0),
+        "o_proj": (384, 128, 48, 48, 0, 0),
+        "attn_add": (24, 0, 96, 48, 0, 0),          # two inputs read
+        "mlp_norm": (96, 16, 48, 48, 0, 0),
+        "gate_proj": (768, 256, 48, 96, 0, 0),      # 2 x 3 x 8 x 16
+        "up_proj": (768, 256, 48, 96, 0, 0),
+        "mlp_act": (240, 0, 192, 96, 0, 0),         # 5 x 3 x 16
+        "down_proj": (768, 256, 96, 48, 0, 0),
+        "mlp_add": (24, 0, 96, 48, 0, 0),
+    }
+    assert list(ops) == list(expected)
+    for name, counts in expected.items():
+        op = ops[name]
+        assert (op.ops, op.weight_bytes, op.act_read, op.act_write, op.kv_read, op.kv_write) == counts, name
+    once = by_name(stage.once)
+    assert (once["embed_tokens"].ops, once["embed_tokens"].bytes) == (0, 96)
+    # The head runs on the last position only: 1 row.
+    assert (once["final_norm"].ops, once["lm_head"].ops, once["lm_head"].bytes) == (32, 160, 160 + 16 + 20)
+
+
+def test_decode_attention_reads_the_whole_context():
+    ops = by_name(decode(tiny(), FP16, batch=2, context=5).layer)
+    qk = ops["qk_matmul"]
+    assert qk.ops == 2 * 2 * 2 * 1 * 5 * 4           # batch, heads, 1 query, 5 keys, d
+    assert qk.kv_read == 2 * 5 * 1 * 4 * 2           # K of the one KV head, once per sequence
+    assert (qk.act_read, qk.act_write) == (2 * 2 * 4 * 2, 2 * 2 * 5 * 2)
+    assert ops["softmax"].ops == 5 * 2 * 2 * 5
+    assert ops["q_proj"].ops == 2 * 2 * 8 * 8
+
+
+def test_roofline_bound_time_and_attainable():
+    hw = toy_hardware(fp16=100.0)  # ridge point 10 op/B for fp16
+    stage = prefill(tiny(), FP16, 1, 3)
+    q = place(by_name(stage.layer)["q_proj"], hw)  # 384 op / 224 B = 1.71 op/B
+    assert q.bound == "memory"
+    assert q.intensity == pytest.approx(384 / 224)
+    assert q.attainable == pytest.approx(384 / 224 * 10)
+    assert q.time == pytest.approx(224 / 10)
+    fast_memory = Hardware("toy", "toy", "gpu", {"fp32": 10.0, "fp16": 100.0}, 1e6, 1e9, 1024, "test")
+    q = place(by_name(stage.layer)["q_proj"], fast_memory)
+    assert (q.bound, q.attainable, q.time) == ("compute", 100.0, pytest.approx(3.84))
+
+
+def test_stage_total_counts_every_layer_and_the_head_once():
+    result = evaluate(prefill(tiny(), FP16, 1, 3), toy_hardware(fp16=100.0))
+    per_layer = sum(p.op.ops for p in result.layer)
+    assert result.ops == 2 * per_layer + 0 + 32 + 160
+    assert result.time == pytest.approx(2 * sum(p.time for p in result.layer) + sum(p.time for p in result.once))
+
+
+def test_bit_widths_change_bytes_and_compute_type():
+    w4 = by_name(prefill(tiny(), Precision(4, 16, 8), 1, 3).layer)
+    assert w4["q_proj"].weight_bytes == 64 * 0.5
+    assert w4["q_proj"].dtype == "fp16"              # W4A16 dequantizes to 16-bit
+    assert w4["v_proj"].kv_write == 3 * 4 * 1        # 8-bit cache
+    assert by_name(prefill(tiny(), Precision(8, 8, 8), 1, 3).layer)["q_proj"].dtype == "int8"
+    assert by_name(prefill(tiny(), Precision(4, 4, 4), 1, 3).layer)["q_proj"].dtype == "int4"
+    assert Precision(16, 16, 16, "bf16").matmul_dtype(16, 16) == "bf16"
+
+
+def test_flash_attention_tiles_and_fused_counts():
+    prec = FP16
+    # S=4, tiles of 2 rows: tile [0,2) sees 2 keys, tile [2,4) sees 4 -> 12 pairs, 6 K/V rows per head.
+    flash = by_name(prefill(tiny(), prec, 1, 4, flash_tile=2).layer)["flash_attention"]
+    assert flash.ops == 2 * 12 * (4 * 4 + 5)
+    assert flash.kv_read == 2 * 2 * 6 * 4 * 2        # K and V, per query head in prefill
+    assert flash.act_read == flash.act_write == 4 * 2 * 4 * 2
+    # Decode: fused ops equal the unfused qk + softmax + sv; K/V read once per KV head.
+    fused = by_name(decode(tiny(), prec, 3, 7, flash_tile=2).layer)["flash_attention"]
+    unfused = by_name(decode(tiny(), prec, 3, 7).layer)
+    assert fused.ops == sum(unfused[n].ops for n in ("qk_matmul", "softmax", "sv_matmul"))
+    assert fused.kv_read == unfused["qk_matmul"].kv_read + unfused["sv_matmul"].kv_read
+    # FlashAttention's block size: min(ceil(M / 4d), d), M in elements.
+    assert flash_tile_rows(128 * 1024, 128, prec) == 128
+    assert flash_tile_rows(32 * 1024, 128, prec) == 32
+
+
+def test_sliding_window_caps_attention_and_kv_cache():
+    arch = tiny(sliding_window=4)
+    qk = by_name(decode(arch, FP16, 1, 10).layer)["qk_matmul"]
+    assert qk.ops == 2 * 2 * 1 * 4 * 4               # 4 visible keys, not 10
+    assert kv_cache_bytes(arch, FP16, 1, 10) == 2 * 2 * 1 * 4 * 2 * 4
+    assert kv_cache_bytes(tiny(), FP16, 1, 10) == 2 * 2 * 1 * 4 * 2 * 10
+
+
+def test_mixture_of_experts_reads_only_the_experts_it_routes_to():
+    arch = tiny(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    assert (arch.num_experts, arch.experts_per_token) == (4, 2)
+    one = by_name(decode(arch, FP16, 1, 5).layer)
+    assert one["gate_proj"].weight_bytes == 2 * 8 * 16 * 2       # k = 2 experts for one token
+    assert one["gate_proj"].ops == 2 * 2 * 8 * 16                # k x the dense MLP
+    assert one["router"].ops == 2 * 8 * 4
+    assert experts_touched(4, 2, 1) == 2
+    assert experts_touched(4, 2, 1000) == pytest.approx(4)
+    assert weight_bytes(arch, FP16) > weight_bytes(tiny(), FP16)
+    with pytest.raises(ModelError, match="num_experts_per_tok"):
+        tiny(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)
+
+
+def test_generation_sums_one_decode_step_per_generated_token_after_the_first():
+    hw = toy_hardware(fp16=100.0)
+    a = analyze(tiny(), hw, FP16, Workload(batch=1, prompt_len=3, gen_len=4))
+    steps = [evaluate(decode(tiny(), FP16, 1, c), hw).time for c in (4, 5, 6)]
+    assert a.decode_steps_time == pytest.approx(sum(steps))
+    assert a.generation_time == pytest.approx(a.prefill.time + sum(steps))
+    single = analyze(tiny(), hw, FP16, Workload(batch=1, prompt_len=3, gen_len=1))
+    assert single.generation_time == single.prefill.time
+
+
+# --- an independent count: LLM-Viewer's published formulas, re-derived ---------------
+
+
+def llm_viewer_layer(h, inter, heads, kv_heads, batch, seq, stage, w=2, a=2, kv=2):
+    """LLM-Viewer's model_analyzer.py per-layer counts for a Llama layer, written out again
+    in its own terms (ic/oc of each linear, OPs, load_weight, load_act, store_act, kv)."""
+    d = h // heads
+    rows = batch * seq if stage == "prefill" else batch
+    out = {}
+    for name, (ic, oc) in {"q_proj": (h, h), "k_proj": (h, h * kv_heads // heads),
+                           "v_proj": (h, h * kv_heads // heads), "o_proj": (h, h),
+                           "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}.items():
+        out[name] = dict(OPs=ic * oc * rows * 2, load_weight=ic * oc * w, load_act=ic * rows * a)
+        if name == "v_proj":
+            out[name]["store_kv_cache"] = oc * rows * kv
+        elif name != "k_proj":  # LLM-Viewer stores k to the cache; ember ropes it first
+            out[name]["store_act"] = oc * rows * a
+    if stage == "decode":
+        out["qk_matmul"] = dict(OPs=seq * d * heads * batch * 2, load_act=d * batch * heads * a,
+                                store_act=seq * batch * heads * a, load_kv_cache=seq * d * batch * kv_heads * kv)
+        out["sv_matmul"] = dict(OPs=d * seq * heads * batch * 2, load_act=seq * batch * heads * a,
+                                store_act=d * batch * heads * a, load_kv_cache=seq * d * batch * kv_heads * kv)
+        out["softmax"] = dict(OPs=batch * heads * seq * 5, load_act=batch * heads * seq * a,
+                              store_act=batch * heads * seq * a)
+    else:
+        out["qk_matmul"] = dict(OPs=seq * seq * d * heads * batch * 2, store_act=seq * seq * batch * heads * a,
+                                load_kv_cache=seq * d * batch * kv_heads * kv)
+        out["sv_matmul"] = dict(OPs=seq * d * seq * heads * batch * 2, load_act=seq * seq * batch * heads * a,
+                                store_act=seq * d * batch * heads * a,
+                                load_kv_cache=seq * d * batch * kv_heads * kv)
+        out["softmax"] = dict(OPs=batch * heads * seq * seq * 5, load_act=batch * heads * seq * seq * a,
+                              store_act=batch * heads * seq * seq * a)
+    return out
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+def test_counts_agree_with_llm_viewer_where_both_count_the_same_thing(stage):
+    config = {**TINY, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 8,
+              "num_key_value_heads": 2}
+    arch = tiny(**config)
+    batch, seq = 3, 12
+    step = prefill(arch, FP16, batch, seq) if stage == "prefill" else decode(arch, FP16, batch, seq)
+    ours = by_name(step.layer)
+    ours_fields = {"OPs": "ops", "load_weight": "weight_bytes", "load_act": "act_read",
+                   "store_act": "act_write", "load_kv_cache": "kv_read", "store_kv_cache": "kv_write"}
+    theirs = llm_viewer_layer(64, 160, 8, 2, batch, seq, stage)
+    for name, counts in theirs.items():
+        for field, value in counts.items():
+            assert getattr(ours[name], ours_fields[field]) == value, (name, field)
+    # Where ember deliberately differs from LLM-Viewer (see operators.py):
+    lm_head = by_name(step.once)["lm_head"]
+    assert lm_head.ops == 2 * batch * 64 * 10            # LLM-Viewer: 1 op per MAC
+    assert ours["mlp_act"].ops == 5 * step.batch * step.new_tokens * 160  # LLM-Viewer: hidden size
+    rows = batch * step.new_tokens
+    assert ours["attn_add"].act_read == 2 * rows * 64 * 2  # LLM-Viewer: reads one input
+    if stage == "prefill":                                # LLM-Viewer reads Q with the KV head count
+        assert ours["qk_matmul"].act_read == seq * 8 * 8 * batch * 2
+
+
+def test_decode_ops_are_two_per_parameter_and_bytes_are_the_weights():
+    """The textbook count: at batch 1 a token costs ~2 ops per weight and reads every weight once."""
+    arch = load_architecture("Llama-2-7b")
+    c = arch.config
+    step = decode(arch, FP16, 1, 1)
+    matmul_ops = sum(op.ops for op in step.layer if op.name.endswith("_proj")) * c.num_hidden_layers
+    matmul_ops += by_name(step.once)["lm_head"].ops
+    non_embedding = c.num_parameters - c.vocab_size * c.hidden_size
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    assert matmul_ops == 2 * (non_embedding - norms)
+    weights_read = sum(op.weight_bytes for op in step.layer) * c.num_hidden_layers
+    weights_read += sum(op.weight_bytes for op in step.once)
+    # Every weight once, except the embedding table, of which one row is gathered.
+    assert weights_read == weight_bytes(arch, FP16) - (c.vocab_size - 1) * c.hidden_size * 2
+
+
+# --- the reference case: Llama-2-7b, RTX A6000, seq 2048, batch 1, fp16 ---------------
+
+
+def test_llama2_7b_on_a6000_reference_table():
+    hw = load_hardware("nvidia-rtx-a6000")
+    assert (hw.peak("fp16"), hw.memory_bandwidth) == (154.8e12, 768e9)
+    a = analyze(load_architecture("Llama-2-7b"), hw, FP16, Workload(1, 2048, 256))
+    pre = {p.op.name: p for p in a.prefill.layer}
+    dec = {p.op.name: p for p in a.decode.layer}
+    assert pre["q_proj"].op.ops == 2 * 2048 * 4096 * 4096
+    assert pre["q_proj"].intensity == pytest.approx(1024)
+    assert pre["gate_proj"].op.ops == 2 * 2048 * 4096 * 11008
+    assert {n for n, p in pre.items() if p.bound == "compute"} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert pre["qk_matmul"].intensity == pytest.approx(113.78, abs=0.01)  # below the 201.6 ridge
+    assert all(p.bound == "memory" for p in dec.values())
+    assert dec["q_proj"].intensity == pytest.approx(1.0, abs=1e-3)
+    assert dec["qk_matmul"].op.kv_read == 2048 * 4096 * 2
+    # Decode reads all weights (13.5 GB) and the 1 GiB KV cache once: ~18.6 ms per token.
+    embedding_table, kv_cache = 32000 * 4096 * 2, 2 * 32 * 4096 * 2 * 2048
+    assert a.decode.time == pytest.approx((a.memory.weights - embedding_table + kv_cache) / 768e9, rel=0.01)
+    assert a.prefill.ops == pytest.approx(28.8e12, rel=0.01)
+    assert a.memory.weights == 6_738_415_616 * 2
+    assert a.memory.kv_cache == 2 * 32 * 4096 * 2 * (2048 + 256)
+
+
+def test_presets_have_the_published_parameter_counts():
+    published = {"Llama-2-7b": 6_738_415_616, "Llama-2-70b": 68_976_648_192, "Llama-3.1-8B": 8_030_261_248,
+                 "Llama-3.2-1B": 1_235_814_400, "Mistral-7B-v0.1": 7_241_732_096,
+                 "Mixtral-8x7B-v0.1": 46_702_792_704, "Qwen2.5-0.5B": 494_032_768, "Qwen2.5-7B": 7_615_616_512}
+    assert len(model_presets()) >= 12
+    for name in model_presets():
+        arch = load_architecture(name.upper())  # names are case-insensitive
+        if name in published:
+            assert weight_bytes(arch, FP16) == 2 * published[name], name
+
+
+# --- model and hardware loading ------------------------------------------------------
+
+
+def test_model_from_directory_and_config_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert load_architecture(str(tmp_path)).config.hidden_size == 8
+    assert load_architecture(str(tmp_path / "config.json")).name == tmp_path.name
+    with pytest.raises(ModelError, match="did you mean Llama-2-7b"):
+        load_architecture("llama-2-7")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ModelError, match="bad.json: malformed JSON"):
+        load_architecture(str(tmp_path / "bad.json"))
+
+
+def test_every_hardware_preset_is_valid_and_cited():
+    names = hardware_presets()
+    assert len(names) >= 20
+    for name in names:
+        hw = load_hardware(name)
+        assert hw.name == name and hw.kind in ("cpu", "gpu") and hw.source
+        assert min(hw.peak_flops["fp32"], hw.memory_bandwidth, hw.memory_capacity, hw.onchip_memory) > 0
+        assert all(hw.peak(d) > 0 for d in ("fp32", "fp16", "bf16", "int8", "int4"))
+    kinds = {load_hardware(n).kind for n in names}
+    assert kinds == {"cpu", "gpu"}
+
+
+def test_hardware_lookup_and_dtype_fallback():
+    assert load_hardware("A6000").name == "nvidia-rtx-a6000"       # unique part, any case
+    assert load_hardware("l4").name == "nvidia-l4"                 # name without vendor beats a part
+    with pytest.raises(TargetError, match="ambiguous.*apple-m2-max"):
+        load_hardware("m2-")
+    with pytest.raises(TargetError, match="presets: .*nvidia-h100-sxm"):
+        load_hardware("tpu-v9")
+    assert load_hardware("t4").compute_dtype("bf16") == "fp16"     # Turing has no bf16
+    assert load_hardware("h100").compute_dtype("int4") == "int8"   # Hopper has no int4
+    assert load_hardware("13900k").compute_dtype("fp16") == "fp32"
+
+
+def test_hardware_from_json_file(tmp_path):
+    data = load_hardware("a6000").to_json()
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**data, "name": "mine"}))
+    mine = load_hardware(str(path))
+    assert mine.name == "mine" and mine.peak("fp16") == pytest.approx(154.8e12)
+    assert mine.memory_capacity == 48 * 2**30
+    path.write_text(json.dumps({**data, "peak_tflops": {"fp32": 1, "fp12": 3}}))
+    with pytest.raises(TargetError, match="unknown data types fp12"):
+        load_hardware(str(path))
+
+
+def test_host_is_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = hw_module.measure_host(copy_bytes=4 * 2**20, matmul_size=64, repeats=1)
+    assert measured.kind == "cpu" and measured.peak_flops["fp32"] > 0 and measured.memory_bandwidth > 0
+    calls = []
+    monkeypatch.setattr(hw_module, "measure_host", lambda: calls.append(1) or measured)
+    first = load_hardware("host")
+    assert calls == [1] and hw_module.host_cache_path() == tmp_path / "ember" / "host-hardware.json"
+    second = load_hardware("host")
+    assert calls == [1] and second.memory_bandwidth == pytest.approx(first.memory_bandwidth)
+    monkeypatch.setattr(hw_module, "_host_fingerprint", lambda: {"cpu": "another machine"})
+    load_hardware("host")
+    assert calls == [1, 1]
+
+
+# --- the command line ----------------------------------------------------------------
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="ember analyze")
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(list(argv)))
+
+
+def test_cli_prints_tables_totals_and_memory(capsys):
+    assert run_cli("Llama-2-7b", "--hardware", "a6000", "--prompt-len", "2048", "--gen-len", "4") == 0
+    out = capsys.readouterr().out
+    assert "Prefill: batch 1 x 2048 tokens" in out and "Decode: one step" in out
+    q_proj = next(line for line in out.splitlines() if line.strip().startswith("q_proj"))
+    assert q_proj.split()[1:4] == ["fp16", "68.7G", "67.1M"] and "compute" in q_proj
+    assert "generation" in out and "KV cache" in out and "fits" in out
+
+
+def test_report_warns_past_the_context_window():
+    a = analyze(tiny(), load_hardware("a6000"), FP16, Workload(batch=1, prompt_len=64, gen_len=2))
+    assert "66 tokens exceed the model's context window (64)" in format_text(a)
+
+
+def test_cli_json_matches_the_analysis(capsys):
+    run_cli("Qwen2.5-0.5B", "--hardware", "l4", "--batch", "2",
+            "--prompt-len", "64", "--gen-len", "3", "--wbits", "4", "--flash-attention", "--json")
+    data = json.loads(capsys.readouterr().out)
+    assert data["precision"] == {"wbits": 4, "abits": 16, "kvbits": 16, "float16": "bf16"}
+    assert data["workload"]["context"] == 64
+    names = [op["name"] for op in data["decode"]["per_layer"]]
+    assert "flash_attention" in names and "qk_matmul" not in names
+    q = data["prefill"]["per_layer"][1]
+    assert q["name"] == "q_proj" and q["ops"] == 2 * 2 * 64 * 896 * 896 + 2 * 64 * 896  # + bias
+    assert q["bytes"] == q["weight_bytes"] + q["act_read"] + q["act_write"]
+    assert data["generation"]["decode_steps"] == 2
+    assert data["memory"]["fits"] is True
+
+
+def test_cli_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("Llama-2-7b", "--hardware", "a6000", "--batch", "0")
+    with pytest.raises(SystemExit):
+        run_cli("Llama-2-7b", "--hardware", "a6000", "--wbits", "5")
+    with pytest.raises(TargetError):
+        run_cli("Llama-2-7b", "--hardware", "nonexistent")
+
+
+def test_cli_writes_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    run_cli(str(config), "--hardware", "a6000", "--prompt-len", "16", "--gen-len", "2", "--plot",
+            str(tmp_path / "plots"))
+    for name in ("roofline.png", "batch_sweep.png", "seqlen_sweep.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(EmberError, match=r"pip install 'ember\[plot\]'"):
+        run_cli("Llama-2-7b", "--hardware", "a6000", "--gen-len", "2", "--plot", str(tmp_path))
