@@ -66,7 +66,8 @@ def _find_groups(func: relax.Function) -> list[tuple[str, ...]]:
             transposed[binding.var] = value.args[0]
         elif _is_op(value, "relax.matmul") and value.args[1] in transposed:
             weight = transposed[value.args[1]]
-            if value.attrs.out_dtype in ("", "void", weight.ty.dtype) or not value.attrs.out_dtype:
+            out_dtype = value.attrs.out_dtype
+            if out_dtype is None or str(out_dtype) == str(weight.ty.dtype):
                 by_input.setdefault(value.args[0], []).append(weight)
     groups = []
     for members in by_input.values():
