@@ -181,8 +181,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     print(args.prompt, end="", flush=True)
     for piece in generation:
         print(piece, end="", flush=True)
+    print()
     stats = generation.stats
-    print(f"\n\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
+    print(f"\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
           f"decode {stats.new_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
     return 0
 

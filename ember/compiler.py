@@ -24,7 +24,7 @@ from ember.frontend.hf import import_hf_model
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
-from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.registry import resolve_target
 
 log = logging.getLogger("ember")
@@ -65,6 +65,8 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         )
     if options.prefill_chunk < 1 or options.max_batch < 1:
         raise EmberError("--prefill-chunk and --max-batch must be positive")
+    if output_dir.exists() and not (output_dir / MANIFEST_NAME).exists() and any(output_dir.iterdir()):
+        raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
     target = resolve_target(options.target)
     model_dtype = QUANTIZATIONS[options.quantization]
 
@@ -146,8 +148,6 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
 def _replace_dir(staging: Path, output_dir: Path) -> None:
     """Move `staging` to `output_dir`, replacing an older artifact there."""
     if output_dir.exists():
-        if not (output_dir / "manifest.json").exists() and any(output_dir.iterdir()):
-            raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
         old = output_dir.with_name(f".{output_dir.name}.old-{time.time_ns()}")
         output_dir.rename(old)
         staging.rename(output_dir)

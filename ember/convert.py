@@ -7,6 +7,8 @@ One parameter is materialised at a time: peak memory is a few tensors, not the m
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,4 +43,5 @@ def write_params(
         for name, dtype in tqdm(params, desc="Converting weights", unit="tensor", disable=not show_progress):
             yield name, np.ascontiguousarray(evaluate_recipe(recipes[name], weights).astype(dtype))
 
-    tvmjs.dump_tensor_cache(tensors(), str(out_dir), encode_format="raw", show_progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # tvmjs prints its staging path
+        tvmjs.dump_tensor_cache(tensors(), str(out_dir), encode_format="raw", show_progress=False)

@@ -143,9 +143,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> PagedKVCache:
         """Allocate the paged KV cache; sizes are chosen by the runtime."""
         config = self.config
-        sliding = config.sliding_window is not None
         return TIRPagedKVCache(
-            attn_kind=["mha_sliding" if sliding else "mha"] * config.num_hidden_layers,
+            attn_kind="mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
@@ -168,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
             enable_disaggregation=False,
             dtype=self.dtype,
             target=self.target,
-            layer_sliding_window_size=config.sliding_window or config.context_window,
+            # Only read for per-layer sliding kinds (Gemma-style); Mistral's window is
+            # enabled per sequence by the runtime (`support_sliding_window`).
+            layer_sliding_window_size=config.context_window,
         )
 
     def export_spec(self) -> dict[str, Any]:

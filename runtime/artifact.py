@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 from tvm import runtime as tvm_runtime
+from tvm.runtime.vm import VirtualMachine
 
 from ember.errors import ArtifactError
 from ember.manifest import LIBRARY_NAME, PARAMS_DIR, Manifest, read_manifest, verify_files
@@ -21,7 +22,7 @@ class Artifact:
 
     path: Path
     manifest: Manifest
-    vm: tvm_runtime.vm.VirtualMachine
+    vm: VirtualMachine
     params: list[tvm_runtime.Tensor]
     tokenizer: Tokenizer | None
     device: tvm_runtime.Device
@@ -40,7 +41,7 @@ def load_artifact(path: Path, device: str = "cpu", verify: bool = True) -> Artif
         verify_files(path, manifest)
     dev = tvm_runtime.device(device, 0)
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
-    vm = tvm_runtime.vm.VirtualMachine(library, dev)
+    vm = VirtualMachine(library, dev)
     params = _load_params(path / PARAMS_DIR, manifest.params, dev)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)

@@ -4,6 +4,12 @@ Sequences are identified by integer ids. A prompt longer than the compiled prefi
 chunk is fed chunk by chunk; decode advances any set of sequences by one token in
 one call. Every length is checked against the artifact's bounds before TVM sees
 it, so an overflow is an error that says which limit was hit.
+
+Sliding-window models (Mistral) keep only the last `window - 1` tokens of each
+sequence in the cache, evicted by TVM after each forward. That is exact for decode
+but not inside a prefill chunk, whose tokens would see more than `window` keys, so
+prompt tokens at positions >= window are fed one at a time (a Mistral prompt must
+exceed its 4096-token window to take this slower path).
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ class Engine:
         self.max_batch = int(kv["max_batch"])
         self.context_window = int(max_context or kv["max_context"])
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
+        self.sliding_window = kv.get("sliding_window")
         self._vm = artifact.vm
         self._params = artifact.params
         # The cache holds max_batch full contexts; pages are only used as tokens arrive.
         total = self.context_window * self.max_batch
         self.kv_cache = self._vm["create_paged_kv_cache"](
             _ShapeTuple([self.max_batch]), _ShapeTuple([total]), _ShapeTuple([self.prefill_chunk]),
-            _ShapeTuple([int(kv["page_size"])]), _ShapeTuple([0]),
+            _ShapeTuple([int(kv["page_size"])]), _ShapeTuple([1 if self.sliding_window else 0]),
         )
         self._lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -51,6 +58,7 @@ class Engine:
         self._f_popn = _builtin("kv_state_popn")
         self._f_begin = _builtin("kv_state_begin_forward")
         self._f_end = _builtin("kv_state_end_forward")
+        self._f_enable_window = _builtin("attention_kv_cache_enable_sliding_window_for_seq")
 
     def add_sequence(self) -> int:
         """Start an empty sequence; returns its id."""
@@ -58,12 +66,16 @@ class Engine:
             raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
         seq_id = next(self._ids)
         self._f_add(self.kv_cache, seq_id)
+        if self.sliding_window:
+            self._f_enable_window(self.kv_cache, seq_id, self.sliding_window - 1, 0)
         self._lengths[seq_id] = 0
         return seq_id
 
     def fork_sequence(self, parent: int, length: int | None = None) -> int:
         """A new sequence sharing `parent`'s first `length` tokens (all by default)."""
         self._check_known(parent)
+        if self.sliding_window:
+            raise GenerationError("forking a sequence is not supported for sliding-window attention")
         if len(self._lengths) >= self.max_batch:
             raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
         length = self._lengths[parent] if length is None else length
@@ -102,9 +114,12 @@ class Engine:
             raise GenerationError("prefill needs at least one token")
         self._check_room(seq_id, len(token_ids))
         tokens = self._check_tokens(token_ids)
+        windowed = len(tokens)
+        if self.sliding_window:
+            windowed = max(0, min(len(tokens), self.sliding_window - self._lengths[seq_id]))
         outputs = []
-        for begin in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[begin: begin + self.prefill_chunk]
+        for begin in range(0, windowed, self.prefill_chunk):
+            chunk = tokens[begin: min(begin + self.prefill_chunk, windowed)]
             last = begin + len(chunk) >= len(tokens)
             # Without all_logits only the last row of the last chunk is used.
             positions = np.arange(len(chunk), dtype=np.int32) if all_logits else np.array([len(chunk) - 1], np.int32)
@@ -118,6 +133,10 @@ class Engine:
             self._lengths[seq_id] += len(chunk)
             if all_logits or last:
                 outputs.append(out[0].numpy()[0])
+        for position in range(windowed, len(tokens)):
+            row = self.decode([seq_id], [int(tokens[position])])
+            if all_logits or position == len(tokens) - 1:
+                outputs.append(row)
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
 

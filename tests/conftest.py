@@ -1,0 +1,140 @@
+"""Shared fixtures: each tiny model is built and compiled once per session.
+
+Compiling is the slow part of the suite, so `tiny_models[name]` compiles the
+checkpoint `name` of `models.TINY_MODELS` on first use and every later test
+shares the artifact (and its loaded VM, and the transformers reference model).
+Tests that modify an artifact or checkpoint copy it first.
+
+The plain llama is compiled through the CLI in a subprocess (`ember compile`),
+the others with `compile_model` in this process: both paths are covered without
+an extra compile, and every llama test runs an artifact built by another process.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports transformers or huggingface_hub: the tests never touch a hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import models
+from helpers import run_ember
+
+PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
+MAX_BATCH = 4
+CLI_COMPILED = ("llama",)
+
+
+@dataclass
+class TinyModel:
+    """One tiny checkpoint, its compiled artifact, and lazily its runtime and reference."""
+
+    name: str
+    model_dir: Path
+    artifact_dir: Path
+    compile_output: subprocess.CompletedProcess | None = None  # set when compiled by the CLI
+
+    @cached_property
+    def artifact(self):
+        """The artifact loaded with `ember.runtime.load_artifact` (shared: make Engines, do not mutate)."""
+        from ember.runtime import load_artifact
+
+        return load_artifact(self.artifact_dir)
+
+    def engine(self):
+        """A fresh engine (own KV cache) over the shared loaded artifact."""
+        from ember.runtime import Engine
+
+        return Engine(self.artifact)
+
+    @cached_property
+    def reference(self):
+        """The same checkpoint in transformers, float32, eager attention."""
+        return models.load_reference(self.model_dir)
+
+    def reference_logits(self, ids: list[int]) -> np.ndarray:
+        """transformers' logits [len(ids), vocab] for one sequence."""
+        import torch
+
+        with torch.no_grad():
+            out = self.reference(torch.tensor([ids], dtype=torch.long))
+        return out.logits[0].float().numpy()
+
+    def reference_greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' `generate` with greedy search and end-of-sequence stopping disabled."""
+        import torch
+
+        with torch.no_grad():
+            out = self.reference.generate(
+                torch.tensor([ids], dtype=torch.long),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[0, len(ids):].tolist()
+
+
+class TinyModels:
+    """Builds and compiles tiny models on demand, once each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._models: dict[str, TinyModel] = {}
+
+    def checkpoint(self, name: str) -> Path:
+        """The checkpoint directory of `name` (written once; copy it before modifying)."""
+        model_dir = self.root / "checkpoints" / name
+        if not model_dir.exists():
+            models.write_checkpoint(name, model_dir)
+        return model_dir
+
+    def __getitem__(self, name: str) -> TinyModel:
+        if name not in self._models:
+            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / name
+            output = None
+            if name in CLI_COMPILED:
+                output = run_ember("compile", str(model_dir), "-o", str(artifact_dir), "--no-progress",
+                                   "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
+                assert output.returncode == 0, output.stderr
+            else:
+                from ember.compiler import CompileOptions, compile_model
+
+                options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
+                compile_model(model_dir, artifact_dir, options)
+            self._models[name] = TinyModel(name, model_dir, artifact_dir, output)
+        return self._models[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    """`tiny_models[name]`: the compiled tiny model `name` of `models.TINY_MODELS`."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> TinyModel:
+    """The plain tiny llama (GQA, untied embeddings), for tests that need any model."""
+    return tiny_models["llama"]
+
+
+@pytest.fixture
+def copy_artifact(tmp_path):
+    """Copy an artifact directory into this test's tmp dir, to tamper with."""
+
+    def copy(model: TinyModel) -> Path:
+        return Path(shutil.copytree(model.artifact_dir, tmp_path / "artifact"))
+
+    return copy

@@ -1,0 +1,158 @@
+"""Random-weight tiny checkpoints of every model family ember compiles.
+
+`write_checkpoint(name, out_dir)` writes a complete Hugging Face checkpoint
+directory (config.json, model.safetensors, generation_config.json, tokenizer.json,
+tokenizer_config.json with a chat template) built from transformers' own config
+classes, never the hub. The tests compile each of `TINY_MODELS` once; benchmark
+scripts can reuse the same builders with larger shapes via `make_config(...,
+**overrides)`.
+
+Weights are drawn wider than transformers' default init (std 0.02) so that
+logits spread over several units: greedy argmax then has clear winners, and a
+kernel bug shows up as a wrong token rather than as noise below the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+SEED = 0
+VOCAB_SIZE = 256
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2, as in Llama's tokenizer
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+TINY_SHAPES: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+# name -> (model_type, config overrides). Between them: GQA everywhere, tied and
+# untied embeddings, default and llama3 RoPE, a sliding window, q/k/v biases.
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", dict(tie_word_embeddings=False)),
+    # original_max_position_embeddings=64 with low/high freq factors 1/4 puts the
+    # 8 RoPE frequencies of head_dim 16 in all three llama3 regions (kept,
+    # interpolated, divided by `factor`).
+    "llama3_rope": ("llama", dict(
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )),
+    "mistral": ("mistral", dict(tie_word_embeddings=False, sliding_window=16)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+def make_config(model_type: str, **overrides: Any):
+    """A transformers config of `model_type` with the tiny shapes (or `overrides`)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    config = classes[model_type](**{**TINY_SHAPES, **overrides})
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
+
+
+def random_model(config, seed: int = SEED):
+    """A float32 causal LM for `config` with random weights, nonzero biases and norm scales."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)  # Qwen2's q/k/v biases: zero-init would hide a dropped bias
+            elif "norm" in name:
+                param.normal_(1.0, 0.2)
+    return model.eval()
+
+
+def write_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Path:
+    """Write the tiny checkpoint `name` of `TINY_MODELS` to `out_dir`; returns `out_dir`."""
+    model_type, overrides = TINY_MODELS[name]
+    return write_model(random_model(make_config(model_type, **overrides), seed), out_dir)
+
+
+def write_model(model, out_dir: Path) -> Path:
+    """Save `model` as safetensors plus the tiny tokenizer files."""
+    out_dir = Path(out_dir)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.bos_token_id = BOS_ID
+    model.save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir, model.config.vocab_size)
+    return out_dir
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A character-level BPE tokenizer of exactly `vocab_size` tokens that prepends <s>.
+
+    The alphabet is printable ASCII plus newline; merges of lowercase letter pairs
+    fill the rest of the vocabulary, so every id the model can emit decodes to text.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    alphabet = ["\n"] + [c for c in string.printable if c.isprintable()]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + alphabet)}
+    merges = []
+    letters = string.ascii_lowercase
+    for pair in ((a, b) for a in "etaoinshrdlu" for b in letters):
+        if len(vocab) >= vocab_size:
+            break
+        merges.append(pair)
+        vocab["".join(pair)] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(f"cannot build a tokenizer of {vocab_size} tokens (got {len(vocab)})")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    return tokenizer
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with `CHAT_TEMPLATE`) to `out_dir`."""
+    out_dir = Path(out_dir)
+    build_tokenizer(vocab_size).save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 256,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def load_reference(model_dir: Path):
+    """The checkpoint at `model_dir` in transformers, float32, eager attention, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()

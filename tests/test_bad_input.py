@@ -1,0 +1,152 @@
+"""`ember compile` on broken checkpoints: one precise line on stderr, exit code 1, no artifact.
+
+Each case copies the tiny llama checkpoint, breaks one thing, and runs the CLI in a
+subprocess. The message must name the file (and tensor) at fault, without a
+traceback, and neither OUT nor a `.OUT.partial-*` staging directory may remain.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from helpers import run_ember
+
+TENSOR = "model.layers.1.mlp.down_proj.weight"
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # [2 kv heads x 16, 64]
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as f:
+        f.truncate(size if size >= 0 else path.stat().st_size + size)
+
+
+def unknown_model_type(model: Path) -> None:
+    edit_json(model / "config.json", lambda c: c.update(model_type="gpt_neox"))
+
+
+def missing_tensor(model: Path) -> None:
+    edit_tensors(model / "model.safetensors", lambda t: t.pop(TENSOR))
+
+
+def wrong_shape(model: Path) -> None:
+    edit_tensors(model / "model.safetensors", lambda t: t.update({K_PROJ: np.zeros((48, 64), np.float32)}))
+
+
+def truncated_data(model: Path) -> None:
+    truncate(model / "model.safetensors", -100)
+
+
+def truncated_header(model: Path) -> None:
+    truncate(model / "model.safetensors", 5)
+
+
+def malformed_config(model: Path) -> None:
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+
+
+def config_not_an_object(model: Path) -> None:
+    (model / "config.json").write_text("[1, 2, 3]")
+
+
+def missing_config(model: Path) -> None:
+    (model / "config.json").unlink()
+
+
+def missing_config_key(model: Path) -> None:
+    edit_json(model / "config.json", lambda c: c.pop("intermediate_size"))
+
+
+def pickle_weights_only(model: Path) -> None:
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+
+
+def malformed_tokenizer_config(model: Path) -> None:
+    (model / "tokenizer_config.json").write_text("{")
+
+
+# (how to break the checkpoint, what stderr must contain)
+CASES = {
+    "unknown_model_type": (unknown_model_type, [
+        "config.json: model_type 'gpt_neox' is not supported; supported model types: llama, mistral, qwen2"]),
+    "missing_tensor": (missing_tensor, [f"tensor '{TENSOR}' is missing from the checkpoint"]),
+    "wrong_shape": (wrong_shape, [
+        "model.safetensors: tensor", f"'{K_PROJ}' has shape [48, 64], but config.json implies [32, 64]"]),
+    "truncated_data": (truncated_data, ["model.safetensors: truncated file: tensor"]),
+    "truncated_header": (truncated_header, ["model.safetensors: truncated safetensors file (5 bytes, no header)"]),
+    "malformed_config": (malformed_config, ["config.json: malformed JSON"]),
+    "config_not_an_object": (config_not_an_object, ["config.json: expected a JSON object, got list"]),
+    "missing_config": (missing_config, ["config.json: file not found"]),
+    "missing_config_key": (missing_config_key, ["config.json: missing required key 'intermediate_size'"]),
+    "pickle_weights_only": (pickle_weights_only, [
+        "no model.safetensors", "found pytorch_model.bin; ember reads safetensors only"]),
+    "malformed_tokenizer_config": (malformed_tokenizer_config, ["tokenizer_config.json: malformed JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compile_refuses_broken_checkpoint(tiny_models, tmp_path, case):
+    """Exit 1, a one-line message naming the file/tensor, no traceback, nothing written."""
+    break_checkpoint, expected = CASES[case]
+    model = Path(shutil.copytree(tiny_models.checkpoint("llama"), tmp_path / "model"))
+    break_checkpoint(model)
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    out = out_parent / "artifact"
+
+    result = run_ember("compile", str(model), "-o", str(out), "--no-progress")
+
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("ember: error: "), result.stderr
+    assert result.stderr.count("\n") == 1, f"expected one line:\n{result.stderr}"
+    assert str(model) in result.stderr
+    for text in expected:
+        assert text in result.stderr
+    assert not out.exists()
+    assert list(out_parent.iterdir()) == [], "a staging directory was left behind"
+
+
+def test_compile_refuses_bad_options(tiny_models, tmp_path):
+    """An unsupported --quant is refused before any work, naming the accepted values."""
+    out = tmp_path / "artifact"
+    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(out), "--quant", "q4f16")
+    assert result.returncode == 1
+    assert "--quant 'q4f16' is not supported; choose one of q0f32, q0f16" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_failed_compile_leaves_no_staging_and_keeps_existing_dir(tiny_models, tmp_path):
+    """A failure after staging began (OUT is a non-artifact directory) removes the staging
+    directory and leaves OUT's contents untouched."""
+    from ember.compiler import CompileOptions, compile_model
+    from ember.errors import EmberError
+
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    options = CompileOptions(prefill_chunk=64, max_batch=4, show_progress=False)
+    with pytest.raises(EmberError, match="exists and is not an ember artifact; refusing to overwrite it"):
+        compile_model(tiny_models.checkpoint("llama"), out, options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
