@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    interrupted = []
+
+    def on_sigint(_signum, _frame):
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         return args.run(args)
     except EmberError as err:
@@ -43,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             raise
         return 1
-    except KeyboardInterrupt:
+    except BaseException:
+        # Ctrl-C inside a TVM call reaches Python as a RuntimeError, not KeyboardInterrupt.
+        if not interrupted:
+            raise
         print("ember: interrupted", file=sys.stderr)
         return 130
 

@@ -8,6 +8,10 @@ traceback, and neither OUT nor a `.OUT.partial-*` staging directory may remain.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -150,3 +154,26 @@ def test_failed_compile_leaves_no_staging_and_keeps_existing_dir(tiny_models, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_interrupted_compile_leaves_nothing(tiny_models, tmp_path):
+    """Ctrl-C (SIGINT) during code generation: exit 130, no OUT, no staging directory."""
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    out = out_parent / "artifact"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ember", "compile", str(tiny_models.checkpoint("llama")), "-o", str(out),
+         "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(out_parent.glob(".artifact.partial-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "compile never reached the staging step"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert not out.exists()
+    assert list(out_parent.iterdir()) == [], "a staging directory was left behind"
