@@ -56,13 +56,17 @@ def _load_params(params_dir: Path, names: list[str], dev: tvm_runtime.Device) ->
         raise ArtifactError(f"{index_path}: unreadable weight index: {err}") from None
     loaded: dict[str, tvm_runtime.Tensor] = {}
     for shard in index["records"]:
-        data = np.memmap(params_dir / shard["dataPath"], dtype=np.uint8, mode="r")
-        for record in shard["records"]:
-            begin, nbytes = record["byteOffset"], record["nbytes"]
-            array = data[begin: begin + nbytes].view(record["dtype"]).reshape(record["shape"])
-            tensor = tvm_runtime.empty(record["shape"], record["dtype"], device=dev)
-            tensor.copyfrom(np.ascontiguousarray(array))
-            loaded[record["name"]] = tensor
+        with open(params_dir / shard["dataPath"], "rb") as f:
+            for record in shard["records"]:
+                # Read into a private buffer (not a memory map), so peak RSS is the
+                # weights plus one tensor, not the weights twice.
+                buffer = np.empty(record["nbytes"], dtype=np.uint8)
+                f.seek(record["byteOffset"])
+                if f.readinto(buffer) != record["nbytes"]:
+                    raise ArtifactError(f"{params_dir / shard['dataPath']}: truncated weight shard")
+                tensor = tvm_runtime.empty(record["shape"], record["dtype"], device=dev)
+                tensor.copyfrom(buffer.view(record["dtype"]).reshape(record["shape"]))
+                loaded[record["name"]] = tensor
     missing = [name for name in names if name not in loaded]
     if missing:
         raise ArtifactError(f"{index_path}: weights {missing[:3]} are missing; recompile the artifact")
