@@ -1,9 +1,35 @@
-"""Helpers shared by ember's schedule rules."""
+"""The base of ember's CPU schedule rules and the helpers they share."""
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.runtime import DataType
+from tvm.s_tir.dlight import ScheduleRule
+from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.target import Target
+
+
+class CPURule(ScheduleRule):
+    """A rule for llvm targets; `schedule` sees a normalized PrimFunc's blocks."""
+
+    def __init__(self, vector_bits: int) -> None:
+        self.vector_bits = vector_bits
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        try:
+            return self.schedule(sch, infos)
+        except s_tir.ScheduleError:
+            return None
+
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
+        """Schedule the function's blocks, or return None if the rule does not match."""
+        raise NotImplementedError
 
 
 def const_extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:

@@ -11,34 +11,22 @@ busy 2-core machine vs microseconds serial).
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight import ScheduleRule
-from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm import s_tir
 from tvm.runtime import DataType
-from tvm.target import Target
+from tvm.s_tir.dlight.analysis import SBlockInfo
 
-from ember.schedules.common import const_extent, inline_all_but
+from ember.schedules.common import CPURule, const_extent, inline_all_but
 
 
-class Elementwise(ScheduleRule):
+class Elementwise(CPURule):
     """Inline producers, vectorize the inner axis."""
 
-    def __init__(self, vector_bits: int) -> None:
-        self.vector_bits = vector_bits
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
+        if not all(info.is_injective() for info in infos):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos or not all(info.is_injective() for info in infos):
-            return None
-        try:
-            inline_all_but(sch, [infos[-1].block_rv])
-            for block in sch.get_child_blocks(sch.get_sblock("root")):
-                self._schedule_block(sch, block)
-        except s_tir.ScheduleError:
-            return None
+        inline_all_but(sch, [infos[-1].block_rv])
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            self._schedule_block(sch, block)
         return sch
 
     def _schedule_block(self, sch: s_tir.Schedule, block: s_tir.SBlockRV) -> None:

@@ -24,27 +24,19 @@ loads and FMAs on `rows` independent accumulators, which hides FMA latency.
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight import ScheduleRule
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.target import Target
+from tvm.s_tir.dlight.analysis import SBlockInfo
 
-from ember.schedules.common import const_extent, reduction_lanes
+from ember.schedules.common import CPURule, const_extent, reduction_lanes
 
 
-class NTMatmul(ScheduleRule):
+class NTMatmul(CPURule):
     """GEMV/GEMM with a row-major [N, K] weight, vectorized along K."""
 
     def __init__(self, vector_bits: int, rows: int = 4) -> None:
-        self.vector_bits = vector_bits
+        super().__init__(vector_bits)
         self.rows = rows
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
         reductions = [info for info in infos if not info.is_injective()]
         if len(reductions) != 1 or reductions[0] is not infos[0]:
             return None

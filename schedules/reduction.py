@@ -16,42 +16,28 @@ once per row with vector accumulators and the output pass is one vector sweep.
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight import ScheduleRule
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.target import Target
+from tvm import s_tir
+from tvm.s_tir.dlight.analysis import SBlockInfo
 
-from ember.schedules.common import const_extent, inline_all_but, reduction_lanes
+from ember.schedules.common import CPURule, const_extent, inline_all_but, reduction_lanes
 
 
-class RowReduction(ScheduleRule):
+class RowReduction(CPURule):
     """Vectorized per-row reduction + elementwise epilogue."""
 
-    def __init__(self, vector_bits: int) -> None:
-        self.vector_bits = vector_bits
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
         reductions = [info for info in infos if not info.is_injective()]
         if len(reductions) != 1 or not infos[-1].is_injective():
             return None
         reduce_block, output = reductions[0].block_rv, infos[-1].block_rv
         if not reductions[0].dom_kind().endswith("SR"):
             return None
-        try:
-            inline_all_but(sch, [reduce_block, output])
-            if len(sch.get_child_blocks(sch.get_sblock("root"))) != 2:
-                return None
-            return self._schedule(sch, reduce_block, output)
-        except s_tir.ScheduleError:
+        inline_all_but(sch, [reduce_block, output])
+        if len(sch.get_child_blocks(sch.get_sblock("root"))) != 2:
             return None
+        return self._schedule_row(sch, reduce_block, output)
 
-    def _schedule(self, sch: s_tir.Schedule, reduce_block, output) -> s_tir.Schedule | None:
+    def _schedule_row(self, sch: s_tir.Schedule, reduce_block, output) -> s_tir.Schedule | None:
         *row_loops, k = sch.get_loops(reduce_block)
         *out_rows, h = sch.get_loops(output)
         dtype = str(sch.get(reduce_block).writes[0].source.dtype)
