@@ -82,7 +82,8 @@ def _from_dict(data: Any, origin: str) -> TargetSpec:
         raise TargetError(f"{origin}: {_NOT_YET_BUILT[kind]}")
     if kind != "llvm":
         raise TargetError(f"{origin}: target kind {kind!r} is not supported (use 'llvm' for CPUs)")
-    if "mcpu" in data and not codegen.llvm_is_valid_cpu(data["mcpu"], data.get("mtriple")):
+    triple = data.get("mtriple") or codegen.llvm_get_system_triple()
+    if "mcpu" in data and not codegen.llvm_is_valid_cpu(data["mcpu"], triple):
         raise TargetError(f"{origin}: LLVM does not know the CPU {data['mcpu']!r}")
     return _cpu_target(data)
 
