@@ -48,11 +48,6 @@ class ModelConfig:
         data["eos_token_ids"] = list(self.eos_token_ids)
         return data
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
-        """Inverse of `to_json`."""
-        return cls(**{**data, "eos_token_ids": tuple(data.get("eos_token_ids", ()))})
-
     @property
     def num_parameters(self) -> int:
         """Number of weights, counting a tied embedding once."""
@@ -68,12 +63,9 @@ class ModelConfig:
 def load_model_config(model_dir: Path) -> ModelConfig:
     """Read `model_dir/config.json` (and `generation_config.json` if present)."""
     path = Path(model_dir) / "config.json"
-    raw = _read_json(path)
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     generation_path = Path(model_dir) / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.exists() else {}
-    return parse_model_config(raw, path, generation)
+    generation = read_json_object(generation_path) if generation_path.exists() else {}
+    return parse_model_config(read_json_object(path), path, generation)
 
 
 def parse_model_config(
@@ -170,10 +162,14 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _read_json(path: Path) -> Any:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Parse a checkpoint's JSON file, raising `ModelError` naming it if absent, malformed or not an object."""
     if not path.exists():
         raise ModelError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelError(f"{path}: malformed JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

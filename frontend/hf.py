@@ -11,14 +11,13 @@ returns token ids only.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, load_model_config
+from ember.frontend.config import ModelConfig, load_model_config, read_json_object
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
@@ -51,7 +50,8 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
         _check_tensor(weights, name, tuple(int(d) for d in param.shape))
     relax_names = [p.name for p in weight_params(mod["decode"])]
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
-    _check_json(model_dir / "tokenizer_config.json")
+    if (model_dir / "tokenizer_config.json").exists():
+        read_json_object(model_dir / "tokenizer_config.json")
     tokenizer_files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
     return ImportedModel(set_recipes(_tag_library_kernels(mod), recipes), config, weights, tokenizer_files, model_dtype)
 
@@ -80,10 +80,3 @@ def _check_tensor(weights: CheckpointWeights, name: str, shape: tuple[int, ...])
     if record.dtype.kind not in "f" and record.dtype.name != "bfloat16":
         raise ModelError(f"{record.path}: tensor {name!r} has non-float dtype {record.dtype}")
 
-
-def _check_json(path: Path) -> None:
-    if path.exists():
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ModelError(f"{path}: malformed JSON: {err}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +54,6 @@ class CheckpointWeights:
             for record in _read_header(path):
                 self.records[record.name] = record
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.records
-
-    def names(self) -> list[str]:
-        """All tensor names in the checkpoint."""
-        return list(self.records)
-
     def record(self, name: str) -> TensorRecord:
         """The location of `name`, or a `ModelError` that names the missing tensor."""
         if name not in self.records:
@@ -76,10 +68,6 @@ class CheckpointWeights:
         record = self.record(name)
         data = np.memmap(record.path, dtype=np.uint8, mode="r", offset=record.offset, shape=(record.nbytes,))
         return np.array(data.view(record.dtype).reshape(record.shape))
-
-    def iter_records(self) -> Iterator[TensorRecord]:
-        """Every tensor's record, in checkpoint order."""
-        return iter(self.records.values())
 
 
 def _shard_paths(model_dir: Path) -> list[Path]:

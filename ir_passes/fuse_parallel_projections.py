@@ -38,8 +38,8 @@ def fuse_parallel_projections(mod: tvm.IRModule, _ctx: tvm.transform.PassContext
     names = entry_functions_with_weights(mod)
     if not names:
         return mod
-    groups_per_function = [set(_find_groups(mod[name])) for name in names]
-    groups = [g for g in _find_groups(mod[names[0]]) if all(g in found for found in groups_per_function)]
+    first, *others = [_find_groups(mod[name]) for name in names]
+    groups = [g for g in first if all(g in found for found in others)]
     if not groups:
         return mod
     recipes = get_recipes(mod)

@@ -37,16 +37,6 @@ class TargetSpec:
         """The TVM `Target` object."""
         return Target(self.tvm_target)
 
-    @property
-    def device_kind(self) -> str:
-        """The TVM runtime device kind ("cpu" for llvm targets)."""
-        return "cpu" if self.tvm_target["kind"] == "llvm" else self.tvm_target["kind"]
-
-    @property
-    def vector_lanes_f32(self) -> int:
-        """float32 lanes of one SIMD register (16 on AVX-512, 8 on AVX2, 4 on NEON/SSE)."""
-        return max(self.vector_bits // 32, 4)
-
     def to_json(self) -> dict[str, Any]:
         """Plain data for the artifact manifest."""
         return {"name": self.name, "tvm_target": self.tvm_target, "num_cores": self.num_cores,

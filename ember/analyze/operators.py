@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 from pathlib import Path
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, parse_model_config
+from ember.frontend.config import ModelConfig, parse_model_config, read_json_object
 
 PRESET_DIR = Path(__file__).with_name("presets")
 VECTOR_DTYPE = "fp32"  # elementwise work runs on vector units, accumulating in fp32
@@ -417,7 +416,7 @@ def load_architecture(spec: str) -> Architecture:
                              f"{hint}presets: {', '.join(presets.values())}")
         name = presets[spec.lower()]
         path = PRESET_DIR / f"{name}.json"
-    return architecture_from_config(_read_config(path), path, name)
+    return architecture_from_config(read_json_object(path), path, name)
 
 
 def architecture_from_config(raw: dict, path: Path | str, name: str) -> Architecture:
@@ -435,14 +434,3 @@ def architecture_from_config(raw: dict, path: Path | str, name: str) -> Architec
         raise ModelError(f"{path}: num_experts_per_tok ({k}) exceeds num_local_experts ({experts})")
     return Architecture(name, config, experts, k)
 
-
-def _read_config(path: Path) -> dict:
-    if not path.exists():
-        raise ModelError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelError(f"{path}: malformed JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
