@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ember.errors import EmberError
+from ember.ir_passes.quant_formats import FORMATS
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
@@ -77,8 +78,14 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--target", default="cpu",
                           help="`cpu` (this machine, default) or a TVM target JSON object or file, "
                                'e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\'')
-    compile_.add_argument("--quant", default="q0f32",
-                          help="weight format: q0f32 (float32, default) or q0f16 (float16 weights)")
+    compile_.add_argument("--quant", default="q0f32", metavar="FORMAT",
+                          help="weight format (default q0f32): " + ", ".join(
+                              f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
+    compile_.add_argument("--keep-embedding", action="store_true",
+                          help="leave the token embedding in the compute dtype (quantized formats only)")
+    compile_.add_argument("--keep-lm-head", action="store_true",
+                          help="leave the output projection in the compute dtype (quantized formats only); "
+                               "a tied embedding is kept if either flag is given")
     compile_.add_argument("--prefill-chunk", type=int, default=256,
                           help="largest number of prompt tokens per prefill call (default 256)")
     compile_.add_argument("--max-batch", type=int, default=8,
@@ -125,6 +132,8 @@ def _run_compile(args: argparse.Namespace) -> int:
     options = CompileOptions(
         target=args.target,
         quantization=args.quant,
+        keep_embedding=args.keep_embedding,
+        keep_lm_head=args.keep_lm_head,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
         memory_budget=args.memory_budget,

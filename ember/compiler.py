@@ -23,13 +23,13 @@ from ember.errors import EmberError
 from ember.frontend.hf import import_hf_model
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
+from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.registry import resolve_target
 
 log = logging.getLogger("ember")
 
-QUANTIZATIONS = {"q0f32": "float32", "q0f16": "float16"}
 PAGE_SIZE = 16
 
 
@@ -39,6 +39,8 @@ class CompileOptions:
 
     target: str = "cpu"
     quantization: str = "q0f32"
+    keep_embedding: bool = False
+    keep_lm_head: bool = False
     prefill_chunk: int = 256
     max_batch: int = 8
     memory_budget: int | None = None
@@ -59,16 +61,15 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     """Compile the Hugging Face checkpoint in `model_dir` into an artifact at `output_dir`."""
     start = time.perf_counter()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if options.quantization not in QUANTIZATIONS:
-        raise EmberError(
-            f"--quant {options.quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
-        )
+    if options.quantization not in FORMATS:
+        raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.prefill_chunk < 1 or options.max_batch < 1:
         raise EmberError("--prefill-chunk and --max-batch must be positive")
     if output_dir.exists() and not (output_dir / MANIFEST_NAME).exists() and any(output_dir.iterdir()):
         raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
     target = resolve_target(options.target)
-    model_dtype = QUANTIZATIONS[options.quantization]
+    quantization = FORMATS[options.quantization]
+    model_dtype = quantization.dtype
 
     log.info("importing %s", model_dir)
     imported = import_hf_model(model_dir, target.target, model_dtype)
@@ -76,7 +77,9 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     prefill_chunk = min(options.prefill_chunk, config.context_window)
 
     log.info("lowering and scheduling for %s", target.tvm_target)
-    lowered = pipeline.lower(imported.mod, target, prefill_chunk, options.max_batch)
+    lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
+                                          options.keep_embedding, options.keep_lm_head)
+    lowered = pipeline.lower(imported.mod, target, lower_options)
     kv_bytes_per_token = (
         2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
         * tvm.runtime.DataType(model_dtype).bits // 8

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,35 @@ import numpy as np
 from tqdm import tqdm
 
 from ember.frontend.weights import CheckpointWeights
+from ember.ir_passes.quant_formats import FORMATS
 
 
-def evaluate_recipe(recipe: dict[str, Any], weights: CheckpointWeights) -> np.ndarray:
-    """Compute one parameter from checkpoint tensors."""
-    op = recipe["op"]
-    if op == "load":
-        return weights.load(recipe["name"])
-    if op == "concat":
-        return np.concatenate([evaluate_recipe(r, weights) for r in recipe["inputs"]], axis=recipe["axis"])
-    raise ValueError(f"unknown weight recipe op {op!r}")
+class RecipeEvaluator:
+    """Computes parameters from checkpoint tensors, one recipe at a time.
+
+    A quantized weight is stored as several parameters (its parts) with the same
+    input; they are adjacent in parameter order, so the last packing is kept and
+    each weight is read and packed once.
+    """
+
+    def __init__(self, weights: CheckpointWeights) -> None:
+        self.weights = weights
+        self._last_packed: tuple[str, dict[str, np.ndarray]] | None = None
+
+    def __call__(self, recipe: dict[str, Any]) -> np.ndarray:
+        """The parameter `recipe` describes."""
+        op = recipe["op"]
+        if op == "load":
+            return self.weights.load(recipe["name"])
+        if op == "concat":
+            return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
+        if op == "quantize":
+            key = json.dumps([recipe["format"], recipe["input"]], sort_keys=True)
+            if self._last_packed is None or self._last_packed[0] != key:
+                self._last_packed = None  # free the previous weight's parts first
+                self._last_packed = (key, FORMATS[recipe["format"]].quantize(self(recipe["input"])))
+            return self._last_packed[1][recipe["part"]]
+        raise ValueError(f"unknown weight recipe op {op!r}")
 
 
 def write_params(
@@ -39,9 +59,11 @@ def write_params(
     """Write `params` ([(name, dtype)], graph order) as TVM tensor-cache shards in `out_dir`."""
     from tvm.contrib import tvmjs  # the compiler side only; the runtime reads shards natively
 
+    evaluate = RecipeEvaluator(weights)
+
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for name, dtype in tqdm(params, desc="Converting weights", unit="tensor", disable=not show_progress):
-            yield name, np.ascontiguousarray(evaluate_recipe(recipes[name], weights).astype(dtype))
+            yield name, np.ascontiguousarray(evaluate(recipes[name]).astype(dtype))
 
     with contextlib.redirect_stdout(io.StringIO()):  # tvmjs prints its staging path
         tvmjs.dump_tensor_cache(tensors(), str(out_dir), encode_format="raw", show_progress=False)

@@ -13,21 +13,38 @@ frontend and `tvm.compile`'s code generation:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import tvm
 from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.quant_formats import QuantFormat
+from ember.ir_passes.quantize_weights import quantize_weights
 from ember.schedules import schedule_passes
 from ember.targets.registry import TargetSpec
 
 
-def graph_passes(target: TargetSpec, prefill_chunk: int, max_batch: int) -> list[tvm.transform.Pass]:
+@dataclass(frozen=True)
+class LowerOptions:
+    """What the graph passes need to know beyond the target."""
+
+    quantization: QuantFormat
+    prefill_chunk: int
+    max_batch: int
+    keep_embedding: bool = False  # leave the embedding table in the compute dtype
+    keep_lm_head: bool = False  # leave the output projection in the compute dtype
+
+
+def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
     """Model-level rewrites on Relax operators, before any lowering."""
     return [
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections,
-        attach_sequence_bounds(prefill_chunk, max_batch),
+        # After fusion, so a fused projection is packed as one weight.
+        quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head),
+        attach_sequence_bounds(options.prefill_chunk, options.max_batch),
     ]
 
 
@@ -75,10 +92,10 @@ def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     ]
 
 
-def lower(mod: tvm.IRModule, target: TargetSpec, prefill_chunk: int, max_batch: int) -> tvm.IRModule:
+def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
     """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`."""
     passes = (
-        graph_passes(target, prefill_chunk, max_batch)
+        graph_passes(target, options)
         + legalize_passes(target)
         + schedule_passes(target)
         + dataflow_lower_passes(target)

@@ -37,10 +37,12 @@ class NTMatmul(CPURule):
         self.rows = rows
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
-        reductions = [info for info in infos if not info.is_injective()]
-        if len(reductions) != 1 or reductions[0] is not infos[0]:
+        reductions = [index for index, info in enumerate(infos) if not info.is_injective()]
+        if len(reductions) != 1:
             return None
-        main = reductions[0]
+        main = infos[reductions[0]]
+        prologues = [info.block_rv for info in infos[: reductions[0]]]
+        epilogues = [info.block_rv for info in infos[reductions[0] + 1:]]
         kinds = main.dom_kind()
         if len(kinds) < 2 or kinds[-1] != "R" or kinds[:-1] != "S" * (len(kinds) - 1):
             return None
@@ -54,7 +56,6 @@ class NTMatmul(CPURule):
         if n_extent is None or lanes is None:
             return None
         rows = next(r for r in (self.rows, 2, 1) if n_extent % r == 0)
-        epilogues = [info.block_rv for info in infos[1:]]
 
         m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
         n_o, n_i = sch.split(n, [None, rows])
@@ -71,7 +72,20 @@ class NTMatmul(CPURule):
         sch.vectorize(rf_k_i)
         sch.unroll(rf_n_i)
         sch.decompose_reduction(accumulate, rf_k_o)
+        for prologue in prologues:
+            self._unpack_rows(sch, prologue, rf_n_o)
         return sch
+
+    def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
+        """A weight computed in the kernel (unpacked from integers): `rows` rows at a time, into cache."""
+        sch.compute_at(prologue, n_o)
+        sch.set_scope(prologue, 0, "local")
+        inner = sch.get_loops(prologue)[-1]
+        extent = const_extent(sch, inner)
+        dtype = str(sch.get(prologue).writes[0].source.dtype)
+        lanes = reduction_lanes(extent, self.vector_bits, dtype)
+        if lanes is not None and lanes > 1:
+            sch.vectorize(sch.split(inner, [None, lanes])[1])
 
 
 def _is_nt_access(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> bool:

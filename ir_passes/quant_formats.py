@@ -1,0 +1,185 @@
+"""Weight formats chosen with `--quant`: how a weight is packed, and how a kernel unpacks it.
+
+Both halves of each format live here side by side so they cannot drift apart:
+`quantize` (numpy, run once during weight conversion) and `dequantize_expr` (TIR,
+inlined into the kernels that read the weight). `dequantize` is the numpy
+reference of the unpacking, used by the tests and by `ember eval`'s simulations.
+
+A quantized [N, K] weight is cut into groups of 32 consecutive values along its
+reduction axis K (one row at a time), each group with its own scale, as in
+llama.cpp's Q8_0/Q4_0/Q4_1 and MLC-LLM's q4f16_1. K is zero-padded up to a
+multiple of 32 when needed; kernels never read the padding.
+
+    name        weight values                  per group of 32       bits/weight  like
+    q0f32       float32                        -                     32           llama.cpp F32, MLC q0f32
+    q0f16       float16                        -                     16           llama.cpp F16, MLC q0f16
+    q8f32       int8, symmetric                float32 scale         9.0          llama.cpp Q8_0
+    q8f16       int8, symmetric                float16 scale         8.5          llama.cpp Q8_0 (same bits)
+    q4f32       int4, symmetric, 8 per uint32  float32 scale         5.0          llama.cpp Q4_0, MLC q4f32_1
+    q4f16       int4, symmetric, 8 per uint32  float16 scale         4.5          llama.cpp Q4_0, MLC q4f16_1
+    q4f32_zp    uint4 with a per-group minimum float32 scale + min   6.0          llama.cpp Q4_1
+    q4f16_zp    uint4 with a per-group minimum float16 scale + min   5.0          llama.cpp Q4_1 (same bits)
+
+The suffix names the compute dtype too: a `f16` format runs its activations and its
+unquantized parameters (norms, biases) in float16. Symmetric int4 uses all 16 levels
+the way Q4_0 does: the scale maps the group's largest-magnitude value to -8, so
+values land in [-8, 7]. `_zp` formats store a minimum per group (a zero point),
+so a group whose values are not centred on zero still gets all 16 levels: better
+quality for one more scalar per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # TVM is needed to build kernels, not to read the table (`ember --help`)
+    from tvm import te, tirx
+
+GROUP_SIZE = 32
+WORD_BITS = 32
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One `--quant` format."""
+
+    name: str
+    bits: int  # 0: weights stay in `dtype`
+    dtype: str  # compute dtype, and the dtype of scales and unquantized parameters
+    zero_point: bool = False
+    group_size: int = GROUP_SIZE
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether weights are stored as integers."""
+        return self.bits > 0
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight value, scales (and minimums) included."""
+        if not self.quantizes:
+            return float(np.dtype(self.dtype).itemsize * 8)
+        float_bits = np.dtype(self.dtype).itemsize * 8
+        return self.bits + float_bits * (2 if self.zero_point else 1) / self.group_size
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Names of the tensors a quantized weight is stored as."""
+        return ("packed", "scale", "min") if self.zero_point else ("packed", "scale")
+
+    @property
+    def storage_dtype(self) -> str:
+        """Dtype of the `packed` part: int8 values, or eight 4-bit values per uint32."""
+        return "int8" if self.bits == 8 else "uint32"
+
+    @property
+    def per_word(self) -> int:
+        """Values stored in one element of `packed`."""
+        return 1 if self.bits == 8 else WORD_BITS // self.bits
+
+    def padded(self, k: int) -> int:
+        """K rounded up to whole groups."""
+        return -(-k // self.group_size) * self.group_size
+
+    def part_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
+        """Shape and dtype of each stored part of an [n, k] weight."""
+        groups = self.padded(k) // self.group_size
+        shapes = {"packed": ((n, self.padded(k) // self.per_word), self.storage_dtype),
+                  "scale": ((n, groups), self.dtype)}
+        if self.zero_point:
+            shapes["min"] = ((n, groups), self.dtype)
+        return shapes
+
+    def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+        """Pack an [N, K] float weight into this format's parts."""
+        if weight.ndim != 2:
+            raise ValueError(f"{self.name} quantizes 2-D weights; got shape {weight.shape}")
+        n, k = weight.shape
+        groups = np.zeros((n, self.padded(k)), np.float32)
+        groups[:, :k] = weight
+        groups = groups.reshape(n, -1, self.group_size)
+        if self.zero_point:
+            low, high = groups.min(axis=-1), groups.max(axis=-1)
+            scale = ((high - low) / (2**self.bits - 1)).astype(self.dtype)
+            low = low.astype(self.dtype)
+            offset = low.astype(np.float32)[..., None]
+            levels = (0, 2**self.bits - 1)
+        else:
+            top = 2 ** (self.bits - 1)
+            if self.bits == 8:  # Q8_0: the largest magnitude maps to +-127
+                scale = (np.abs(groups).max(axis=-1) / (top - 1)).astype(self.dtype)
+                levels = (-(top - 1), top - 1)
+            else:  # Q4_0: the largest-magnitude value maps to -8, all 16 levels in use
+                extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=-1)[..., None], -1)[..., 0]
+                scale = (extreme / -top).astype(self.dtype)
+                levels = (-top, top - 1)
+            offset = 0.0
+        stored_scale = scale.astype(np.float32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.where(stored_scale != 0, (groups - offset) / stored_scale, 0.0)
+        values = np.clip(np.rint(values), *levels).reshape(n, -1)
+        parts = {"packed": self._pack(values), "scale": scale}
+        if self.zero_point:
+            parts["min"] = low
+        return parts
+
+    def dequantize(self, parts: dict[str, np.ndarray], k: int) -> np.ndarray:
+        """Numpy reference: the [N, k] weight the kernels compute from `parts`."""
+        values = self._unpack(parts["packed"]).astype(np.float32)
+        scale = np.repeat(parts["scale"].astype(np.float32), self.group_size, axis=1)
+        weight = values * scale
+        if self.zero_point:
+            weight += np.repeat(parts["min"].astype(np.float32), self.group_size, axis=1)
+        return weight[:, :k].astype(self.dtype)
+
+    def dequantize_expr(self, parts: dict[str, te.Tensor], row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
+        """TIR: element [row, col] of the weight, computed from `parts` (in `self.dtype`)."""
+        from tvm import tirx
+
+        packed = parts["packed"]
+        if self.bits == 8:
+            value = packed[row, col]
+        else:
+            word = packed[row, col // self.per_word]
+            shift = (col % self.per_word * self.bits).astype("uint32")
+            value = (word >> shift) & tirx.const(2**self.bits - 1, "uint32")
+            if not self.zero_point:
+                value = value.astype("int32") - 2 ** (self.bits - 1)
+        weight = value.astype(self.dtype) * parts["scale"][row, col // self.group_size]
+        if self.zero_point:
+            weight = weight + parts["min"][row, col // self.group_size]
+        return weight
+
+    def _pack(self, values: np.ndarray) -> np.ndarray:
+        if self.bits == 8:
+            return values.astype(np.int8)
+        unsigned = (values if self.zero_point else values + 2 ** (self.bits - 1)).astype(np.uint32)
+        lanes = unsigned.reshape(unsigned.shape[0], -1, self.per_word)
+        shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
+        return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
+
+    def _unpack(self, packed: np.ndarray) -> np.ndarray:
+        if self.bits == 8:
+            return packed.astype(np.int32)
+        shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
+        values = (packed[..., None] >> shifts) & np.uint32(2**self.bits - 1)
+        values = values.reshape(packed.shape[0], -1).astype(np.int32)
+        return values if self.zero_point else values - 2 ** (self.bits - 1)
+
+
+FORMATS: dict[str, QuantFormat] = {
+    fmt.name: fmt
+    for fmt in (
+        QuantFormat("q0f32", 0, "float32"),
+        QuantFormat("q0f16", 0, "float16"),
+        QuantFormat("q8f32", 8, "float32"),
+        QuantFormat("q8f16", 8, "float16"),
+        QuantFormat("q4f32", 4, "float32"),
+        QuantFormat("q4f16", 4, "float16"),
+        QuantFormat("q4f32_zp", 4, "float32", zero_point=True),
+        QuantFormat("q4f16_zp", 4, "float16", zero_point=True),
+    )
+}

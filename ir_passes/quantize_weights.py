@@ -1,0 +1,246 @@
+"""Weight-only quantization: float weights become packed integers, unpacked inside the kernels.
+
+Matches, in every entry function that takes weights, the two ways a model reads a
+2-D weight parameter `W` [N, K]:
+
+    y = matmul(x, permute_dims(W))      a projection (x [..., K] -> y [..., N])
+    e = take(W, ids, axis=0)            an embedding gather
+
+and, when every use of `W` is one of these, replaces the parameter by its stored
+parts (`W.packed`, `W.scale` and, for `_zp` formats, `W.min`; see `quant_formats`)
+and each use by one kernel that reads the parts directly:
+
+    y = dequantize_matmul(x, W.packed, W.scale)   # y[.., n] = sum_k x[.., k] * w(n, k)
+    e = dequantize_take(W.packed, W.scale, ids)   # e[.., k] = w(ids[..], k)
+
+where `w(n, k)` is the format's unpacking expression. Each kernel is one PrimFunc:
+the graph never holds a floating-point copy of a weight, and the schedules decide
+how much of a weight is unpacked at a time (a few rows, in cache). Every token
+streams `bits_per_weight / 32` of the bytes of the float32 model: decode is
+memory-bound, so that is the speed-up to expect.
+
+The recipe of each part wraps the weight's own recipe in a `quantize` step, so
+weight conversion packs exactly what the graph reads. Weights read any other way
+(norm scales, biases, anything unexpected) keep the compute dtype. A weight used
+both as embedding and as output projection (tied) is quantized for both or for
+neither: `keep_embedding` / `keep_lm_head` keep it in float if either asks. The
+LM head is recognised by dataflow, not by name: the projection whose result the
+function returns (through casts and reshapes only).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+from ember.ir_passes.quant_formats import QuantFormat
+from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
+
+_PASS_THROUGH = ("relax.astype", "relax.reshape")
+
+
+def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False) -> tvm.transform.Pass:
+    """The pass quantizing every matmul and embedding weight to `fmt`."""
+
+    @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
+    def transform(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        names = entry_functions_with_weights(mod)
+        if not fmt.quantizes or not names:
+            return mod
+        chosen: set[str] | None = None
+        for name in names:
+            uses = _WeightUses(mod[name])
+            keep = set()
+            if keep_embedding:
+                keep |= uses.embeddings
+            if keep_lm_head:
+                keep |= uses.lm_heads
+            found = uses.quantizable - keep
+            chosen = found if chosen is None else chosen & found
+        if not chosen:
+            return mod
+        recipes = get_recipes(mod)
+        new_recipes = {}
+        for name, recipe in recipes.items():
+            if name not in chosen:
+                new_recipes[name] = recipe
+                continue
+            for part in fmt.parts:
+                new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": fmt.name, "part": part, "input": recipe}
+        rewriter = _Rewriter(mod, fmt)
+        for name in names:
+            rewriter.builder_.update_func(mod.get_global_var(name), rewriter.rewrite_function(mod[name], chosen))
+        return set_recipes(rewriter.builder_.get(), new_recipes)
+
+    return transform
+
+
+class _WeightUses:
+    """How one function reads its weights."""
+
+    def __init__(self, func: relax.Function) -> None:
+        weights = {p: p.name for p in weight_params(func)}
+        transposed: dict[relax.Var, relax.Var] = {}
+        self.embeddings: set[str] = set()
+        projections: dict[relax.Var, str] = {}
+        readable: dict[str, bool] = {name: True for name in weights.values()}
+        for binding in _bindings(func):
+            value = binding.value
+            if _is_op(value, "relax.permute_dims") and value.args[0] in weights and _is_2d_transpose(value):
+                transposed[binding.var] = value.args[0]
+                continue
+            if _is_op(value, "relax.matmul") and value.args[1] in transposed:
+                projections[binding.var] = weights[transposed[value.args[1]]]
+                others = [value.args[0]]
+            elif _is_op(value, "relax.take") and value.args[0] in weights and _is_row_gather(value):
+                self.embeddings.add(weights[value.args[0]])
+                others = list(value.args[1:])
+            else:
+                others = [value]
+            for var in _free_vars(others):
+                if var in weights:
+                    readable[weights[var]] = False
+                elif var in transposed:
+                    readable[weights[transposed[var]]] = False
+        for var in _free_vars([func.body.body]):
+            if var in weights:
+                readable[weights[var]] = False
+        self.quantizable = {name for name, ok in readable.items() if ok and _is_2d(func, name)}
+        self.lm_heads = {projections[var] for var in _returned_through_casts(func) if var in projections}
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    """Replaces projections and gathers of chosen weights by dequantizing kernels."""
+
+    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat) -> None:
+        super().__init__(mod)
+        self.fmt = fmt
+        self.parts_of: dict[relax.Var, tuple[dict[str, relax.Var], int]] = {}
+        self.transposed: dict[relax.Var, relax.Var] = {}
+
+    def rewrite_function(self, func: relax.Function, chosen: set[str]) -> relax.Function:
+        """`func` taking the parts of the `chosen` weights instead of the weights."""
+        new_params = []
+        for param in func.params:
+            if param.name not in chosen:
+                new_params.append(param)
+                continue
+            n, k = (int(d) for d in param.ty.shape)
+            parts = {
+                part: relax.Var(f"{param.name}.{part}", relax.TensorType(shape, dtype))
+                for part, (shape, dtype) in self.fmt.part_shapes(n, k).items()
+            }
+            self.parts_of[param] = (parts, k)
+            new_params.extend(parts.values())
+        body = self.visit_expr(func.body)
+        return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if _is_op(value, "relax.permute_dims") and value.args[0] in self.parts_of:
+            self.transposed[binding.var] = value.args[0]  # consumed by the matmul below; no binding left
+            return
+        if _is_op(value, "relax.matmul") and value.args[1] in self.transposed:
+            parts, k = self.parts_of[self.transposed[value.args[1]]]
+            x = self.visit_expr(value.args[0])
+            out_dtype = str(binding.var.ty.dtype)
+            self._emit_as(binding.var, self.builder_.emit_te(
+                _dequantize_matmul(self.fmt, k, out_dtype), x, *parts.values(),
+                primfunc_name_hint="dequantize_matmul"))
+            return
+        if _is_op(value, "relax.take") and value.args[0] in self.parts_of:
+            parts, k = self.parts_of[value.args[0]]
+            ids = self.visit_expr(value.args[1])
+            self._emit_as(binding.var, self.builder_.emit_te(
+                _dequantize_take(self.fmt, k), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
+            return
+        super().visit_var_binding_(binding)
+
+    def _emit_as(self, old: relax.Var, new: relax.Expr) -> None:
+        if isinstance(old, relax.DataflowVar):
+            self.set_var_remap(old, new)
+        else:  # an output of the dataflow block keeps being one
+            self.set_var_remap(old, self.builder_.emit_output(new))
+
+
+def _dequantize_matmul(fmt: QuantFormat, k: int, out_dtype: str):
+    """TE: y[..., n] = sum_k x[..., k] * w(n, k), accumulated in `out_dtype`."""
+
+    def compute(x: te.Tensor, *tensors: te.Tensor) -> te.Tensor:
+        parts = dict(zip(fmt.parts, tensors))
+        n = int(parts["scale"].shape[0])
+        weight = te.compute((n, k), lambda i, j: fmt.dequantize_expr(parts, i, j), name="dequantize")
+        reduce = te.reduce_axis((0, k), name="k")
+        return te.compute(
+            (*x.shape[:-1], n),
+            lambda *idx: te.sum(
+                x[(*idx[:-1], reduce)].astype(out_dtype) * weight[idx[-1], reduce].astype(out_dtype), axis=reduce
+            ),
+            name="matmul",
+        )
+
+    return compute
+
+
+def _dequantize_take(fmt: QuantFormat, k: int):
+    """TE: e[..., j] = w(ids[...], j)."""
+
+    def compute(ids: te.Tensor, *tensors: te.Tensor) -> te.Tensor:
+        parts = dict(zip(fmt.parts, tensors))
+        return te.compute(
+            (*ids.shape, k), lambda *idx: fmt.dequantize_expr(parts, ids[idx[:-1]], idx[-1]), name="take"
+        )
+
+    return compute
+
+
+def _returned_through_casts(func: relax.Function) -> set[relax.Var]:
+    """Variables whose value the function returns, possibly cast, reshaped or in a tuple."""
+    values = {b.var: b.value for b in _bindings(func)}
+    found, stack = set(), [func.body.body]
+    while stack:
+        expr = stack.pop()
+        if isinstance(expr, relax.Tuple):
+            stack.extend(expr.fields)
+        elif isinstance(expr, relax.Var) and expr not in found:
+            found.add(expr)
+            value = values.get(expr)
+            if isinstance(value, (relax.Var, relax.Tuple)):
+                stack.append(value)
+            elif value is not None and any(_is_op(value, op) for op in _PASS_THROUGH):
+                stack.append(value.args[0])
+    return found
+
+
+def _bindings(func: relax.Function):
+    for block in func.body.blocks:
+        yield from block.bindings
+
+
+def _free_vars(exprs: list[relax.Expr]) -> set[relax.Var]:
+    found = set()
+    for expr in exprs:
+        if isinstance(expr, relax.Var):
+            found.add(expr)
+        elif isinstance(expr, relax.Expr):
+            found.update(relax.analysis.free_vars(expr))
+    return found
+
+
+def _is_op(expr: relax.Expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def _is_2d(func: relax.Function, name: str) -> bool:
+    param = next(p for p in func.params if p.name == name)
+    return len(param.ty.shape) == 2 and all(isinstance(d, tirx.IntImm) for d in param.ty.shape)
+
+
+def _is_2d_transpose(expr: relax.Call) -> bool:
+    axes = expr.attrs.axes
+    return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])
+
+
+def _is_row_gather(expr: relax.Call) -> bool:
+    return int(expr.attrs.axis) == 0
