@@ -102,6 +102,24 @@ def _build_parser() -> argparse.ArgumentParser:
     analyze_cli.add_arguments(analyze)
     analyze.set_defaults(run=analyze_cli.run)
 
+    eval_ = commands.add_parser(
+        "eval", help="measure an artifact's quality on a text",
+        description="Perplexity of an artifact on a text file, and optionally how far its next-token "
+                    "distributions are from a reference artifact of the same model (mean KL, top-1 agreement).",
+        epilog="example:\n  ember compile demo --quant q4f32 -o demo-q4 && ember compile demo -o demo-f32\n"
+               "  ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-f32",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    eval_.add_argument("artifact", type=Path)
+    eval_.add_argument("--perplexity", required=True, type=Path, metavar="TEXTFILE", help="UTF-8 text to score")
+    eval_.add_argument("--reference", type=Path, metavar="ARTIFACT",
+                       help="an artifact of the same model (e.g. q0f32) to compare logits with")
+    eval_.add_argument("--window", type=int,
+                       help="tokens per scoring window, <s> included (default: the artifact's context, at most 1024)")
+    eval_.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    eval_.add_argument("--json", action="store_true", help="print the results as JSON")
+    eval_.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eval_.set_defaults(run=_run_eval)
+
     inspect = commands.add_parser("inspect", help="describe an artifact")
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true", help="print the raw manifest")
@@ -182,6 +200,52 @@ def _run_inspect(args: argparse.Namespace) -> int:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}}  {value}")
+    return 0
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.evaluate import divergence, perplexity, scoring_windows
+
+    try:
+        text = args.perplexity.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise EmberError(f"--perplexity {args.perplexity}: cannot read it as UTF-8 text ({err})") from None
+    artifact = load_artifact(args.artifact)
+    if artifact.tokenizer is None:
+        raise EmberError(f"{args.artifact}: the artifact has no tokenizer, so it cannot score text")
+    engine = Engine(artifact)
+    window = args.window or min(artifact.manifest.kv_cache["max_context"], 1024)
+    token_ids = artifact.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
+    windows = scoring_windows(token_ids, artifact.tokenizer.bos_token_id, window)
+
+    def progress(desc: str):
+        return tqdm(windows, desc=desc, unit="window", disable=args.no_progress)
+
+    results = {"artifact": str(args.artifact), "quantization": artifact.manifest.quantization, "window": window,
+               **asdict(perplexity(engine, progress("Perplexity")))}
+    if args.reference:
+        reference = load_artifact(args.reference)
+        if reference.manifest.model != artifact.manifest.model:
+            raise EmberError(f"--reference {args.reference} was compiled from a different model than {args.artifact}")
+        results["reference"] = {"artifact": str(args.reference), "quantization": reference.manifest.quantization,
+                                "perplexity": perplexity(Engine(reference), progress("Reference")).perplexity,
+                                **asdict(divergence(engine, Engine(reference), progress("Divergence")))}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{args.artifact} ({results['quantization']}): perplexity {results['perplexity']:.3f} over "
+          f"{results['tokens']} tokens ({results['windows']} windows of {window})")
+    if args.reference:
+        ref = results["reference"]
+        print(f"{args.reference} ({ref['quantization']}): perplexity {ref['perplexity']:.3f}")
+        print(f"divergence from the reference: mean KL {ref['mean_kl']:.5f} nats/token (max {ref['max_kl']:.4f}), "
+              f"top-1 agreement {ref['top1_agreement']:.2%}")
     return 0
 
 

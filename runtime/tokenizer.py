@@ -42,6 +42,11 @@ class Tokenizer:
                    _read_optional_json(path / "generation_config.json"))
 
     @property
+    def bos_token_id(self) -> int | None:
+        """Id of the beginning-of-sequence token, if the model has one."""
+        return None if self.bos_token is None else self._tokenizer.token_to_id(self.bos_token)
+
+    @property
     def vocab_size(self) -> int:
         """Number of tokens, including added ones."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)

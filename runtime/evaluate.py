@@ -1,0 +1,101 @@
+"""Quality of an artifact on a text: perplexity, and divergence from another artifact.
+
+Both score a text the same way: its tokens (no special tokens) are cut into
+consecutive windows of `window - 1` tokens, each window is prefilled after <s> in a
+fresh sequence with logits at every position (chunked by the artifact's prefill
+chunk), and every token of the text is predicted exactly once. This is the scoring
+of `scripts/train_demo_model.py`, so the demo model's figure from PyTorch at
+training time and ember's figure are comparable.
+
+Divergence compares two artifacts of the same model (say q4f32 against q0f32) on
+the same windows: mean KL(reference || candidate) of the next-token distributions
+and how often their top-1 tokens agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.errors import GenerationError
+from ember.runtime.engine import Engine
+
+
+@dataclass
+class Perplexity:
+    """Per-token perplexity of a text."""
+
+    perplexity: float
+    tokens: int
+    windows: int
+
+
+@dataclass
+class Divergence:
+    """How far a candidate's next-token distributions are from a reference's."""
+
+    mean_kl: float  # nats per token, KL(reference || candidate)
+    max_kl: float
+    top1_agreement: float  # fraction of positions where both argmaxes agree
+    tokens: int
+
+
+def scoring_windows(token_ids: list[int], bos_id: int | None, window: int) -> list[list[int]]:
+    """<s> + consecutive spans of `window - 1` tokens covering `token_ids` once.
+
+    A model without <s> gets plain spans of `window` tokens overlapping by one: the
+    first token of the text is then the only one not predicted.
+    """
+    if window < 2:
+        raise GenerationError(f"the scoring window must hold at least 2 tokens, got {window}")
+    span = window - 1
+    if bos_id is None:
+        return [token_ids[start: start + window] for start in range(0, max(len(token_ids) - 1, 0), span)]
+    return [[bos_id, *token_ids[start: start + span]] for start in range(0, len(token_ids), span)]
+
+
+def perplexity(engine: Engine, windows: Iterable[list[int]]) -> Perplexity:
+    """Perplexity of the text cut into `windows` (see `scoring_windows`) under `engine`'s artifact."""
+    nll, count, windows_seen = 0.0, 0, 0
+    for ids in windows:
+        log_probs = _log_softmax(_window_logits(engine, ids))
+        targets = np.asarray(ids[1:])
+        nll -= float(log_probs[np.arange(len(targets)), targets].sum())
+        count += len(targets)
+        windows_seen += 1
+    if count == 0:
+        raise GenerationError("the text has no tokens to score")
+    return Perplexity(math.exp(nll / count), count, windows_seen)
+
+
+def divergence(candidate: Engine, reference: Engine, windows: Iterable[list[int]]) -> Divergence:
+    """KL divergence and top-1 agreement of `candidate` against `reference` over `windows`."""
+    kl_sum, kl_max, agree, count = 0.0, 0.0, 0, 0
+    for ids in windows:
+        p_log = _log_softmax(_window_logits(reference, ids))
+        q_log = _log_softmax(_window_logits(candidate, ids))
+        kl = (np.exp(p_log) * (p_log - q_log)).sum(axis=-1)
+        kl_sum += float(kl.sum())
+        kl_max = max(kl_max, float(kl.max()))
+        agree += int((p_log.argmax(-1) == q_log.argmax(-1)).sum())
+        count += len(kl)
+    if count == 0:
+        raise GenerationError("the text has no tokens to score")
+    return Divergence(kl_sum / count, kl_max, agree / count, count)
+
+
+def _window_logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """Logits predicting ids[1:], float64."""
+    seq = engine.add_sequence()
+    try:
+        return engine.prefill(seq, ids[:-1], all_logits=True).astype(np.float64)
+    finally:
+        engine.remove_sequence(seq)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
