@@ -186,7 +186,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
                   f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}"),
         ("context", f"window {model['context_window']}, artifact allows {kv['max_context']}"
                     + (f", sliding window {kv['sliding_window']}" if kv["sliding_window"] else "")),
-        ("quantization", f"{manifest.quantization} ({manifest.model_dtype} compute)"),
+        ("quantization", f"{manifest.quantization} ({FORMATS[manifest.quantization].bits_per_weight:g} bits/weight, "
+                         f"{manifest.model_dtype} compute)"),
         ("target", json.dumps(manifest.target["tvm_target"])),
         ("entry functions", ", ".join(manifest.entry_functions)),
         ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "

@@ -127,12 +127,12 @@ class QuantFormat:
 
     def dequantize(self, parts: dict[str, np.ndarray], k: int) -> np.ndarray:
         """Numpy reference: the [N, k] weight the kernels compute from `parts`."""
-        values = self._unpack(parts["packed"]).astype(np.float32)
-        scale = np.repeat(parts["scale"].astype(np.float32), self.group_size, axis=1)
-        weight = values * scale
+        # In the compute dtype, one rounding per operation, as the kernels do.
+        values = self._unpack(parts["packed"]).astype(self.dtype)
+        weight = values * np.repeat(parts["scale"], self.group_size, axis=1)
         if self.zero_point:
-            weight += np.repeat(parts["min"].astype(np.float32), self.group_size, axis=1)
-        return weight[:, :k].astype(self.dtype)
+            weight = weight + np.repeat(parts["min"], self.group_size, axis=1)
+        return weight[:, :k]
 
     def dequantize_expr(self, parts: dict[str, te.Tensor], row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
         """TIR: element [row, col] of the weight, computed from `parts` (in `self.dtype`)."""

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import models
+from ember.ir_passes.quant_formats import FORMATS
 from helpers import run_ember
 
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
@@ -44,6 +45,7 @@ class TinyModel:
     model_dir: Path
     artifact_dir: Path
     compile_output: subprocess.CompletedProcess | None = None  # set when compiled by the CLI
+    quantization: str = "q0f32"
 
     @cached_property
     def artifact(self):
@@ -60,8 +62,24 @@ class TinyModel:
 
     @cached_property
     def reference(self):
-        """The same checkpoint in transformers, float32, eager attention."""
-        return models.load_reference(self.model_dir)
+        """The same checkpoint in transformers, float32, eager attention.
+
+        For a quantized artifact, every 2-D weight (projections, embeddings) is
+        replaced by its quantized-then-unpacked value, computed in numpy: the
+        reference is transformers running the same quantized weights.
+        """
+        model = models.load_reference(self.model_dir)
+        fmt = FORMATS[self.quantization]
+        if fmt.quantizes:
+            import torch
+
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.ndim == 2:
+                        weight = param.numpy()
+                        unpacked = fmt.dequantize(fmt.quantize(weight), weight.shape[1]).astype(np.float32)
+                        param.copy_(torch.from_numpy(unpacked))
+        return model
 
     def reference_logits(self, ids: list[int]) -> np.ndarray:
         """transformers' logits [len(ids), vocab] for one sequence."""
@@ -100,6 +118,19 @@ class TinyModels:
         if not model_dir.exists():
             models.write_checkpoint(name, model_dir)
         return model_dir
+
+    def quantized(self, name: str, quantization: str) -> TinyModel:
+        """The tiny model `name` compiled with `--quant quantization`, once per session."""
+        key = f"{name}-{quantization}"
+        if key not in self._models:
+            from ember.compiler import CompileOptions, compile_model
+
+            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
+            options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+                                     show_progress=False)
+            compile_model(model_dir, artifact_dir, options)
+            self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
+        return self._models[key]
 
     def __getitem__(self, name: str) -> TinyModel:
         if name not in self._models:

@@ -3,6 +3,7 @@ ember's compiled artifact continues exactly as transformers does."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ember.cli import DEMO_MODEL_DIR
 from ember.compiler import CompileOptions, compile_model
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
+from ember.runtime.evaluate import divergence, perplexity, scoring_windows
 
 PROMPTS = ("And the LORD said unto Moses,", "In the beginning", "Blessed are they that")
 NEW_TOKENS = 64
@@ -50,3 +52,41 @@ def test_demo_greedy_continuation_matches_transformers(demo_engine, reference, p
     got = list(generation.tokens())
     demo_engine.remove_sequence(generation.seq_id)
     assert got == expected, tokenizer.decode(got) + " != " + tokenizer.decode(expected)
+
+
+@pytest.fixture(scope="module")
+def validation_windows(demo_engine) -> list[list[int]]:
+    tokenizer = demo_engine.artifact.tokenizer
+    text = (Path(DEMO_MODEL_DIR) / "validation.txt").read_text(encoding="utf-8")
+    return scoring_windows(tokenizer.encode(text, add_special_tokens=False), tokenizer.bos_token_id, 256)
+
+
+def test_demo_perplexity_matches_transformers(demo_engine, reference, validation_windows) -> None:
+    """ember's perplexity on validation.txt is transformers' (and the 62.112 of DATA_SOURCE.md)."""
+    _, model = reference
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids in validation_windows:
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+            nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+            count += len(ids) - 1
+    assert perplexity(demo_engine, validation_windows).perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_demo_quantized_quality(demo_engine, validation_windows, tmp_path_factory) -> None:
+    """q8 within 1% of float32 perplexity, q4 within 10%, and q4_zp closer to float32 than q4."""
+    baseline = perplexity(demo_engine, validation_windows).perplexity
+    results = {}
+    for quantization in ("q8f32", "q4f32", "q4f32_zp"):
+        artifact = tmp_path_factory.mktemp("demo") / quantization
+        compile_model(DEMO_MODEL_DIR, artifact, CompileOptions(quantization=quantization, show_progress=False,
+                                                               max_batch=2))
+        engine = Engine(load_artifact(artifact))
+        results[quantization] = (perplexity(engine, validation_windows).perplexity,
+                                 divergence(engine, demo_engine, validation_windows))
+    assert results["q8f32"][0] <= baseline * 1.01
+    assert results["q4f32"][0] <= baseline * 1.10
+    plain, fitted = results["q4f32"], results["q4f32_zp"]
+    assert fitted[0] < plain[0]
+    assert fitted[1].mean_kl < 0.8 * plain[1].mean_kl
+    assert fitted[1].top1_agreement > plain[1].top1_agreement
