@@ -6,6 +6,9 @@ import tvm
 
 # Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
 KERNEL_SOURCE_ATTR = "ember.kernel_source"
+# Set by the quantization pass on weight-unpacking blocks: how many consecutive values
+# along K are unpacked from one packed element and one scale (the widest useful vector).
+VECTOR_RUN_ATTR = "ember.vector_run"
 
 
 def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) -> tvm.IRModule:

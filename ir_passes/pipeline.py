@@ -4,8 +4,9 @@ Read top to bottom, this is everything that happens to a model between the
 frontend and `tvm.compile`'s code generation:
 
 1. graph passes: model-level rewrites that may change parameters (their weight
-   recipes change with them) and bounds for memory planning.
-2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused.
+   recipes change with them): projection fusion, weight quantization.
+2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused;
+   functions and kernels get the bounds of their symbolic sizes.
 3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`).
 4. dataflow lowering and memory planning: static buffers sized by the bounds.
 5. finalization: VM-level lowering.
@@ -44,12 +45,11 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         fuse_parallel_projections,
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head),
-        attach_sequence_bounds(options.prefill_chunk, options.max_batch),
     ]
 
 
-def legalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
-    """Relax operators to TIR, then operator fusion."""
+def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
+    """Relax operators to TIR, then operator fusion; kernels learn their size bounds."""
     return [
         # matmul(x, permute_dims(W)) -> one NT_matmul reading W row-major: no transpose
         # kernel, and the GEMV's reduction runs along contiguous memory.
@@ -62,6 +62,8 @@ def legalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         relax.transform.DeadCodeElimination(),
+        # Bounds for memory planning, and for the schedules to tell GEMV from GEMM.
+        attach_sequence_bounds(options.prefill_chunk, options.max_batch),
     ]
 
 
@@ -96,7 +98,7 @@ def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.I
     """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`."""
     passes = (
         graph_passes(target, options)
-        + legalize_passes(target)
+        + legalize_passes(target, options)
         + schedule_passes(target)
         + dataflow_lower_passes(target)
         + memory_planning_passes(target)

@@ -80,6 +80,11 @@ class QuantFormat:
         """Values stored in one element of `packed`."""
         return 1 if self.bits == 8 else WORD_BITS // self.bits
 
+    @property
+    def vector_run(self) -> int:
+        """Consecutive values along K read from one packed element and one scale."""
+        return self.group_size if self.bits == 8 else self.per_word
+
     def padded(self, k: int) -> int:
         """K rounded up to whole groups."""
         return -(-k // self.group_size) * self.group_size

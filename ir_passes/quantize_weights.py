@@ -33,6 +33,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
+from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
@@ -170,7 +171,8 @@ def _dequantize_matmul(fmt: QuantFormat, k: int, out_dtype: str):
     def compute(x: te.Tensor, *tensors: te.Tensor) -> te.Tensor:
         parts = dict(zip(fmt.parts, tensors))
         n = int(parts["scale"].shape[0])
-        weight = te.compute((n, k), lambda i, j: fmt.dequantize_expr(parts, i, j), name="dequantize")
+        weight = te.compute((n, k), lambda i, j: fmt.dequantize_expr(parts, i, j), name="dequantize",
+                            attrs={VECTOR_RUN_ATTR: fmt.vector_run})
         reduce = te.reduce_axis((0, k), name="k")
         return te.compute(
             (*x.shape[:-1], n),

@@ -10,7 +10,7 @@ from tvm.target import Target
 
 
 class CPURule(ScheduleRule):
-    """A rule for llvm targets; `schedule` sees a normalized PrimFunc's blocks."""
+    """A rule for llvm targets; `schedule` sees a normalized PrimFunc's blocks and its size bounds."""
 
     def __init__(self, vector_bits: int) -> None:
         self.vector_bits = vector_bits
@@ -22,14 +22,35 @@ class CPURule(ScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos:
             return None
+        attrs = func.attrs or {}
+        bounds = {str(name): int(bound) for name, bound in dict(attrs.get("tir_var_upper_bound", {})).items()}
         try:
-            return self.schedule(sch, infos)
+            return self.schedule(sch, infos, bounds)
         except s_tir.ScheduleError:
             return None
 
-    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
-        """Schedule the function's blocks, or return None if the rule does not match."""
+    def schedule(
+        self, sch: s_tir.Schedule, infos: list[SBlockInfo], bounds: dict[str, int]
+    ) -> s_tir.Schedule | None:
+        """Schedule the function's blocks, or return None if the rule does not match.
+
+        `bounds` maps symbolic sizes (`seq_len`, `batch_size`) to their upper bounds.
+        """
         raise NotImplementedError
+
+
+def extent_bound(sch: s_tir.Schedule, loops: list[s_tir.LoopRV], bounds: dict[str, int]) -> int | None:
+    """Upper bound of the product of the loops' extents, if each is a constant or a bounded size."""
+    total = 1
+    for loop in loops:
+        extent = sch.get(loop).extent
+        if isinstance(extent, tirx.IntImm):
+            total *= int(extent)
+        elif isinstance(extent, tirx.Var) and extent.name in bounds:
+            total *= bounds[extent.name]
+        else:
+            return None
+    return total
 
 
 def const_extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:

@@ -21,7 +21,7 @@ from ember.schedules.common import CPURule, const_extent, inline_all_but
 class Elementwise(CPURule):
     """Inline producers, vectorize the inner axis."""
 
-    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], _bounds: dict[str, int]) -> s_tir.Schedule | None:
         if not all(info.is_injective() for info in infos):
             return None
         inline_all_but(sch, [infos[-1].block_rv])

@@ -19,14 +19,26 @@ Schedule, per block of `rows` weight rows (4 by default):
 Why: the weight is the large operand and streams from memory exactly once per call
 (the rows stay in L1 while all m reuse them); the inner loop is contiguous vector
 loads and FMAs on `rows` independent accumulators, which hides FMA latency.
+
+Quantized weights arrive as an unpacking block (the prologue) that computes W from
+packed integers (see `ir_passes/quantize_weights.py`). In a GEMV (m bounded by
+FEW_ROWS) it is inlined into the FMA loop: each value is unpacked in registers
+and used once, with vectors as wide as the values sharing a packed word (8 for
+int4: one broadcast word, eight shifts). In a GEMM it is computed `rows` rows at
+a time into a local tile under n_o, so unpacking is paid once, not once per token.
 """
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
+from tvm.runtime import DataType
 from tvm.s_tir.dlight.analysis import SBlockInfo
 
-from ember.schedules.common import CPURule, const_extent, reduction_lanes
+from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
+from ember.schedules.common import CPURule, const_extent, extent_bound, reduction_lanes
+
+# Activations with at most this many rows (decode batches) count as a GEMV.
+FEW_ROWS = 8
 
 
 class NTMatmul(CPURule):
@@ -36,7 +48,7 @@ class NTMatmul(CPURule):
         super().__init__(vector_bits)
         self.rows = rows
 
-    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], bounds: dict[str, int]) -> s_tir.Schedule | None:
         reductions = [index for index, info in enumerate(infos) if not info.is_injective()]
         if len(reductions) != 1:
             return None
@@ -52,7 +64,18 @@ class NTMatmul(CPURule):
         *m_loops, n, k = sch.get_loops(block)
         n_extent, k_extent = const_extent(sch, n), const_extent(sch, k)
         dtype = str(sch.get(block).writes[0].source.dtype)
-        lanes = reduction_lanes(k_extent, self.vector_bits, dtype)
+        vector_bits = self.vector_bits
+        m_bound = extent_bound(sch, m_loops, bounds)
+        unpack_inline = bool(prologues) and m_bound is not None and m_bound <= FEW_ROWS
+        if unpack_inline:
+            # A GEMV: unpack each weight value right where it is multiplied (in registers),
+            # with vectors no wider than the runs the packed layout reads with one load.
+            run = min(int(sch.get(p).annotations.get(VECTOR_RUN_ATTR, k_extent or 1)) for p in prologues)
+            vector_bits = min(vector_bits, run * DataType(dtype).bits)
+            for prologue in prologues:
+                sch.compute_inline(prologue)
+            prologues = []
+        lanes = reduction_lanes(k_extent, vector_bits, dtype)
         if n_extent is None or lanes is None:
             return None
         rows = next(r for r in (self.rows, 2, 1) if n_extent % r == 0)
@@ -77,7 +100,8 @@ class NTMatmul(CPURule):
         return sch
 
     def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
-        """A weight computed in the kernel (unpacked from integers): `rows` rows at a time, into cache."""
+        """A GEMM's weight computed in the kernel (unpacked from integers): `rows` rows at a time,
+        into cache, then reused by every row of the activation."""
         sch.compute_at(prologue, n_o)
         sch.set_scope(prologue, 0, "local")
         inner = sch.get_loops(prologue)[-1]

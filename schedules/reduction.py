@@ -25,7 +25,7 @@ from ember.schedules.common import CPURule, const_extent, inline_all_but, reduct
 class RowReduction(CPURule):
     """Vectorized per-row reduction + elementwise epilogue."""
 
-    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo]) -> s_tir.Schedule | None:
+    def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], _bounds: dict[str, int]) -> s_tir.Schedule | None:
         reductions = [info for info in infos if not info.is_injective()]
         if len(reductions) != 1 or not infos[-1].is_injective():
             return None

@@ -297,6 +297,128 @@ def _rates(prompt_len: int, new_tokens: int, prefill_s: float, decode_s: float) 
     }
 
 
+# --- llama.cpp ---------------------------------------------------------------
+
+LLAMA_CPP_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str) -> Path:
+    """Write the Llama checkpoint at ``model_dir`` as a llama.cpp GGUF file, 2-D weights as ``qtype``.
+
+    Written with the ``gguf`` package's writer and numpy quantizers (llama.cpp's own
+    Python code), every matrix in ``qtype`` as ``llama-quantize --pure`` does, norms
+    in F32. Q and K rows are permuted from Hugging Face's rotate-half RoPE layout to
+    llama.cpp's interleaved one, as its ``convert_hf_to_gguf.py`` does. The
+    vocabulary is placeholder text (the benchmark feeds token ids, never text).
+    """
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_name("ember benchmark llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[qtype])
+    vocab = config["vocab_size"]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+                          + [f"tok{i}" for i in range(vocab - 259)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+        return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
+               "output_norm.weight": weights["model.norm.weight"],
+               "output.weight": weights.get("lm_head.weight", weights["model.embed_tokens.weight"])}
+    for layer in range(config["num_hidden_layers"]):
+        for hf, short in names.items():
+            w = weights[f"model.layers.{layer}.{hf}.weight"]
+            if short == "attn_q":
+                w = permute_rope(w, heads)
+            elif short == "attn_k":
+                w = permute_rope(w, kv_heads)
+            tensors[f"blk.{layer}.{short}.weight"] = w
+    for name, w in tensors.items():
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        kind = getattr(gguf.GGMLQuantizationType, qtype) if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        data = w.astype(np.float16) if kind == gguf.GGMLQuantizationType.F16 else (
+            w if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, kind))
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def measure_llama_cpp(
+    model_dir: str | os.PathLike, qtype: str, prompt_ids: list[int], new_tokens: int, threads: int
+) -> Measurement:
+    """Time llama.cpp (llama-cpp-python) on the checkpoint converted to ``qtype`` GGUF, in a fresh process.
+
+    The GGUF file is written once to ``model_dir/gguf/`` and reused.
+    """
+    path = Path(model_dir) / "gguf" / f"model-{qtype}.gguf"
+    if not path.exists():
+        _run_isolated("_write_gguf_worker", model_dir=str(model_dir), out_path=str(path), qtype=qtype)
+    result = _run_isolated("_llama_cpp_worker", gguf_path=str(path), prompt_ids=list(prompt_ids),
+                           new_tokens=new_tokens, threads=threads)
+    return Measurement(name=f"llama.cpp {qtype}", **result)
+
+
+def _write_gguf_worker(model_dir: str, out_path: str, qtype: str) -> dict[str, Any]:
+    write_gguf(model_dir, out_path, qtype)
+    return {}
+
+
+def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf_path, n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=len(prompt_ids),
+                n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+
+    def last_logits() -> np.ndarray:  # logits of the last evaluated token (the only ones kept)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+    def run() -> tuple[list[int], float, float]:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt_ids)
+        token = int(np.argmax(last_logits()))
+        prefill_s = time.perf_counter() - start
+        tokens = [token]
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            llm.eval([token])
+            token = int(np.argmax(last_logits()))
+            tokens.append(token)
+        return tokens, prefill_s, time.perf_counter() - start
+
+    run()  # warm-up
+    tokens, prefill_s, decode_s = run()
+    return {**_rates(len(prompt_ids), new_tokens, prefill_s, decode_s), "peak_rss_mb": 0.0, "token_ids": tokens}
+
+
 # --- PyTorch eager -----------------------------------------------------------
 
 
