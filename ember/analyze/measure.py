@@ -278,12 +278,15 @@ class _Recorder:
         return 0  # run the call as usual
 
     def _time(self, symbol: str, args: tuple) -> float:
-        # Kernels live in a module the library imports; the attention builtin is a global function.
+        # Kernels live in a module the library imports; the attention builtin is a global
+        # function, which only the raw evaluator (module None) can time, so both use it.
         module = None if symbol == ATTENTION_BUILTIN else next(
             m for m in self.library.imports if m.implements_function(symbol))
         evaluator = tvm.get_global_func(_TIME_EVALUATOR)(
-            module, symbol, self.device.dlpack_device_type(), self.device.index, 1, self.repeats,
-            0, 100, 0, 1, CACHE_FLUSH_BYTES, "")
+            module, symbol, self.device.dlpack_device_type(), self.device.index,
+            1, self.repeats,        # number of calls per run, runs
+            0, 100, 0, 1,           # min_repeat_ms, limit_zero_time_iterations, cooldown_ms, repeats_to_cooldown
+            CACHE_FLUSH_BYTES, "")  # flushed before each run; no preprocessing function
         blob = evaluator(*args)
         return min(struct.unpack(f"@{self.repeats}d", bytes(blob)))
 
@@ -383,4 +386,5 @@ def _config(manifest: Manifest, origin: Path | str) -> ModelConfig:
     try:
         return ModelConfig.from_json(manifest.model)
     except (TypeError, KeyError) as err:
-        raise ArtifactError(f"{origin}: the manifest's model config is not this ember's ({err}); recompile it") from None
+        raise ArtifactError(f"{origin}: the manifest's model config is not this ember's ({err}); "
+                            "recompile it") from None
