@@ -48,6 +48,11 @@ class ModelConfig:
         data["eos_token_ids"] = list(self.eos_token_ids)
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        """The inverse of `to_json`: the config stored in an artifact manifest."""
+        return cls(**{**data, "eos_token_ids": tuple(data["eos_token_ids"])})
+
     @property
     def num_parameters(self) -> int:
         """Number of weights, counting a tied embedding once."""

@@ -44,16 +44,27 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
     config = load_model_config(model_dir)
     weights = CheckpointWeights(model_dir)
-    model = LlamaForCausalLM(config, model_dtype, target)
-    mod, params = model.export_tvm(spec=model.export_spec())
-    for name, param in params:
-        _check_tensor(weights, name, tuple(int(d) for d in param.shape))
-    relax_names = [p.name for p in weight_params(mod["decode"])]
-    recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
+    mod, shapes = build_module(config, target, model_dtype)
+    for name, shape in shapes.items():
+        _check_tensor(weights, name, shape)
     if (model_dir / "tokenizer_config.json").exists():
         read_json_object(model_dir / "tokenizer_config.json")
     tokenizer_files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
-    return ImportedModel(set_recipes(_tag_library_kernels(mod), recipes), config, weights, tokenizer_files, model_dtype)
+    return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
+
+
+def build_module(config: ModelConfig, target: tvm.target.Target,
+                 model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """The Relax IRModule of `config` with its weight recipes, and the shape of each checkpoint tensor it loads.
+
+    Needs no weights: `ember analyze --measure` rebuilds an artifact's kernels from its manifest this way.
+    """
+    model = LlamaForCausalLM(config, model_dtype, target)
+    mod, params = model.export_tvm(spec=model.export_spec())
+    relax_names = [p.name for p in weight_params(mod["decode"])]
+    recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
+    shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
+    return set_recipes(_tag_library_kernels(mod), recipes), shapes
 
 
 def _tag_library_kernels(mod: tvm.IRModule) -> tvm.IRModule:

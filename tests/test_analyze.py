@@ -1,6 +1,8 @@
 """`ember analyze`: per-operator formulas on hand-computed cases, an independent
 re-derivation of LLM-Viewer's counts, the Llama-2-7b / RTX A6000 reference case,
-hardware presets and the `host` cache, and the CLI's table, JSON and plots."""
+hardware presets and the `host` cache, the CLI's table, JSON and plots; and
+`--measure` on the compiled tiny llama: every kernel timed, and the operations TVM
+counts in its TIR checked against the formulas."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import pytest
 
 from ember.analyze import cli
+from ember.analyze.measure import attention_work, implemented_operators, measure, moved_bytes
 from ember.analyze.operators import (
     Architecture,
     Precision,
@@ -24,9 +27,10 @@ from ember.analyze.operators import (
 )
 from ember.analyze.report import format_text
 from ember.analyze.roofline import Workload, analyze, evaluate, kv_cache_bytes, place, weight_bytes
-from ember.errors import EmberError, ModelError, TargetError
+from ember.errors import ArtifactError, EmberError, ModelError, TargetError
 from ember.targets import hardware as hw_module
 from ember.targets.hardware import Hardware, hardware_presets, load_hardware
+from helpers import run_python
 
 FP16 = Precision(16, 16, 16)
 # h=8, I=16, H=2, Hkv=1, d=4, L=2, V=10: small enough to count every operator by hand.
@@ -305,7 +309,7 @@ def test_every_hardware_preset_is_valid_and_cited():
     assert len(names) >= 20
     for name in names:
         hw = load_hardware(name)
-        assert hw.name == name and hw.kind in ("cpu", "gpu") and hw.source
+        assert hw.name == name and hw.kind in ("cpu", "gpu") and "https://" in hw.source
         assert min(hw.peak_flops["fp32"], hw.memory_bandwidth, hw.memory_capacity, hw.onchip_memory) > 0
         assert all(hw.peak(d) > 0 for d in ("fp32", "fp16", "bf16", "int8", "int4"))
     kinds = {load_hardware(n).kind for n in names}
@@ -412,3 +416,133 @@ def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(EmberError, match=r"pip install 'ember\[plot\]'"):
         run_cli("Llama-2-7b", "--hardware", "a6000", "--gen-len", "2", "--plot", str(tmp_path))
+
+
+def test_cli_needs_hardware_unless_measuring():
+    with pytest.raises(EmberError, match="--hardware is required"):
+        run_cli("Llama-2-7b")
+
+
+def test_analysis_without_measure_does_not_load_tvm():
+    code = ("import sys; from ember.cli import main; "
+            "main(['analyze', 'Llama-3.2-1B', '--hardware', 'm4', '--gen-len', '2']); "
+            "assert 'tvm' not in sys.modules, 'analyze loaded TVM'")
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+# --- --measure: the compiled tiny llama, timed kernel by kernel ------------------------
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# A roof well above what any CPU here reaches, so every measured share of it lies in (0, 1).
+GENEROUS = Hardware("generous", "generous", "cpu", {"fp32": 1e14}, memory_bandwidth=1e13, memory_capacity=1e12,
+                    onchip_memory=2**20, source="test")
+
+
+@pytest.fixture(scope="module")
+def tiny_measurement(tiny_llama):
+    """The tiny llama's prefill of 16 tokens and decode step of 2 sequences, timed (2 runs per kernel)."""
+    return measure(tiny_llama.artifact_dir, prompt_len=16, batch=2, repeats=2, hardware=GENEROUS)
+
+
+def test_measure_times_every_kernel_and_maps_it_to_the_operators(tiny_measurement, tiny_llama):
+    m = tiny_measurement
+    layers = m.arch.config.num_hidden_layers
+    assert (m.prefill.batch, m.prefill.new_tokens, m.prefill.context) == (1, 16, 16)
+    assert (m.decode.batch, m.decode.new_tokens, m.decode.context) == (2, 1, 17)
+    for stage in (m.prefill, m.decode):
+        assert stage.step_seconds > 0 and stage.predicted.stage.name == stage.name
+        for k in stage.kernels:
+            assert k.calls >= 1 and k.seconds > 0 and k.point.op.bytes > 0 and k.point.op.ops >= 0, k.name
+            assert 0 < k.fraction < 1 and k.fraction == pytest.approx(k.point.time / k.seconds), k.name
+        # Every operator analyze models has a kernel, except the residual adds (fused into
+        # o_proj and down_proj) and mlp_act (a kernel that reads no weight, listed by name).
+        implemented = {name for k in stage.kernels for name in k.implements}
+        modelled = {p.op.name for p in stage.predicted.layer + stage.predicted.once}
+        assert modelled - implemented == {"attn_add", "mlp_add", "mlp_act"}
+        per_layer = [k for k in stage.kernels if "q_proj" in k.implements or "mlp_norm" in k.implements]
+        assert [k.calls for k in per_layer] == [layers, layers]
+        assert all(k.predicted > 0 for k in stage.kernels if k.implements)
+        # Each kernel timed cold can exceed the warm step, but the kernels explain most of it.
+        assert stage.kernel_seconds >= 0.25 * stage.step_seconds
+    names = {k.name for k in m.prefill.kernels} | {k.name for k in m.decode.kernels}
+    assert "vm.builtin.attention_kv_cache_attention_with_fused_qkv" in names
+
+
+@pytest.mark.parametrize("stage_name", ["prefill", "decode"])
+def test_operations_counted_in_the_compiled_tir_match_the_formulas(tiny_measurement, stage_name):
+    """The independent count: TVM's estimate_tir_flops on each kernel the artifact runs,
+    at the shapes it ran with, against analyze's formulas for the operators it implements."""
+    stage = getattr(tiny_measurement, stage_name)
+    formulas = {p.op.name: p.op for p in stage.predicted.layer + stage.predicted.once}
+    checked = set()
+    for k in stage.kernels:
+        if k.implements and set(k.implements) <= set(PROJECTIONS):
+            expected = sum(formulas[name].ops for name in k.implements)
+            # o_proj and down_proj carry the residual add as an epilogue: rows x h more operations.
+            add = formulas["attn_add"].ops
+            assert k.point.op.ops in (expected, expected + add), k.name
+            checked.update(k.implements)
+        elif k.implements in (("attn_norm",), ("mlp_norm",)):
+            # TVM also counts the per-row mean and epsilon (2 per row); the formula omits them.
+            assert k.point.op.ops == pytest.approx(formulas[k.implements[0]].ops, rel=0.01)
+            checked.update(k.implements)
+    assert checked == set(PROJECTIONS) | {"attn_norm", "mlp_norm"}
+    # Over the whole step the counts agree within 5%: they differ only in elementwise
+    # conventions (SiLU), the causal triangle of attention and the final norm's rows.
+    counted = sum(k.calls * k.point.op.ops for k in stage.kernels)
+    assert counted == pytest.approx(stage.predicted.ops, rel=0.05)
+
+
+def test_measure_cli_prints_json_and_plots(tiny_llama, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hw_module, "measure_host", lambda: GENEROUS)
+    assert run_cli(str(tiny_llama.artifact_dir), "--measure", "--prompt-len", "8", "--json",
+                   "--plot", str(tmp_path / "plots")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["name"] == "generous" and data["precision"]["wbits"] == 32
+    kernels = data["decode"]["kernels"]
+    assert data["prefill"]["new_tokens"] == 8 and data["decode"]["context"] == 9
+    assert all(k["time_s"] > 0 and 0 < k["fraction_of_roofline"] < 1 for k in kernels)
+    assert sum(k["calls"] * k["time_s"] for k in kernels) == pytest.approx(data["decode"]["kernels_s"])
+    png = tmp_path / "plots" / "measured_roofline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measure_cli_refuses_what_does_not_apply(tiny_llama, tmp_path):
+    artifact = str(tiny_llama.artifact_dir)
+    with pytest.raises(EmberError, match="--wbits, --gen-len do not apply to --measure"):
+        run_cli(artifact, "--measure", "--wbits", "4", "--gen-len", "8")
+    with pytest.raises(EmberError, match="--measure runs on this machine"):
+        run_cli(artifact, "--measure", "--hardware", "a6000")
+    with pytest.raises(EmberError, match="--prompt-len 65: .* prefills at most 64 tokens"):
+        measure(tiny_llama.artifact_dir, prompt_len=65, hardware=GENEROUS)
+    with pytest.raises(ArtifactError, match="manifest.json is missing"):
+        measure(tmp_path, hardware=GENEROUS)
+
+
+def test_kernels_map_to_operators_by_the_weights_they_read():
+    layer = "model.layers.3"
+    assert implemented_operators([f"{layer}.self_attn.q_k_v_proj.weight", f"{layer}.self_attn.q_k_v_proj.bias"],
+                                 10) == ("q_proj", "k_proj", "v_proj")
+    assert implemented_operators([f"{layer}.mlp.gate_up_proj.weight"], 10) == ("gate_proj", "up_proj")
+    assert implemented_operators([f"{layer}.post_attention_layernorm.weight"], 10) == ("mlp_norm",)
+    assert implemented_operators(["model.embed_tokens.weight"], 0) == ("embed_tokens",)   # the lookup
+    assert implemented_operators(["model.embed_tokens.weight"], 10) == ("lm_head",)       # a tied head
+    assert implemented_operators([], 10) == ()
+
+
+def test_attention_and_data_movement_bytes_by_hand():
+    arch = tiny()  # H=2, Hkv=1, d=4
+    # Prefill of 3 tokens: 6 causal pairs per head; K/V of 3 rows read once.
+    ops, nbytes = attention_work(arch.config, batch=1, new=3, past=0, element_bytes=2)
+    assert ops == 3 * 3 * 3 * 4 + 2 * 6 * (4 * 4 + 5)
+    assert nbytes == 2 * (3 * 4 * 4 + 3 * 2 * 4 + 2 * 3 * 4 + 2 * 3 * 4)
+    # Decode at context 5, 2 sequences: 5 pairs per head each; K/V of 5 rows per sequence.
+    ops, nbytes = attention_work(arch.config, batch=2, new=1, past=4, element_bytes=2)
+    assert ops == 3 * 2 * 3 * 4 + 2 * 2 * 5 * (4 * 4 + 5)
+    assert nbytes == 2 * (2 * 4 * 4 + 2 * 2 * 4 + 2 * 2 * 4 + 2 * 2 * 5 * 4)
+    # A matmul reads all its inputs; a gather (no arithmetic) only what it writes.
+    assert moved_bytes([100, 1000, 40], num_inputs=2, ops=5) == 1140
+    assert moved_bytes([4096, 8, 64], num_inputs=2, ops=0) == 128

@@ -1,4 +1,5 @@
-"""`ember analyze`: the roofline of a model on a device, per layer, for prefill and decode."""
+"""`ember analyze`: the roofline of a model on a device, per layer, for prefill and decode;
+with --measure, a compiled artifact's kernels timed on this machine against its roofline."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import textwrap
 from pathlib import Path
 
 from ember.analyze.operators import Precision, load_architecture, model_presets
-from ember.analyze.report import format_text, to_json, write_plots
+from ember.analyze.report import (
+    format_measurement,
+    format_text,
+    measurement_json,
+    to_json,
+    write_measured_plot,
+    write_plots,
+)
 from ember.analyze.roofline import Workload, analyze
+from ember.errors import EmberError
 from ember.targets.hardware import hardware_presets, load_hardware
 
 DESCRIPTION = """\
@@ -27,7 +36,15 @@ more FLOP/s. Prefill is mostly compute-bound, decode mostly memory-bound.
 The tables show, for the prefill and for one decode step: operations, bytes moved,
 intensity, attainable op/s, the bound, time and share of the step. Then totals (time
 to first token, per-token decode, the whole generation) and memory (weights, KV cache,
-peak activations). Times are ideal: each kernel at its roofline, one after another."""
+peak activations). Times are ideal: each kernel at its roofline, one after another.
+
+With --measure, MODEL is an artifact directory from `ember compile`: its prefill and
+one decode step run on this machine, every kernel is timed, and the table shows each
+kernel's operations, bytes, measured time and the share of its roofline it reaches on
+the measured `host` roofline, next to analyze's prediction for the same model."""
+
+# Options that describe a hypothetical deployment: an artifact fixes them itself.
+_NOT_MEASURED = ("wbits", "abits", "kvbits", "gen_len", "context", "flash_attention")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,44 +53,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
     parser.add_argument("model", metavar="MODEL",
-                        help="an HF checkpoint directory, a config.json, or a preset name (see below)")
-    parser.add_argument("--hardware", required=True, metavar="NAME",
+                        help="an HF checkpoint directory, a config.json, or a preset name (see below); "
+                             "with --measure, an artifact directory")
+    parser.add_argument("--hardware", metavar="NAME",
                         help="a device preset (a unique part of its name is enough, e.g. a6000), "
-                             "'host' to measure this machine (cached), or a JSON file shaped like a preset")
+                             "'host' to measure this machine (cached), or a JSON file shaped like a preset; "
+                             "required unless --measure, which always uses 'host'")
     parser.add_argument("--batch", type=_positive_int, default=1, metavar="B",
-                        help="sequences processed together (default: 1)")
-    parser.add_argument("--prompt-len", type=_positive_int, default=1024, metavar="S",
-                        help="prompt tokens per sequence (default: 1024)")
-    parser.add_argument("--gen-len", type=_positive_int, default=256, metavar="G",
+                        help="sequences processed together (default: 1); with --measure, the decode batch")
+    parser.add_argument("--prompt-len", type=_positive_int, metavar="S",
+                        help="prompt tokens per sequence (default: 1024; 128 with --measure)")
+    parser.add_argument("--gen-len", type=_positive_int, metavar="G",
                         help="tokens generated per sequence (default: 256)")
     parser.add_argument("--context", type=_positive_int, metavar="C",
                         help="the decode step shown in detail attends to C tokens (default: the prompt length)")
-    parser.add_argument("--wbits", type=float, choices=(2, 3, 4, 8, 16, 32), default=16,
+    parser.add_argument("--wbits", type=float, choices=(2, 3, 4, 8, 16, 32),
                         help="weight bits of the linear layers and embeddings (default: 16)")
-    parser.add_argument("--abits", type=float, choices=(4, 8, 16, 32), default=16,
+    parser.add_argument("--abits", type=float, choices=(4, 8, 16, 32),
                         help="activation bits; with --wbits <= 8 and --abits 8, matmuls run in int8 (default: 16)")
     parser.add_argument("--kvbits", type=float, choices=(2, 3, 4, 8, 16, 32),
                         help="KV-cache bits (default: --abits)")
     parser.add_argument("--flash-attention", action="store_true",
                         help="fuse qk, softmax and sv into one kernel (FlashAttention / flash-decoding)")
+    parser.add_argument("--measure", action="store_true",
+                        help="MODEL is a compiled artifact: time each of its kernels on this machine and place "
+                             "them on the host roofline next to the predicted operators")
     parser.add_argument("--json", action="store_true", help="print the full analysis as JSON instead of tables")
     parser.add_argument("--plot", type=Path, metavar="DIR",
-                        help="also write roofline.png, batch_sweep.png and seqlen_sweep.png to DIR "
-                             "(needs matplotlib: pip install 'ember[plot]')")
+                        help="also write roofline.png, batch_sweep.png and seqlen_sweep.png to DIR, or with "
+                             "--measure measured_roofline.png (needs matplotlib: pip install 'ember[plot]')")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Analyze, print the report (or JSON), write plots if asked."""
+    """Analyze (or measure), print the report (or JSON), write plots if asked."""
+    if args.measure:
+        return _run_measure(args)
+    if args.hardware is None:
+        raise EmberError("--hardware is required: a device preset, 'host', or a JSON file (see --help)")
     arch = load_architecture(args.model)
     hardware = load_hardware(args.hardware)
     float16 = "bf16" if arch.config.weight_dtype == "bfloat16" else "fp16"
-    precision = Precision(args.wbits, args.abits, args.kvbits or args.abits, float16)
-    workload = Workload(args.batch, args.prompt_len, args.gen_len, args.context, args.flash_attention)
+    abits = 16 if args.abits is None else args.abits
+    precision = Precision(16 if args.wbits is None else args.wbits, abits, args.kvbits or abits, float16)
+    workload = Workload(args.batch, args.prompt_len or 1024, args.gen_len or 256, args.context, args.flash_attention)
     analysis = analyze(arch, hardware, precision, workload)
     print(json.dumps(to_json(analysis), indent=2) if args.json else format_text(analysis))
     if args.plot:
         paths = write_plots(analysis, args.plot)
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
+def _run_measure(args: argparse.Namespace) -> int:
+    from ember.analyze.measure import measure  # loads TVM and the compiler: only for --measure
+
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_MEASURED if getattr(args, name) not in (None, False)]
+    if given:
+        raise EmberError(f"{', '.join(given)} do not apply to --measure: the artifact fixes its precision "
+                         "and attention, and one prefill and one decode step are measured")
+    if args.hardware not in (None, "host"):
+        raise EmberError(f"--hardware {args.hardware}: --measure runs on this machine, whose roofline is 'host'")
+    prompt_len = args.prompt_len or 128
+    print(f"timing every kernel of {args.model}: a prefill of {prompt_len} tokens and a decode step of "
+          f"batch {args.batch} ...", file=sys.stderr)
+    measurement = measure(Path(args.model), prompt_len, args.batch)
+    print(json.dumps(measurement_json(measurement), indent=2) if args.json else format_measurement(measurement))
+    if args.plot:
+        print(f"wrote {write_measured_plot(measurement, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -90,6 +136,8 @@ examples:
       an HF checkpoint directory on this machine (measured once, cached in ~/.cache/ember/)
   ember analyze Qwen2.5-7B --hardware apple-m2-max --plot plots/
       roofline plot, and time vs batch size and vs sequence length for several bit widths
+  ember compile demo -o demo-cpu && ember analyze demo-cpu --measure --plot plots/
+      every kernel of a compiled artifact timed here, against this machine's roofline
 
 model presets:
 {wrap(model_presets())}

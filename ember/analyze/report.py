@@ -1,4 +1,5 @@
-"""Present an `Analysis`: a text table, JSON, and PNG plots (roofline and sweeps).
+"""Present an `Analysis`: a text table, JSON, and PNG plots (roofline and sweeps); and a
+`Measurement` (`--measure`): its table of kernels, JSON, and the measured roofline plot.
 
 Plots need matplotlib, an optional dependency (`pip install 'ember[plot]'`); the table
 and JSON need nothing beyond the standard library.
@@ -10,11 +11,14 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.analyze.operators import Precision
 from ember.analyze.roofline import Analysis, Point, StageResult, Workload, step_results
 from ember.errors import EmberError
+
+if TYPE_CHECKING:  # measure.py loads TVM and the compiler; the analysis alone needs neither
+    from ember.analyze.measure import KernelTiming, MeasuredStage, Measurement
 
 _COLUMNS = ("operator", "dtype", "ops", "bytes", "op/B", "op/s", "bound", "time", "share")
 _WIDTHS = (16, 6, 9, 9, 8, 9, 8, 10, 7)
@@ -163,11 +167,7 @@ def _point_json(p: Point) -> dict[str, Any]:
 
 def write_plots(analysis: Analysis, directory: Path) -> list[Path]:
     """roofline.png (every operator, prefill and decode), batch_sweep.png, seqlen_sweep.png."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise EmberError("--plot needs matplotlib: pip install 'ember[plot]' "
-                         "(or pip install 'matplotlib>=3.8')") from None
+    Figure = _figure_class()
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "roofline.png", directory / "batch_sweep.png", directory / "seqlen_sweep.png"]
 
@@ -185,6 +185,15 @@ def write_plots(analysis: Analysis, directory: Path) -> list[Path]:
     _sweep_figure(a, "prompt length = decode context (tokens)", lengths,
                   lambda s: dataclasses.replace(work, prompt_len=s, context=None)).savefig(paths[2], dpi=120)
     return paths
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise EmberError("--plot needs matplotlib: pip install 'ember[plot]' "
+                         "(or pip install 'matplotlib>=3.8')") from None
+    return Figure
 
 
 def _roofline_axes(ax: Any, result: StageResult, analysis: Analysis) -> None:
@@ -248,3 +257,144 @@ def _sweep_figure(analysis: Analysis, xlabel: str, xs: list[int], workload: Call
         ax.legend(fontsize=8)
     fig.suptitle(f"{analysis.arch.name} on {analysis.hardware.name}", fontsize=11)
     return fig
+
+
+# --- measurements (--measure) --------------------------------------------------------
+
+
+def format_measurement(m: Measurement) -> str:
+    """The measured kernels of the prefill and the decode step, against the host roofline and the prediction."""
+    hw, c = m.hardware, m.arch.config
+    lines = [
+        f"{m.artifact} measured on {hw.name}: {hw.description}",
+        f"  model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
+        f"{c.num_key_value_heads} KV heads, ffn {c.intermediate_size}, vocab {c.vocab_size}; {m.precision.label()}",
+        f"  roofline: fp32 {_si(hw.peak_flops['fp32'], 'op/s', 4)}, memory {_si(hw.memory_bandwidth, 'B/s', 4)} "
+        f"(ridge {hw.ridge_point('fp32'):.3g} op/B); {hw.source}",
+        f"  each kernel timed on its own with cold caches ({m.cache_flush_bytes / 2**20:.0f} MiB copied before each "
+        f"run), best of {m.repeats}; 'of roof' = roofline time / measured time; 'predicted' = analyze's "
+        "operators on this roofline",
+    ]
+    for stage in (m.prefill, m.decode):
+        what = (f"Prefill: 1 sequence x {stage.new_tokens} tokens" if stage.name == "prefill"
+                else f"Decode: one step, batch {stage.batch}, attending to {stage.context} tokens")
+        lines += ["", what, *_measured_table(stage)]
+    return "\n".join(lines)
+
+
+def _measured_table(stage: MeasuredStage) -> list[str]:
+    header = ("kernel", "implements", "calls", "ops", "bytes", "op/B", "time", "op/s", "roof op/s", "of roof",
+              "bound", "predicted", "share")
+    total = stage.kernel_seconds
+    rows = []
+    for k in stage.kernels:
+        p = k.point
+        arithmetic = p.op.ops > 0
+        rows.append((_kernel_name(k), "+".join(k.implements) or "-", str(k.calls), _si(p.op.ops), _si(p.op.bytes),
+                     f"{p.intensity:.2f}", _time(k.seconds), _si(k.achieved) if arithmetic else "-",
+                     _si(p.attainable) if arithmetic else "-", _pct(k.fraction), p.bound,
+                     _time(k.predicted) if k.predicted is not None else "-", _pct(k.calls * k.seconds / total)))
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    explained = total / stage.step_seconds
+    return [line(header), "  " + "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, rows), "",
+            f"  kernels, every call summed  {_time(total):>9}   ({100 * explained:.0f}% of the step; the step runs "
+            "them with warm caches, plus VM and Python overhead)",
+            f"  step, timed end to end      {_time(stage.step_seconds):>9}",
+            f"  predicted by analyze        {_time(stage.predicted.time):>9}   "
+            f"(the measured step takes {stage.step_seconds / stage.predicted.time:.2g}x that)"]
+
+
+def _kernel_name(k: KernelTiming) -> str:
+    return k.name.removeprefix("vm.builtin.")
+
+
+def measurement_json(m: Measurement) -> dict[str, Any]:
+    """Everything in the measured report, unrounded, in SI units (op, byte, second)."""
+    return {
+        "artifact": str(m.artifact),
+        "model": {"name": m.arch.name, "config": m.arch.config.to_json()},
+        "hardware": m.hardware.to_json(),
+        "precision": dataclasses.asdict(m.precision),
+        "timing": {"repeats": m.repeats, "cache_flush_bytes": m.cache_flush_bytes, "statistic": "min"},
+        "prefill": _measured_stage_json(m.prefill),
+        "decode": _measured_stage_json(m.decode),
+    }
+
+
+def _measured_stage_json(stage: MeasuredStage) -> dict[str, Any]:
+    return {
+        "batch": stage.batch, "new_tokens": stage.new_tokens, "context": stage.context,
+        "step_s": stage.step_seconds, "kernels_s": stage.kernel_seconds, "predicted_s": stage.predicted.time,
+        "kernels": [{
+            "name": k.name, "implements": list(k.implements), "calls": k.calls, "ops": k.point.op.ops,
+            "bytes": k.point.op.bytes, "intensity": k.point.intensity, "time_s": k.seconds,
+            "achieved_ops_per_s": k.achieved, "attainable_ops_per_s": k.point.attainable,
+            "roofline_time_s": k.point.time, "fraction_of_roofline": k.fraction, "bound": k.point.bound,
+            "predicted_time_s": k.predicted,
+        } for k in stage.kernels],
+        "predicted": _stage_json(stage.predicted),
+    }
+
+
+def write_measured_plot(m: Measurement, directory: Path) -> Path:
+    """measured_roofline.png: predicted operators and measured kernels on the host roofline, prefill and decode."""
+    Figure = _figure_class()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "measured_roofline.png"
+    fig = Figure(figsize=(15, 10))
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.3, top=0.93, wspace=0.15)
+    for ax, stage in zip(fig.subplots(1, 2), (m.prefill, m.decode)):
+        _measured_axes(ax, stage, m)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _measured_axes(ax: Any, stage: MeasuredStage, m: Measurement) -> None:
+    from matplotlib.lines import Line2D
+
+    hw = m.hardware
+    kernels = [k for k in stage.kernels if k.point.op.ops > 0]  # data movement has no place on an op/s axis
+    predicted = [p for p in stage.predicted.layer + stage.predicted.once if p.op.ops > 0]
+    intensities = [k.point.intensity for k in kernels] + [p.intensity for p in predicted]
+    peak = hw.peak_flops["fp32"]
+    lo, hi = min(intensities) / 2, max(max(intensities), peak / hw.memory_bandwidth) * 4
+    ax.plot([lo, peak / hw.memory_bandwidth, hi], [lo * hw.memory_bandwidth, peak, peak], color="black",
+            linewidth=1.2)
+    colors = dict(zip(((k.name, k.implements) for k in kernels), _colors(len(kernels))))
+    owner = {name: k for k in kernels for name in k.implements}
+    for p in predicted:
+        k = owner.get(p.op.name)
+        color = colors[(k.name, k.implements)] if k else "grey"
+        ax.scatter(p.intensity, p.attainable, s=60, facecolors="none", edgecolors=[color], linewidths=1.5, zorder=3)
+        if k:
+            ax.plot([p.intensity, k.point.intensity], [p.attainable, k.achieved], color=color, linestyle=":",
+                    linewidth=1)
+        else:
+            ax.annotate(p.op.name, (p.intensity, p.attainable), fontsize=6, color="grey",
+                        xytext=(4, -8), textcoords="offset points")
+    handles = []
+    for k in kernels:
+        color = colors[(k.name, k.implements)]
+        ax.scatter(k.point.intensity, k.achieved, s=40, marker="s", color=color, edgecolors="black",
+                   linewidths=0.5, zorder=4)
+        label = f"{_kernel_name(k)}" + (f" ({'+'.join(k.implements)})" if k.implements else "")
+        handles.append(Line2D([], [], marker="s", linestyle="", color=color, markeredgecolor="black",
+                              label=f"{label}: {_pct(k.fraction)}"))
+    handles += [Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor="grey",
+                       label="predicted operator (analyze), dotted to its kernel"),
+                Line2D([], [], color="black", label=f"host roofline ({_si(peak, 'op/s')}, "
+                                                    f"{_si(hw.memory_bandwidth, 'B/s')})")]
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (op/byte)")
+    ax.set_ylabel("performance (op/s): attainable (predicted), achieved (measured)")
+    what = (f"prefill of {stage.new_tokens} tokens" if stage.name == "prefill"
+            else f"decode step, batch {stage.batch}, context {stage.context}")
+    ax.set_title(f"{m.arch.name} on {hw.description}: {what}\nsquares: kernels as measured "
+                 f"(legend: share of the roofline reached)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08))

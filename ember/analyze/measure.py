@@ -1,0 +1,390 @@
+"""`ember analyze ARTIFACT --measure`: time every kernel of a compiled artifact on this
+machine and place it on the measured `host` roofline, next to analyze's predictions.
+
+1. What each kernel computes. The artifact's kernels are rebuilt as TIR from its
+   manifest: the frontend's graph of the recorded config, through the pipeline's graph
+   and legalization phases, which name and fuse the kernels (scheduling, which runs
+   later, changes loops, not names or arithmetic). A kernel's operations are TVM's
+   `estimate_tir_flops` of its PrimFunc specialized to the shapes of the call; its
+   bytes are the tensors it reads and writes, each once (analyze's convention). The
+   paged KV cache's attention is a runtime builtin, not a PrimFunc of the model: its
+   work is `attention_work`'s formula.
+2. Which calls a step makes. One prefill of S tokens (one sequence, as the artifact
+   prefills) and one decode step (B sequences at context S + 1) run with a VM
+   instrument that sees every call: the kernel, its arguments and which of them are
+   weights (by data pointer), whose names say which analyze operators it implements.
+3. How long each takes. At its first call with given shapes, a kernel is timed with
+   TVM's time evaluator on the same arguments: the best of `repeats` runs, each after
+   the caches are flushed, since the roofline charges every operand to memory. Both
+   steps are also timed end to end without the instrument; what the kernels leave
+   unexplained is VM overhead, bookkeeping builtins and Python.
+4. How good that is. A kernel's share of its roofline is the roofline time
+   max(ops / peak, bytes / bandwidth) over the measured time; for a kernel that does
+   arithmetic this equals achieved op/s over attainable op/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax, runtime as tvm_runtime, tirx
+from tvm.s_tir.analysis import estimate_tir_flops
+
+from ember.analyze.operators import Architecture, Operator, Precision, decode, prefill, visible_keys
+from ember.analyze.roofline import Point, StageResult, evaluate, place
+from ember.errors import ArtifactError, EmberError
+from ember.frontend.config import ModelConfig
+from ember.frontend.hf import build_module
+from ember.ir_passes import pipeline
+from ember.manifest import LIBRARY_NAME, Manifest
+from ember.runtime import Engine, load_artifact
+from ember.targets.hardware import Hardware, load_host
+from ember.targets.registry import resolve_target
+
+REPEATS = 10
+# Copied before each timed run: more than the last-level cache a core sees on the CPUs
+# ember targets (32-96 MB per chiplet), so every operand comes from memory again.
+CACHE_FLUSH_BYTES = 64 * 2**20
+ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+ATTENTION_OPERATORS = ("rope", "qk_matmul", "softmax", "sv_matmul")
+# Weight names -> analyze operators; projections (fused or not) map by their `<a>_<b>_proj` name.
+_WEIGHT_OPERATORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm", "norm": "final_norm",
+                     "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
+_TIME_EVALUATOR = "runtime.RPCTimeEvaluator"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiming:
+    """One kernel of a step: what it implements, how often it runs, and its work and time per call."""
+
+    name: str                     # the kernel's symbol in the artifact
+    implements: tuple[str, ...]   # analyze's operators it computes; empty where analyze has none
+    calls: int
+    seconds: float                # per call, best of the timed runs
+    point: Point                  # its ops and bytes per call on the host roofline
+    predicted: float | None       # analyze's time for `implements` on the host, per call
+
+    @property
+    def achieved(self) -> float:
+        """Operations per second reached."""
+        return self.point.op.ops / self.seconds
+
+    @property
+    def fraction(self) -> float:
+        """Roofline time over measured time: achieved op/s over attainable op/s (bytes/s for pure data movement)."""
+        return self.point.time / self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredStage:
+    """A step's kernels as measured, the step timed end to end, and analyze's prediction of it."""
+
+    name: str
+    batch: int
+    new_tokens: int
+    context: int
+    kernels: tuple[KernelTiming, ...]
+    step_seconds: float           # best end-to-end time of the step, without the instrument
+    predicted: StageResult
+
+    @property
+    def kernel_seconds(self) -> float:
+        """Sum of every kernel call's measured time."""
+        return sum(k.calls * k.seconds for k in self.kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """An artifact's prefill and decode step, timed kernel by kernel on this machine."""
+
+    artifact: Path
+    arch: Architecture
+    hardware: Hardware
+    precision: Precision
+    repeats: int
+    cache_flush_bytes: int
+    prefill: MeasuredStage
+    decode: MeasuredStage
+
+
+def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: int = REPEATS,
+            hardware: Hardware | None = None) -> Measurement:
+    """Time every kernel of the artifact's prefill of `prompt_len` tokens and of a decode step of `batch` sequences."""
+    artifact = load_artifact(Path(artifact_dir))
+    manifest = artifact.manifest
+    engine = Engine(artifact)
+    if prompt_len > engine.prefill_chunk or prompt_len + 1 > engine.context_window:
+        raise EmberError(f"--prompt-len {prompt_len}: {artifact_dir} prefills at most {engine.prefill_chunk} tokens "
+                         f"per call and holds {engine.context_window}; measure a prompt that fits one call")
+    if batch > engine.max_batch:
+        raise EmberError(f"--batch {batch}: {artifact_dir} decodes at most {engine.max_batch} sequences")
+    hardware = hardware or load_host()
+    config = _config(manifest, artifact_dir)
+    arch = Architecture(Path(artifact_dir).resolve().name, config)
+    bits = tvm_runtime.DataType(manifest.model_dtype).bits
+    precision = Precision(bits, bits, bits, "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
+    kernels = rebuild_kernels(manifest)
+
+    prompt = [int(t) for t in (np.arange(prompt_len) * 7919 + 3) % config.vocab_size]  # any in-vocabulary ids
+    step_seconds = _time_steps(engine, prompt, batch, repeats)
+    weights = {t.data_ptr(): name for t, name in zip(artifact.params, manifest.params)}
+    names = {gv.name_hint for gv, func in kernels.functions_items() if isinstance(func, tirx.PrimFunc)}
+    library = tvm_runtime.load_module(str(Path(artifact_dir) / LIBRARY_NAME))
+    recorder = _Recorder(names, library, artifact.device, weights, repeats)
+    artifact.vm.set_instrument(recorder)
+    seqs = [engine.add_sequence() for _ in range(batch)]
+    with recorder.recording() as prefill_calls:
+        engine.prefill(seqs[0], prompt)
+    for seq in seqs[1:]:
+        engine.prefill(seq, prompt)
+    with recorder.recording() as decode_calls:
+        engine.decode(seqs, [prompt[-1]] * batch)
+    inputs = kernel_inputs(kernels, prefill_calls + decode_calls, artifact_dir)
+
+    stages = {}
+    for name, calls, step in (("prefill", prefill_calls, prefill(arch, precision, 1, prompt_len)),
+                              ("decode", decode_calls, decode(arch, precision, batch, prompt_len + 1))):
+        predicted = evaluate(step, hardware)
+        timings = _kernel_timings(calls, kernels, inputs, recorder.times, config, step.batch, step.new_tokens,
+                                  step.past_tokens, precision, predicted, hardware)
+        stages[name] = MeasuredStage(name, step.batch, step.new_tokens, step.past_tokens + step.new_tokens,
+                                     timings, step_seconds[name], predicted)
+    return Measurement(Path(artifact_dir), arch, hardware, precision, repeats, CACHE_FLUSH_BYTES,
+                       stages["prefill"], stages["decode"])
+
+
+def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
+    """The artifact's kernels as TIR before scheduling, rebuilt from its manifest as `ember compile` built them."""
+    config = _config(manifest, "the artifact")
+    target = resolve_target(json.dumps(manifest.target["tvm_target"]))
+    mod, _ = build_module(config, target.target, manifest.model_dtype)
+    kv = manifest.kv_cache
+    passes = (pipeline.graph_passes(target, int(kv["prefill_chunk"]), int(kv["max_batch"]))
+              + pipeline.legalize_passes(target))
+    with target.target:
+        return tvm.transform.Sequential(passes, name="ember-kernels")(mod)
+
+
+def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
+    """Operations of `func` called on tensors of `shapes` (None for a scalar argument), by TVM's `estimate_tir_flops`.
+
+    Symbolic dimensions (sequence length, batch) are bound by specializing the PrimFunc
+    to the call's shapes; TVM counts every arithmetic operation of floating type once.
+    """
+    bindings = {}
+    for param, shape in zip(func.params, shapes):
+        buffer_shape = getattr(param.ty, "shape", None)
+        if shape is None or buffer_shape is None or not any(isinstance(d, tirx.Var) for d in buffer_shape):
+            continue
+        dims = [tirx.IntImm(str(d.ty.dtype), n)
+                for d, n in zip(buffer_shape, shape)]
+        bindings[param] = tirx.decl_buffer(dims, param.dtype)
+    return float(estimate_tir_flops(tvm.IRModule({"main": func.specialize(bindings) if bindings else func})))
+
+
+def attention_work(config: ModelConfig, batch: int, new: int, past: int, element_bytes: float) -> tuple[float, float]:
+    """Operations and bytes of one layer's paged-KV-cache attention: RoPE on q and k, K and V
+    appended to the cache, causal attention over the cached keys, all in one builtin.
+
+    ops = 3 rows (H + Hkv) d                 RoPE, as analyze's `rope`
+        + batch H P (4 d + 5)                qk and sv (2 d each) and an online softmax (5) per
+                                             (query, key) pair; P pairs pass the causal mask
+    bytes = s rows (H + 2 Hkv) d             the fused q, k, v in
+          + s rows H d                       the output
+          + 2 s rows Hkv d                   K and V appended to the cache
+          + 2 s batch K Hkv d                the visible K and V rows, read once per KV head
+    with rows = batch new, K the keys the step's queries see (analyze's `visible_keys`),
+    s bytes per element.
+    """
+    c = config
+    d, heads, kv_heads = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    rows = batch * new
+    pairs = sum(visible_keys(position, 1, c.sliding_window) for position in range(past, past + new))
+    keys = visible_keys(past, new, c.sliding_window)
+    ops = 3 * rows * (heads + kv_heads) * d + batch * heads * pairs * (4 * d + 5)
+    moved = (rows * (heads + 2 * kv_heads) * d + rows * heads * d + 2 * rows * kv_heads * d
+             + 2 * batch * keys * kv_heads * d)
+    return ops, moved * element_bytes
+
+
+def implemented_operators(weights: list[str], ops: float) -> tuple[str, ...]:
+    """analyze's operators a kernel computes, from the names of the weights it reads.
+
+    `model.layers.0.self_attn.q_k_v_proj.weight` -> q_proj, k_proj, v_proj. A tied
+    embedding table read by a kernel that does arithmetic is the lm_head.
+    """
+    found: list[str] = []
+    for weight in weights:
+        role = weight.split(".")[-2]
+        if role.endswith("_proj"):
+            names = [f"{part}_proj" for part in role.removesuffix("_proj").split("_")]
+        elif role == "embed_tokens" and ops > 0:
+            names = ["lm_head"]
+        else:
+            names = [_WEIGHT_OPERATORS[role]] if role in _WEIGHT_OPERATORS else []
+        found += [n for n in names if n not in found]
+    return tuple(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    symbol: str
+    signature: tuple
+    shapes: list[tuple[int, ...] | None]
+    nbytes: list[float]           # per argument, 0 for a scalar
+    weights: list[str]
+
+
+class _Recorder:
+    """The VM instrument: records the kernel calls of a step, timing each new (kernel, shapes) once."""
+
+    def __init__(self, kernels: set[str], library: tvm_runtime.Module, device: tvm_runtime.Device,
+                 weights: dict[int, str], repeats: int) -> None:
+        self.kernels = kernels
+        self.library = library
+        self.device = device
+        self.weights = weights
+        self.repeats = repeats
+        self.times: dict[tuple, float] = {}
+        self._calls: list[_Call] | None = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[_Call]]:
+        """Collect the kernel calls made inside the context into the list it yields."""
+        self._calls = []
+        try:
+            yield self._calls
+        finally:
+            self._calls = None
+
+    def __call__(self, func, symbol: str, before_run: bool, ret_value, *args) -> int:
+        if before_run and self._calls is not None and (symbol in self.kernels or symbol == ATTENTION_BUILTIN):
+            tensors = [a if isinstance(a, tvm_runtime.Tensor) else None for a in args]
+            shapes = [tuple(int(n) for n in t.shape) if t is not None else None for t in tensors]
+            signature = (symbol, tuple(shapes), tuple(str(t.dtype) for t in tensors if t is not None))
+            if signature not in self.times:
+                self.times[signature] = self._time(symbol, args)
+            nbytes = [t.numel() * tvm_runtime.DataType(str(t.dtype)).bits / 8 if t is not None else 0 for t in tensors]
+            weights = [self.weights[t.data_ptr()] for t in tensors if t is not None and t.data_ptr() in self.weights]
+            self._calls.append(_Call(symbol, signature, shapes, nbytes, weights))
+        return 0  # run the call as usual
+
+    def _time(self, symbol: str, args: tuple) -> float:
+        # Kernels live in a module the library imports; the attention builtin is a global
+        # function, which only the raw evaluator (module None) can time, so both use it.
+        module = None if symbol == ATTENTION_BUILTIN else next(
+            m for m in self.library.imports if m.implements_function(symbol))
+        evaluator = tvm.get_global_func(_TIME_EVALUATOR)(
+            module, symbol, self.device.dlpack_device_type(), self.device.index,
+            1, self.repeats,        # number of calls per run, runs
+            0, 100, 0, 1,           # min_repeat_ms, limit_zero_time_iterations, cooldown_ms, repeats_to_cooldown
+            CACHE_FLUSH_BYTES, "")  # flushed before each run; no preprocessing function
+        blob = evaluator(*args)
+        return min(struct.unpack(f"@{self.repeats}d", bytes(blob)))
+
+
+def _time_steps(engine: Engine, prompt: list[int], batch: int, repeats: int) -> dict[str, float]:
+    """Best end-to-end seconds of a prefill of `prompt` and of a decode step of `batch` such sequences."""
+    best = {"prefill": float("inf"), "decode": float("inf")}
+    for run in range(repeats + 1):  # the first run warms up
+        seq = engine.add_sequence()
+        start = time.perf_counter()
+        engine.prefill(seq, prompt)
+        if run:
+            best["prefill"] = min(best["prefill"], time.perf_counter() - start)
+        engine.remove_sequence(seq)
+    seqs = [engine.add_sequence() for _ in range(batch)]
+    for seq in seqs:
+        engine.prefill(seq, prompt)
+    for run in range(repeats + 1):
+        start = time.perf_counter()
+        engine.decode(seqs, [prompt[-1]] * batch)
+        if run:
+            best["decode"] = min(best["decode"], time.perf_counter() - start)
+        for seq in seqs:
+            engine.truncate(seq, len(prompt))
+    for seq in seqs:
+        engine.remove_sequence(seq)
+    return best
+
+
+def kernel_inputs(kernels: tvm.IRModule, calls: list[_Call], artifact_dir: Path | str) -> dict[str, int]:
+    """How many of each kernel's arguments are inputs (the rest are outputs), from the rebuilt graph's calls.
+
+    Checks on the way that the rebuild is the artifact: every kernel the graph calls
+    ran, with as many arguments. Reshapes are skipped: the pipeline turns them into
+    views after legalization.
+    """
+    called = {call.symbol: call for call in calls}
+    inputs = {}
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    for entry in ("prefill", "decode"):
+        for block in kernels[entry].body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if not (isinstance(value, relax.Call) and value.op.same_as(call_tir)):
+                    continue
+                name = value.args[0].name_hint
+                if relax.analysis.has_reshape_pattern(kernels[name]):
+                    continue
+                if name not in called or len(called[name].shapes) != len(kernels[name].params):
+                    raise ArtifactError(
+                        f"{artifact_dir}: its kernels differ from those this ember builds from its manifest "
+                        f"(kernel {name}); recompile it with this ember to measure it")
+                inputs[name] = len(value.args[1].fields)
+    return inputs
+
+
+def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str, int], times: dict[tuple, float],
+                    config: ModelConfig, batch: int, new: int, past: int, precision: Precision,
+                    predicted: StageResult, hardware: Hardware) -> tuple[KernelTiming, ...]:
+    """Group a step's calls by kernel, shapes and implemented operators, in order of first call."""
+    predicted_time = {p.op.name: p.time for p in predicted.layer + predicted.once}
+    dtype = precision.matmul_dtype(precision.wbits, precision.abits)
+    groups: dict[tuple, list[_Call]] = {}
+    work: dict[tuple, tuple[float, float]] = {}
+    for call in calls:
+        if call.signature not in work:
+            if call.symbol == ATTENTION_BUILTIN:
+                work[call.signature] = attention_work(config, batch, new, past, precision.abytes)
+            else:
+                ops = tir_ops(kernels[call.symbol], call.shapes)
+                work[call.signature] = (ops, moved_bytes(call.nbytes, inputs[call.symbol], ops))
+        ops = work[call.signature][0]
+        implements = (ATTENTION_OPERATORS if call.symbol == ATTENTION_BUILTIN
+                      else implemented_operators(call.weights, ops))
+        groups.setdefault((call.signature, implements), []).append(call)
+    timings = []
+    for (signature, implements), group in groups.items():
+        ops, nbytes = work[signature]
+        point = place(Operator(group[0].symbol, dtype, ops, act_read=nbytes), hardware)
+        expected = sum(predicted_time[n] for n in implements) if implements else None
+        timings.append(KernelTiming(group[0].symbol, implements, len(group), times[signature], point, expected))
+    return tuple(timings)
+
+
+def moved_bytes(nbytes: list[float], num_inputs: int, ops: float) -> float:
+    """Bytes a kernel moves: every input read once, every output written once.
+
+    A kernel without arithmetic only moves data, and reads no more than it writes: a
+    gather (embedding lookup, picking the rows that get logits) reads just the rows
+    it picks, not the whole table it is given.
+    """
+    read, written = sum(nbytes[:num_inputs]), sum(nbytes[num_inputs:])
+    return written + (min(read, written) if ops == 0 else read)
+
+
+def _config(manifest: Manifest, origin: Path | str) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(manifest.model)
+    except (TypeError, KeyError) as err:
+        raise ArtifactError(f"{origin}: the manifest's model config is not this ember's ({err}); "
+                            "recompile it") from None
