@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile-only", action="store_true", help="compile the artifacts and stop (no GPU needed)")
+    parser.add_argument("--json", type=Path, help="also write every measurement to this file")
     args = parser.parse_args()
 
     if not (args.model / "config.json").exists():
@@ -196,7 +197,7 @@ def main() -> None:
     if args.compile_only or not built:
         return
 
-    from ember.targets.hardware import load_hardware
+    from ember.targets.hardware import hardware_presets, load_hardware
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, SHAPE["vocab"], args.prompt_len).tolist() for _ in range(args.batch)]
@@ -206,8 +207,10 @@ def main() -> None:
     rows[TORCH_ROW] = torch = run_worker("torch", {**request, "model": str(args.model)})
 
     first = next(iter(built.values()))["artifact"]
-    hardware = load_hardware(args.hardware or json.loads((Path(first) / "manifest.json").read_text())["target"]["hardware"])
-    print(f"\n{torch['device_name']}; datasheet bandwidth {hardware.memory_bandwidth / 1e9:.0f} GB/s ({hardware.name}), "
+    # A detected GPU is recorded by its device name, not a preset: then --hardware names the datasheet.
+    preset = args.hardware or json.loads((Path(first) / "manifest.json").read_text())["target"]["hardware"]
+    bandwidth = load_hardware(preset).memory_bandwidth if args.hardware or preset in hardware_presets() else float("nan")
+    print(f"\n{torch['device_name']}; datasheet bandwidth {bandwidth / 1e9:.0f} GB/s ({preset}; --hardware to choose), "
           f"measured copy {torch['copy_bandwidth'] / 1e9:.0f} GB/s; prompt {args.prompt_len} + {args.new_tokens} new "
           f"tokens, median of {args.repeats}")
     for quant, info in built.items():
@@ -222,9 +225,14 @@ def main() -> None:
         agree = next((i for i, (a, b) in enumerate(zip(row["token_ids"], torch["token_ids"])) if a != b),
                      len(torch["token_ids"]))
         print(f"{name:<20} {row['prefill_tokens_per_s']:>14.0f} {row['decode_tokens_per_s']:>13.1f} "
-              f"{100 * achieved / hardware.memory_bandwidth:>10.0f}% {100 * achieved / torch['copy_bandwidth']:>9.0f}% "
+              f"{100 * achieved / bandwidth:>10.0f}% {100 * achieved / torch['copy_bandwidth']:>9.0f}% "
               f"{row['batch_decode_tokens_per_s']:>14.0f} "
               f"{row['decode_tokens_per_s'] / torch['decode_tokens_per_s']:>15.2f}x {agree:>15}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "compiled": built,
+                                         "datasheet_bandwidth": bandwidth, "bytes_per_decode_token": read,
+                                         "rows": rows}, indent=2))
+
 
 if __name__ == "__main__":
     main()
