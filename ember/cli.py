@@ -8,6 +8,7 @@ the input or the request, 2 bad command-line usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import signal
@@ -26,6 +27,7 @@ examples:
   ember generate demo-cpu --prompt "And the LORD said"
   ember chat demo-cpu
   ember compile path/to/hf-llama -o llama-cpu --target cpu --memory-budget 8GB
+  ember compile path/to/hf-llama -o llama-h100 --target cuda:sm_90a   (no GPU needed here)
   ember inspect llama-cpu
 
 MODEL is a Hugging Face checkpoint directory (config.json, model.safetensors or a
@@ -76,10 +78,12 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("model", help="checkpoint directory, or `demo` for the bundled demo model")
     compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     compile_.add_argument("--target", default="cpu",
-                          help="`cpu` (this machine, default) or a TVM target JSON object or file, "
-                               'e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\'')
-    compile_.add_argument("--quant", default="q0f32", metavar="FORMAT",
-                          help="weight format (default q0f32): " + ", ".join(
+                          help="`cpu` (this machine, default), a TVM target JSON object or file for another CPU, "
+                               'e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\', '
+                               "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
+                               "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
+    compile_.add_argument("--quant", default=None, metavar="FORMAT",
+                          help="weight format (default q0f32 on CPUs, q0f16 on GPUs): " + ", ".join(
                               f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
     compile_.add_argument("--keep-embedding", action="store_true",
                           help="leave the token embedding in the compute dtype (quantized formats only)")
@@ -91,8 +95,8 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--max-batch", type=int, default=8,
                           help="most sequences decoded together (default 8)")
     compile_.add_argument("--memory-budget", type=_parse_bytes,
-                          help="memory for weights + workspace + KV cache, e.g. 4GB; "
-                               "sets the longest context the artifact allows")
+                          help="memory for weights + workspace + KV cache, e.g. 4GB; sets the longest context "
+                               "the artifact allows and the KV cache's size (default on GPUs: 90%% of its memory)")
     compile_.add_argument("--no-progress", action="store_true", help="no progress bars")
     compile_.set_defaults(run=_run_compile)
 
@@ -162,14 +166,14 @@ def _run_compile(args: argparse.Namespace) -> int:
     print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
     print(f"  weights {_mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
           f"planned workspace {_mib(memory.peak_workspace_bytes)}")
-    if args.memory_budget:
-        print(f"  longest context in {_mib(args.memory_budget)}: {memory.max_context(args.memory_budget)} tokens")
+    kv = result.manifest.kv_cache
+    if kv["memory_budget"]:
+        print(f"  in a memory budget of {_mib(kv['memory_budget'])}: KV cache of {kv['max_total_tokens']} tokens, "
+              f"longest context {kv['max_context']} tokens")
     return 0
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    import json
-
     from ember.manifest import read_manifest
 
     manifest = read_manifest(args.artifact)
@@ -188,11 +192,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
                     + (f", sliding window {kv['sliding_window']}" if kv["sliding_window"] else "")),
         ("quantization", f"{manifest.quantization} ({FORMATS[manifest.quantization].bits_per_weight:g} bits/weight, "
                          f"{manifest.model_dtype} compute)"),
-        ("target", json.dumps(manifest.target["tvm_target"])),
+        ("target", _describe_target(manifest.target)),
         ("entry functions", ", ".join(manifest.entry_functions)),
         ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "
                      f"heads x {kv['head_dim']} ({kv['dtype']}); prefill chunk {kv['prefill_chunk']}, "
-                     f"max batch {kv['max_batch']}"),
+                     f"max batch {kv['max_batch']}, "
+                     f"{kv.get('max_total_tokens', kv['max_batch'] * kv['max_context'])} tokens in all"),
         ("memory", f"weights {_mib(memory['weight_bytes'])}, KV {memory['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
                    f"workspace {_mib(memory['peak_workspace_bytes'])}"),
         ("weights", f"{len(manifest.params)} tensors"),
@@ -248,6 +253,13 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(f"divergence from the reference: mean KL {ref['mean_kl']:.5f} nats/token (max {ref['max_kl']:.4f}), "
               f"top-1 agreement {ref['top1_agreement']:.2%}")
     return 0
+
+
+def _describe_target(target: dict) -> str:
+    if target.get("name", "cpu") == "cpu":
+        return json.dumps(target["tvm_target"])
+    sized = f", sized for {target['hardware']} ({target['memory_bytes'] / 2**30:.0f} GiB)" if target.get("hardware") else ""
+    return f"{target['name']} {target.get('arch', '')}".rstrip() + sized
 
 
 def _sampling(args: argparse.Namespace):

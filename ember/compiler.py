@@ -8,6 +8,7 @@ only when complete, so a failure or Ctrl-C never leaves a half artifact at OUT.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 import tvm
 
 import ember
+from ember.codegen import build_library
 from ember.convert import write_params
 from ember.errors import EmberError
 from ember.frontend.hf import import_hf_model
@@ -26,7 +28,7 @@ from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
-from ember.targets.registry import resolve_target
+from ember.targets.registry import TargetSpec, resolve_target
 
 log = logging.getLogger("ember")
 
@@ -38,12 +40,12 @@ class CompileOptions:
     """What to build; the defaults suit a laptop-class CPU."""
 
     target: str = "cpu"
-    quantization: str = "q0f32"
+    quantization: str | None = None  # None: the target's default (q0f16 on GPUs, q0f32 on CPUs)
     keep_embedding: bool = False
     keep_lm_head: bool = False
     prefill_chunk: int = 256
     max_batch: int = 8
-    memory_budget: int | None = None
+    memory_budget: int | None = None  # None: most of a GPU target's memory; unbounded on CPUs
     show_progress: bool = True
 
 
@@ -61,13 +63,14 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     """Compile the Hugging Face checkpoint in `model_dir` into an artifact at `output_dir`."""
     start = time.perf_counter()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
+    target = resolve_target(options.target)
+    options = _with_target_defaults(options, target)
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.prefill_chunk < 1 or options.max_batch < 1:
         raise EmberError("--prefill-chunk and --max-batch must be positive")
     if output_dir.exists() and not (output_dir / MANIFEST_NAME).exists() and any(output_dir.iterdir()):
         raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
-    target = resolve_target(options.target)
     quantization = FORMATS[options.quantization]
     model_dtype = quantization.dtype
 
@@ -76,7 +79,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     config = imported.config
     prefill_chunk = min(options.prefill_chunk, config.context_window)
 
-    log.info("lowering and scheduling for %s", target.tvm_target)
+    log.info("lowering and scheduling for %s", target.describe())
     lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                           options.keep_embedding, options.keep_lm_head)
     lowered = pipeline.lower(imported.mod, target, lower_options)
@@ -87,16 +90,16 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     memory = memory_report(lowered, kv_bytes_per_token, config.context_window)
     if options.memory_budget is not None and memory.max_context(options.memory_budget) < 1:
         raise EmberError(
-            f"--memory-budget {options.memory_budget} bytes does not hold the weights "
-            f"({memory.weight_bytes} bytes) and workspace ({memory.peak_workspace_bytes} bytes)"
+            f"a memory budget of {options.memory_budget} bytes does not hold the weights "
+            f"({memory.weight_bytes} bytes) and workspace ({memory.peak_workspace_bytes} bytes); "
+            "give a larger --memory-budget or a smaller --quant"
         )
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
         log.info("generating code")
-        executable = tvm.compile(lowered, target.target, relax_pipeline=None)
-        executable.export_library(str(staging / LIBRARY_NAME))
+        build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
@@ -110,15 +113,29 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start)
 
 
+def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> CompileOptions:
+    """`options` with what was left to the target filled in: quantization and memory budget."""
+    return dataclasses.replace(
+        options,
+        quantization=options.quantization or target.default_quantization,
+        memory_budget=options.memory_budget or target.default_memory_budget,
+    )
+
+
 def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir) -> Manifest:
     config = imported.config
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
+    # The runtime allocates the whole KV cache up front: max_batch full contexts, or
+    # what the budget holds if that is less.
+    kv_tokens = (memory.kv_capacity(options.memory_budget, options.max_batch) if options.memory_budget
+                 else options.max_batch * config.context_window)
     return Manifest(
         format_version=FORMAT_VERSION,
         ember_version=ember.__version__,
         tvm_version=tvm.__version__,
         model=config.to_json(),
         quantization=options.quantization,
+        kept_float={"embedding": options.keep_embedding, "lm_head": options.keep_lm_head},
         model_dtype=imported.model_dtype,
         target=target.to_json(),
         entry_functions={
@@ -135,6 +152,8 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
             "prefill_chunk": prefill_chunk,
             "max_batch": options.max_batch,
             "max_context": max_context,
+            "max_total_tokens": kv_tokens,
+            "memory_budget": options.memory_budget,
             "num_layers": config.num_hidden_layers,
             "num_kv_heads": config.num_key_value_heads,
             "head_dim": config.head_dim,

@@ -47,6 +47,8 @@ class Manifest:
     memory: dict[str, Any]
     source: str
     files: dict[str, str] = field(default_factory=dict)
+    # Weights left in the compute dtype by a quantized format: {"embedding": bool, "lm_head": bool}.
+    kept_float: dict[str, bool] = field(default_factory=lambda: {"embedding": False, "lm_head": False})
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON data."""

@@ -36,6 +36,11 @@ class MemoryReport:
         free = budget_bytes - self.weight_bytes - self.peak_workspace_bytes
         return max(0, min(free // self.kv_bytes_per_token, self.context_window))
 
+    def kv_capacity(self, budget_bytes: int, max_batch: int) -> int:
+        """Tokens the KV cache holds over all sequences: `max_batch` full contexts, or what fits the budget."""
+        free = budget_bytes - self.weight_bytes - self.peak_workspace_bytes
+        return max(0, min(free // self.kv_bytes_per_token, max_batch * self.context_window))
+
     def to_json(self) -> dict:
         """Plain data for the manifest."""
         return {**asdict(self), "peak_workspace_bytes": self.peak_workspace_bytes}

@@ -8,7 +8,8 @@ frontend and `tvm.compile`'s code generation:
 2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused;
    functions and kernels get the bounds of their symbolic sizes.
 3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`).
-4. dataflow lowering and memory planning: static buffers sized by the bounds.
+4. dataflow lowering and memory planning: static buffers sized by the bounds;
+   on CUDA, decode's kernel runs captured as CUDA graphs.
 5. finalization: VM-level lowering.
 """
 
@@ -20,6 +21,7 @@ import tvm
 from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
+from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
@@ -79,7 +81,12 @@ def dataflow_lower_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
 
 def memory_planning_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     """Static memory planning within the bounds attached by the graph passes."""
-    return [relax.transform.StaticPlanBlockMemory()]
+    return [relax.transform.StaticPlanBlockMemory()] + cuda_graph_passes(target)
+
+
+def cuda_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
+    """On CUDA, decode's kernels replayed from graphs captured per batch size (needs static storage)."""
+    return [capture_cuda_graphs] if target.cuda_graph else []
 
 
 def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:

@@ -13,6 +13,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from ember.errors import ArtifactError
 from ember.manifest import LIBRARY_NAME, PARAMS_DIR, Manifest, read_manifest, verify_files
+from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
 
 
@@ -28,8 +29,8 @@ class Artifact:
     device: tvm_runtime.Device
 
 
-def load_artifact(path: Path, device: str = "cpu", verify: bool = True) -> Artifact:
-    """Open the artifact at `path` on `device`, refusing a mismatched or tampered one."""
+def load_artifact(path: Path, verify: bool = True) -> Artifact:
+    """Open the artifact at `path` on the device it was compiled for, refusing a mismatched or tampered one."""
     path = Path(path)
     manifest = read_manifest(path)
     if manifest.tvm_version != tvm.__version__:
@@ -39,7 +40,7 @@ def load_artifact(path: Path, device: str = "cpu", verify: bool = True) -> Artif
         )
     if verify:
         verify_files(path, manifest)
-    dev = tvm_runtime.device(device, 0)
+    dev = open_device(manifest.target, path)
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
     vm = VirtualMachine(library, dev)
     params = _load_params(path / PARAMS_DIR, manifest.params, dev)

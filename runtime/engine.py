@@ -42,13 +42,16 @@ class Engine:
         self.context_window = int(max_context or kv["max_context"])
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
         self.sliding_window = kv.get("sliding_window")
+        self.page_size = int(kv["page_size"])
         self._vm = artifact.vm
         self._params = artifact.params
-        # The cache holds max_batch full contexts; pages are only used as tokens arrive.
-        total = self.context_window * self.max_batch
+        # Every page is allocated now: max_batch full contexts, or fewer tokens in all
+        # when that is what the artifact's memory budget holds.
+        self.kv_capacity = min(self.context_window * self.max_batch,
+                               int(kv.get("max_total_tokens", self.context_window * self.max_batch)))
         self.kv_cache = self._vm["create_paged_kv_cache"](
-            _ShapeTuple([self.max_batch]), _ShapeTuple([total]), _ShapeTuple([self.prefill_chunk]),
-            _ShapeTuple([int(kv["page_size"])]), _ShapeTuple([1 if self.sliding_window else 0]),
+            _ShapeTuple([self.max_batch]), _ShapeTuple([self.kv_capacity]), _ShapeTuple([self.prefill_chunk]),
+            _ShapeTuple([self.page_size]), _ShapeTuple([1 if self.sliding_window else 0]),
         )
         self._lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -112,7 +115,7 @@ class Engine:
         self._check_known(seq_id)
         if not token_ids:
             raise GenerationError("prefill needs at least one token")
-        self._check_room(seq_id, len(token_ids))
+        self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
         windowed = len(tokens)
         if self.sliding_window:
@@ -146,7 +149,7 @@ class Engine:
             raise GenerationError("decode needs one token per sequence")
         for seq_id in seq_ids:
             self._check_known(seq_id)
-            self._check_room(seq_id, 1)
+        self._check_room({seq_id: 1 for seq_id in seq_ids})
         tokens = self._check_tokens(token_ids)
         self._f_begin(self.kv_cache, _ShapeTuple(list(seq_ids)), _ShapeTuple([1] * len(seq_ids)))
         out = self._vm["decode"](
@@ -161,11 +164,20 @@ class Engine:
         if seq_id not in self._lengths:
             raise GenerationError(f"unknown sequence id {seq_id}")
 
-    def _check_room(self, seq_id: int, new_tokens: int) -> None:
-        if self._lengths[seq_id] + new_tokens > self.context_window:
+    def _check_room(self, new_tokens: dict[int, int]) -> None:
+        for seq_id, new in new_tokens.items():
+            if self._lengths[seq_id] + new > self.context_window:
+                raise GenerationError(
+                    f"sequence {seq_id} would hold {self._lengths[seq_id] + new} tokens, more than the "
+                    f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+                )
+        pages = sum(-(-(length + new_tokens.get(seq_id, 0)) // self.page_size)
+                    for seq_id, length in self._lengths.items())
+        if pages * self.page_size > self.kv_capacity:
             raise GenerationError(
-                f"sequence {seq_id} would hold {self._lengths[seq_id] + new_tokens} tokens, more than the "
-                f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+                f"the KV cache is full: its {self.kv_capacity} tokens (what the artifact's memory budget holds) "
+                f"would not hold all {len(self._lengths)} sequences; remove finished ones, or recompile with a "
+                "larger --memory-budget or a smaller --max-batch"
             )
 
     def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:

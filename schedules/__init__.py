@@ -4,6 +4,9 @@ The rules are tried in order on each PrimFunc; the first that matches schedules 
 After them, `check_all_scheduled` fails compilation if any kernel fell through,
 except TVM's hand-written paged-KV-cache kernels, which arrive already written as
 loops and are tagged by the frontend (`ember.kernel_source`).
+
+CPUs get ember's own rules; GPUs get TVM's dlight GPU rules, which bind every
+kernel to thread blocks (a GPU kernel cannot run unscheduled at all).
 """
 
 from __future__ import annotations
@@ -20,6 +23,24 @@ from ember.targets.registry import TargetSpec
 
 def schedule_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     """The scheduling phase of the pipeline for `target`."""
+    return [dlight.ApplyDefaultSchedule(*(gpu_rules() if target.is_gpu else cpu_rules(target))), check_all_scheduled]
+
+
+def cpu_rules(target: TargetSpec) -> list[dlight.ScheduleRule]:
+    """ember's rules for llvm targets, sized by the SIMD width."""
     bits = target.vector_bits
-    rules = [NTMatmul(bits), RowReduction(bits), Elementwise(bits)]
-    return [dlight.ApplyDefaultSchedule(*rules), check_all_scheduled]
+    return [NTMatmul(bits), RowReduction(bits), Elementwise(bits)]
+
+
+def gpu_rules() -> list[dlight.ScheduleRule]:
+    """TVM's dlight GPU rules, most specific first (as in TVM's CUDA pipeline and MLC-LLM)."""
+    gpu = dlight.gpu
+    return [
+        gpu.Matmul(),  # prefill GEMMs: shared-memory tiles, tensor cores for float16
+        gpu.GEMV(),  # batch-1 decode projections: one row per warp, vectorized loads
+        gpu.LowBatchGEMV(),  # decode with a few sequences: the batch rows share each weight load
+        gpu.RMSNorm(),
+        gpu.Reduction(),  # softmax-like row reductions
+        gpu.GeneralReduction(),
+        gpu.Fallback(),  # elementwise and everything else: flattened onto thread blocks
+    ]

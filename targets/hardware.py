@@ -44,6 +44,8 @@ class Hardware:
     cores, AMX, dot-product instructions), without structured-sparsity doubling.
     `onchip_memory` is the fast memory one compute unit tiles in (shared memory/L1 of
     one GPU SM, L2 of one CPU core): it sets the tile sizes of fused kernels.
+    `arch` is the GPU's code-generation architecture (`sm_90a`, `gfx942`) and
+    `compute_units` its SM (NVIDIA) or CU (AMD) count; both are empty where not given.
     """
 
     name: str
@@ -55,6 +57,8 @@ class Hardware:
     onchip_memory: int
     source: str
     notes: str = ""
+    arch: str = ""
+    compute_units: int = 0
 
     def compute_dtype(self, dtype: str) -> str:
         """The data type that `dtype` work runs as here (itself, or its fallback)."""
@@ -82,6 +86,7 @@ class Hardware:
             "onchip_kib": self.onchip_memory / _KIB,
             "source": self.source,
             "notes": self.notes,
+            **({"arch": self.arch, "compute_units": self.compute_units} if self.arch else {}),
         }
 
 
@@ -154,6 +159,8 @@ def _from_json(data: Any, origin: str) -> Hardware:
         onchip_memory=int(number("onchip_kib", data["onchip_kib"]) * _KIB),
         source=str(data["source"]),
         notes=str(data.get("notes", "")),
+        arch=str(data.get("arch", "")),
+        compute_units=int(number("compute_units", data["compute_units"])) if "compute_units" in data else 0,
     )
 
 

@@ -132,9 +132,9 @@ def test_compile_refuses_broken_checkpoint(tiny_models, tmp_path, case):
 def test_compile_refuses_bad_options(tiny_models, tmp_path):
     """An unsupported --quant is refused before any work, naming the accepted values."""
     out = tmp_path / "artifact"
-    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(out), "--quant", "q4f16")
+    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(out), "--quant", "q3f16")
     assert result.returncode == 1
-    assert "--quant 'q4f16' is not supported; choose one of q0f32, q0f16" in result.stderr
+    assert "--quant 'q3f16' is not supported; choose one of q0f32, q0f16, q8f32" in result.stderr
     assert "Traceback" not in result.stderr
     assert not out.exists()
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 
 from ember.errors import GenerationError
+from ember.ir_passes.memory_report import MemoryReport
+from ember.runtime import Engine
 from helpers import assert_logits_close, prompt_ids
 
 STEPS = 6
@@ -115,6 +120,33 @@ def test_context_window_overflow_raises(tiny_llama):
     with pytest.raises(GenerationError, match=rf"{window + 1} tokens, more than the context window of {window}"):
         engine.decode([seq], [5])
     assert engine.length(seq) == window
+
+
+def test_kv_capacity_in_a_memory_budget():
+    """The KV cache gets what the budget leaves after weights and workspace, at most max_batch contexts."""
+    report = MemoryReport(weight_bytes=1000, kv_bytes_per_token=10, workspace_bytes={"decode": 100, "prefill": 300},
+                          context_window=256)
+    assert report.kv_capacity(1300 + 10 * 700, max_batch=4) == 700
+    assert report.max_context(1300 + 10 * 700) == 256
+    assert report.kv_capacity(10**9, max_batch=4) == 4 * 256
+    assert report.kv_capacity(1000, max_batch=4) == 0
+
+
+def test_kv_cache_full_raises(tiny_llama):
+    """An artifact whose budget holds fewer tokens than max_batch contexts allocates only those, and
+    refuses (counting whole pages) a step that would not fit, naming the budget."""
+    manifest = copy.deepcopy(tiny_llama.artifact.manifest)
+    manifest.kv_cache["max_total_tokens"] = 64  # 4 pages of 16
+    engine = Engine(dataclasses.replace(tiny_llama.artifact, manifest=manifest))
+    assert engine.kv_capacity == 64
+    seq_a, seq_b = engine.add_sequence(), engine.add_sequence()
+    engine.prefill(seq_a, prompt_ids(30))
+    engine.prefill(seq_b, prompt_ids(31, seed=1))  # 2 + 2 pages
+    engine.decode([seq_a, seq_b], [5, 6])  # 31 and 32 tokens: still 2 pages each
+    with pytest.raises(GenerationError, match="the KV cache is full: its 64 tokens .*memory budget"):
+        engine.decode([seq_b], [7])
+    engine.remove_sequence(seq_a)
+    engine.decode([seq_b], [7])
 
 
 def test_generation_stops_at_the_context_window(tiny_llama):

@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
+from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.weight_recipes import get_recipes, set_recipes, weight_params
 from ember.schedules.check import check_all_scheduled
@@ -88,3 +89,30 @@ def test_check_all_scheduled_rejects_an_unscheduled_kernel() -> None:
     mod = relax.transform.LegalizeOps()(_projection_module())
     with pytest.raises(RuntimeError, match="no ember schedule rule matched"):
         check_all_scheduled(mod)
+
+
+def test_capture_cuda_graphs_lifts_decode_kernels_between_unstable_inputs() -> None:
+    """decode(x, w1, w2) = relu(x @ w1) @ w2 after static planning: the kernel reading only planned
+    storage (relu) is captured per batch size; the ones reading the per-call input x or writing the
+    returned tensor run outside the graph; the storages move into `cuda_graph_alloc`."""
+    batch = tvm.tirx.Var("batch_size", "int64")
+    x = relax.Var("x", relax.TensorType([batch, 8], "float16"))
+    w1, w2 = (relax.Var(name, relax.TensorType([8, 8], "float16")) for name in ("w1", "w2"))
+    bb = relax.BlockBuilder()
+    with bb.function("decode", [x, w1, w2], attrs={"num_input": 1, "tir_var_upper_bound": {"batch_size": 4}}):
+        with bb.dataflow():
+            hidden = bb.emit(relax.op.nn.relu(bb.emit(relax.op.matmul(x, w1))))
+            out = bb.emit_output(relax.op.matmul(hidden, w2))
+        bb.emit_func_output(out)
+    planned = tvm.transform.Sequential([
+        relax.transform.LegalizeOps(), relax.transform.ToNonDataflow(), relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(), relax.transform.StaticPlanBlockMemory(),
+    ])(bb.get())
+
+    mod = capture_cuda_graphs(planned)
+    functions = {gv.name_hint for gv, func in mod.functions_items() if isinstance(func, relax.Function)}
+    assert functions == {"decode", "cuda_graph_alloc", "decode_cuda_graph_capture"}
+    assert list(mod["decode"].attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"]) == ["batch_size"]
+    decode = mod["decode"].script()
+    assert decode.count("vm.builtin.cuda_graph.run_or_capture") == 1 and decode.count("matmul(") == 2
+    assert "relu" in mod["decode_cuda_graph_capture"].script()

@@ -1,11 +1,17 @@
-"""`--target` resolution: the host, explicit LLVM CPUs, and clear refusals."""
+"""`--target` resolution: the host, explicit LLVM CPUs, CUDA architectures and GPU presets,
+OpenCL, and clear refusals."""
 
 from __future__ import annotations
 
 import pytest
+import tvm
 
 from ember.errors import TargetError
+from ember.targets import registry
+from ember.targets.hardware import hardware_presets, load_hardware
 from ember.targets.registry import resolve_target
+
+GIB = 2**30
 
 
 def test_cpu_detects_the_host() -> None:
@@ -19,9 +25,69 @@ def test_explicit_arm_cpu_has_neon_width() -> None:
     assert spec.vector_bits == 128 and spec.num_cores == 4
 
 
+@pytest.mark.parametrize(("spec", "arch", "tvm_arch", "hardware", "memory_gib", "sms"), [
+    ("cuda:sm_80", "sm_80", "sm_80", "nvidia-a100-80gb-sxm", 80, 108),
+    ("cuda:sm_86", "sm_86", "sm_86", "nvidia-rtx-3090", 24, 82),        # the smaller of its two presets
+    ("cuda:sm_90a", "sm_90a", "sm_90", "nvidia-h100-sxm", 80, 132),     # TVM schedules for the base arch
+    ("cuda:sm_90", "sm_90", "sm_90", "nvidia-h100-sxm", 80, 132),
+    ("cuda:h200", "sm_90a", "sm_90", "nvidia-h200-sxm", 141, 132),      # a preset names arch and memory
+    ("cuda:L40S", "sm_89", "sm_89", "nvidia-l40s", 48, 142),
+    ("cuda:sm_120", "sm_120", "sm_120", "", 0, 0),                       # no preset: size unknown
+])
+def test_cuda_architectures_and_presets(spec, arch, tvm_arch, hardware, memory_gib, sms):
+    target = resolve_target(spec)
+    assert (target.name, target.arch, target.hardware, target.num_cores) == ("cuda", arch, hardware, sms)
+    assert target.tvm_target["arch"] == tvm_arch and target.target.kind.name == "cuda"
+    assert target.target.host.kind.name == "llvm" and "mcpu" not in target.tvm_target["host"]  # portable host code
+    assert target.is_gpu and target.cuda_graph and target.default_quantization == "q0f16"
+    assert target.memory_bytes == memory_gib * GIB
+    assert target.default_memory_budget == (int(0.9 * memory_gib * GIB) if memory_gib else None)
+
+
+def test_cpu_and_opencl_defaults():
+    cpu, opencl = resolve_target("cpu"), resolve_target("opencl")
+    assert (cpu.is_gpu, cpu.cuda_graph, cpu.default_quantization, cpu.default_memory_budget) == (False, False, "q0f32", None)
+    assert (opencl.name, opencl.is_gpu, opencl.cuda_graph, opencl.default_quantization) == ("opencl", True, False, "q0f16")
+    assert opencl.target.kind.name == "opencl" and opencl.default_memory_budget is None
+
+
+def test_every_nvidia_preset_has_an_arch_and_sm_count():
+    for name in hardware_presets():
+        hardware = load_hardware(name)
+        if name.startswith("nvidia-"):
+            assert hardware.arch.startswith("sm_") and hardware.compute_units > 0, name
+            assert load_hardware(name).to_json()["arch"] == hardware.arch
+
+
+@pytest.mark.skipif(tvm.cuda(0).exist, reason="this machine has a CUDA GPU to detect")
+def test_plain_cuda_without_a_gpu_asks_for_an_arch():
+    with pytest.raises(TargetError, match=r"no CUDA GPU on this machine.*cuda:sm_90a \(h100-sxm, h200-sxm\)") as err:
+        resolve_target("cuda")
+    assert "sm_70" not in str(err.value)  # nvcc 13 cannot build for Volta: not suggested
+
+
+def test_cuda_needs_nvcc(monkeypatch):
+    registry._nvcc_architectures.cache_clear()
+    monkeypatch.setenv("PATH", "")
+    try:
+        with pytest.raises(TargetError, match="compiling for CUDA needs nvcc"):
+            resolve_target("cuda:sm_80")
+    finally:
+        registry._nvcc_architectures.cache_clear()
+
+
 @pytest.mark.parametrize("spec, message", [
-    ("cuda", "CUDA pipeline is not built yet"),
-    ("vulkan", "USE_VULKAN=ON"),
+    ("cuda:sm_70", "this nvcc cannot compile for sm_70; it supports sm_75, sm_80"),
+    ("cuda:sm_80a", "'a' variants exist from sm_90"),
+    ("cuda:sm_90f", "'f' variants from sm_100"),
+    ("cuda:sm_8", "this nvcc cannot compile for sm_8;"),
+    ("cuda:ampere", "not a CUDA architecture .* nor a CUDA GPU preset"),
+    ("cuda:m2-max", "not a CUDA architecture"),                        # a preset, but not a CUDA GPU
+    ('{"kind": "cuda", "arch": "sm_80"}', "GPUs are named as --target cuda:sm_XX"),
+    ("rocm:gfx942", "ld.lld.*device bitcode.*USE_ROCM=ON"),
+    ("metal", "USE_METAL=ON.*run `ember compile` on a Mac"),
+    ("webgpu", "Emscripten (emcc.*cannot drive WebGPU"),
+    ("vulkan", "USE_VULKAN=ON.*from_source"),
     ("tpu", "is not known"),
     ('{"kind": "llvm", "mcpu": "bogus"}', "LLVM does not know the CPU 'bogus'"),
     ('{"kind": "llvm", "mcpu": ', "malformed target JSON"),

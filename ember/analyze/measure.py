@@ -44,6 +44,7 @@ from ember.errors import ArtifactError, EmberError
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.ir_passes import pipeline
+from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
 from ember.targets.hardware import Hardware, load_host
@@ -167,8 +168,9 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     target = resolve_target(json.dumps(manifest.target["tvm_target"]))
     mod, _ = build_module(config, target.target, manifest.model_dtype)
     kv = manifest.kv_cache
-    passes = (pipeline.graph_passes(target, int(kv["prefill_chunk"]), int(kv["max_batch"]))
-              + pipeline.legalize_passes(target))
+    options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
+                                    manifest.kept_float["embedding"], manifest.kept_float["lm_head"])
+    passes = pipeline.graph_passes(target, options) + pipeline.legalize_passes(target, options)
     with target.target:
         return tvm.transform.Sequential(passes, name="ember-kernels")(mod)
 
