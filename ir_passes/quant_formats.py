@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # TVM is needed to build kernels, not to read the table (`emb
 
 GROUP_SIZE = 32
 WORD_BITS = 32
+_QUANTIZE_BLOCK_VALUES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,17 @@ class QuantFormat:
         """Pack an [N, K] float weight into this format's parts."""
         if weight.ndim != 2:
             raise ValueError(f"{self.name} quantizes 2-D weights; got shape {weight.shape}")
+        n, k = weight.shape
+        # A block of rows at a time: the float temporaries stay a few MB even for a
+        # 128k-token embedding table, so conversion memory is the packed weight's.
+        parts = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.part_shapes(n, k).items()}
+        block = max(1, _QUANTIZE_BLOCK_VALUES // max(k, 1))
+        for start in range(0, n, block):
+            for name, values in self._quantize_rows(weight[start: start + block]).items():
+                parts[name][start: start + block] = values
+        return parts
+
+    def _quantize_rows(self, weight: np.ndarray) -> dict[str, np.ndarray]:
         n, k = weight.shape
         groups = np.zeros((n, self.padded(k)), np.float32)
         groups[:, :k] = weight

@@ -1,13 +1,19 @@
-"""ember on CPU next to PyTorch eager and onnxruntime, same weights, one run.
+"""ember on CPU next to llama.cpp, onnxruntime and PyTorch eager: same weights, one run.
 
-Builds (or reuses) a Llama-shaped random checkpoint, compiles it with ember, then
-measures each runtime in its own fresh process, one after another, waiting for a
-quiet machine before each: prefill tok/s over the prompt, decode tok/s over the
-new tokens, peak RSS. Prints one table with ratios to ember, and ember's compile
-time. Greedy tokens of every runtime are compared with PyTorch's.
+Builds (or reuses) a Llama-shaped random checkpoint, compiles it with ember in each
+requested `--quant` format, writes it as GGUF for llama.cpp in each requested type,
+then measures every runtime in its own fresh process, one after another, waiting
+for a quiet machine before each run: prefill tok/s over the prompt, decode tok/s
+over the new tokens (greedy), peak RSS. The table gives the median of `--repeats`
+runs, the decode ratio to the first ember row, and decode as a share of this
+machine's memory-bandwidth roofline: bytes of weights read per decoded token
+(every weight but the embedding table, of which one row is read) times tok/s,
+over the read bandwidth measured in the same run. Greedy tokens of the float32
+runtimes are compared with PyTorch's.
 
-    python scripts/bench_cpu.py --model /tmp/llama110m --prompt-len 128 --new-tokens 128 \\
-        --threads 2 --repeats 3
+    python scripts/bench_cpu.py --model /tmp/llama110m --ember q0f32,q8f32,q4f32 \\
+        --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime --threads 2 --repeats 3
+    python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --ember q8f32,q4f32 --llama-cpp Q8_0,Q4_0 --peers ""
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ def measure_ember(artifact: Path, prompt_ids: list[int], new_tokens: int, thread
 
 
 def _ember_worker(request: dict, out: Path) -> None:
+    # As on a device: the runtime needs no torch, but tvm_ffi imports it whenever it is
+    # installed (~200 MB of RSS). Hide it so the peak RSS is ember's own.
+    sys.modules["torch"] = None
     from ember.runtime import Engine, load_artifact
 
     engine = Engine(load_artifact(Path(request["artifact"])))
@@ -54,9 +63,40 @@ def _ember_worker(request: dict, out: Path) -> None:
             tokens.append(token)
         decode_s = time.perf_counter() - start
         engine.remove_sequence(seq)
-    result = peers.Measurement("ember q0f32", len(prompt) / prefill_s, new_tokens / decode_s,
+    manifest = json.loads((Path(request["artifact"]) / "manifest.json").read_text())
+    result = peers.Measurement(f"ember {manifest['quantization']}", len(prompt) / prefill_s, new_tokens / decode_s,
                                peers._peak_rss_mb(), tokens)
     out.write_text(json.dumps(result.__dict__))
+
+
+SHAPES = {
+    "110m": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=32000),
+    "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
+}
+
+
+def ember_bytes_per_token(artifact: Path) -> int:
+    """Weight bytes one decode step reads: all parameters but the (untied) embedding table."""
+    cache = json.loads((artifact / "params" / "tensor-cache.json").read_text())
+    records = [r for shard in cache["records"] for r in shard["records"]]
+    untied = any(r["name"].startswith("lm_head.weight") for r in records)
+    return sum(r["nbytes"] for r in records if not (untied and r["name"].startswith("model.embed_tokens.weight")))
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """The same for a GGUF file: every tensor but `token_embd` when `output` exists."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+
+
+def read_bandwidth() -> float:
+    """Best of five measurements of this machine's read bandwidth, bytes/s."""
+    from ember.targets.hardware import measure_host
+
+    return max(measure_host(matmul_size=64).memory_bandwidth for _ in range(5))
 
 
 def main() -> None:
@@ -65,28 +105,44 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("/tmp/llama110m"),
-                        help="checkpoint dir; created with random weights if missing")
+                        help="checkpoint dir; created with random weights of --shape if missing")
+    parser.add_argument("--shape", choices=SHAPES, default="110m")
+    parser.add_argument("--ember", default="q0f32,q8f32,q4f32", help="ember --quant formats, comma-separated")
+    parser.add_argument("--llama-cpp", default="F32,Q8_0,Q4_0",
+                        help=f"llama.cpp GGUF types ({', '.join(peers.LLAMA_CPP_TYPES)}), comma-separated")
+    parser.add_argument("--peers", default="pytorch,onnxruntime", help="float32 peers: pytorch, onnxruntime")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
 
     if not (args.model / "config.json").exists():
-        peers.make_random_llama(args.model)
+        peers.make_random_llama(args.model, **SHAPES[args.shape])
     from ember.compiler import CompileOptions, compile_model
 
-    artifact = args.model.with_name(args.model.name + "-ember-cpu")
-    start = time.perf_counter()
-    compile_model(args.model, artifact, CompileOptions(show_progress=False))
-    compile_s = time.perf_counter() - start
-
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
-    runners = {
-        "ember q0f32": lambda: measure_ember(artifact, prompt, args.new_tokens, args.threads),
-        "pytorch-eager": lambda: peers.measure_torch_eager(args.model, prompt, args.new_tokens, args.threads),
-        "onnxruntime": lambda: peers.measure_onnxruntime(args.model, prompt, args.new_tokens, args.threads),
-    }
+    runners, bytes_per_token, compile_s = {}, {}, {}
+    for fmt in split(args.ember):
+        artifact = args.model.with_name(f"{args.model.name}-ember-{fmt}")
+        start = time.perf_counter()
+        compile_model(args.model, artifact, CompileOptions(quantization=fmt, show_progress=False))
+        compile_s[fmt] = time.perf_counter() - start
+        name = f"ember {fmt}"
+        runners[name] = lambda artifact=artifact: measure_ember(artifact, prompt, args.new_tokens, args.threads)
+        bytes_per_token[name] = ember_bytes_per_token(artifact)
+    for qtype in split(args.llama_cpp):
+        name = f"llama.cpp {qtype}"
+        runners[name] = lambda q=qtype: peers.measure_llama_cpp(args.model, q, prompt, args.new_tokens, args.threads)
+    float32_bytes = next((b for n, b in bytes_per_token.items() if n == "ember q0f32"), None)
+    if "pytorch" in split(args.peers):
+        runners["pytorch-eager"] = lambda: peers.measure_torch_eager(args.model, prompt, args.new_tokens, args.threads)
+        bytes_per_token["pytorch-eager"] = float32_bytes
+    if "onnxruntime" in split(args.peers):
+        runners["onnxruntime"] = lambda: peers.measure_onnxruntime(args.model, prompt, args.new_tokens, args.threads)
+        bytes_per_token["onnxruntime"] = float32_bytes
+
     rows = []
     for name, run in runners.items():
         runs = []
@@ -94,17 +150,26 @@ def main() -> None:
             peers.wait_for_quiet_machine()
             runs.append(run())
         rows.append(peers.summarize(runs))
-    ember_row = rows[0]
-    print(f"\nember compile time: {compile_s:.1f} s   threads: {args.threads}   "
-          f"prompt {args.prompt_len} + {args.new_tokens} new tokens, median of {args.repeats}\n")
-    print(f"{'runtime':<16} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs ember':>16} {'peak RSS MB':>12}"
-          f" {'tokens = torch':>15}")
-    reference = rows[1].token_ids
+        if name.startswith("llama.cpp"):
+            bytes_per_token[name] = gguf_bytes_per_token(args.model / "gguf" / f"model-{name.split()[1]}.gguf")
+    peers.wait_for_quiet_machine()
+    bandwidth = read_bandwidth()
+
+    first = rows[0]
+    reference = next((r.token_ids for r in rows if r.name == "pytorch-eager"), None)
+    print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
+          f"{args.new_tokens} new tokens, median of {args.repeats}   read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("ember compile time (untuned): " + ", ".join(f"{f} {s:.1f} s" for f, s in compile_s.items()) + "\n")
+    print(f"{'runtime':<17} {'prefill tok/s':>13} {'decode tok/s':>12} {'decode vs ' + first.name:>22} "
+          f"{'MB/token':>9} {'% roofline':>10} {'peak RSS MB':>11} {'tokens = torch':>14}")
     for row in rows:
-        same = row.token_ids[:16] == reference[:16]
-        print(f"{row.name:<16} {row.prefill_tokens_per_s:>14.1f} {row.decode_tokens_per_s:>13.2f} "
-              f"{row.decode_tokens_per_s / ember_row.decode_tokens_per_s:>15.2f}x {row.peak_rss_mb:>12.0f}"
-              f" {str(same):>15}")
+        per_token = bytes_per_token.get(row.name)
+        roofline = f"{row.decode_tokens_per_s * per_token / bandwidth:>10.0%}" if per_token else f"{'-':>10}"
+        mb = f"{per_token / 1e6:>9.1f}" if per_token else f"{'-':>9}"
+        same = str(row.token_ids[:16] == reference[:16]) if reference else "-"
+        print(f"{row.name:<17} {row.prefill_tokens_per_s:>13.1f} {row.decode_tokens_per_s:>12.2f} "
+              f"{row.decode_tokens_per_s / first.decode_tokens_per_s:>21.2f}x {mb} {roofline} "
+              f"{row.peak_rss_mb:>11.0f} {same:>14}")
 
 
 if __name__ == "__main__":

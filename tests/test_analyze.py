@@ -342,7 +342,7 @@ def test_hardware_from_json_file(tmp_path):
 
 def test_host_is_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    measured = hw_module.measure_host(copy_bytes=4 * 2**20, matmul_size=64, repeats=1)
+    measured = hw_module.measure_host(read_bytes=4 * 2**20, matmul_size=64, repeats=1)
     assert measured.kind == "cpu" and measured.peak_flops["fp32"] > 0 and measured.memory_bandwidth > 0
     calls = []
     monkeypatch.setattr(hw_module, "measure_host", lambda: calls.append(1) or measured)
