@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # TVM is needed to build kernels, not to read the table (`emb
 GROUP_SIZE = 32
 WORD_BITS = 32
 _QUANTIZE_BLOCK_VALUES = 1 << 20
+# Parameter-name suffixes of a quantized weight's stored tensors (`W.packed`, ...).
+QUANTIZED_PARTS = ("packed", "scale", "min")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class QuantFormat:
     @property
     def parts(self) -> tuple[str, ...]:
         """Names of the tensors a quantized weight is stored as."""
-        return ("packed", "scale", "min") if self.zero_point else ("packed", "scale")
+        return QUANTIZED_PARTS if self.zero_point else QUANTIZED_PARTS[:2]
 
     @property
     def storage_dtype(self) -> str:

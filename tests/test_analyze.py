@@ -469,6 +469,16 @@ def test_measure_times_every_kernel_and_maps_it_to_the_operators(tiny_measuremen
     assert "vm.builtin.attention_kv_cache_attention_with_fused_qkv" in names
 
 
+def test_measure_maps_quantized_kernels_to_the_operators(tiny_models):
+    """A q4f32 artifact: the unpacking kernels are rebuilt and mapped through their packed weights."""
+    m = measure(tiny_models.quantized("llama", "q4f32").artifact_dir, prompt_len=16, batch=1, repeats=1,
+                hardware=GENEROUS)
+    for stage in (m.prefill, m.decode):
+        implemented = {name for k in stage.kernels for name in k.implements}
+        assert set(PROJECTIONS) | {"embed_tokens", "lm_head"} <= implemented
+        assert all(k.seconds > 0 for k in stage.kernels)
+
+
 @pytest.mark.parametrize("stage_name", ["prefill", "decode"])
 def test_operations_counted_in_the_compiled_tir_match_the_formulas(tiny_measurement, stage_name):
     """The independent count: TVM's estimate_tir_flops on each kernel the artifact runs,
@@ -529,7 +539,11 @@ def test_kernels_map_to_operators_by_the_weights_they_read():
     assert implemented_operators([f"{layer}.mlp.gate_up_proj.weight"], 10) == ("gate_proj", "up_proj")
     assert implemented_operators([f"{layer}.post_attention_layernorm.weight"], 10) == ("mlp_norm",)
     assert implemented_operators(["model.embed_tokens.weight"], 0) == ("embed_tokens",)   # the lookup
-    assert implemented_operators(["model.embed_tokens.weight"], 10) == ("lm_head",)       # a tied head
+    assert implemented_operators(["model.embed_tokens.weight"], 128) == ("lm_head",)      # a tied head
+    quantized = ["model.embed_tokens.weight.packed", "model.embed_tokens.weight.scale"]
+    assert implemented_operators(quantized, 4) == ("embed_tokens",)                       # lookup + unpacking
+    assert implemented_operators(quantized, 128) == ("lm_head",)
+    assert implemented_operators([f"{layer}.mlp.down_proj.weight.packed"], 128) == ("down_proj",)
     assert implemented_operators([], 10) == ()
 
 

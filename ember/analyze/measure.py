@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import struct
 import time
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from ember.errors import ArtifactError, EmberError
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.ir_passes import pipeline
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir_passes.quant_formats import FORMATS, QUANTIZED_PARTS
 from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
 from ember.targets.hardware import Hardware, load_host
@@ -60,6 +61,8 @@ ATTENTION_OPERATORS = ("rope", "qk_matmul", "softmax", "sv_matmul")
 _WEIGHT_OPERATORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm", "norm": "final_norm",
                      "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _TIME_EVALUATOR = "runtime.RPCTimeEvaluator"
+# Unpacking a quantized value takes a handful of operations; a dot product, 2 per input.
+GATHER_OPS_PER_OUTPUT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,18 +220,24 @@ def attention_work(config: ModelConfig, batch: int, new: int, past: int, element
     return ops, moved * element_bytes
 
 
-def implemented_operators(weights: list[str], ops: float) -> tuple[str, ...]:
+def implemented_operators(weights: list[str], ops_per_output: float) -> tuple[str, ...]:
     """analyze's operators a kernel computes, from the names of the weights it reads.
 
-    `model.layers.0.self_attn.q_k_v_proj.weight` -> q_proj, k_proj, v_proj. A tied
-    embedding table read by a kernel that does arithmetic is the lm_head.
+    `model.layers.0.self_attn.q_k_v_proj.weight` -> q_proj, k_proj, v_proj; the parts
+    of a quantized weight (`...weight.packed`, `.scale`, `.min`) count as the weight. A
+    tied embedding table read by a kernel doing a dot product per output value (more
+    than GATHER_OPS_PER_OUTPUT operations) is the lm_head; a gather that only unpacks
+    is the lookup.
     """
     found: list[str] = []
     for weight in weights:
-        role = weight.split(".")[-2]
+        parts = weight.split(".")
+        if parts[-1] in QUANTIZED_PARTS:
+            parts = parts[:-1]
+        role = parts[-2]
         if role.endswith("_proj"):
             names = [f"{part}_proj" for part in role.removesuffix("_proj").split("_")]
-        elif role == "embed_tokens" and ops > 0:
+        elif role == "embed_tokens" and ops_per_output > GATHER_OPS_PER_OUTPUT:
             names = ["lm_head"]
         else:
             names = [_WEIGHT_OPERATORS[role]] if role in _WEIGHT_OPERATORS else []
@@ -361,8 +370,9 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
                 ops = tir_ops(kernels[call.symbol], call.shapes)
                 work[call.signature] = (ops, moved_bytes(call.nbytes, inputs[call.symbol], ops))
         ops = work[call.signature][0]
+        outputs = math.prod(call.shapes[-1] or (1,))
         implements = (ATTENTION_OPERATORS if call.symbol == ATTENTION_BUILTIN
-                      else implemented_operators(call.weights, ops))
+                      else implemented_operators(call.weights, ops / max(outputs, 1)))
         groups.setdefault((call.signature, implements), []).append(call)
     timings = []
     for (signature, implements), group in groups.items():
