@@ -28,7 +28,7 @@ import re
 import tvm
 from tvm import relax
 
-from ember.ir_passes.module_utils import replace_functions
+from ember.ir_passes.module_utils import bindings, is_op, replace_functions
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
 
@@ -60,11 +60,11 @@ def _find_groups(func: relax.Function) -> list[tuple[str, ...]]:
     weights = {p: p.name for p in weight_params(func)}
     transposed: dict[relax.Var, relax.Var] = {}
     by_input: dict[relax.Expr, list[relax.Var]] = {}
-    for binding in _bindings(func):
+    for binding in bindings(func):
         value = binding.value
         if _is_transpose_of_2d_weight(value, weights):
             transposed[binding.var] = value.args[0]
-        elif _is_op(value, "relax.matmul") and value.args[1] in transposed:
+        elif is_op(value, "relax.matmul") and value.args[1] in transposed:
             weight = transposed[value.args[1]]
             out_dtype = value.attrs.out_dtype
             if out_dtype is None or str(out_dtype) == str(weight.ty.dtype):
@@ -113,10 +113,10 @@ class _ProjectionRewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if _is_op(value, "relax.permute_dims") and value.args[0] in self.member_to_group:
+        if is_op(value, "relax.permute_dims") and value.args[0] in self.member_to_group:
             self.transposed[binding.var] = value.args[0]
             return
-        if _is_op(value, "relax.matmul") and value.args[1] in self.transposed:
+        if is_op(value, "relax.matmul") and value.args[1] in self.transposed:
             self._emit_member(binding, self.transposed[value.args[1]])
             return
         super().visit_var_binding_(binding)
@@ -143,9 +143,9 @@ class _ProjectionRewriter(relax.PyExprMutator):
         transposed = {}
         for binding in block.bindings:
             value = binding.value
-            if _is_op(value, "relax.permute_dims") and value.args[0] in self.member_to_group:
+            if is_op(value, "relax.permute_dims") and value.args[0] in self.member_to_group:
                 transposed[binding.var] = value.args[0]
-            elif _is_op(value, "relax.matmul") and value.args[1] in transposed:
+            elif is_op(value, "relax.matmul") and value.args[1] in transposed:
                 weight = transposed[value.args[1]]
                 group = self.member_to_group[weight]
                 slots = self.pending.setdefault(group, [None] * len(group))
@@ -156,17 +156,10 @@ class _ProjectionRewriter(relax.PyExprMutator):
         return super().visit_dataflow_block_(block)
 
 
-def _bindings(func: relax.Function):
-    for block in func.body.blocks:
-        yield from block.bindings
-
-
-def _is_op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
 def _is_transpose_of_2d_weight(expr: relax.Expr, weights: dict) -> bool:
-    if not _is_op(expr, "relax.permute_dims") or expr.args[0] not in weights:
+    if not is_op(expr, "relax.permute_dims") or expr.args[0] not in weights:
         return False
     axes = expr.attrs.axes
     return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import tvm
+from tvm import relax
 
 # Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
 KERNEL_SOURCE_ATTR = "ember.kernel_source"
@@ -18,3 +21,14 @@ def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) ->
         attrs=mod.attrs,
         global_infos=mod.global_infos,
     )
+
+
+def is_op(expr: relax.Expr, name: str) -> bool:
+    """Whether `expr` calls the Relax operator `name` (e.g. "relax.matmul")."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def bindings(func: relax.Function) -> Iterator[relax.Binding]:
+    """Every binding of a Relax function's body, block by block."""
+    for block in func.body.blocks:
+        yield from block.bindings

@@ -33,7 +33,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
+from ember.ir_passes.module_utils import VECTOR_RUN_ATTR, bindings, is_op
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
@@ -85,15 +85,15 @@ class _WeightUses:
         self.embeddings: set[str] = set()
         projections: dict[relax.Var, str] = {}
         readable: dict[str, bool] = {name: True for name in weights.values()}
-        for binding in _bindings(func):
+        for binding in bindings(func):
             value = binding.value
-            if _is_op(value, "relax.permute_dims") and value.args[0] in weights and _is_2d_transpose(value):
+            if is_op(value, "relax.permute_dims") and value.args[0] in weights and _is_2d_transpose(value):
                 transposed[binding.var] = value.args[0]
                 continue
-            if _is_op(value, "relax.matmul") and value.args[1] in transposed:
+            if is_op(value, "relax.matmul") and value.args[1] in transposed:
                 projections[binding.var] = weights[transposed[value.args[1]]]
                 others = [value.args[0]]
-            elif _is_op(value, "relax.take") and value.args[0] in weights and _is_row_gather(value):
+            elif is_op(value, "relax.take") and value.args[0] in weights and _is_row_gather(value):
                 self.embeddings.add(weights[value.args[0]])
                 others = list(value.args[1:])
             else:
@@ -139,10 +139,10 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if _is_op(value, "relax.permute_dims") and value.args[0] in self.parts_of:
+        if is_op(value, "relax.permute_dims") and value.args[0] in self.parts_of:
             self.transposed[binding.var] = value.args[0]  # consumed by the matmul below; no binding left
             return
-        if _is_op(value, "relax.matmul") and value.args[1] in self.transposed:
+        if is_op(value, "relax.matmul") and value.args[1] in self.transposed:
             parts, k = self.parts_of[self.transposed[value.args[1]]]
             x = self.visit_expr(value.args[0])
             out_dtype = str(binding.var.ty.dtype)
@@ -150,7 +150,7 @@ class _Rewriter(relax.PyExprMutator):
                 _dequantize_matmul(self.fmt, k, out_dtype), x, *parts.values(),
                 primfunc_name_hint="dequantize_matmul"))
             return
-        if _is_op(value, "relax.take") and value.args[0] in self.parts_of:
+        if is_op(value, "relax.take") and value.args[0] in self.parts_of:
             parts, k = self.parts_of[value.args[0]]
             ids = self.visit_expr(value.args[1])
             self._emit_as(binding.var, self.builder_.emit_te(
@@ -199,7 +199,7 @@ def _dequantize_take(fmt: QuantFormat, k: int):
 
 def _returned_through_casts(func: relax.Function) -> set[relax.Var]:
     """Variables whose value the function returns, possibly cast, reshaped or in a tuple."""
-    values = {b.var: b.value for b in _bindings(func)}
+    values = {b.var: b.value for b in bindings(func)}
     found, stack = set(), [func.body.body]
     while stack:
         expr = stack.pop()
@@ -210,14 +210,10 @@ def _returned_through_casts(func: relax.Function) -> set[relax.Var]:
             value = values.get(expr)
             if isinstance(value, (relax.Var, relax.Tuple)):
                 stack.append(value)
-            elif value is not None and any(_is_op(value, op) for op in _PASS_THROUGH):
+            elif value is not None and any(is_op(value, op) for op in _PASS_THROUGH):
                 stack.append(value.args[0])
     return found
 
-
-def _bindings(func: relax.Function):
-    for block in func.body.blocks:
-        yield from block.bindings
 
 
 def _free_vars(exprs: list[relax.Expr]) -> set[relax.Var]:
@@ -229,9 +225,6 @@ def _free_vars(exprs: list[relax.Expr]) -> set[relax.Var]:
             found.update(relax.analysis.free_vars(expr))
     return found
 
-
-def _is_op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
 def _is_2d(func: relax.Function, name: str) -> bool:
