@@ -231,7 +231,7 @@ def test_no_float_copy_of_a_weight_is_materialized(tiny_models):
 
 # --- compiled models against transformers with the same quantized weights ------------------
 
-E2E = [("llama", "q8f32"), ("llama", "q4f32"), ("llama", "q4f32_zp"), ("llama3_rope", "q4f32")]
+E2E = [("llama", "q8f32"), ("llama", "q4f32"), ("llama", "q4f32_zp"), ("llama3_rope", "q4f32"), ("qwen2", "q8f32")]
 
 
 @pytest.mark.parametrize("name,quantization", E2E)
