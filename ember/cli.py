@@ -114,10 +114,12 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--db", required=True, type=Path, metavar="DIR", help="tuning database directory")
     tune.add_argument("--target", default="cpu", help="`cpu` (this machine; tuning measures here)")
     tune.add_argument("--quant", default=None, metavar="FORMAT", help="weight format, as for compile")
-    tune.add_argument("--trials", type=int, default=64, help="measured trials in all, shared by the kernels (default 64)")
+    tune.add_argument("--trials", type=int, default=64,
+                      help="measured trials in all, shared by the kernels (default 64)")
     tune.add_argument("--budget", type=float, default=10.0, metavar="MINUTES",
                       help="stop starting trials after this many minutes (default 10)")
-    tune.add_argument("--kernels", type=int, default=8, help="tune at most this many of the hottest kernels (default 8)")
+    tune.add_argument("--kernels", type=int, default=8,
+                      help="tune at most this many of the hottest kernels (default 8)")
     tune.add_argument("--prefill-chunk", type=int, default=256, help="as for compile (default 256)")
     tune.add_argument("--max-batch", type=int, default=8, help="as for compile (default 8)")
     tune.set_defaults(run=_run_tune)

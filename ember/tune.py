@@ -15,12 +15,15 @@ every `TRIALS_PER_COMMIT` measurements to the database. Each round starts from t
 trials already on disk, so rerunning a killed job continues it, and no new round
 starts after `--budget` minutes. After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
-times and flags a record that disagrees numerically (compile would reject it).
+times and flags a record that disagrees numerically (compile would reject it), and
+if the rule is faster, a record of the rule's own knobs is added so that the
+database's best is never slower than the rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import sys
 import time
@@ -38,11 +41,13 @@ from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.schedules.tuning import (
-    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, space_size, tuning_space,
-    workload,
+    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, rule_record, space_size,
+    tuning_space, workload,
 )
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec, resolve_target
+
+log = logging.getLogger("ember")
 
 DECODE_STEPS_PER_PREFILL = 128  # a generation writes about as many tokens as one prompt chunk
 FLOPS_PER_BYTE = 8  # a CPU's compute-to-bandwidth balance: below it a kernel is memory-bound
@@ -101,6 +106,9 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
         raise TuningError("--trials, --kernels and --budget must be positive")
     database = TuningDatabase.for_tuning(options.db)
+    # meta_schedule logs every trial to the console unless its logger is told otherwise (`-v` keeps it).
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
+        logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
     deadline = time.monotonic() + 60 * options.budget_minutes
 
     _progress(f"extracting kernels of {model}")
@@ -114,8 +122,10 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     results = []
     for index, kernel in enumerate(kernels, 1):
         # A share of what is left, so trials a small search space cannot use go to the next kernels.
-        share = max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left))
+        share = min(trials_left, max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left)))
         wanted = min(share, space_size(kernel.workload["main"], target))
+        if wanted == 0:
+            break
         trials_left, weight_left = max(trials_left - wanted, 0), weight_left - kernel.weight
         _progress(f"[{index}/{len(kernels)}] {kernel.name} ({kernel.phases}, {kernel.calls} calls, "
                   f"{kernel.weight / total_weight:.0%} of the tuned work): {wanted} trials")
@@ -192,9 +202,16 @@ def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: 
     comparison = compare(kernel.workload["main"], knobs, target, timed=True)
     if comparison is None or not comparison.agrees:
         _progress(f"    best record {knobs} is unusable (compile will use the rule)")
-    else:
-        _progress(f"    knobs {knobs}: rule {_ms(comparison.rule_seconds)}, tuned {_ms(comparison.tuned_seconds)} "
-                  f"({comparison.rule_seconds / comparison.tuned_seconds:.2f}x), max error {comparison.max_error:.2g}")
+        return TunedKernel(kernel, trials, knobs, comparison)
+    _progress(f"    knobs {knobs}: rule {_ms(comparison.rule_seconds)}, tuned {_ms(comparison.tuned_seconds)} "
+              f"({comparison.rule_seconds / comparison.tuned_seconds:.2f}x), max error {comparison.max_error:.2g}")
+    if comparison.rule_seconds <= comparison.tuned_seconds:
+        # The search never beat the rule: record the rule's knobs, ranked by the side-by-side ratio, so the
+        # database's best (what compile applies) is never slower than the rule.
+        best_seconds = sum(map(float, best.run_secs)) / len(best.run_secs)
+        ratio = comparison.rule_seconds / comparison.tuned_seconds
+        database.records.commit_tuning_record(rule_record(kernel.workload, database, target, best_seconds * ratio))
+        _progress("    the rule stays best; recorded its knobs")
     return TunedKernel(kernel, trials, knobs, comparison)
 
 

@@ -6,7 +6,9 @@ except TVM's hand-written paged-KV-cache kernels, which arrive already written a
 loops and are tagged by the frontend (`ember.kernel_source`).
 
 On CPUs, a tuning database (`ember tune`) may schedule matmul kernels first
-(`tuning.py`); the rules schedule the rest. CPUs get ember's own rules; GPUs get TVM's dlight GPU rules, which bind every
+(`tuning.py`); the rules schedule the rest.
+
+CPUs get ember's own rules; GPUs get TVM's dlight GPU rules, which bind every
 kernel to thread blocks (a GPU kernel cannot run unscheduled at all).
 """
 

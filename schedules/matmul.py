@@ -27,7 +27,7 @@ and used once, with vectors as wide as the values sharing a packed word (8 for
 int4: one broadcast word, eight shifts). In a GEMM it is computed `rows` rows at
 a time into a local tile under n_o, so unpacking is paid once, not once per token.
 
-Three sizes are knobs (`MatmulKnobs`): `rows` (weight rows per register tile),
+Three sizes are knobs (`MATMUL_KNOBS`): `rows` (weight rows per register tile),
 `lanes` (the k split, one or two vectors) and `m_tile` (activation rows sharing each
 weight load in a GEMM: the register tile becomes m_tile x rows accumulators, which
 turns prefill from load-bound into FMA-bound). The rule picks defaults; tuning
@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 
 from tvm import s_tir, tirx
 from tvm.runtime import DataType
-from tvm.s_tir.schedule import ExprRV
 from tvm.s_tir.dlight.analysis import SBlockInfo
+from tvm.s_tir.schedule import ExprRV
 
 from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
 from ember.schedules.common import CPURule, const_extent, extent_bound, reduction_lanes
@@ -103,8 +103,8 @@ class NTMatmul(CPURule):
         rows = next(r for r in (self.rows, 2, 1) if n_extent % r == 0)
         rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0], rows)
         wider = [] if unpack_inline else [2 * lanes]  # two vectors per row: only where nothing limits the width
-        lanes = self.choose("lanes", [w for w in (lanes // 2, lanes, *wider) if w >= 4 and k_extent % w == 0] or [lanes],
-                            lanes)
+        widths = [w for w in (lanes // 2, lanes, *wider) if w >= 4 and k_extent % w == 0] or [lanes]
+        lanes = self.choose("lanes", widths, lanes)
         gemm = m_bound is None or m_bound > FEW_ROWS
         m_tile = self.choose("m_tile", [1, 2, 4, 8] if gemm else [1], 1)
 

@@ -112,6 +112,21 @@ def register_build_function() -> None:
     tvm.register_global_func(BUILD_FUNCTION, build, override=True)
 
 
+def rule_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
+                run_secs: float) -> ms.database.TuningRecord:
+    """A record of the rule's own knobs, as if the search had sampled them, timed at `run_secs`."""
+    sch = s_tir.Schedule(tuned_as)
+
+    def choose(_name: str, candidates: Sequence[int], default: int) -> Knob:
+        candidates = list(candidates)
+        return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates),
+                                      decision=candidates.index(default))
+
+    NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
+    return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as), [run_secs], target.target,
+                                    ms.arg_info.ArgInfo.from_prim_func(tuned_as["main"]))
+
+
 def record_knobs(record: ms.database.TuningRecord) -> list[int]:
     """The knob values a record chose, in the order of `MATMUL_KNOBS`."""
     trace = record.trace
@@ -231,7 +246,8 @@ def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.I
             if isinstance(dim, tirx.Var):
                 if dim.name not in values:
                     return None
-                sizes[dim] = tirx.IntImm(str(dim.ty.dtype), min(values[dim.name], bounds.get(dim.name, values[dim.name])))
+                value = min(values[dim.name], bounds.get(dim.name, values[dim.name]))
+                sizes[dim] = tirx.IntImm(str(dim.ty.dtype), value)
             elif not isinstance(dim, tirx.IntImm):
                 return None
     return sizes

@@ -90,7 +90,8 @@ class TuningDatabase:
 def describe(fingerprint: dict[str, Any]) -> str:
     """A machine fingerprint in words."""
     isa = "/".join(fingerprint.get("isa", [])) or "no listed ISA extensions"
-    return f"{fingerprint.get('cpu', '?')} ({fingerprint.get('machine', '?')}, {isa}, {fingerprint.get('cores', '?')} cores)"
+    cpu, machine, cores = (fingerprint.get(key, "?") for key in ("cpu", "machine", "cores"))
+    return f"{cpu} ({machine}, {isa}, {cores} cores)"
 
 
 def _read_fingerprint(path: Path) -> dict[str, Any] | None:
@@ -99,7 +100,8 @@ def _read_fingerprint(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        raise TuningError(f"{path / FINGERPRINT_NAME}: unreadable ({err}); delete the directory and tune again") from None
+        raise TuningError(f"{path / FINGERPRINT_NAME}: unreadable ({err}); delete the directory and tune again") \
+            from None
     if not isinstance(data, dict):
         raise TuningError(f"{path / FINGERPRINT_NAME}: not a JSON object; delete the directory and tune again")
     return data
