@@ -119,6 +119,9 @@ class NTMatmul(CPURule):
         # m_tile activation rows share each weight vector load (m_tile = 1: the loop is a unit loop).
         rf_m, rf_m_i = sch.split(rf_m, [None, m_tile])
         sch.reorder(rf_m, rf_k_o, rf_m_i, rf_n_i, rf_k_i)
+        # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
+        # tiles run without a bounds check around every FMA.
+        sch.annotate(rf_m, "pragma_loop_partition_hint", 1)
         sch.parallel(rf_n_o)
         sch.reverse_compute_at(block, rf_m)
         for epilogue in epilogues:
