@@ -20,13 +20,15 @@ trace is what makes a static-shape record apply to a symbolic kernel.
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
 on the same random inputs at a size that exercises the symbolic tails (37 tokens,
 3 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
-stays. Tuned kernels carry `ember.schedule_source = "tuning"` so the compile
-report can count them.
+stays. So does a record whose knobs are the rule's own (`ember tune` records them
+when the search does not beat the rule). Tuned kernels carry
+`ember.schedule_source = "tuning"` so the compile report can count them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -82,15 +84,12 @@ def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
 
 def space_size(func: tirx.PrimFunc, target: TargetSpec) -> int:
     """How many knob combinations the search space of `func` has."""
-    size = 1
+    return math.prod(len(candidates) for candidates, _default in _knob_choices(func, target))
 
-    def count(_name: str, candidates: Sequence[int], default: int) -> Knob:
-        nonlocal size
-        size *= len(candidates)
-        return default
 
-    NTMatmul(target.vector_bits, choose=count).apply(func, target.target, False)
-    return size
+def rule_knobs(func: tirx.PrimFunc, target: TargetSpec) -> list[int]:
+    """The knobs the rule picks for `func` by itself."""
+    return [default for _candidates, default in _knob_choices(func, target)]
 
 
 BUILD_FUNCTION = "ember.tuning.build"
@@ -196,6 +195,8 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
             if record is None:
                 continue
             knobs = record_knobs(record)
+            if knobs == rule_knobs(func, target):
+                continue  # the rule won the search: it schedules this kernel itself
             check = compare(func, knobs, target)
             if check is None or not check.agrees:
                 why = "does not fit" if check is None else f"differs from the rule by {check.max_error:.3g}"
@@ -220,6 +221,18 @@ def schedule_sources(mod: tvm.IRModule) -> tuple[int, int]:
         else:
             rules += 1
     return tuned, rules
+
+
+def _knob_choices(func: tirx.PrimFunc, target: TargetSpec) -> list[tuple[Sequence[int], int]]:
+    """(candidates, the rule's default) of each knob of `func`."""
+    choices = []
+
+    def record(_name: str, candidates: Sequence[int], default: int) -> Knob:
+        choices.append((list(candidates), default))
+        return default
+
+    NTMatmul(target.vector_bits, choose=record).apply(func, target.target, False)
+    return choices
 
 
 def _replay(knobs: list[int]) -> KnobChooser:

@@ -17,7 +17,8 @@ from tvm import te, tirx
 
 from ember.errors import TuningError
 from ember.schedules.tuning import (
-    SCHEDULE_SOURCE_ATTR, apply_tuning_database, compare, record_knobs, schedule_sources, space_size, workload,
+    SCHEDULE_SOURCE_ATTR, apply_tuning_database, compare, record_knobs, rule_knobs, rule_record, schedule_sources,
+    space_size, workload,
 )
 from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
 from ember.targets.registry import resolve_target
@@ -65,6 +66,11 @@ def test_database_round_trips(tuned_db, target):
     assert applied["nt_matmul"].attrs[SCHEDULE_SOURCE_ATTR] == "tuning"
     assert int(applied["nt_matmul"].attrs["tirx.is_scheduled"]) == 1
     assert schedule_sources(applied) == (1, 0)
+    # When the rule's own knobs are the best record, the rule schedules the kernel.
+    database.records.commit_tuning_record(rule_record(workload(func), database, target, 1e-9))
+    assert record_knobs(database.best(workload(func), target.target)) == rule_knobs(func, target)
+    with target.target:
+        assert schedule_sources(apply_tuning_database(database, target)(mod)) == (0, 1)
     # A kernel of another shape has no record: left for the rules.
     other = tvm.IRModule({"other": nt_matmul(n=32)})
     with target.target:
