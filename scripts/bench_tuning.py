@@ -28,7 +28,7 @@ def kernel_table(model: Path, db: Path) -> None:
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
     from ember.ir_passes.quant_formats import FORMATS
-    from ember.schedules.tuning import compare, record_knobs
+    from ember.schedules.tuning import compare, record_knobs, rule_knobs
     from ember.schedules.tuning_db import TuningDatabase
     from ember.targets.registry import resolve_target
     from ember.tune import hot_kernels
@@ -38,14 +38,15 @@ def kernel_table(model: Path, db: Path) -> None:
     fmt = FORMATS[target.default_quantization]
     imported = import_hf_model(model, target.target, fmt.dtype)
     kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(fmt, 256, 8)), target)
-    print(f"{'kernel':<16} {'phase':<8} {'calls':>5} {'knobs':<12} {'rule ms':>8} {'tuned ms':>9} {'speedup':>8}")
+    print(f"{'kernel':<22} {'phase':<8} {'calls':>5} {'knobs':<12} {'rule ms':>8} {'tuned ms':>9} {'speedup':>8}")
     for kernel in kernels:
         record = database.best(kernel.workload, target.target) if database else None
         if record is None:
             continue
         knobs = record_knobs(record)
         result = compare(kernel.workload["main"], knobs, target, timed=True)
-        print(f"{kernel.name:<16} {kernel.phases:<8} {kernel.calls:>5} {str(knobs):<12} "
+        shown = "rule's" if knobs == rule_knobs(kernel.workload["main"], target) else str(knobs)
+        print(f"{kernel.name:<22} {kernel.phases:<8} {kernel.calls:>5} {shown:<12} "
               f"{result.rule_seconds * 1e3:>8.3f} {result.tuned_seconds * 1e3:>9.3f} "
               f"{result.rule_seconds / result.tuned_seconds:>7.2f}x")
 
