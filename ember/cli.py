@@ -97,8 +97,32 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--memory-budget", type=_parse_bytes,
                           help="memory for weights + workspace + KV cache, e.g. 4GB; sets the longest context "
                                "the artifact allows and the KV cache's size (default on GPUs: 90%% of its memory)")
+    compile_.add_argument("--tuning-db", type=Path, metavar="DIR",
+                          help="apply the records `ember tune` wrote on this machine; the rules schedule the rest")
     compile_.add_argument("--no-progress", action="store_true", help="no progress bars")
     compile_.set_defaults(run=_run_compile)
+
+    tune = commands.add_parser(
+        "tune", help="autotune a model's hottest kernels into a tuning database",
+        description="Extract a model's kernels, weight them by how often prefill and decode call them, and "
+                    "search the schedules of the hottest with meta_schedule on this machine. Rerunning with the "
+                    "same --db continues where a job stopped.",
+        epilog="example:\n  ember tune demo --db tuning --trials 64 --budget 5\n"
+               "  ember compile demo -o demo-tuned --tuning-db tuning",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_argument("model", help="checkpoint directory, an artifact (tuned as it was compiled), or `demo`")
+    tune.add_argument("--db", required=True, type=Path, metavar="DIR", help="tuning database directory")
+    tune.add_argument("--target", default="cpu", help="`cpu` (this machine; tuning measures here)")
+    tune.add_argument("--quant", default=None, metavar="FORMAT", help="weight format, as for compile")
+    tune.add_argument("--trials", type=int, default=64,
+                      help="measured trials in all, shared by the kernels (default 64)")
+    tune.add_argument("--budget", type=float, default=10.0, metavar="MINUTES",
+                      help="stop starting trials after this many minutes (default 10)")
+    tune.add_argument("--kernels", type=int, default=8,
+                      help="tune at most this many of the hottest kernels (default 8)")
+    tune.add_argument("--prefill-chunk", type=int, default=256, help="as for compile (default 256)")
+    tune.add_argument("--max-batch", type=int, default=8, help="as for compile (default 8)")
+    tune.set_defaults(run=_run_tune)
 
     from ember.analyze import cli as analyze_cli
 
@@ -159,17 +183,32 @@ def _run_compile(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
         memory_budget=args.memory_budget,
+        tuning_db=args.tuning_db,
         show_progress=not args.no_progress,
     )
     result = compile_model(model_dir, args.output, options)
     memory = result.memory
     print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
+    if args.tuning_db is not None:
+        print(f"  {result.kernels_tuned} kernels from the tuning database, {result.kernels_ruled} from rules")
     print(f"  weights {_mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
           f"planned workspace {_mib(memory.peak_workspace_bytes)}")
     kv = result.manifest.kv_cache
     if kv["memory_budget"]:
         print(f"  in a memory budget of {_mib(kv['memory_budget'])}: KV cache of {kv['max_total_tokens']} tokens, "
               f"longest context {kv['max_context']} tokens")
+    return 0
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from ember.tune import TuneOptions, tune_model
+
+    model = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
+    options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
+                          budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
+                          max_batch=args.max_batch)
+    report = tune_model(model, options)
+    print(f"tuned {len(report)} kernels into {args.db}")
     return 0
 
 

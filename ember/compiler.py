@@ -27,6 +27,8 @@ from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
+from ember.schedules.tuning import schedule_sources
+from ember.schedules.tuning_db import TuningDatabase
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.registry import TargetSpec, resolve_target
 
@@ -46,6 +48,7 @@ class CompileOptions:
     prefill_chunk: int = 256
     max_batch: int = 8
     memory_budget: int | None = None  # None: most of a GPU target's memory; unbounded on CPUs
+    tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     show_progress: bool = True
 
 
@@ -57,6 +60,8 @@ class CompileResult:
     manifest: Manifest
     memory: MemoryReport
     seconds: float
+    kernels_tuned: int  # scheduled from the tuning database
+    kernels_ruled: int  # scheduled by the rules
 
 
 def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
@@ -80,9 +85,11 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     prefill_chunk = min(options.prefill_chunk, config.context_window)
 
     log.info("lowering and scheduling for %s", target.describe())
+    tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
     lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
-                                          options.keep_embedding, options.keep_lm_head)
+                                          options.keep_embedding, options.keep_lm_head, tuning)
     lowered = pipeline.lower(imported.mod, target, lower_options)
+    kernels_tuned, kernels_ruled = schedule_sources(lowered)
     kv_bytes_per_token = (
         2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
         * tvm.runtime.DataType(model_dtype).bits // 8
@@ -110,7 +117,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start)
+    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, kernels_tuned, kernels_ruled)
 
 
 def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> CompileOptions:

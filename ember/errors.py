@@ -25,3 +25,7 @@ class ArtifactError(EmberError):
 
 class GenerationError(EmberError):
     """A request to the runtime cannot be served (context overflow, bad sampling options)."""
+
+
+class TuningError(EmberError):
+    """A tuning database cannot be used or written (wrong machine for tuning, damaged files)."""

@@ -7,7 +7,8 @@ frontend and `tvm.compile`'s code generation:
    recipes change with them): projection fusion, weight quantization.
 2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused;
    functions and kernels get the bounds of their symbolic sizes.
-3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`).
+3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`), from
+   a tuning database where one has a checked record, else from the rules.
 4. dataflow lowering and memory planning: static buffers sized by the bounds;
    on CUDA, decode's kernel runs captured as CUDA graphs.
 5. finalization: VM-level lowering.
@@ -26,6 +27,7 @@ from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
 from ember.schedules import schedule_passes
+from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
 
 
@@ -38,6 +40,7 @@ class LowerOptions:
     max_batch: int
     keep_embedding: bool = False  # leave the embedding table in the compute dtype
     keep_lm_head: bool = False  # leave the output projection in the compute dtype
+    tuning: TuningDatabase | None = None  # records from `ember tune` on this machine
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
@@ -101,12 +104,18 @@ def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     ]
 
 
+def to_kernels(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
+    """Only the graph and legalization phases: the unscheduled kernels, as `ember tune` sees them."""
+    with target.target:
+        return tvm.transform.Sequential(graph_passes(target, options) + legalize_passes(target, options))(mod)
+
+
 def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
     """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`."""
     passes = (
         graph_passes(target, options)
         + legalize_passes(target, options)
-        + schedule_passes(target)
+        + schedule_passes(target, options.tuning)
         + dataflow_lower_passes(target)
         + memory_planning_passes(target)
         + finalize_passes(target)

@@ -5,6 +5,9 @@ After them, `check_all_scheduled` fails compilation if any kernel fell through,
 except TVM's hand-written paged-KV-cache kernels, which arrive already written as
 loops and are tagged by the frontend (`ember.kernel_source`).
 
+On CPUs, a tuning database (`ember tune`) may schedule matmul kernels first
+(`tuning.py`); the rules schedule the rest.
+
 CPUs get ember's own rules; GPUs get TVM's dlight GPU rules, which bind every
 kernel to thread blocks (a GPU kernel cannot run unscheduled at all).
 """
@@ -18,12 +21,16 @@ from ember.schedules.check import check_all_scheduled
 from ember.schedules.elementwise import Elementwise
 from ember.schedules.matmul import NTMatmul
 from ember.schedules.reduction import RowReduction
+from ember.schedules.tuning import apply_tuning_database
+from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
 
 
-def schedule_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
-    """The scheduling phase of the pipeline for `target`."""
-    return [dlight.ApplyDefaultSchedule(*(gpu_rules() if target.is_gpu else cpu_rules(target))), check_all_scheduled]
+def schedule_passes(target: TargetSpec, tuning: TuningDatabase | None = None) -> list[tvm.transform.Pass]:
+    """The scheduling phase of the pipeline for `target`, tuned records first if a database is given."""
+    tuned = [apply_tuning_database(tuning, target)] if tuning is not None and not target.is_gpu else []
+    rules = dlight.ApplyDefaultSchedule(*(gpu_rules() if target.is_gpu else cpu_rules(target)))
+    return tuned + [rules, check_all_scheduled]
 
 
 def cpu_rules(target: TargetSpec) -> list[dlight.ScheduleRule]:

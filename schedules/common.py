@@ -18,11 +18,14 @@ class CPURule(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
             return None
-        sch = s_tir.Schedule(func)
+        return self.apply_to(s_tir.Schedule(func))
+
+    def apply_to(self, sch: s_tir.Schedule) -> s_tir.Schedule | None:
+        """Schedule the `main` PrimFunc of `sch` in place (meta_schedule hands its own schedules here)."""
         infos = normalize_prim_func(sch)
         if not infos:
             return None
-        attrs = func.attrs or {}
+        attrs = sch.mod["main"].attrs or {}
         bounds = {str(name): int(bound) for name, bound in dict(attrs.get("tir_var_upper_bound", {})).items()}
         try:
             return self.schedule(sch, infos, bounds)

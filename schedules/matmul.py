@@ -26,13 +26,22 @@ FEW_ROWS) it is inlined into the FMA loop: each value is unpacked in registers
 and used once, with vectors as wide as the values sharing a packed word (8 for
 int4: one broadcast word, eight shifts). In a GEMM it is computed `rows` rows at
 a time into a local tile under n_o, so unpacking is paid once, not once per token.
+
+Three sizes are knobs (`MATMUL_KNOBS`): `rows` (weight rows per register tile),
+`lanes` (the k split, one or two vectors) and `m_tile` (activation rows sharing each
+weight load in a GEMM: the register tile becomes m_tile x rows accumulators, which
+turns prefill from load-bound into FMA-bound). The rule picks defaults; tuning
+(`schedules/tuning.py`) samples them with meta_schedule and replays the best.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from tvm import s_tir, tirx
 from tvm.runtime import DataType
 from tvm.s_tir.dlight.analysis import SBlockInfo
+from tvm.s_tir.schedule import ExprRV
 
 from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
 from ember.schedules.common import CPURule, const_extent, extent_bound, reduction_lanes
@@ -41,12 +50,25 @@ from ember.schedules.common import CPURule, const_extent, extent_bound, reductio
 FEW_ROWS = 8
 
 
+# A knob's value: a Python int (rules, replayed records) or a sampled variable (tuning).
+Knob = int | ExprRV
+# Chooses a knob: (name, candidates, default) -> value. Names come in the order of MATMUL_KNOBS.
+KnobChooser = Callable[[str, Sequence[int], int], Knob]
+MATMUL_KNOBS = ("rows", "lanes", "m_tile")
+
+
+def default_knobs(_name: str, _candidates: Sequence[int], default: int) -> Knob:
+    """The rule's own choice for every knob."""
+    return default
+
+
 class NTMatmul(CPURule):
     """GEMV/GEMM with a row-major [N, K] weight, vectorized along K."""
 
-    def __init__(self, vector_bits: int, rows: int = 4) -> None:
+    def __init__(self, vector_bits: int, rows: int = 4, choose: KnobChooser = default_knobs) -> None:
         super().__init__(vector_bits)
         self.rows = rows
+        self.choose = choose
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], bounds: dict[str, int]) -> s_tir.Schedule | None:
         reductions = [index for index, info in enumerate(infos) if not info.is_injective()]
@@ -79,6 +101,12 @@ class NTMatmul(CPURule):
         if n_extent is None or lanes is None:
             return None
         rows = next(r for r in (self.rows, 2, 1) if n_extent % r == 0)
+        rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0], rows)
+        wider = [] if unpack_inline else [2 * lanes]  # two vectors per row: only where nothing limits the width
+        widths = [w for w in (lanes // 2, lanes, *wider) if w >= 4 and k_extent % w == 0] or [lanes]
+        lanes = self.choose("lanes", widths, lanes)
+        gemm = m_bound is None or m_bound > FEW_ROWS
+        m_tile = self.choose("m_tile", [1, 2, 4, 8] if gemm else [1], 1)
 
         m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
         n_o, n_i = sch.split(n, [None, rows])
@@ -88,12 +116,19 @@ class NTMatmul(CPURule):
         accumulate = sch.rfactor(k_i, factor_axis=len(sch.get(block).writes[0].region))
         sch.set_scope(accumulate, 0, "local")
         rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
+        # m_tile activation rows share each weight vector load (m_tile = 1: the loop is a unit loop).
+        rf_m, rf_m_i = sch.split(rf_m, [None, m_tile])
+        sch.reorder(rf_m, rf_k_o, rf_m_i, rf_n_i, rf_k_i)
+        # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
+        # tiles run without a bounds check around every FMA.
+        sch.annotate(rf_m, "pragma_loop_partition_hint", 1)
         sch.parallel(rf_n_o)
         sch.reverse_compute_at(block, rf_m)
         for epilogue in epilogues:
             sch.reverse_compute_at(epilogue, rf_m)
         sch.vectorize(rf_k_i)
         sch.unroll(rf_n_i)
+        sch.unroll(rf_m_i)
         sch.decompose_reduction(accumulate, rf_k_o)
         for prologue in prologues:
             self._unpack_rows(sch, prologue, rf_n_o)

@@ -245,6 +245,27 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+# ISA extensions that change which code a tuned kernel should be (vector width, FMA, dot products).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
+              "asimd", "sve", "sve2", "i8mm", "bf16")
+
+
+def cpu_fingerprint() -> dict[str, Any]:
+    """What a kernel's speed on this CPU depends on: architecture, model, ISA extensions, cores."""
+    return {"machine": platform.machine(), "cpu": _cpu_model(), "isa": _isa_flags(), "cores": _host_cores()}
+
+
+def _isa_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in _ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def _host_fingerprint() -> dict[str, Any]:
     return {"machine": platform.machine(), "cpu": _cpu_model(), "cores": _host_cores(),
             "memory": _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE"), "method": BANDWIDTH_METHOD}

@@ -1,0 +1,258 @@
+"""`ember tune`: find a model's hottest kernels and tune them into a database.
+
+The model goes through the same graph and legalization phases as `ember compile`,
+so the kernels tuned are exactly the ones compile will look up. Each kernel is
+weighted by how often a generation calls it: its call sites in `decode` (run once
+per new token, `DECODE_STEPS_PER_PREFILL` tokens per prompt chunk) and in `prefill`,
+times a roofline-shaped cost at its tuning shape (the larger of its FLOPs and
+`FLOPS_PER_BYTE` times the bytes it touches). The hottest matmuls (the kernels whose
+schedule has knobs, `schedules/tuning.py`) share the trial budget in proportion to
+their weight.
+
+Tuning runs in rounds of a few trials with meta_schedule's local builder and runner
+(one build worker, long timeouts: LLVM is slow on small machines), which append
+every `TRIALS_PER_COMMIT` measurements to the database. Each round starts from the
+trials already on disk, so rerunning a killed job continues it, and no new round
+starts after `--budget` minutes. After a kernel's last round, its best
+record is run against the rule-based kernel on random inputs: the report shows both
+times and flags a record that disagrees numerically (compile would reject it), and
+if the rule is faster, a record of the rule's own knobs is added so that the
+database's best is never slower than the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax, s_tir
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from ember.errors import TuningError
+from ember.frontend.hf import import_hf_model
+from ember.ir_passes import pipeline
+from ember.ir_passes.quant_formats import FORMATS
+from ember.manifest import MANIFEST_NAME, read_manifest
+from ember.schedules.tuning import (
+    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, rule_record, space_size,
+    tuning_space, workload,
+)
+from ember.schedules.tuning_db import TuningDatabase
+from ember.targets.registry import TargetSpec, resolve_target
+
+log = logging.getLogger("ember")
+
+DECODE_STEPS_PER_PREFILL = 128  # a generation writes about as many tokens as one prompt chunk
+FLOPS_PER_BYTE = 8  # a CPU's compute-to-bandwidth balance: below it a kernel is memory-bound
+TRIALS_PER_ROUND = 16  # one meta_schedule run (startup costs ~20 s on 2 cores); the budget is checked between runs
+TRIALS_PER_COMMIT = 4  # measured and appended to the database together: what a killed job can lose
+MIN_TRIALS = 4
+
+
+@dataclass
+class TuneOptions:
+    """What to tune and for how long."""
+
+    db: Path
+    target: str = "cpu"
+    quantization: str | None = None  # None: the target's default, as for compile
+    trials: int = 64
+    budget_minutes: float = 10.0
+    kernels: int = 8
+    prefill_chunk: int = 256
+    max_batch: int = 8
+    keep_embedding: bool = False
+    keep_lm_head: bool = False
+
+
+@dataclass
+class HotKernel:
+    """A kernel of the model, the workload it is tuned as, and how much a generation spends in it."""
+
+    name: str
+    phases: str  # "decode", "prefill" or both
+    calls: int  # call sites per generation step of its phase(s)
+    workload: tvm.IRModule
+    weight: float  # arbitrary units; only ratios matter
+
+
+@dataclass
+class TunedKernel:
+    """What tuning a kernel gave: trials on disk, the best knobs, and tuned vs rule on this machine."""
+
+    kernel: HotKernel
+    trials: int
+    knobs: list[int] | None
+    comparison: Comparison | None
+
+
+def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
+    """Tune the hottest kernels of `model` (a checkpoint or an artifact) into `options.db`."""
+    model, options = _resolve_model(Path(model), options)
+    target = resolve_target(options.target)
+    if target.is_gpu or target.tvm_target != resolve_target("cpu").tvm_target:
+        raise TuningError(f"--target {options.target}: `ember tune` measures kernels on this machine, so it "
+                          "tunes only for this CPU (--target cpu)")
+    quantization = options.quantization or target.default_quantization
+    if quantization not in FORMATS:
+        raise TuningError(f"--quant {quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
+        raise TuningError("--trials, --kernels and --budget must be positive")
+    database = TuningDatabase.for_tuning(options.db)
+    # meta_schedule logs every trial to the console unless its logger is told otherwise (`-v` keeps it).
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
+        logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
+    deadline = time.monotonic() + 60 * options.budget_minutes
+
+    _progress(f"extracting kernels of {model}")
+    fmt = FORMATS[quantization]
+    imported = import_hf_model(model, target.target, fmt.dtype)
+    lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
+                                          options.max_batch, options.keep_embedding, options.keep_lm_head)
+    kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
+    total_weight = sum(kernel.weight for kernel in kernels)
+    trials_left, weight_left = options.trials, total_weight
+    results = []
+    for index, kernel in enumerate(kernels, 1):
+        # A share of what is left, so trials a small search space cannot use go to the next kernels.
+        share = min(trials_left, max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left)))
+        wanted = min(share, space_size(kernel.workload["main"], target))
+        if wanted == 0:
+            break
+        trials_left, weight_left = max(trials_left - wanted, 0), weight_left - kernel.weight
+        _progress(f"[{index}/{len(kernels)}] {kernel.name} ({kernel.phases}, {kernel.calls} calls, "
+                  f"{kernel.weight / total_weight:.0%} of the tuned work): {wanted} trials")
+        done = tune_kernel(kernel, wanted, database, target, deadline)
+        results.append(_evaluate(kernel, done, database, target))
+        if time.monotonic() > deadline and index < len(kernels):
+            _progress(f"budget of {options.budget_minutes:g} minutes spent; {len(kernels) - index} kernels left "
+                      "(rerun to continue)")
+            break
+    return results
+
+
+def hot_kernels(mod: tvm.IRModule, target: TargetSpec) -> list[HotKernel]:
+    """The tunable kernels of a legalized module, hottest first."""
+    calls: dict[str, dict[str, int]] = {}
+    for phase in ("prefill", "decode"):
+        for name in _called_kernels(mod[phase]):
+            calls.setdefault(name, {}).setdefault(phase, 0)
+            calls[name][phase] += 1
+    kernels = []
+    for name, per_phase in calls.items():
+        func = mod[name]
+        tuned_as = workload(func)
+        if tuned_as is None or not is_tunable(func, target):
+            continue
+        steps = per_phase.get("prefill", 0) + DECODE_STEPS_PER_PREFILL * per_phase.get("decode", 0)
+        kernels.append(HotKernel(name, "+".join(per_phase), sum(per_phase.values()), tuned_as,
+                                 steps * _cost(tuned_as)))
+    return sorted(kernels, key=lambda kernel: -kernel.weight)
+
+
+def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target: TargetSpec,
+                 deadline: float) -> int:
+    """meta_schedule rounds until `wanted` trials of `kernel` are on disk or the deadline passes; the trials on disk."""
+    done = database.trials(kernel.workload)
+    while done < wanted and time.monotonic() < deadline:
+        ms.tune_tir(
+            kernel.workload, target.target, work_dir=str(database.path / "logs"),
+            max_trials_global=min(TRIALS_PER_ROUND, wanted - done), num_trials_per_iter=TRIALS_PER_COMMIT,
+            builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=120.0, f_build=BUILD_FUNCTION,
+                                            initializer=register_build_function),
+            runner=ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=ms.runner.EvaluatorConfig(
+                number=5, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False)),
+            database=database.records, cost_model="random", task_scheduler="round-robin",
+            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"),
+                               _Progress(done, wanted)],
+            space=tuning_space(target), strategy="replay-trace", num_tuning_cores=max(target.num_cores, 1),
+        )
+        done = database.trials(kernel.workload)
+    return done
+
+
+@derived_object
+class _Progress(ms.measure_callback.PyMeasureCallback):
+    """Prints the trial count and the best time after each batch of measurements."""
+
+    def __init__(self, done: int, wanted: int) -> None:
+        self.done, self.wanted, self.best = done, wanted, math.inf
+
+    def apply(self, _scheduler, _task_id, _candidates, _builds, runs) -> None:
+        self.done += len(runs)
+        times = [sum(map(float, run.run_secs)) / len(run.run_secs) for run in runs if run.run_secs]
+        self.best = min([self.best, *times])
+        best = f", best {_ms(self.best)}" if self.best < math.inf else ""
+        _progress(f"    {self.done}/{self.wanted} trials{best}")
+
+
+def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: TargetSpec) -> TunedKernel:
+    """The best record against the rule, both run here on the same inputs."""
+    best = database.best(kernel.workload, target.target)
+    if best is None:
+        return TunedKernel(kernel, trials, None, None)
+    knobs = record_knobs(best)
+    comparison = compare(kernel.workload["main"], knobs, target, timed=True)
+    if comparison is None or not comparison.agrees:
+        _progress(f"    best record {knobs} is unusable (compile will use the rule)")
+        return TunedKernel(kernel, trials, knobs, comparison)
+    _progress(f"    knobs {knobs}: rule {_ms(comparison.rule_seconds)}, tuned {_ms(comparison.tuned_seconds)} "
+              f"({comparison.rule_seconds / comparison.tuned_seconds:.2f}x), max error {comparison.max_error:.2g}")
+    if comparison.rule_seconds <= comparison.tuned_seconds:
+        # The search never beat the rule: record the rule's knobs, ranked by the side-by-side ratio, so the
+        # database's best (what compile applies) is never slower than the rule.
+        best_seconds = sum(map(float, best.run_secs)) / len(best.run_secs)
+        ratio = comparison.rule_seconds / comparison.tuned_seconds
+        database.records.commit_tuning_record(rule_record(kernel.workload, database, target, best_seconds * ratio))
+        _progress("    the rule stays best; recorded its knobs")
+    return TunedKernel(kernel, trials, knobs, comparison)
+
+
+def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions]:
+    """An artifact stands for its source checkpoint, compiled with the artifact's options."""
+    if not (model / MANIFEST_NAME).exists():
+        return model, options
+    manifest = read_manifest(model)
+    source = Path(manifest.source)
+    if not source.is_dir():
+        raise TuningError(f"{model}: the artifact's source checkpoint {source} is gone; tune the checkpoint instead")
+    return source, dataclasses.replace(
+        options, quantization=manifest.quantization, prefill_chunk=manifest.kv_cache["prefill_chunk"],
+        max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
+        keep_lm_head=manifest.kept_float["lm_head"])
+
+
+def _called_kernels(func: relax.Function) -> list[str]:
+    """The PrimFunc name of every call_tir in `func`, once per call site."""
+    names = []
+
+    def visit(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name.startswith(
+                "relax.call_tir") and isinstance(expr.args[0], tvm.ir.GlobalVar):
+            names.append(expr.args[0].name_hint)
+
+    relax.analysis.post_order_visit(func, visit)
+    return names
+
+
+def _cost(tuned_as: tvm.IRModule) -> float:
+    """max(FLOPs, FLOPS_PER_BYTE x bytes touched) of a static kernel."""
+    func = tuned_as["main"]
+    data = sum(math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(param.dtype).bits // 8
+               for param in func.params)
+    return max(s_tir.analysis.estimate_tir_flops(tuned_as), FLOPS_PER_BYTE * data)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

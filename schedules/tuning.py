@@ -1,0 +1,290 @@
+"""Tuned matmul schedules: meta_schedule searches the knobs of ember's matmul rule.
+
+What is tuned. meta_schedule's generic CPU search space ties the rules at best on a
+2-core machine (TVM_NOTES: 64 trials reached the hand schedule's GEMV time) and
+needs static shapes, while every ember kernel has a symbolic size (`seq_len` in
+prefill, `batch_size` in decode). So the search space here is `NTMatmul` itself with
+its sizes sampled (`MATMUL_KNOBS`: weight rows per tile, k-split width, activation
+rows per tile): a `ScheduleFn` space whose trace is the rule's schedule with
+`SampleCategorical` decisions, searched with meta_schedule's replay-trace strategy,
+built and timed by its local builder and runner, and recorded in its JSONDatabase.
+
+Shapes. A kernel is tuned as its *workload*: the PrimFunc with `batch_size = 1`
+(decode's common case) and `seq_len`/`num_logits = min(TUNE_SEQ_LEN, bound)`
+substituted, and its attributes reduced to what meta_schedule expects. At compile
+time a symbolic kernel looks up the workload it would be tuned as; a record's
+decisions (plain integers) are then replayed through the same rule on the symbolic
+kernel, which the rule handles at any size. Replaying decisions rather than the
+trace is what makes a static-shape record apply to a symbolic kernel.
+
+Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
+on the same random inputs at a size that exercises the symbolic tails (37 tokens,
+3 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
+stays. So does a record whose knobs are the rule's own (`ember tune` records them
+when the search does not beat the rule). Tuned kernels carry
+`ember.schedule_source = "tuning"` so the compile report can count them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import meta_schedule as ms
+
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
+from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
+from ember.schedules.tuning_db import TuningDatabase
+from ember.targets.registry import TargetSpec
+
+log = logging.getLogger("ember")
+
+SCHEDULE_SOURCE_ATTR = "ember.schedule_source"
+TUNE_SEQ_LEN = 128  # prefill kernels are tuned at this many tokens (or their bound, if smaller)
+# Sizes the numerical check runs symbolic kernels at: not multiples of any tile.
+_CHECK_SIZES = {"seq_len": 37, "num_logits": 37, "batch_size": 3}
+_TUNE_SIZES = {"seq_len": TUNE_SEQ_LEN, "num_logits": TUNE_SEQ_LEN, "batch_size": 1}
+RTOL = 1e-4
+
+
+def workload(func: tirx.PrimFunc) -> tvm.IRModule | None:
+    """The static-shaped module `func` is tuned as, or None if it has sizes ember does not tune."""
+    sizes = _sizes(func, _TUNE_SIZES)
+    if sizes is None:
+        return None
+    static = func.specialize(_static_buffers(func, sizes)) if sizes else func
+    bare = tirx.PrimFunc(static.params, static.body, static.ret_type)
+    return tvm.IRModule({"main": bare.with_attrs({"global_symbol": "main", "tirx.noalias": True})})
+
+
+def is_tunable(func: tirx.PrimFunc, target: TargetSpec) -> bool:
+    """Whether the matmul rule, whose knobs are tuned, schedules `func`."""
+    return NTMatmul(target.vector_bits).apply(func, target.target, False) is not None
+
+
+def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
+    """meta_schedule's search space: the matmul rule with every knob sampled uniformly."""
+
+    def sample(sch: s_tir.Schedule) -> s_tir.Schedule:
+        def choose(_name: str, candidates: Sequence[int], _default: int) -> Knob:
+            return sch.sample_categorical(list(candidates), [1.0 / len(candidates)] * len(candidates))
+
+        if NTMatmul(target.vector_bits, choose=choose).apply_to(sch) is None:
+            raise ValueError("the matmul rule does not match this workload")
+        return sch
+
+    # No generic rules, postprocessors or mutators: the space is exactly the rule's knobs.
+    return ms.space_generator.ScheduleFn(sample, sch_rules=[], postprocs=[], mutator_probs={})
+
+
+def space_size(func: tirx.PrimFunc, target: TargetSpec) -> int:
+    """How many knob combinations the search space of `func` has."""
+    return math.prod(len(candidates) for candidates, _default in _knob_choices(func, target))
+
+
+def rule_knobs(func: tirx.PrimFunc, target: TargetSpec) -> list[int]:
+    """The knobs the rule picks for `func` by itself."""
+    return [default for _candidates, default in _knob_choices(func, target)]
+
+
+BUILD_FUNCTION = "ember.tuning.build"
+
+
+def register_build_function() -> None:
+    """Runs in each of meta_schedule's build workers: registers `BUILD_FUNCTION`.
+
+    meta_schedule's default build function first imports its tensor intrinsics (parsing
+    hundreds of TVMScript functions, ~20 s on 2 busy cores), and the builder starts fresh
+    workers for every batch; ember's kernels use no tensor intrinsics.
+    """
+
+    from tvm.driver import build as tvm_build  # what meta_schedule's default build calls, minus the import
+
+    def build(mod: tvm.IRModule, target: tvm.target.Target, _params: object) -> tvm.runtime.Module:
+        return tvm_build(mod, target=target)
+
+    tvm.register_global_func(BUILD_FUNCTION, build, override=True)
+
+
+def rule_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
+                run_secs: float) -> ms.database.TuningRecord:
+    """A record of the rule's own knobs, as if the search had sampled them, timed at `run_secs`."""
+    sch = s_tir.Schedule(tuned_as)
+
+    def choose(_name: str, candidates: Sequence[int], default: int) -> Knob:
+        candidates = list(candidates)
+        return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates),
+                                      decision=candidates.index(default))
+
+    NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
+    return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as), [run_secs], target.target,
+                                    ms.arg_info.ArgInfo.from_prim_func(tuned_as["main"]))
+
+
+def record_knobs(record: ms.database.TuningRecord) -> list[int]:
+    """The knob values a record chose, in the order of `MATMUL_KNOBS`."""
+    trace = record.trace
+    return [int(inst.attrs[0][int(trace.decisions[inst])]) for inst in trace.insts
+            if inst.kind.name == "SampleCategorical"]
+
+
+def schedule_with(func: tirx.PrimFunc, knobs: list[int] | None, target: TargetSpec) -> tirx.PrimFunc | None:
+    """`func` scheduled by the matmul rule with `knobs` (None: the rule's defaults)."""
+    rule = NTMatmul(target.vector_bits) if knobs is None else NTMatmul(target.vector_bits, choose=_replay(knobs))
+    try:
+        sch = rule.apply(func, target.target, False)
+    except ValueError:  # a knob value this kernel cannot take
+        return None
+    return None if sch is None else sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Tuned against rule-based on the same inputs: worst error and, if timed, seconds per call."""
+
+    max_error: float
+    scale: float
+    rule_seconds: float | None = None
+    tuned_seconds: float | None = None
+
+    @property
+    def agrees(self) -> bool:
+        return self.max_error <= RTOL * self.scale
+
+
+def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bool = False) -> Comparison | None:
+    """Run `func` scheduled by the rule and with `knobs` on the same random inputs (None: knobs unusable)."""
+    sizes = _sizes(func, _CHECK_SIZES)
+    tuned = schedule_with(func, knobs, target)
+    rule = schedule_with(func, None, target)
+    if sizes is None or tuned is None or rule is None:
+        return None
+    device = tvm.cpu()
+    inputs = _random_arguments(func, sizes)
+    results, seconds = [], []
+    for scheduled in (rule, tuned):
+        library = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target.target)
+        arguments = [tvm.runtime.tensor(array, device) for array in inputs]
+        library["main"](*arguments)
+        results.append([argument.numpy() for argument in arguments])
+        if timed:
+            timer = library.mod.time_evaluator("main", device, number=10, repeat=3, min_repeat_ms=50)
+            seconds.append(min(timer(*arguments).results))
+    scale = max(1.0, max(float(np.abs(a).max(initial=0)) for a in results[0] if a.dtype.kind == "f"))
+    error = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
+                for a, b in zip(*results))
+    return Comparison(error, scale, *(seconds or [None, None]))
+
+
+def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.transform.Pass:
+    """A pass scheduling every kernel with a matching, numerically checked record; the rules do the rest."""
+
+    @tvm.transform.module_pass(opt_level=0, name="ApplyTuningDatabase")
+    def _apply(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or KERNEL_SOURCE_ATTR in (func.attrs or {}):
+                continue
+            tuned_as = workload(func)
+            record = database.best(tuned_as, target.target) if tuned_as is not None else None
+            if record is None:
+                continue
+            knobs = record_knobs(record)
+            if knobs == rule_knobs(func, target):
+                continue  # the rule won the search: it schedules this kernel itself
+            check = compare(func, knobs, target)
+            if check is None or not check.agrees:
+                why = "does not fit" if check is None else f"differs from the rule by {check.max_error:.3g}"
+                log.warning("tuning record for %s (%s) %s; using the rule", gv.name_hint, knobs, why)
+                continue
+            scheduled = schedule_with(func, knobs, target)
+            updates[gv.name_hint] = scheduled.with_attr(SCHEDULE_SOURCE_ATTR, "tuning")
+        return replace_functions(mod, updates)
+
+    return _apply
+
+
+def schedule_sources(mod: tvm.IRModule) -> tuple[int, int]:
+    """(kernels scheduled from the tuning database, kernels scheduled by the rules) in a lowered module."""
+    tuned = rules = 0
+    for _gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc) or KERNEL_SOURCE_ATTR in (func.attrs or {}):
+            continue
+        attrs = func.attrs or {}
+        if attrs.get(SCHEDULE_SOURCE_ATTR) == "tuning":
+            tuned += 1
+        else:
+            rules += 1
+    return tuned, rules
+
+
+def _knob_choices(func: tirx.PrimFunc, target: TargetSpec) -> list[tuple[Sequence[int], int]]:
+    """(candidates, the rule's default) of each knob of `func`."""
+    choices = []
+
+    def record(_name: str, candidates: Sequence[int], default: int) -> Knob:
+        choices.append((list(candidates), default))
+        return default
+
+    NTMatmul(target.vector_bits, choose=record).apply(func, target.target, False)
+    return choices
+
+
+def _replay(knobs: list[int]) -> KnobChooser:
+    values: Iterator[int] = iter(knobs)
+
+    def choose(name: str, candidates: Sequence[int], _default: int) -> Knob:
+        value = next(values, None)
+        if value not in candidates:
+            raise ValueError(f"knob {name}={value} is not one of {list(candidates)}")
+        return value
+
+    assert len(knobs) == len(MATMUL_KNOBS), knobs
+    return choose
+
+
+def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.IntImm] | None:
+    """Each symbolic size of `func`'s buffers bound to `values` (clipped to its bound); None if one is unknown."""
+    bounds = {str(k): int(v) for k, v in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
+    sizes = {}
+    for param in func.params:
+        if getattr(param, "shape", None) is None:  # a scalar parameter: not a kernel ember tunes
+            return None
+        for dim in param.shape:
+            if isinstance(dim, tirx.Var):
+                if dim.name not in values:
+                    return None
+                value = min(values[dim.name], bounds.get(dim.name, values[dim.name]))
+                sizes[dim] = tirx.IntImm(str(dim.ty.dtype), value)
+            elif not isinstance(dim, tirx.IntImm):
+                return None
+    return sizes
+
+
+def _static_buffers(func: tirx.PrimFunc, sizes: dict[tirx.Var, tirx.IntImm]) -> dict[tirx.Var, tirx.Buffer]:
+    """Each buffer parameter with a symbolic size, mapped to a static buffer (what `specialize` takes)."""
+    static = {}
+    for param in func.params:
+        if any(isinstance(dim, tirx.Var) for dim in param.shape):
+            shape = [sizes[dim] if isinstance(dim, tirx.Var) else dim for dim in param.shape]
+            static[param] = tirx.decl_buffer(shape, param.dtype, param.name)
+    return static
+
+
+def _random_arguments(func: tirx.PrimFunc, sizes: dict[tirx.Var, tirx.IntImm]) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    arrays = []
+    for param in func.params:
+        shape = [int(sizes[dim]) if isinstance(dim, tirx.Var) else int(dim) for dim in param.shape]
+        dtype = np.dtype(str(param.dtype))
+        if dtype.kind == "f":
+            arrays.append(rng.uniform(-1, 1, shape).astype(dtype))
+        else:
+            info = np.iinfo(dtype)
+            arrays.append(rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True))
+    return arrays

@@ -1,0 +1,141 @@
+"""Autotuning: the database round-trips, tuned kernels match the rules, other machines' databases
+are ignored, and a killed tuning job resumes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tvm
+from tvm import te, tirx
+
+from ember.errors import TuningError
+from ember.schedules.tuning import (
+    SCHEDULE_SOURCE_ATTR, apply_tuning_database, compare, record_knobs, rule_knobs, rule_record, schedule_sources,
+    space_size, workload,
+)
+from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
+from ember.targets.registry import resolve_target
+from ember.tune import HotKernel, tune_kernel
+from helpers import REPO_ROOT
+
+RECORDS = "database_tuning_record.json"
+
+
+def nt_matmul(n: int = 64, k: int = 128, bound: int = 64) -> tirx.PrimFunc:
+    """C[1, seq_len, n] = A[1, seq_len, k] @ W[n, k]^T, as legalization writes a prefill projection."""
+    seq_len = tirx.Var("seq_len", "int64")
+    a = te.placeholder((1, seq_len, k), name="A")
+    w = te.placeholder((n, k), name="W")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((1, seq_len, n), lambda b, m, j: te.sum(a[b, m, r] * w[j, r], axis=r), name="NT_matmul")
+    return te.create_prim_func([a, w, c]).with_attr("tir_var_upper_bound", {"seq_len": bound})
+
+
+@pytest.fixture(scope="module")
+def target():
+    return resolve_target("cpu")
+
+
+@pytest.fixture(scope="module")
+def tuned_db(tmp_path_factory, target):
+    """A database with a few trials of `nt_matmul()`."""
+    path = tmp_path_factory.mktemp("tuning")
+    func = nt_matmul()
+    kernel = HotKernel("nt_matmul", "prefill", 1, workload(func), 1.0)
+    assert tune_kernel(kernel, 4, TuningDatabase.for_tuning(path), target, time.monotonic() + 300) == 4
+    return path
+
+
+def test_database_round_trips(tuned_db, target):
+    database = TuningDatabase.for_compiling(tuned_db)
+    func = nt_matmul()
+    assert database.trials(workload(func)) == 4
+    record = database.best(workload(func), target.target)
+    assert record is not None and len(record_knobs(record)) == 3
+
+    mod = tvm.IRModule({"nt_matmul": func})
+    with target.target:
+        applied = apply_tuning_database(database, target)(mod)
+    assert applied["nt_matmul"].attrs[SCHEDULE_SOURCE_ATTR] == "tuning"
+    assert int(applied["nt_matmul"].attrs["tirx.is_scheduled"]) == 1
+    assert schedule_sources(applied) == (1, 0)
+    # When the rule's own knobs are the best record, the rule schedules the kernel.
+    database.records.commit_tuning_record(rule_record(workload(func), database, target, 1e-9))
+    assert record_knobs(database.best(workload(func), target.target)) == rule_knobs(func, target)
+    with target.target:
+        assert schedule_sources(apply_tuning_database(database, target)(mod)) == (0, 1)
+    # A kernel of another shape has no record: left for the rules.
+    other = tvm.IRModule({"other": nt_matmul(n=32)})
+    with target.target:
+        assert SCHEDULE_SOURCE_ATTR not in (apply_tuning_database(database, target)(other)["other"].attrs or {})
+
+
+@pytest.mark.parametrize("knobs", [[4, 16, 1], [8, 32, 8], [2, 8, 4], [1, 16, 2]])
+def test_tuned_and_rule_kernels_agree(target, knobs):
+    func = nt_matmul()
+    lanes = [knob for knob in (8, 16, 32) if knob * 32 <= 2 * target.vector_bits]
+    if knobs[1] not in lanes:
+        pytest.skip(f"{knobs[1]} lanes exceed this CPU's vectors")
+    result = compare(func, knobs, target, timed=knobs[2] == 8)  # at 37 tokens: m tiles with a ragged tail
+    assert result is not None and result.agrees, result
+    assert space_size(func, target) >= 4 * 4
+
+
+def test_other_machines_database_is_ignored(tuned_db, tmp_path, caplog):
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in os.listdir(tuned_db):
+        if name.endswith(".json"):
+            (other / name).write_bytes((tuned_db / name).read_bytes())
+    fingerprint = json.loads((other / FINGERPRINT_NAME).read_text())
+    (other / FINGERPRINT_NAME).write_text(json.dumps({**fingerprint, "cpu": "Some Other CPU", "cores": 96}))
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        assert TuningDatabase.for_compiling(other) is None
+    assert f"tuning database {other} was made on Some Other CPU" in caplog.text and "ignoring it" in caplog.text
+    with pytest.raises(TuningError, match="tune into another directory"):
+        TuningDatabase.for_tuning(other)
+    with pytest.raises(TuningError, match="not a tuning database"):
+        TuningDatabase.for_compiling(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_killed_tuning_job_resumes(tiny_models, tmp_path):
+    """kill -9 after the first records; a rerun keeps them and adds more; compile applies them."""
+    checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
+    records = db / RECORDS
+
+    def tune(trials: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "ember", "tune", str(checkpoint), "--db", str(db),
+                                 "--trials", str(trials), "--kernels", "1", "--prefill-chunk", "64"],
+                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def lines() -> int:
+        return len(records.read_text().splitlines()) if records.exists() else 0
+
+    job = tune(64)
+    deadline = time.monotonic() + 120
+    while lines() < 1 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    before = lines()
+    assert before >= 1, job.stdout.read()
+
+    resumed = tune(before + 2)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    # The killed job's trials count towards the target: two more are measured (and maybe the rule recorded).
+    assert f"{before + 2}/{before + 2} trials" in output and lines() in (before + 2, before + 3), output
+
+    compiled = subprocess.run([sys.executable, "-m", "ember", "compile", str(checkpoint), "-o", str(tmp_path / "a"),
+                               "--tuning-db", str(db), "--prefill-chunk", "64", "--no-progress"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert compiled.returncode == 0, compiled.stderr
+    assert "1 kernels from the tuning database" in compiled.stdout, compiled.stdout + compiled.stderr
