@@ -29,6 +29,9 @@ examples:
   ember compile path/to/hf-llama -o llama-cpu --target cpu --memory-budget 8GB
   ember compile path/to/hf-llama -o llama-h100 --target cuda:sm_90a   (no GPU needed here)
   ember inspect llama-cpu
+  ember compile demo --quant q4f32 -o demo-q4    4-bit weights (see `ember compile --help`)
+  ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-cpu
+  ember tune demo --db tuning-db && ember compile demo -o demo-tuned --tuning-db tuning-db
 
 MODEL is a Hugging Face checkpoint directory (config.json, model.safetensors or a
 sharded index, tokenizer.json) of a llama, mistral or qwen2 model, or `demo`.
