@@ -252,13 +252,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict
 
     from tqdm import tqdm
 
     from ember.runtime import Engine, load_artifact
-    from ember.runtime.evaluate import divergence, perplexity, scoring_windows
+    from ember.runtime.evaluate import compare, perplexity, scoring_windows
 
     try:
         text = args.perplexity.read_text(encoding="utf-8")
@@ -275,15 +274,17 @@ def _run_eval(args: argparse.Namespace) -> int:
     def progress(desc: str):
         return tqdm(windows, desc=desc, unit="window", disable=args.no_progress)
 
-    results = {"artifact": str(args.artifact), "quantization": artifact.manifest.quantization, "window": window,
-               **asdict(perplexity(engine, progress("Perplexity")))}
+    results = {"artifact": str(args.artifact), "quantization": artifact.manifest.quantization, "window": window}
     if args.reference:
         reference = load_artifact(args.reference)
         if reference.manifest.model != artifact.manifest.model:
             raise EmberError(f"--reference {args.reference} was compiled from a different model than {args.artifact}")
+        comparison = compare(engine, Engine(reference), progress("Comparing"))
+        results.update(asdict(comparison.candidate))
         results["reference"] = {"artifact": str(args.reference), "quantization": reference.manifest.quantization,
-                                "perplexity": perplexity(Engine(reference), progress("Reference")).perplexity,
-                                **asdict(divergence(engine, Engine(reference), progress("Divergence")))}
+                                "perplexity": comparison.reference.perplexity, **asdict(comparison.divergence)}
+    else:
+        results.update(asdict(perplexity(engine, progress("Perplexity"))))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

@@ -28,7 +28,7 @@ import re
 import tvm
 from tvm import relax
 
-from ember.ir_passes.module_utils import bindings, is_op, replace_functions
+from ember.ir_passes.module_utils import bindings, is_op, is_weight_transpose, replace_functions
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
 
@@ -62,7 +62,7 @@ def _find_groups(func: relax.Function) -> list[tuple[str, ...]]:
     by_input: dict[relax.Expr, list[relax.Var]] = {}
     for binding in bindings(func):
         value = binding.value
-        if _is_transpose_of_2d_weight(value, weights):
+        if is_weight_transpose(value, weights):
             transposed[binding.var] = value.args[0]
         elif is_op(value, "relax.matmul") and value.args[1] in transposed:
             weight = transposed[value.args[1]]
@@ -155,14 +155,6 @@ class _ProjectionRewriter(relax.PyExprMutator):
         self.index_block(block)
         return super().visit_dataflow_block_(block)
 
-
-
-
-def _is_transpose_of_2d_weight(expr: relax.Expr, weights: dict) -> bool:
-    if not is_op(expr, "relax.permute_dims") or expr.args[0] not in weights:
-        return False
-    axes = expr.attrs.axes
-    return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])
 
 
 def _fused_param_name(group: tuple[str, ...]) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import tvm
 from tvm import relax
@@ -32,3 +32,11 @@ def bindings(func: relax.Function) -> Iterator[relax.Binding]:
     """Every binding of a Relax function's body, block by block."""
     for block in func.body.blocks:
         yield from block.bindings
+
+
+def is_weight_transpose(expr: relax.Expr, weights: Container[relax.Var]) -> bool:
+    """Whether `expr` is `permute_dims(W)` swapping the two axes of a 2-D `W` in `weights`."""
+    if not is_op(expr, "relax.permute_dims") or expr.args[0] not in weights:
+        return False
+    axes = expr.attrs.axes
+    return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])

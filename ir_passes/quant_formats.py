@@ -3,7 +3,7 @@
 Both halves of each format live here side by side so they cannot drift apart:
 `quantize` (numpy, run once during weight conversion) and `dequantize_expr` (TIR,
 inlined into the kernels that read the weight). `dequantize` is the numpy
-reference of the unpacking, used by the tests and by `ember eval`'s simulations.
+reference of the unpacking, which the tests hold the kernels to.
 
 A quantized [N, K] weight is cut into groups of 32 consecutive values along its
 reduction axis K (one row at a time), each group with its own scale, as in

@@ -33,7 +33,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir_passes.module_utils import VECTOR_RUN_ATTR, bindings, is_op
+from ember.ir_passes.module_utils import VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
@@ -87,7 +87,7 @@ class _WeightUses:
         readable: dict[str, bool] = {name: True for name in weights.values()}
         for binding in bindings(func):
             value = binding.value
-            if is_op(value, "relax.permute_dims") and value.args[0] in weights and _is_2d_transpose(value):
+            if is_weight_transpose(value, weights):
                 transposed[binding.var] = value.args[0]
                 continue
             if is_op(value, "relax.matmul") and value.args[1] in transposed:
@@ -215,7 +215,6 @@ def _returned_through_casts(func: relax.Function) -> set[relax.Var]:
     return found
 
 
-
 def _free_vars(exprs: list[relax.Expr]) -> set[relax.Var]:
     found = set()
     for expr in exprs:
@@ -226,15 +225,9 @@ def _free_vars(exprs: list[relax.Expr]) -> set[relax.Var]:
     return found
 
 
-
 def _is_2d(func: relax.Function, name: str) -> bool:
     param = next(p for p in func.params if p.name == name)
     return len(param.ty.shape) == 2 and all(isinstance(d, tirx.IntImm) for d in param.ty.shape)
-
-
-def _is_2d_transpose(expr: relax.Call) -> bool:
-    axes = expr.attrs.axes
-    return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])
 
 
 def _is_row_gather(expr: relax.Call) -> bool:

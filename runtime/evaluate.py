@@ -43,6 +43,15 @@ class Divergence:
     tokens: int
 
 
+@dataclass
+class Comparison:
+    """Two artifacts of one model scored on the same windows."""
+
+    candidate: Perplexity
+    reference: Perplexity
+    divergence: Divergence
+
+
 def scoring_windows(token_ids: list[int], bos_id: int | None, window: int) -> list[list[int]]:
     """<s> + consecutive spans of `window - 1` tokens covering `token_ids` once.
 
@@ -59,32 +68,46 @@ def scoring_windows(token_ids: list[int], bos_id: int | None, window: int) -> li
 
 def perplexity(engine: Engine, windows: Iterable[list[int]]) -> Perplexity:
     """Perplexity of the text cut into `windows` (see `scoring_windows`) under `engine`'s artifact."""
-    nll, count, windows_seen = 0.0, 0, 0
+    scores = _NegativeLogLikelihood()
     for ids in windows:
-        log_probs = _log_softmax(_window_logits(engine, ids))
-        targets = np.asarray(ids[1:])
-        nll -= float(log_probs[np.arange(len(targets)), targets].sum())
-        count += len(targets)
-        windows_seen += 1
-    if count == 0:
-        raise GenerationError("the text has no tokens to score")
-    return Perplexity(math.exp(nll / count), count, windows_seen)
+        scores.add(_log_softmax(_window_logits(engine, ids)), ids)
+    return scores.perplexity()
 
 
-def divergence(candidate: Engine, reference: Engine, windows: Iterable[list[int]]) -> Divergence:
-    """KL divergence and top-1 agreement of `candidate` against `reference` over `windows`."""
+def compare(candidate: Engine, reference: Engine, windows: Iterable[list[int]]) -> Comparison:
+    """Both artifacts' perplexity, and the candidate's divergence from the reference, in one pass."""
+    candidate_scores, reference_scores = _NegativeLogLikelihood(), _NegativeLogLikelihood()
     kl_sum, kl_max, agree, count = 0.0, 0.0, 0, 0
     for ids in windows:
         p_log = _log_softmax(_window_logits(reference, ids))
         q_log = _log_softmax(_window_logits(candidate, ids))
+        reference_scores.add(p_log, ids)
+        candidate_scores.add(q_log, ids)
         kl = (np.exp(p_log) * (p_log - q_log)).sum(axis=-1)
         kl_sum += float(kl.sum())
         kl_max = max(kl_max, float(kl.max()))
         agree += int((p_log.argmax(-1) == q_log.argmax(-1)).sum())
         count += len(kl)
-    if count == 0:
-        raise GenerationError("the text has no tokens to score")
-    return Divergence(kl_sum / count, kl_max, agree / count, count)
+    candidate_ppl, reference_ppl = candidate_scores.perplexity(), reference_scores.perplexity()
+    return Comparison(candidate_ppl, reference_ppl, Divergence(kl_sum / count, kl_max, agree / count, count))
+
+
+class _NegativeLogLikelihood:
+    """Sums -log p(next token) over windows."""
+
+    def __init__(self) -> None:
+        self.nll, self.tokens, self.windows = 0.0, 0, 0
+
+    def add(self, log_probs: np.ndarray, ids: list[int]) -> None:
+        targets = np.asarray(ids[1:])
+        self.nll -= float(log_probs[np.arange(len(targets)), targets].sum())
+        self.tokens += len(targets)
+        self.windows += 1
+
+    def perplexity(self) -> Perplexity:
+        if self.tokens == 0:
+            raise GenerationError("the text has no tokens to score")
+        return Perplexity(math.exp(self.nll / self.tokens), self.tokens, self.windows)
 
 
 def _window_logits(engine: Engine, ids: list[int]) -> np.ndarray:

@@ -88,7 +88,8 @@ class NTMatmul(CPURule):
         dtype = str(sch.get(block).writes[0].source.dtype)
         vector_bits = self.vector_bits
         m_bound = extent_bound(sch, m_loops, bounds)
-        unpack_inline = bool(prologues) and m_bound is not None and m_bound <= FEW_ROWS
+        gemv = m_bound is not None and m_bound <= FEW_ROWS
+        unpack_inline = bool(prologues) and gemv
         if unpack_inline:
             # A GEMV: unpack each weight value right where it is multiplied (in registers),
             # with vectors no wider than the runs the packed layout reads with one load.
@@ -105,8 +106,7 @@ class NTMatmul(CPURule):
         wider = [] if unpack_inline else [2 * lanes]  # two vectors per row: only where nothing limits the width
         widths = [w for w in (lanes // 2, lanes, *wider) if w >= 4 and k_extent % w == 0] or [lanes]
         lanes = self.choose("lanes", widths, lanes)
-        gemm = m_bound is None or m_bound > FEW_ROWS
-        m_tile = self.choose("m_tile", [1, 2, 4, 8] if gemm else [1], 1)
+        m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 4, 8], 1)
 
         m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
         n_o, n_i = sch.split(n, [None, rows])

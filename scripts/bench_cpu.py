@@ -63,8 +63,7 @@ def _ember_worker(request: dict, out: Path) -> None:
             tokens.append(token)
         decode_s = time.perf_counter() - start
         engine.remove_sequence(seq)
-    manifest = json.loads((Path(request["artifact"]) / "manifest.json").read_text())
-    result = peers.Measurement(f"ember {manifest['quantization']}", len(prompt) / prefill_s, new_tokens / decode_s,
+    result = peers.Measurement(f"ember {engine.artifact.manifest.quantization}", len(prompt) / prefill_s, new_tokens / decode_s,
                                peers._peak_rss_mb(), tokens)
     out.write_text(json.dumps(result.__dict__))
 

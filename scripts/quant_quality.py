@@ -20,7 +20,7 @@ from ember.compiler import CompileOptions, compile_model
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR
 from ember.runtime import Engine, load_artifact
-from ember.runtime.evaluate import divergence, perplexity, scoring_windows
+from ember.runtime.evaluate import compare, scoring_windows
 
 
 def artifact_bytes(artifact: Path) -> tuple[int, int]:
@@ -47,13 +47,12 @@ def main() -> None:
         tokenizer = engines["q0f32"].artifact.tokenizer
         ids = tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)
         windows = scoring_windows(ids, tokenizer.bos_token_id, args.window)
-        baseline = perplexity(engines["q0f32"], windows).perplexity
         print(f"\n{args.model.name}: {len(ids)} tokens of {args.text.name}, windows of {args.window}\n")
         print(f"{'format':<10} {'bits/weight':>11} {'perplexity':>11} {'vs q0f32':>9} {'mean KL':>9} "
               f"{'top-1 agree':>11} {'weights MiB':>11} {'artifact MiB':>12} {'vs q0f32':>9}")
         for name in formats:
-            ppl = perplexity(engines[name], windows).perplexity
-            div = divergence(engines[name], engines["q0f32"], windows)
+            comparison = compare(engines[name], engines["q0f32"], windows)
+            ppl, baseline, div = comparison.candidate.perplexity, comparison.reference.perplexity, comparison.divergence
             weights, total = sizes[name]
             print(f"{name:<10} {FORMATS[name].bits_per_weight:>11g} {ppl:>11.3f} {ppl / baseline - 1:>+8.2%} "
                   f"{div.mean_kl:>9.5f} {div.top1_agreement:>10.2%} {weights / 2**20:>11.2f} {total / 2**20:>12.2f} "

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ember.cli import DEMO_MODEL_DIR
 from ember.compiler import CompileOptions, compile_model
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
-from ember.runtime.evaluate import divergence, perplexity, scoring_windows
+from ember.runtime.evaluate import compare, perplexity, scoring_windows
 
 PROMPTS = ("And the LORD said unto Moses,", "In the beginning", "Blessed are they that")
 NEW_TOKENS = 64
@@ -75,18 +75,17 @@ def test_demo_perplexity_matches_transformers(demo_engine, reference, validation
 
 def test_demo_quantized_quality(demo_engine, validation_windows, tmp_path_factory) -> None:
     """q8 within 1% of float32 perplexity, q4 within 10%, and q4_zp closer to float32 than q4."""
-    baseline = perplexity(demo_engine, validation_windows).perplexity
     results = {}
     for quantization in ("q8f32", "q4f32", "q4f32_zp"):
         artifact = tmp_path_factory.mktemp("demo") / quantization
         compile_model(DEMO_MODEL_DIR, artifact, CompileOptions(quantization=quantization, show_progress=False,
                                                                max_batch=2))
         engine = Engine(load_artifact(artifact))
-        results[quantization] = (perplexity(engine, validation_windows).perplexity,
-                                 divergence(engine, demo_engine, validation_windows))
-    assert results["q8f32"][0] <= baseline * 1.01
-    assert results["q4f32"][0] <= baseline * 1.10
+        results[quantization] = compare(engine, demo_engine, validation_windows)
+    baseline = results["q8f32"].reference.perplexity
+    assert results["q8f32"].candidate.perplexity <= baseline * 1.01
+    assert results["q4f32"].candidate.perplexity <= baseline * 1.10
     plain, fitted = results["q4f32"], results["q4f32_zp"]
-    assert fitted[0] < plain[0]
-    assert fitted[1].mean_kl < 0.8 * plain[1].mean_kl
-    assert fitted[1].top1_agreement > plain[1].top1_agreement
+    assert fitted.candidate.perplexity < plain.candidate.perplexity
+    assert fitted.divergence.mean_kl < 0.8 * plain.divergence.mean_kl
+    assert fitted.divergence.top1_agreement > plain.divergence.top1_agreement

@@ -173,9 +173,7 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     kv = manifest.kv_cache
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"])
-    passes = pipeline.graph_passes(target, options) + pipeline.legalize_passes(target, options)
-    with target.target:
-        return tvm.transform.Sequential(passes, name="ember-kernels")(mod)
+    return pipeline.to_kernels(mod, target, options)
 
 
 def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
