@@ -134,7 +134,9 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
     config = _config(manifest, artifact_dir)
     arch = Architecture(Path(artifact_dir).resolve().name, config)
     bits = tvm_runtime.DataType(manifest.model_dtype).bits
-    precision = Precision(bits, bits, bits, "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
+    # Weights at their stored width (a quantized format's bits per weight, scales included).
+    precision = Precision(FORMATS[manifest.quantization].bits_per_weight, bits, bits,
+                          "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
     kernels = rebuild_kernels(manifest)
 
     prompt = [int(t) for t in (np.arange(prompt_len) * 7919 + 3) % config.vocab_size]  # any in-vocabulary ids
