@@ -267,8 +267,8 @@ def _isa_flags() -> list[str]:
 
 
 def _host_fingerprint() -> dict[str, Any]:
-    return {"machine": platform.machine(), "cpu": _cpu_model(), "cores": _host_cores(),
-            "memory": _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE"), "method": BANDWIDTH_METHOD}
+    return {**cpu_fingerprint(), "memory": _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE"),
+            "method": BANDWIDTH_METHOD}
 
 
 def _host_cores() -> int:
