@@ -267,7 +267,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     if artifact.tokenizer is None:
         raise EmberError(f"{args.artifact}: the artifact has no tokenizer, so it cannot score text")
     engine = Engine(artifact)
-    window = args.window or min(artifact.manifest.kv_cache["max_context"], 1024)
+    max_context = artifact.manifest.kv_cache["max_context"]
+    window = args.window or min(max_context, 1024)
+    if window > max_context:
+        raise EmberError(f"--window {window}: {args.artifact} holds at most {max_context} tokens per sequence")
     token_ids = artifact.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
     windows = scoring_windows(token_ids, artifact.tokenizer.bos_token_id, window)
 

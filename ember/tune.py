@@ -105,7 +105,6 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         raise TuningError(f"--quant {quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
         raise TuningError("--trials, --kernels and --budget must be positive")
-    database = TuningDatabase.for_tuning(options.db)
     # meta_schedule logs every trial to the console unless its logger is told otherwise (`-v` keeps it).
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
         logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
@@ -117,6 +116,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head)
     kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
+    # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
+    database = TuningDatabase.for_tuning(options.db)
     total_weight = sum(kernel.weight for kernel in kernels)
     trials_left, weight_left = options.trials, total_weight
     results = []

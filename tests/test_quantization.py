@@ -327,3 +327,11 @@ def test_scoring_windows_predict_every_token_once():
     assert windows == [[1, 10, 11, 12], [1, 13, 14, 15], [1, 16, 17, 18], [1, 19]]
     no_bos = scoring_windows(list(range(10, 20)), None, 4)
     assert [w[1:] for w in no_bos] == [[11, 12, 13], [14, 15, 16], [17, 18, 19]]
+
+
+def test_eval_refuses_a_window_longer_than_the_artifact_holds(tiny_models, tmp_path):
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(_text(200), encoding="utf-8")
+    artifact = tiny_models["llama"].artifact_dir
+    result = run_ember("eval", str(artifact), "--perplexity", str(text_file), "--window", "5000")
+    assert result.returncode == 1 and "--window 5000" in result.stderr and "Traceback" not in result.stderr

@@ -139,3 +139,12 @@ def test_killed_tuning_job_resumes(tiny_models, tmp_path):
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert compiled.returncode == 0, compiled.stderr
     assert "1 kernels from the tuning database" in compiled.stdout, compiled.stdout + compiled.stderr
+
+
+def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
+    from helpers import run_ember
+
+    db = tmp_path / "db"
+    result = run_ember("tune", str(tmp_path / "missing"), "--db", str(db))
+    assert result.returncode == 1 and "missing" in result.stderr and "Traceback" not in result.stderr
+    assert not db.exists()
