@@ -6,6 +6,7 @@ from tvm import s_tir, tirx
 from tvm.runtime import DataType
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
 from tvm.target import Target
 
 
@@ -88,3 +89,71 @@ def inline_all_but(sch: s_tir.Schedule, keep: list[s_tir.SBlockRV]) -> None:
                     break
                 except s_tir.ScheduleError:
                     continue
+
+
+def vector_accumulator(sch: s_tir.Schedule, block: s_tir.SBlockRV, lanes_loop: s_tir.LoopRV) -> s_tir.SBlockRV:
+    """rfactor `block` over `lanes_loop`: partial sums, one per lane, in a contiguous buffer.
+
+    The buffer keeps the default "global" scope: TVM puts small constant-size global
+    buffers on the stack, while a "local" one costs a TVMBackendAllocWorkspace call
+    per parallel iteration on CPU (more than a short GEMV row takes to compute).
+    """
+    return sch.rfactor(lanes_loop, factor_axis=len(sch.get(block).writes[0].region))
+
+
+def tree_sum(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> list[s_tir.SBlockRV]:
+    """Turn `block`'s sum over the lanes of a vector accumulator into a tree of halvings.
+
+    TVM adds the lanes one after another: a chain of dependent scalar adds as long as
+    the accumulator, per output element. Instead, each level adds the upper half of the
+    partial sums onto the lower half (an rfactor of the reduction), down to one value:
+    log2(lanes) - 1 levels of vector adds, and `block` adds the last two. Returns the levels' blocks, first to last; call it
+    before moving `block`, then `schedule_halving` each level where it lands.
+    """
+    levels = []
+    width = const_extent(sch, _reduction_loop(sch, block))
+    while width is not None and width > 2 and width % 2 == 0:
+        width //= 2
+        _, lanes = sch.split(_reduction_loop(sch, block), [2, width])
+        levels.append(sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].region)))
+    return levels
+
+
+def schedule_halving(sch: s_tir.Schedule, level: s_tir.SBlockRV, vector: int, depth: int) -> None:
+    """One level of `tree_sum`, below its first `depth` loops: for each output element, the
+    two halves one after the other (unrolled), each as vector adds over the lanes."""
+    loops = sch.get_loops(level)[depth:]
+    stmt = sch.get(level)
+    lanes = _loop_of(sch, level, stmt.writes[0].region[-1].min)
+    (halves_var,) = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    halves = _loop_of(sch, level, halves_var)
+    others = [loop for loop in loops if not any(sch.get(loop).same_as(sch.get(x)) for x in (lanes, halves))]
+    sch.reorder(*others, halves, lanes)
+    width = const_extent(sch, lanes)
+    if width is not None and width > vector:
+        outer, lanes = sch.split(lanes, [None, vector])
+        sch.unroll(outer)
+    if width is not None and width >= 4:
+        sch.vectorize(lanes)
+    sch.unroll(halves)
+    sch.decompose_reduction(level, halves)
+
+
+def _loop_of(sch: s_tir.Schedule, block: s_tir.SBlockRV, var: tirx.Var) -> s_tir.LoopRV:
+    """The loop bound to `block`'s iteration variable `var`."""
+    stmt = sch.get(block)
+    values = get_sblockrealize(sch, block).iter_values
+    (bound,) = [value for iv, value in zip(stmt.iter_vars, values) if iv.var.same_as(var)]
+    return next(loop for loop in sch.get_loops(block) if sch.get(loop).loop_var.same_as(bound))
+
+
+def _reduction_loop(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> s_tir.LoopRV:
+    """The loop bound to `block`'s only reduction variable, moved innermost."""
+    stmt = sch.get(block)
+    values = get_sblockrealize(sch, block).iter_values
+    (reduced,) = [value for var, value in zip(stmt.iter_vars, values) if var.iter_type == tirx.IterVar.CommReduce]
+    loops = sch.get_loops(block)
+    position = next(i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(reduced))
+    if position != len(loops) - 1:
+        sch.reorder(*loops[position + 1:], loops[position])
+    return loops[position]

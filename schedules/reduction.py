@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir.dlight.analysis import SBlockInfo
 
-from ember.schedules.common import CPURule, const_extent, inline_all_but, reduction_lanes
+from ember.schedules.common import CPURule, const_extent, inline_all_but, reduction_lanes, vector_accumulator
 
 
 class RowReduction(CPURule):
@@ -50,8 +50,7 @@ class RowReduction(CPURule):
         sch.vectorize(h_i)
         k_o, k_i = sch.split(k, [None, lanes])
         # Lanes as the last axis of the accumulator: contiguous vector registers.
-        accumulate = sch.rfactor(k_i, factor_axis=len(sch.get(reduce_block).writes[0].region))
-        sch.set_scope(accumulate, 0, "local")
+        accumulate = vector_accumulator(sch, reduce_block, k_i)
         sch.compute_at(reduce_block, row)
         sch.compute_at(accumulate, row)
         *_, rf_k_i, rf_k_o = sch.get_loops(accumulate)
