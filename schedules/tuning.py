@@ -4,7 +4,7 @@ What is tuned. meta_schedule's generic CPU search space ties the rules at best o
 2-core machine (TVM_NOTES: 64 trials reached the hand schedule's GEMV time) and
 needs static shapes, while every ember kernel has a symbolic size (`seq_len` in
 prefill, `batch_size` in decode). So the search space here is `NTMatmul` itself with
-its sizes sampled (`GEMV_KNOBS`/`GEMM_KNOBS`: weight rows per tile, k-split width, activation
+its sizes sampled (`MATMUL_KNOBS`: weight rows per tile, k-split width, activation
 rows per tile): a `ScheduleFn` space whose trace is the rule's schedule with
 `SampleCategorical` decisions, searched with meta_schedule's replay-trace strategy,
 built and timed by its local builder and runner, and recorded in its JSONDatabase.
@@ -38,7 +38,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
-from ember.schedules.matmul import Knob, KnobChooser, NTMatmul
+from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
 
@@ -127,7 +127,7 @@ def rule_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: Target
 
 
 def record_knobs(record: ms.database.TuningRecord) -> list[int]:
-    """The knob values a record chose, in the order the rule asks for them."""
+    """The knob values a record chose, in the order of `MATMUL_KNOBS`."""
     trace = record.trace
     return [int(inst.attrs[0][int(trace.decisions[inst])]) for inst in trace.insts
             if inst.kind.name == "SampleCategorical"]
@@ -244,6 +244,7 @@ def _replay(knobs: list[int]) -> KnobChooser:
             raise ValueError(f"knob {name}={value} is not one of {list(candidates)}")
         return value
 
+    assert len(knobs) == len(MATMUL_KNOBS), knobs
     return choose
 
 
