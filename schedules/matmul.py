@@ -120,7 +120,9 @@ class NTMatmul(CPURule):
         sch.reorder(n_o, m, k_o, n_i, k_i)
         # Lanes as the last axis of the accumulator: contiguous vector registers.
         accumulate = vector_accumulator(sch, block, k_i)
-        halvings = tree_sum(sch, block)
+        # A sampled `lanes` (tuning) must not change how many blocks the trace creates: the
+        # tree's depth depends on it, so tuning times plain sums and replays add the tree.
+        halvings = tree_sum(sch, block) if isinstance(lanes, int) else []
         rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
         # m_tile activation rows share each weight vector load (m_tile = 1: the loop is a unit loop).
         rf_m, rf_m_i = sch.split(rf_m, [None, m_tile])
