@@ -91,6 +91,8 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                 m = T.sblock_alloc_buffer((group,), "float32")
                 d = T.sblock_alloc_buffer((group,), "float32")
                 m_new = T.sblock_alloc_buffer((1,), "float32")
+                token_page = T.sblock_alloc_buffer((CHUNK,), "int32")  # where each token of the chunk is cached
+                token_slot = T.sblock_alloc_buffer((CHUNK,), "int32")
                 b: T.let[T.int32] = task // num_kv_heads
                 h: T.let[T.int32] = task % num_kv_heads
                 first_page: T.let[T.int32] = page_indptr[b]
@@ -107,15 +109,15 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                     rows: T.let[T.int32] = T.min(CHUNK, length - chunk * CHUNK)
                     for t in T.serial(rows):
                         pos: T.let[T.int32] = chunk * CHUNK + t
-                        page: T.let[T.int32] = page_values[first_page + pos // page_size]
-                        slot: T.let[T.int32] = pos % page_size
+                        token_page[t] = page_values[first_page + pos // page_size]
+                        token_slot[t] = pos % page_size
                         for g in T.serial(group):
                             for i in T.vectorized(lanes):
                                 acc[i] = T.float32(0.0)
                             for i_o in T.unroll(head_dim // lanes):
                                 for i in T.vectorized(lanes):
                                     acc[i] = acc[i] + q[g, i_o * lanes + i] * T.Cast(
-                                        "float32", pages[page, 0, h, slot, i_o * lanes + i])
+                                        "float32", pages[token_page[t], 0, h, token_slot[t], i_o * lanes + i])
                             # Tree sum of the lanes: log2(lanes) dependent adds, not lanes.
                             for level in T.unroll(_levels(lanes)):
                                 half: T.let[T.int32] = T.shift_right(lanes, level + 1)
@@ -135,12 +137,10 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                             s[g, t] = T.exp2(s[g, t] - m_new[0])
                             d[g] = d[g] + s[g, t]
                     for t in T.serial(rows):
-                        pos: T.let[T.int32] = chunk * CHUNK + t
-                        page: T.let[T.int32] = page_values[first_page + pos // page_size]
-                        slot: T.let[T.int32] = pos % page_size
                         for g in T.serial(group):
                             for i in T.vectorized(head_dim):
-                                o[g, i] = o[g, i] + s[g, t] * T.Cast("float32", pages[page, 1, h, slot, i])
+                                o[g, i] = o[g, i] + s[g, t] * T.Cast(
+                                    "float32", pages[token_page[t], 1, h, token_slot[t], i])
                 for g in T.serial(group):
                     for i in T.vectorized(head_dim):
                         output[b, h * group + g, i] = T.Cast(dtype, o[g, i] / d[g])

@@ -106,16 +106,17 @@ def tree_sum(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> list[s_tir.SBlockRV]
 
     TVM adds the lanes one after another: a chain of dependent scalar adds as long as
     the accumulator, per output element. Instead, each level adds the upper half of the
-    partial sums onto the lower half (an rfactor of the reduction), down to one value:
-    log2(lanes) - 1 levels of vector adds, and `block` adds the last two. Returns the levels' blocks, first to last; call it
-    before moving `block`, then `schedule_halving` each level where it lands.
+    partial sums onto the lower half (an rfactor of the reduction): log2(lanes) - 1
+    levels of vector adds, and `block` adds the last two. Returns the levels' blocks,
+    first to last; call it before moving `block`, then `schedule_halving` each level
+    where it lands.
     """
     levels = []
     width = const_extent(sch, _reduction_loop(sch, block))
     while width is not None and width > 2 and width % 2 == 0:
         width //= 2
         _, lanes = sch.split(_reduction_loop(sch, block), [2, width])
-        levels.append(sch.rfactor(lanes, factor_axis=len(sch.get(block).writes[0].region)))
+        levels.append(vector_accumulator(sch, block, lanes))
     return levels
 
 
@@ -125,8 +126,7 @@ def schedule_halving(sch: s_tir.Schedule, level: s_tir.SBlockRV, vector: int, de
     loops = sch.get_loops(level)[depth:]
     stmt = sch.get(level)
     lanes = _loop_of(sch, level, stmt.writes[0].region[-1].min)
-    (halves_var,) = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-    halves = _loop_of(sch, level, halves_var)
+    halves = _loop_of(sch, level, _reduction_var(stmt))
     others = [loop for loop in loops if not any(sch.get(loop).same_as(sch.get(x)) for x in (lanes, halves))]
     sch.reorder(*others, halves, lanes)
     width = const_extent(sch, lanes)
@@ -147,13 +147,17 @@ def _loop_of(sch: s_tir.Schedule, block: s_tir.SBlockRV, var: tirx.Var) -> s_tir
     return next(loop for loop in sch.get_loops(block) if sch.get(loop).loop_var.same_as(bound))
 
 
+def _reduction_var(stmt: s_tir.stmt.SBlock) -> tirx.Var:
+    """The block's only reduction iteration variable."""
+    (reduced,) = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    return reduced
+
+
 def _reduction_loop(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> s_tir.LoopRV:
     """The loop bound to `block`'s only reduction variable, moved innermost."""
-    stmt = sch.get(block)
-    values = get_sblockrealize(sch, block).iter_values
-    (reduced,) = [value for var, value in zip(stmt.iter_vars, values) if var.iter_type == tirx.IterVar.CommReduce]
+    reduced = sch.get(_loop_of(sch, block, _reduction_var(sch.get(block))))
     loops = sch.get_loops(block)
-    position = next(i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(reduced))
+    position = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(reduced))
     if position != len(loops) - 1:
         sch.reorder(*loops[position + 1:], loops[position])
     return loops[position]
