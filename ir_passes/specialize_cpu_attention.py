@@ -1,7 +1,9 @@
 """Swap TVM's serial CPU decode attention for ember's parallel, vectorized one.
 
-Rewrites one PrimFunc: `tir_attention_decode_cpu`, which `TIRPagedKVCache` adds on
-llvm targets and its runtime calls for every decode step of every layer, becomes
+Rewrites one PrimFunc: TVM's `batch_decode_paged_kv_cpu` (found by its exported
+symbol: `TIRPagedKVCache` adds it on llvm targets as `tir_attention_decode_cpu`, and
+the module may name it either way), which its runtime calls for every decode step of
+every layer, becomes
 `schedules/attention.py`'s kernel for the same head counts, head dim, page size and
 dtype, with the same parameters and exported symbol. Why: TVM's kernel walks every
 head and cached token in one scalar loop (9.5% of a 110M model's decode step); ember's
@@ -19,7 +21,8 @@ from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
 from ember.schedules.attention import paged_decode_attention
 from ember.targets.registry import TargetSpec
 
-DECODE_ATTENTION = "tir_attention_decode_cpu"
+# The exported symbol of TVM's CPU decode attention (`_decode_kernels._attention_decode_cpu`).
+DECODE_ATTENTION_SYMBOL = "batch_decode_paged_kv_cpu"
 
 
 def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
@@ -27,11 +30,12 @@ def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="SpecializeCPUAttention")
     def _specialize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        functions = {gv.name_hint: func for gv, func in mod.functions_items()}
-        original = functions.get(DECODE_ATTENTION)
-        if not isinstance(original, tirx.PrimFunc):
+        found = [(gv.name_hint, func) for gv, func in mod.functions_items()
+                 if isinstance(func, tirx.PrimFunc) and (func.attrs or {}).get("global_symbol") == DECODE_ATTENTION_SYMBOL]
+        if not found:
             return mod
-        queries, pages = (original.buffer_map[param] for param in original.params[:2])
+        ((name, original),) = found
+        queries, pages = original.params[:2]  # buffer-typed parameters
         _, num_qo_heads, head_dim = queries.shape
         _, _, num_kv_heads, page_size, _ = pages.shape
         kernel = paged_decode_attention(
@@ -39,6 +43,6 @@ def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
             dtype=str(queries.dtype), page_size=int(page_size), lanes=max(target.vector_bits // 32, 1),
             symbol=str(original.attrs["global_symbol"]),
         )
-        return replace_functions(mod, {DECODE_ATTENTION: kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)})
+        return replace_functions(mod, {name: kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)})
 
     return _specialize

@@ -48,3 +48,19 @@ def test_decode_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype
     tol = 1e-5 if dtype == "float32" else 2e-3
     np.testing.assert_allclose(ours[0].astype(np.float32), theirs[0].astype(np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(ours[1], theirs[1], rtol=tol, atol=tol)
+
+
+def test_compiled_models_use_embers_decode_attention(tiny_models):
+    """The pipeline really swaps the kernel in (TVM names it `batch_decode_paged_kv_cpu` in the module)."""
+    from ember.frontend.hf import import_hf_model
+    from ember.ir_passes import pipeline
+    from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+    from ember.ir_passes.quant_formats import FORMATS
+    from ember.ir_passes.specialize_cpu_attention import DECODE_ATTENTION_SYMBOL
+
+    target = resolve_target("cpu")
+    imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
+    kernels = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q0f32"], 64, 4))
+    sources = [str(func.attrs[KERNEL_SOURCE_ATTR]) for _, func in kernels.functions_items()
+               if (func.attrs or {}).get("global_symbol") == DECODE_ATTENTION_SYMBOL]
+    assert sources == ["ember.ir_passes.specialize_cpu_attention"]
