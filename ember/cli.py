@@ -93,6 +93,11 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--keep-lm-head", action="store_true",
                           help="leave the output projection in the compute dtype (quantized formats only); "
                                "a tied embedding is kept if either flag is given")
+    compile_.add_argument("--float-activations", action="store_true",
+                          help="int8/int4 formats: keep decode's activations in float. By default, on CPUs with "
+                               "an int8 dot product (AVX512-VNNI, AVX-VNNI), decode rounds each activation row to "
+                               "int8 per group of 32 (as llama.cpp does) and multiplies in integers: 2-3x faster "
+                               "projections, logits within about 1%% of the float path")
     compile_.add_argument("--prefill-chunk", type=int, default=256,
                           help="largest number of prompt tokens per prefill call (default 256)")
     compile_.add_argument("--max-batch", type=int, default=8,
@@ -183,6 +188,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         quantization=args.quant,
         keep_embedding=args.keep_embedding,
         keep_lm_head=args.keep_lm_head,
+        float_activations=args.float_activations,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
         memory_budget=args.memory_budget,

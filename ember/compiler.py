@@ -25,8 +25,10 @@ from ember.errors import EmberError
 from ember.frontend.hf import import_hf_model
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
+from ember.schedules import int8_gemv
 from ember.schedules.tuning import schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
@@ -45,6 +47,7 @@ class CompileOptions:
     quantization: str | None = None  # None: the target's default (q0f16 on GPUs, q0f32 on CPUs)
     keep_embedding: bool = False
     keep_lm_head: bool = False
+    float_activations: bool = False  # decode keeps float activations even where the CPU has an int8 dot
     prefill_chunk: int = 256
     max_batch: int = 8
     memory_budget: int | None = None  # None: most of a GPU target's memory; unbounded on CPUs
@@ -87,7 +90,8 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     log.info("lowering and scheduling for %s", target.describe())
     tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
     lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
-                                          options.keep_embedding, options.keep_lm_head, tuning)
+                                          options.keep_embedding, options.keep_lm_head, tuning,
+                                          int8_activations=not options.float_activations)
     lowered = pipeline.lower(imported.mod, target, lower_options)
     kernels_tuned, kernels_ruled = schedule_sources(lowered)
     kv_bytes_per_token = (
@@ -111,7 +115,8 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
-        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir)
+        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir,
+                             decode_activations(lowered))
         write_manifest(staging, manifest)
         _replace_dir(staging, output_dir)
     except BaseException:
@@ -129,7 +134,13 @@ def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> Compil
     )
 
 
-def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir) -> Manifest:
+def decode_activations(lowered: tvm.IRModule) -> str:
+    """"int8" if decode's projections quantize their activations (`schedules/int8_gemv.py`), else "float"."""
+    sources = {str((func.attrs or {}).get(KERNEL_SOURCE_ATTR, "")) for _, func in lowered.functions_items()}
+    return "int8" if int8_gemv.__name__ in sources else "float"
+
+
+def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, activations) -> Manifest:
     config = imported.config
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
     # The runtime allocates the whole KV cache up front: max_batch full contexts, or
@@ -143,6 +154,7 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
         model=config.to_json(),
         quantization=options.quantization,
         kept_float={"embedding": options.keep_embedding, "lm_head": options.keep_lm_head},
+        decode_activations=activations,
         model_dtype=imported.model_dtype,
         target=target.to_json(),
         entry_functions={

@@ -70,6 +70,7 @@ class TuneOptions:
     max_batch: int = 8
     keep_embedding: bool = False
     keep_lm_head: bool = False
+    float_activations: bool = False  # as for compile: decode GEMVs stay float kernels (and tunable)
 
 
 @dataclass
@@ -114,7 +115,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     fmt = FORMATS[quantization]
     imported = import_hf_model(model, target.target, fmt.dtype)
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
-                                          options.max_batch, options.keep_embedding, options.keep_lm_head)
+                                          options.max_batch, options.keep_embedding, options.keep_lm_head,
+                                          int8_activations=not options.float_activations)
     kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
     database = TuningDatabase.for_tuning(options.db)
@@ -227,7 +229,8 @@ def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions
     return source, dataclasses.replace(
         options, quantization=manifest.quantization, prefill_chunk=manifest.kv_cache["prefill_chunk"],
         max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
-        keep_lm_head=manifest.kept_float["lm_head"])
+        keep_lm_head=manifest.kept_float["lm_head"],
+        float_activations=manifest.decode_activations == "float")
 
 
 def _called_kernels(func: relax.Function) -> list[str]:

@@ -42,6 +42,7 @@ class LowerOptions:
     keep_embedding: bool = False  # leave the embedding table in the compute dtype
     keep_lm_head: bool = False  # leave the output projection in the compute dtype
     tuning: TuningDatabase | None = None  # records from `ember tune` on this machine
+    int8_activations: bool = True  # decode multiplies int8 activations where the target has an int8 dot
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
@@ -50,7 +51,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections,
         # After fusion, so a fused projection is packed as one weight.
-        quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head),
+        quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
+                         target.int8_dot if options.int8_activations else None),
     ]
 
 

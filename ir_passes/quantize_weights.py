@@ -13,7 +13,10 @@ and each use by one kernel that reads the parts directly:
     y = dequantize_matmul(x, W.packed, W.scale)   # y[.., n] = sum_k x[.., k] * w(n, k)
     e = dequantize_take(W.packed, W.scale, ids)   # e[.., k] = w(ids[..], k)
 
-where `w(n, k)` is the format's unpacking expression. Each kernel is one PrimFunc:
+where `w(n, k)` is the format's unpacking expression. On CPUs with an int8 dot-product
+instruction, decode's projections (one token per sequence) instead call
+`schedules/int8_gemv.py`'s kernel, which quantizes the activations to int8 and
+multiplies in integers, as llama.cpp does (`--float-activations` turns this off). Each kernel is one PrimFunc:
 the graph never holds a floating-point copy of a weight, and the schedules decide
 how much of a weight is unpacked at a time (a few rows, in cache). Every token
 streams `bits_per_weight / 32` of the bytes of the float32 model: decode is
@@ -30,18 +33,28 @@ function returns (through casts and reshapes only).
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir_passes.module_utils import VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
+from ember.schedules import int8_gemv
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
 
 
-def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False) -> tvm.transform.Pass:
-    """The pass quantizing every matmul and embedding weight to `fmt`."""
+def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False,
+                     int8_dot: str | None = None) -> tvm.transform.Pass:
+    """The pass quantizing every matmul and embedding weight to `fmt`.
+
+    With `int8_dot` (the target's dot-product intrinsic, `TargetSpec.int8_dot`), decode's
+    projections quantize their activations to int8 and multiply in integers
+    (`schedules/int8_gemv.py`), where the format allows it.
+    """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
     def transform(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -68,7 +81,7 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
                 continue
             for part in fmt.parts:
                 new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": fmt.name, "part": part, "input": recipe}
-        rewriter = _Rewriter(mod, fmt)
+        rewriter = _Rewriter(mod, fmt, int8_dot)
         for name in names:
             rewriter.builder_.update_func(mod.get_global_var(name), rewriter.rewrite_function(mod[name], chosen))
         return set_recipes(rewriter.builder_.get(), new_recipes)
@@ -114,9 +127,11 @@ class _WeightUses:
 class _Rewriter(relax.PyExprMutator):
     """Replaces projections and gathers of chosen weights by dequantizing kernels."""
 
-    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat) -> None:
+    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: str | None) -> None:
         super().__init__(mod)
         self.fmt = fmt
+        self.int8_dot = int8_dot
+        self.int8_kernels: dict[tuple[int, int], relax.GlobalVar] = {}
         self.parts_of: dict[relax.Var, tuple[dict[str, relax.Var], int]] = {}
         self.transposed: dict[relax.Var, relax.Var] = {}
 
@@ -146,6 +161,9 @@ class _Rewriter(relax.PyExprMutator):
             parts, k = self.parts_of[self.transposed[value.args[1]]]
             x = self.visit_expr(value.args[0])
             out_dtype = str(binding.var.ty.dtype)
+            if self._int8_dot_applies(x, k):
+                self._emit_as(binding.var, self._int8_dot_matmul(x, parts, k))
+                return
             self._emit_as(binding.var, self.builder_.emit_te(
                 _dequantize_matmul(self.fmt, k, out_dtype), x, *parts.values(),
                 primfunc_name_hint="dequantize_matmul"))
@@ -157,6 +175,25 @@ class _Rewriter(relax.PyExprMutator):
                 _dequantize_take(self.fmt, k), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
             return
         super().visit_var_binding_(binding)
+
+    def _int8_dot_applies(self, x: relax.Expr, k: int) -> bool:
+        """Decode (one token per sequence: x is [batch, 1, k]) on a target with an int8 dot product."""
+        shape = x.ty.shape
+        one_token = len(shape) >= 2 and isinstance(shape[-2], tirx.IntImm) and int(shape[-2]) == 1
+        return self.int8_dot is not None and one_token and int8_gemv.supports(self.fmt, k)
+
+    def _int8_dot_matmul(self, x: relax.Expr, parts: dict[str, relax.Var], k: int) -> relax.Expr:
+        """y = x @ w(n, :)^T by `int8_gemv`'s kernel, on x flattened to [rows, k]."""
+        n = int(parts["scale"].ty.shape[0])
+        if (n, k) not in self.int8_kernels:
+            kernel = int8_gemv.int8_dot_gemv(self.fmt, n, k, self.int8_dot).with_attr(KERNEL_SOURCE_ATTR, int8_gemv.__name__)
+            self.int8_kernels[n, k] = self.builder_.add_func(kernel, "int8_dot_gemv")
+        *lead, _ = x.ty.shape
+        rows = functools.reduce(operator.mul, lead)
+        flat = self.builder_.emit(relax.op.reshape(x, (rows, k)))
+        y = self.builder_.emit(relax.call_tir(self.int8_kernels[n, k], [flat, *parts.values()],
+                                              relax.TensorType((rows, n), "float32")))
+        return self.builder_.emit(relax.op.reshape(y, (*lead, n)))
 
     def _emit_as(self, old: relax.Var, new: relax.Expr) -> None:
         if isinstance(old, relax.DataflowVar):

@@ -40,6 +40,12 @@ _CUDA_LIMITS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_
 # Generic host code: the machine driving the GPU is not this one.
 _HOST = {"kind": "llvm"}
 TVM_FROM_SOURCE = "https://tvm.apache.org/docs/install/from_source.html"
+# CPU features with a vpdpbusd on 256-bit registers, and its LLVM intrinsic (LLVM picks the
+# EVEX or, for AVX-VNNI, the VEX encoding by the target's features).
+_INT8_DOT_INSTRUCTIONS = (
+    (("avx512vnni", "avx512vl"), "llvm.x86.avx512.vpdpbusd.256"),
+    (("avxvnni",), "llvm.x86.avx512.vpdpbusd.256"),
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,22 @@ class TargetSpec:
     def default_memory_budget(self) -> int | None:
         """`--memory-budget` when none is given: most of a GPU's memory, which the KV cache is sized to."""
         return int(self.memory_bytes * GPU_MEMORY_FRACTION) if self.is_gpu and self.memory_bytes else None
+
+    @property
+    def int8_dot(self) -> str | None:
+        """The LLVM intrinsic of the CPU's u8 x s8 -> int32 dot product on 256-bit vectors, if it has one.
+
+        Quantized decode GEMVs use it (`schedules/int8_gemv.py`). AVX512-VNNI (with VL for
+        256-bit registers) and AVX-VNNI have the same instruction; ARM's SDOT multiplies
+        signed by signed and would need its own offsets (not implemented).
+        """
+        if self.is_gpu:
+            return None
+        target = self.target
+        for features, intrinsic in _INT8_DOT_INSTRUCTIONS:
+            if codegen.target_has_features(list(features), target):
+                return intrinsic
+        return None
 
     @property
     def cuda_graph(self) -> bool:

@@ -89,6 +89,39 @@ class TinyModel:
             out = self.reference(torch.tensor([ids], dtype=torch.long))
         return out.logits[0].float().numpy()
 
+    def reference_decode_logits(self, prompt: list[int], continuation: list[int]) -> np.ndarray:
+        """transformers' logits [len(continuation), vocab] for decoding `continuation` after `prompt`.
+
+        The prompt goes through one forward pass and the continuation one token at a time
+        on its KV cache, as ember runs them. If the artifact's decode quantizes activations
+        (manifest `decode_activations: int8`), every projection ember runs that way sees
+        its input rounded as llama.cpp's Q8_0 does (`quantize_activations`), during decode
+        only: the reference then computes what ember's int8 kernels claim to.
+        """
+        import torch
+
+        from ember.manifest import read_manifest
+        from ember.schedules import int8_gemv
+
+        fmt = FORMATS[self.quantization]
+        int8 = read_manifest(self.artifact_dir).decode_activations == "int8"
+        with torch.no_grad():
+            out = self.reference(torch.tensor([prompt], dtype=torch.long), use_cache=True)
+            past, rows = out.past_key_values, []
+            hooks = [module.register_forward_pre_hook(lambda _module, args: (quantize_activations(args[0]),))
+                     for module in self.reference.modules()
+                     if int8 and isinstance(module, torch.nn.Linear) and int8_gemv.supports(fmt, module.in_features)]
+            try:
+                for token in continuation:
+                    out = self.reference(torch.tensor([[token]], dtype=torch.long), past_key_values=past,
+                                         use_cache=True)
+                    past = out.past_key_values
+                    rows.append(out.logits[0, -1].float().numpy())
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        return np.stack(rows)
+
     def reference_greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         """transformers' `generate` with greedy search and end-of-sequence stopping disabled."""
         import torch
@@ -103,6 +136,17 @@ class TinyModel:
                 pad_token_id=0,
             )
         return out[0, len(ids):].tolist()
+
+
+def quantize_activations(x):
+    """x rounded to int8 per group of 32 along its last axis, llama.cpp's Q8_0 rule, in float32:
+    d = max|x| / 127, q = round(x * 127 / max|x|) (to nearest even), x' = q * d."""
+    import torch
+
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    return (torch.round(groups * inverse) * (top / 127.0)).reshape(x.shape).to(x.dtype)
 
 
 class TinyModels:

@@ -21,6 +21,7 @@ from tvm import s_tir, te
 from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
+from ember.manifest import read_manifest
 from ember.runtime.evaluate import scoring_windows
 from helpers import assert_logits_close, prompt_ids, run_ember
 
@@ -236,16 +237,31 @@ E2E = [("llama", "q8f32"), ("llama", "q4f32"), ("llama", "q4f32_zp"), ("llama3_r
 
 @pytest.mark.parametrize("name,quantization", E2E)
 def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, name, quantization):
-    """Prefill (two chunks) and decode logits within 1e-4: the kernels are exact about their format."""
+    """Prefill (two chunks) and decode logits within 1e-4: the kernels are exact about their format.
+
+    Where decode multiplies int8 activations (CPUs with an int8 dot product), the reference
+    rounds its decode activations the same way (`conftest.quantize_activations`). Rounding
+    is discontinuous: an activation within float error of a rounding boundary may land on
+    the other integer in ember than in transformers (their float sums differ in the last
+    bits), which moves that step's logits by about one int8 step. So int8 decode asks
+    for most steps within 1e-4 and every step within 5e-2 (the float path is ~7e-2 away).
+    """
     model = tiny_models.quantized(name, quantization)
     engine = model.engine()
     ids, continuation = prompt_ids(100, seed=5), prompt_ids(9, seed=6)[1:]
-    expected = model.reference_logits(ids + continuation)
+    expected_decode = model.reference_decode_logits(ids, continuation)
     seq = engine.add_sequence()
-    assert_logits_close(engine.prefill(seq, ids, all_logits=True), expected[:100], f"{name} {quantization} prefill")
-    for step, token in enumerate(continuation):
-        logits = engine.decode([seq], [token])[0]
-        assert_logits_close(logits, expected[100 + step], f"{name} {quantization} decode {step}")
+    assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids),
+                        f"{name} {quantization} prefill")
+    decoded = np.stack([engine.decode([seq], [token])[0] for token in continuation])
+    if read_manifest(model.artifact_dir).decode_activations == "float":
+        for step in range(len(continuation)):
+            assert_logits_close(decoded[step], expected_decode[step], f"{name} {quantization} decode {step}")
+        return
+    scale = max(1.0, float(np.abs(expected_decode).max()))
+    errors = np.abs(decoded - expected_decode).max(axis=1) / scale
+    assert errors.max() <= 5e-2, f"{name} {quantization} int8 decode: step errors {errors}"
+    assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 decode: step errors {errors}"
 
 
 def test_float16_quantized_model_is_close_to_float32_reference(tiny_models):
