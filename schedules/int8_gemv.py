@@ -68,7 +68,8 @@ def int8_dot_gemv(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str) -> tirx.
     offset = 2 ** (fmt.bits - 1)  # stored value = value + offset
     bias_per_lane = -offset // lanes_per_group
     unroll = next(u for u in (4, 2, 1) if chunks % u == 0)
-    (packed_shape, packed_dtype), _ = (fmt.part_shapes(n, k)[part] for part in fmt.parts)
+    packed_shape, packed_dtype = fmt.part_shapes(n, k)["packed"]
+    scale_shape, _ = fmt.part_shapes(n, k)["scale"]
     int4 = fmt.bits == 4
 
     def dot(acc, values, activations):
@@ -109,7 +110,7 @@ def int8_dot_gemv(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str) -> tirx.
         M = T.int64()
         x = T.match_buffer(x_handle, (M, k), "float32")
         packed = T.match_buffer(packed_handle, packed_shape, packed_dtype)
-        scale = T.match_buffer(scale_handle, (n, k // _GROUP), "float32")
+        scale = T.match_buffer(scale_handle, scale_shape, "float32")
         y = T.match_buffer(y_handle, (M, n), "float32")
         with T.sblock("root"):
             T.reads()

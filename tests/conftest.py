@@ -30,7 +30,7 @@ import pytest
 
 import models
 from ember.ir_passes.quant_formats import FORMATS
-from helpers import run_ember
+from helpers import q8_0_activations, run_ember
 
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
 MAX_BATCH = 4
@@ -139,14 +139,10 @@ class TinyModel:
 
 
 def quantize_activations(x):
-    """x rounded to int8 per group of 32 along its last axis, llama.cpp's Q8_0 rule, in float32:
-    d = max|x| / 127, q = round(x * 127 / max|x|) (to nearest even), x' = q * d."""
+    """The torch tensor x rounded as llama.cpp's Q8_0 rounds activations (`helpers.q8_0_activations`)."""
     import torch
 
-    groups = x.float().reshape(*x.shape[:-1], -1, 32)
-    top = groups.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
-    return (torch.round(groups * inverse) * (top / 127.0)).reshape(x.shape).to(x.dtype)
+    return torch.from_numpy(q8_0_activations(x.numpy())).to(x.dtype)
 
 
 class TinyModels:

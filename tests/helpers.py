@@ -20,6 +20,16 @@ def prompt_ids(length: int, seed: int = 0) -> list[int]:
     return [models.BOS_ID] + rng.integers(len(models.SPECIAL_TOKENS), models.VOCAB_SIZE, length - 1).tolist()
 
 
+def q8_0_activations(x: np.ndarray) -> np.ndarray:
+    """x rounded to int8 per group of 32 along its last axis, as llama.cpp's quantize_row_q8_0 does
+    (exact halves to nearest even), in float64: d = max|x| / 127, q = round(x * 127 / max|x|), x' = q * d."""
+    groups = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    top = np.abs(groups).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
+    return (np.rint(groups * inverse) * (top / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
 def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str, tol: float = 1e-4) -> None:
     """Max abs difference <= tol, scaled by max |logit| when logits exceed 1."""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"

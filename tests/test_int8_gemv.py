@@ -15,19 +15,10 @@ import tvm
 from ember.ir_passes.quant_formats import FORMATS
 from ember.schedules import int8_gemv
 from ember.targets.registry import resolve_target
+from helpers import q8_0_activations
 
 TARGET = resolve_target("cpu")
 needs_int8_dot = pytest.mark.skipif(TARGET.int8_dot is None, reason="this CPU has no int8 dot-product instruction")
-
-
-def q8_0_activations(x: np.ndarray) -> np.ndarray:
-    """x rounded as llama.cpp's quantize_row_q8_0 does (to nearest even on exact halves), in float64."""
-    groups = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
-    top = np.abs(groups).max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
-    q = np.rint(groups * inverse)
-    return (q * (top / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
 @needs_int8_dot
