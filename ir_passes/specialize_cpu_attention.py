@@ -1,15 +1,21 @@
-"""Swap TVM's serial CPU decode attention for ember's parallel, vectorized one.
+"""Swap TVM's serial CPU attention kernels for ember's parallel, vectorized ones.
 
-Rewrites one PrimFunc: TVM's `batch_decode_paged_kv_cpu` (found by its exported
-symbol: `TIRPagedKVCache` adds it on llvm targets as `tir_attention_decode_cpu`, and
-the module may name it either way), which its runtime calls for every decode step of
-every layer, becomes
-`schedules/attention.py`'s kernel for the same head counts, head dim, page size and
-dtype, with the same parameters and exported symbol. Why: TVM's kernel walks every
-head and cached token in one scalar loop (9.5% of a 110M model's decode step); ember's
-runs the KV heads in parallel with vector dot products and the same results (tested
-against TVM's kernel). The sliding-window variant stays TVM's (ember's models do not
-use it). Relax functions are untouched.
+Rewrites three PrimFuncs, found by their exported symbols (`TIRPagedKVCache` adds
+them on llvm targets as `tir_attention_decode_cpu`, `tir_attention_prefill_ragged_cpu`
+and `tir_attention_prefill_cpu`; the module may name them either way). Its runtime
+calls them for every layer:
+
+    batch_decode_paged_kv_cpu     decode: one new token per sequence against its pages
+    batch_prefill_ragged_kv       prefill: the new tokens against each other, causally
+    batch_prefill_paged_kv_cpu    prefill of a later chunk: the new tokens against the pages
+
+Each becomes ember's kernel for the same head counts, head dim, page size and dtype,
+with the same parameters and exported symbol (`schedules/decode_attention.py`,
+`schedules/prefill_attention.py`). Why: TVM's kernels walk every head, query and key
+in one scalar loop (decode: 9.5% of a 110M model's decode step; ragged prefill: 21% of
+its prefill); ember's run in parallel with vector arithmetic and the same results
+(tested against TVM's kernels). The sliding-window variants stay TVM's (ember's models
+do not use them). Relax functions are untouched.
 """
 
 from __future__ import annotations
@@ -18,31 +24,45 @@ import tvm
 from tvm import tirx
 
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
-from ember.schedules.attention import paged_decode_attention
+from ember.schedules.decode_attention import paged_decode_attention
+from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
 from ember.targets.registry import TargetSpec
 
-# The exported symbol of TVM's CPU decode attention (`_decode_kernels._attention_decode_cpu`).
+# The exported symbols of TVM's CPU attention kernels (`_decode_kernels`, `_prefill_kernels`).
 DECODE_ATTENTION_SYMBOL = "batch_decode_paged_kv_cpu"
+RAGGED_PREFILL_SYMBOL = "batch_prefill_ragged_kv"
+PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
+ATTENTION_SYMBOLS = (DECODE_ATTENTION_SYMBOL, RAGGED_PREFILL_SYMBOL, PAGED_PREFILL_SYMBOL)
 
 
 def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
-    """A pass replacing the KV cache's CPU decode attention kernel with ember's."""
+    """A pass replacing the KV cache's CPU attention kernels with ember's."""
+    lanes = max(target.vector_bits // 32, 1)
+
+    def replacement(symbol: str, original: tirx.PrimFunc) -> tirx.PrimFunc | None:
+        queries = original.params[0]  # buffer-typed parameters: [tokens, qo heads, head dim]
+        num_qo_heads, head_dim = (int(extent) for extent in queries.shape[1:])
+        dtype = str(queries.dtype)
+        if symbol == RAGGED_PREFILL_SYMBOL:
+            keys, values = original.params[2:4]  # [tokens, kv heads, head dim]
+            if int(keys.shape[2]) != head_dim or int(values.shape[2]) != head_dim:
+                return None  # different key and value widths (MLA): keep TVM's
+            return ragged_prefill_attention(int(keys.shape[1]), num_qo_heads, head_dim, dtype, symbol)
+        pages = original.params[1 if symbol == DECODE_ATTENTION_SYMBOL else 2]
+        num_kv_heads, page_size = int(pages.shape[2]), int(pages.shape[3])
+        if symbol == DECODE_ATTENTION_SYMBOL:
+            return paged_decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol)
+        return paged_prefill_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, symbol)
 
     @tvm.transform.module_pass(opt_level=0, name="SpecializeCPUAttention")
     def _specialize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        found = [(gv.name_hint, func) for gv, func in mod.functions_items()
-                 if isinstance(func, tirx.PrimFunc) and (func.attrs or {}).get("global_symbol") == DECODE_ATTENTION_SYMBOL]
-        if not found:
-            return mod
-        ((name, original),) = found
-        queries, pages = original.params[:2]  # buffer-typed parameters
-        _, num_qo_heads, head_dim = queries.shape
-        _, _, num_kv_heads, page_size, _ = pages.shape
-        kernel = paged_decode_attention(
-            num_kv_heads=int(num_kv_heads), num_qo_heads=int(num_qo_heads), head_dim=int(head_dim),
-            dtype=str(queries.dtype), page_size=int(page_size), lanes=max(target.vector_bits // 32, 1),
-            symbol=str(original.attrs["global_symbol"]),
-        )
-        return replace_functions(mod, {name: kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)})
+        updates = {}
+        for gv, func in mod.functions_items():
+            symbol = (func.attrs or {}).get("global_symbol") if isinstance(func, tirx.PrimFunc) else None
+            if symbol in ATTENTION_SYMBOLS:
+                kernel = replacement(str(symbol), func)
+                if kernel is not None:
+                    updates[gv.name_hint] = kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)
+        return replace_functions(mod, updates) if updates else mod
 
     return _specialize

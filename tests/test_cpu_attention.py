@@ -1,4 +1,4 @@
-"""ember's CPU decode attention kernel against TVM's own paged-KV decode kernel."""
+"""ember's CPU attention kernels against TVM's own paged-KV kernels, which they replace."""
 
 from __future__ import annotations
 
@@ -6,26 +6,44 @@ import numpy as np
 import pytest
 import tvm
 from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
+from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
-from ember.schedules.attention import CHUNK, paged_decode_attention
+from ember.schedules.decode_attention import CHUNK, paged_decode_attention
+from ember.schedules.prefill_attention import BLOCK_ROWS, KEYS, paged_prefill_attention, ragged_prefill_attention
 from ember.targets.registry import resolve_target
 
 PAGE = 16
 
 
-def _decode(func: tvm.tirx.PrimFunc, q, pages, lengths) -> tuple[np.ndarray, np.ndarray]:
+def _run(func: tvm.tirx.PrimFunc, q: np.ndarray, inputs: list[np.ndarray], flags: list[int]):
+    """Output and lse of an attention kernel: (q, *inputs, output, lse, *flags, rope scale, theta, sm_scale)."""
     target = resolve_target("cpu").target
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    out = tvm.runtime.tensor(np.zeros(q.shape, q.dtype))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    args = [tvm.runtime.tensor(a) for a in (q, *inputs)]
+    lib["main"](*args, out, lse, *flags, 1.0, 10000.0, float(1 / np.sqrt(q.shape[-1])))
+    return out.numpy(), lse.numpy()
+
+
+def _page_table(pages: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """indptr, page ids (scattered over `pages`) and last-page lengths of sequences of `lengths`."""
     num_pages = [-(-length // PAGE) for length in lengths]
     table = np.random.default_rng(1).permutation(pages.shape[0])[: sum(num_pages)].astype(np.int32)
     indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
     last = np.array([length - (n - 1) * PAGE if n else 0 for length, n in zip(lengths, num_pages)], np.int32)
+    return [indptr, table, last]
+
+
+def _decode(func: tvm.tirx.PrimFunc, q, pages, lengths) -> tuple[np.ndarray, np.ndarray]:
     zeros = np.zeros(len(lengths), np.int32)
-    out = tvm.runtime.tensor(np.zeros(q.shape, q.dtype))
-    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
-    args = [tvm.runtime.tensor(a) for a in (q, pages, indptr, table, last, zeros, zeros)]
-    lib["main"](*args, out, lse, 0, 1.0, 10000.0, float(1 / np.sqrt(q.shape[-1])))
-    return out.numpy(), lse.numpy()
+    return _run(func, q, [pages, *_page_table(pages, lengths), zeros, zeros], [0])
+
+
+def _assert_same(ours, theirs, dtype):
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    np.testing.assert_allclose(ours[0].astype(np.float32), theirs[0].astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(ours[1], theirs[1], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(
@@ -45,22 +63,57 @@ def test_decode_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype
     lanes = resolve_target("cpu").vector_bits // 32
     ours = _decode(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, lanes, "ours"), q, pages, lengths)
     theirs = _decode(_attention_decode_cpu(kv_heads, qo_heads, head_dim, dtype, False, {}), q, pages, lengths)
-    tol = 1e-5 if dtype == "float32" else 2e-3
-    np.testing.assert_allclose(ours[0].astype(np.float32), theirs[0].astype(np.float32), rtol=tol, atol=tol)
-    np.testing.assert_allclose(ours[1], theirs[1], rtol=tol, atol=tol)
+    _assert_same(ours, theirs, dtype)
 
 
-def test_compiled_models_use_embers_decode_attention(tiny_models):
-    """The pipeline really swaps the kernel in (TVM names it `batch_decode_paged_kv_cpu` in the module)."""
+PREFILL_CASES = [
+    (4, 12, 64, "float32", [128], 1),  # the 110M benchmark's prompt: 16 query blocks, 4 key chunks
+    (2, 2, 32, "float32", [1, KEYS + 1, BLOCK_ROWS - 1, 100], 1),  # batch: one token, block and chunk edges
+    (1, 4, 12, "float32", [17, 3], 0),  # not causal; head dim not a multiple of the vector width
+    (2, 4, 16, "float16", [40], 1),
+]
+
+
+@pytest.mark.parametrize("kv_heads, qo_heads, head_dim, dtype, lengths, causal", PREFILL_CASES)
+def test_ragged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype, lengths, causal):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((sum(lengths), qo_heads, head_dim)).astype(dtype)
+    k, v = rng.standard_normal((2, sum(lengths), kv_heads, head_dim)).astype(dtype)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    inputs = [indptr, k, v, indptr, np.zeros(sum(lengths), np.int32), np.zeros(len(lengths), np.int32)]
+    ours = _run(ragged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, "ours"), q, inputs, [causal, 0])
+    theirs = _run(_attention_prefill_ragged_cpu(kv_heads, qo_heads, head_dim, head_dim, dtype, {}), q, inputs,
+                  [causal, 0])
+    _assert_same(ours, theirs, dtype)
+
+
+@pytest.mark.parametrize("kv_heads, qo_heads, head_dim, dtype, lengths, causal", PREFILL_CASES)
+def test_paged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype, lengths, causal):
+    """A later prompt chunk: the new queries against everything cached, new tokens included."""
+    rng = np.random.default_rng(0)
+    cached = [length + extra for length, extra in zip(lengths, (37, 0, 5, 16))]
+    pages = rng.standard_normal((sum(-(-n // PAGE) for n in cached) + 2, 2, kv_heads, PAGE, head_dim)).astype(dtype)
+    q = rng.standard_normal((sum(lengths), qo_heads, head_dim)).astype(dtype)
+    q_indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    inputs = [q_indptr, pages, *_page_table(pages, cached), np.zeros(len(lengths), np.int32),
+              np.zeros(sum(lengths), np.int32)]
+    ours = _run(paged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, "ours"), q, inputs, [causal, 0])
+    theirs = _run(_attention_prefill_cpu(kv_heads, qo_heads, head_dim, dtype, False, {}), q, inputs, [causal, 0])
+    _assert_same(ours, theirs, dtype)
+
+
+def test_compiled_models_use_embers_attention(tiny_models):
+    """The pipeline really swaps the kernels in (TVM names them by their symbols in the module)."""
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
     from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
     from ember.ir_passes.quant_formats import FORMATS
-    from ember.ir_passes.specialize_cpu_attention import DECODE_ATTENTION_SYMBOL
+    from ember.ir_passes.specialize_cpu_attention import ATTENTION_SYMBOLS
 
     target = resolve_target("cpu")
     imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
     kernels = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q0f32"], 64, 4))
-    sources = [str(func.attrs[KERNEL_SOURCE_ATTR]) for _, func in kernels.functions_items()
-               if (func.attrs or {}).get("global_symbol") == DECODE_ATTENTION_SYMBOL]
-    assert sources == ["ember.ir_passes.specialize_cpu_attention"]
+    sources = {str(func.attrs["global_symbol"]): str(func.attrs[KERNEL_SOURCE_ATTR])
+               for _, func in kernels.functions_items()
+               if (func.attrs or {}).get("global_symbol") in ATTENTION_SYMBOLS}
+    assert sources == dict.fromkeys(ATTENTION_SYMBOLS, "ember.ir_passes.specialize_cpu_attention")

@@ -1,0 +1,33 @@
+"""Transcendental functions as plain TIR arithmetic, so they vectorize.
+
+LLVM lowers `T.exp2` on a vector to one libm call per lane: a softmax over a chunk of
+attention scores then costs a scalar function call per score. These versions are
+polynomials plus integer bit tricks, which a vectorized loop turns into a handful of
+SIMD instructions per vector.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+# Cephes' exp2f: 2^f = 1 + f * P(f) for f in [-0.5, 0.5], relative error below 2e-7.
+_EXP2_COEFFICIENTS = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
+                      5.550332471162809e-2, 2.402264791363012e-1, 6.931472028550421e-1)
+# Below this 2^x is no longer a normal float32; inputs are clamped here (2^-126 ~ 1e-38).
+_SMALLEST_EXPONENT = -126.0
+
+
+def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """2^x for a float32 expression, within 2e-7 relative for x >= -126 (x < -126 gives 2^-126).
+
+    x = n + f with n = round(x), f in [-0.5, 0.5]; 2^f is the polynomial, 2^n is built
+    directly as the float32 bit pattern (exponent field n + 127)."""
+    x = T.max(x, T.float32(_SMALLEST_EXPONENT))
+    whole = T.round(x)
+    fraction = x - whole
+    poly = T.float32(_EXP2_COEFFICIENTS[0])
+    for coefficient in _EXP2_COEFFICIENTS[1:]:
+        poly = poly * fraction + T.float32(coefficient)
+    power = T.reinterpret("float32", T.shift_left(T.Cast("int32", whole) + 127, 23))
+    return (poly * fraction + T.float32(1.0)) * power
