@@ -20,7 +20,7 @@ from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, load_model_config, read_json_object
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
 from ember.ir_passes.weight_recipes import set_recipes, weight_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -64,7 +64,8 @@ def build_module(config: ModelConfig, target: tvm.target.Target,
     relax_names = [p.name for p in weight_params(mod["decode"])]
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
-    return set_recipes(_tag_library_kernels(mod), recipes), shapes
+    rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim}
+    return set_recipes(_tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), recipes), shapes
 
 
 def _tag_library_kernels(mod: tvm.IRModule) -> tvm.IRModule:

@@ -12,6 +12,9 @@ KERNEL_SOURCE_ATTR = "ember.kernel_source"
 # Set by the quantization pass on weight-unpacking blocks: how many consecutive values
 # along K are unpacked from one packed element and one scale (the widest useful vector).
 VECTOR_RUN_ATTR = "ember.vector_run"
+# Set by the frontend on the IRModule: the rotary embedding the KV cache applies,
+# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int}.
+ROPE_ATTR = "ember.rope"
 
 
 def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) -> tvm.IRModule:

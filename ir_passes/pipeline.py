@@ -27,6 +27,7 @@ from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
 from ember.ir_passes.specialize_cpu_attention import specialize_cpu_attention
+from ember.ir_passes.specialize_cpu_rope import specialize_cpu_rope
 from ember.schedules import schedule_passes
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
@@ -72,8 +73,8 @@ def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.trans
         relax.transform.DeadCodeElimination(),
         # Bounds for memory planning, and for the schedules to tell GEMV from GEMM.
         attach_sequence_bounds(options.prefill_chunk, options.max_batch),
-        # The KV cache's kernels are TVM's; on CPUs, decode attention becomes ember's.
-        *([] if target.is_gpu else [specialize_cpu_attention(target)]),
+        # The KV cache's kernels are TVM's; on CPUs, its attention and rotary embedding become ember's.
+        *([] if target.is_gpu else [specialize_cpu_attention(target), specialize_cpu_rope]),
     ]
 
 

@@ -102,18 +102,20 @@ def test_paged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim
     _assert_same(ours, theirs, dtype)
 
 
-def test_compiled_models_use_embers_attention(tiny_models):
-    """The pipeline really swaps the kernels in (TVM names them by their symbols in the module)."""
+def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
+    """The pipeline really swaps the attention and rope kernels in (TVM names them by symbol in the module)."""
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
     from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
     from ember.ir_passes.quant_formats import FORMATS
     from ember.ir_passes.specialize_cpu_attention import ATTENTION_SYMBOLS
+    from ember.schedules.rope import ROPE_SYMBOL
 
     target = resolve_target("cpu")
     imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
     kernels = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q0f32"], 64, 4))
+    swapped = (*ATTENTION_SYMBOLS, ROPE_SYMBOL)
     sources = {str(func.attrs["global_symbol"]): str(func.attrs[KERNEL_SOURCE_ATTR])
-               for _, func in kernels.functions_items()
-               if (func.attrs or {}).get("global_symbol") in ATTENTION_SYMBOLS}
-    assert sources == dict.fromkeys(ATTENTION_SYMBOLS, "ember.ir_passes.specialize_cpu_attention")
+               for _, func in kernels.functions_items() if (func.attrs or {}).get("global_symbol") in swapped}
+    assert sources == {**dict.fromkeys(ATTENTION_SYMBOLS, "ember.ir_passes.specialize_cpu_attention"),
+                       ROPE_SYMBOL: "ember.ir_passes.specialize_cpu_rope"}
