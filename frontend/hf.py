@@ -64,7 +64,8 @@ def build_module(config: ModelConfig, target: tvm.target.Target,
     relax_names = [p.name for p in weight_params(mod["decode"])]
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
-    rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim}
+    rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim,
+            "sliding_window": config.sliding_window is not None}
     return set_recipes(_tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), recipes), shapes
 
 

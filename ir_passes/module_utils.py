@@ -13,7 +13,8 @@ KERNEL_SOURCE_ATTR = "ember.kernel_source"
 # along K are unpacked from one packed element and one scale (the widest useful vector).
 VECTOR_RUN_ATTR = "ember.vector_run"
 # Set by the frontend on the IRModule: the rotary embedding the KV cache applies,
-# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int}.
+# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
+#  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
 ROPE_ATTR = "ember.rope"
 
 

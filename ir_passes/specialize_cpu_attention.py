@@ -14,8 +14,10 @@ with the same parameters and exported symbol (`schedules/decode_attention.py`,
 `schedules/prefill_attention.py`). Why: TVM's kernels walk every head, query and key
 in one scalar loop (decode: 9.5% of a 110M model's decode step; ragged prefill: 21% of
 its prefill); ember's run in parallel with vector arithmetic and the same results
-(tested against TVM's kernels). The sliding-window variants stay TVM's (ember's models
-do not use them). Relax functions are untouched.
+(tested against TVM's kernels). ember's kernels expect rotary embedding applied before
+attention (`RopeMode.NORMAL`). For sliding-window models (Mistral) TVM's runtime asks
+the prefill kernels to rotate cached keys themselves, so those stay TVM's there, as do
+the sliding-window variants. Relax functions are untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
 from ember.schedules.decode_attention import paged_decode_attention
 from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
 from ember.targets.registry import TargetSpec
@@ -56,10 +58,13 @@ def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="SpecializeCPUAttention")
     def _specialize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rope = (mod.attrs or {}).get(ROPE_ATTR)
+        keys_rotated_inline = rope is None or bool(rope["sliding_window"])
+        swapped = (DECODE_ATTENTION_SYMBOL,) if keys_rotated_inline else ATTENTION_SYMBOLS
         updates = {}
         for gv, func in mod.functions_items():
             symbol = (func.attrs or {}).get("global_symbol") if isinstance(func, tirx.PrimFunc) else None
-            if symbol in ATTENTION_SYMBOLS:
+            if symbol in swapped:
                 kernel = replacement(str(symbol), func)
                 if kernel is not None:
                     updates[gv.name_hint] = kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)
