@@ -97,10 +97,92 @@ def _balanced_block(position, blocks):
     return T.if_then_else(position % 2 == 0, position // 2, blocks - 1 - position // 2)
 
 
+class _Ragged:
+    """Where the keys and values are, as TIR expressions over a kernel's KV buffers `kv` (a list).
+
+    Here kv = [k, v, kv_indptr]: the new tokens' keys and values, [tokens, heads, dim]."""
+
+    def start(self, kv, b):
+        """Sequence b's first entry in the KV index (a token, or a page-table slot)."""
+        return kv[2][b]
+
+    def length(self, kv, b):
+        """Sequence b's number of keys."""
+        return kv[2][b + 1] - kv[2][b]
+
+    def row(self, kv, start, pos, h, i, part):
+        """Element i of head h of the key (`part` 0) or value (1) at `pos` of the sequence at `start`."""
+        return kv[part][start + pos, h, i]
+
+
+class _Paged:
+    """As `_Ragged`, with kv = [pages, page_indptr, page_values, last_page_len]: keys and values in cache pages."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+
+    def start(self, kv, b):
+        return kv[1][b]
+
+    def length(self, kv, b):
+        pages = kv[1][b + 1] - kv[1][b]
+        return T.if_then_else(pages > 0, (pages - 1) * self.page_size + kv[3][b], 0)
+
+    def row(self, kv, start, pos, h, i, part):
+        return kv[0][kv[2][start + pos // self.page_size], part, h, pos % self.page_size, i]
+
+
+def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, source: _Ragged | _Paged):
+    """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task."""
+    start_rows, attend, finish_rows = _macros(group, head_dim, dtype)
+
+    @T.macro
+    def attention_tasks(q, q_indptr, kv, output, lse, causal, sm_scale, batch_size, qo_len):
+        blocks: T.let[T.int32] = (qo_len + BLOCK_ROWS - 1) // BLOCK_ROWS  # per sequence, at most
+        for task in T.parallel(batch_size * blocks * num_kv_heads):
+            with T.sblock("attention"):
+                T.reads()
+                T.writes()
+                qs = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
+                o = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
+                m = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
+                d = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
+                kt = T.sblock_alloc_buffer((head_dim, KEYS), "float32")
+                vc = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
+                s = T.sblock_alloc_buffer((KEYS,), "float32")
+                p = T.sblock_alloc_buffer((KEYS,), "float32")
+                m_new = T.sblock_alloc_buffer((1,), "float32")
+                h: T.let[T.int32] = task % num_kv_heads
+                b: T.let[T.int32] = task // num_kv_heads // blocks
+                position: T.let[T.int32] = task // num_kv_heads % blocks
+                q_start: T.let[T.int32] = q_indptr[b]
+                q_len: T.let[T.int32] = q_indptr[b + 1] - q_start
+                kv_start: T.let[T.int32] = source.start(kv, b)
+                kv_len: T.let[T.int32] = source.length(kv, b)
+                own_blocks: T.let[T.int32] = (q_len + BLOCK_ROWS - 1) // BLOCK_ROWS
+                if position < own_blocks:
+                    row0: T.let[T.int32] = _balanced_block(position, own_blocks) * BLOCK_ROWS
+                    rows: T.let[T.int32] = T.min(BLOCK_ROWS, q_len - row0)
+                    limit_base: T.let[T.int32] = kv_len - q_len + row0  # row r sees keys < limit_base + r + 1
+                    end: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
+                    start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
+                    for chunk in T.serial((end + KEYS - 1) // KEYS):
+                        keys: T.let[T.int32] = T.min(KEYS, end - chunk * KEYS)
+                        for j, i in T.grid(KEYS, head_dim):
+                            kt[i, j] = T.if_then_else(j < keys, T.Cast("float32", source.row(
+                                kv, kv_start, chunk * KEYS + T.min(j, keys - 1), h, i, 0)), T.float32(0))
+                        for j in T.serial(keys):
+                            for i in T.vectorized(head_dim):
+                                vc[j, i] = T.Cast("float32", source.row(kv, kv_start, chunk * KEYS + j, h, i, 1))
+                        attend(qs, o, m, d, kt, vc, s, p, m_new, rows, keys, chunk * KEYS, limit_base, causal, kv_len)
+                    finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
+
+    return attention_tasks
+
+
 def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, symbol: str):
     """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]."""
-    group = num_qo_heads // num_kv_heads
-    start_rows, attend, finish_rows = _macros(group, head_dim, dtype)
+    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, _Ragged())
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -137,45 +219,7 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         output = T.match_buffer(output_handle, (qo_len, num_qo_heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (qo_len, num_qo_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-
-        blocks: T.let[T.int32] = (qo_len + BLOCK_ROWS - 1) // BLOCK_ROWS  # per sequence, at most
-        for task in T.parallel(batch_size * blocks * num_kv_heads):
-            with T.sblock("attention"):
-                T.reads()
-                T.writes()
-                qs = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
-                o = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
-                m = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
-                d = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
-                kt = T.sblock_alloc_buffer((head_dim, KEYS), "float32")
-                vc = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
-                s = T.sblock_alloc_buffer((KEYS,), "float32")
-                p = T.sblock_alloc_buffer((KEYS,), "float32")
-                m_new = T.sblock_alloc_buffer((1,), "float32")
-                h: T.let[T.int32] = task % num_kv_heads
-                b: T.let[T.int32] = task // num_kv_heads // blocks
-                position: T.let[T.int32] = task // num_kv_heads % blocks
-                q_start: T.let[T.int32] = q_indptr[b]
-                q_len: T.let[T.int32] = q_indptr[b + 1] - q_start
-                kv_start: T.let[T.int32] = kv_indptr[b]
-                kv_len: T.let[T.int32] = kv_indptr[b + 1] - kv_start
-                own_blocks: T.let[T.int32] = (q_len + BLOCK_ROWS - 1) // BLOCK_ROWS
-                if position < own_blocks:
-                    row0: T.let[T.int32] = _balanced_block(position, own_blocks) * BLOCK_ROWS
-                    rows: T.let[T.int32] = T.min(BLOCK_ROWS, q_len - row0)
-                    limit_base: T.let[T.int32] = kv_len - q_len + row0  # row r sees keys < limit_base + r + 1
-                    end: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
-                    start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
-                    for chunk in T.serial((end + KEYS - 1) // KEYS):
-                        keys: T.let[T.int32] = T.min(KEYS, end - chunk * KEYS)
-                        for j, i in T.grid(KEYS, head_dim):
-                            kt[i, j] = T.if_then_else(j < keys, T.Cast(
-                                "float32", k[kv_start + chunk * KEYS + T.min(j, keys - 1), h, i]), T.float32(0))
-                        for j in T.serial(keys):
-                            for i in T.vectorized(head_dim):
-                                vc[j, i] = T.Cast("float32", v[kv_start + chunk * KEYS + j, h, i])
-                        attend(qs, o, m, d, kt, vc, s, p, m_new, rows, keys, chunk * KEYS, limit_base, causal, kv_len)
-                    finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
+        attention_tasks(q, q_indptr, [k, v, kv_indptr], output, lse, causal, sm_scale, batch_size, qo_len)
 
     return prefill_ragged
 
@@ -183,8 +227,8 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
                             symbol: str):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages."""
-    group = num_qo_heads // num_kv_heads
-    start_rows, attend, finish_rows = _macros(group, head_dim, dtype)
+    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype,
+                                       _Paged(page_size))
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -226,48 +270,7 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         output = T.match_buffer(output_handle, (qo_len, num_qo_heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (qo_len, num_qo_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-
-        blocks: T.let[T.int32] = (qo_len + BLOCK_ROWS - 1) // BLOCK_ROWS  # per sequence, at most
-        for task in T.parallel(batch_size * blocks * num_kv_heads):
-            with T.sblock("attention"):
-                T.reads()
-                T.writes()
-                qs = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
-                o = T.sblock_alloc_buffer((BLOCK_ROWS * group, head_dim), "float32")
-                m = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
-                d = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
-                kt = T.sblock_alloc_buffer((head_dim, KEYS), "float32")
-                vc = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
-                s = T.sblock_alloc_buffer((KEYS,), "float32")
-                p = T.sblock_alloc_buffer((KEYS,), "float32")
-                m_new = T.sblock_alloc_buffer((1,), "float32")
-                h: T.let[T.int32] = task % num_kv_heads
-                b: T.let[T.int32] = task // num_kv_heads // blocks
-                position: T.let[T.int32] = task // num_kv_heads % blocks
-                q_start: T.let[T.int32] = q_indptr[b]
-                q_len: T.let[T.int32] = q_indptr[b + 1] - q_start
-                first_page: T.let[T.int32] = page_indptr[b]
-                num_pages: T.let[T.int32] = page_indptr[b + 1] - first_page
-                kv_len: T.let[T.int32] = T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + last_page_len[b], 0)
-                own_blocks: T.let[T.int32] = (q_len + BLOCK_ROWS - 1) // BLOCK_ROWS
-                if position < own_blocks:
-                    row0: T.let[T.int32] = _balanced_block(position, own_blocks) * BLOCK_ROWS
-                    rows: T.let[T.int32] = T.min(BLOCK_ROWS, q_len - row0)
-                    limit_base: T.let[T.int32] = kv_len - q_len + row0  # row r sees keys < limit_base + r + 1
-                    end: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
-                    start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
-                    for chunk in T.serial((end + KEYS - 1) // KEYS):
-                        keys: T.let[T.int32] = T.min(KEYS, end - chunk * KEYS)
-                        for j, i in T.grid(KEYS, head_dim):
-                            kt[i, j] = T.if_then_else(j < keys, T.Cast("float32", pages[
-                                page_values[first_page + (chunk * KEYS + T.min(j, keys - 1)) // page_size], 0, h,
-                                (chunk * KEYS + T.min(j, keys - 1)) % page_size, i]), T.float32(0))
-                        for j in T.serial(keys):
-                            for i in T.vectorized(head_dim):
-                                vc[j, i] = T.Cast("float32", pages[
-                                    page_values[first_page + (chunk * KEYS + j) // page_size], 1, h,
-                                    (chunk * KEYS + j) % page_size, i])
-                        attend(qs, o, m, d, kt, vc, s, p, m_new, rows, keys, chunk * KEYS, limit_base, causal, kv_len)
-                    finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
+        attention_tasks(q, q_indptr, [pages, page_indptr, page_values, last_page_len], output, lse, causal, sm_scale,
+                        batch_size, qo_len)
 
     return prefill_paged

@@ -19,7 +19,8 @@ _SMALLEST_EXPONENT = -126.0
 
 
 def exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """2^x for a float32 expression, within 2e-7 relative for x >= -126 (x < -126 gives 2^-126).
+    """2^x for a float32 expression, within 2e-7 relative for -126 <= x <= 127 (x < -126 gives 2^-126;
+    above 127 the exponent field overflows, so callers pass x <= 0, as a softmax does).
 
     x = n + f with n = round(x), f in [-0.5, 0.5]; 2^f is the polynomial, 2^n is built
     directly as the float32 bit pattern (exponent field n + 127)."""
