@@ -28,7 +28,7 @@ from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
-from ember.schedules import int8_gemv
+from ember.schedules import int8_matmul
 from ember.schedules.tuning import schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
@@ -116,7 +116,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
         manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir,
-                             decode_activations(lowered))
+                             activations(lowered))
         write_manifest(staging, manifest)
         _replace_dir(staging, output_dir)
     except BaseException:
@@ -134,10 +134,10 @@ def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> Compil
     )
 
 
-def decode_activations(lowered: tvm.IRModule) -> str:
-    """"int8" if decode's projections quantize their activations (`schedules/int8_gemv.py`), else "float"."""
+def activations(lowered: tvm.IRModule) -> str:
+    """"int8" if the projections quantize their activations (`schedules/int8_matmul.py`), else "float"."""
     sources = {str((func.attrs or {}).get(KERNEL_SOURCE_ATTR, "")) for _, func in lowered.functions_items()}
-    return "int8" if int8_gemv.__name__ in sources else "float"
+    return "int8" if int8_matmul.__name__ in sources else "float"
 
 
 def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, activations) -> Manifest:
@@ -154,7 +154,7 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
         model=config.to_json(),
         quantization=options.quantization,
         kept_float={"embedding": options.keep_embedding, "lm_head": options.keep_lm_head},
-        decode_activations=activations,
+        activations=activations,
         model_dtype=imported.model_dtype,
         target=target.to_json(),
         entry_functions={

@@ -41,10 +41,11 @@ class RecipeEvaluator:
         if op == "concat":
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
         if op == "quantize":
-            key = json.dumps([recipe["format"], recipe["input"]], sort_keys=True)
+            layout = recipe["layout"]
+            key = json.dumps([recipe["format"], layout, recipe["input"]], sort_keys=True)
             if self._last_packed is None or self._last_packed[0] != key:
                 self._last_packed = None  # free the previous weight's parts first
-                self._last_packed = (key, FORMATS[recipe["format"]].quantize(self(recipe["input"])))
+                self._last_packed = (key, FORMATS[recipe["format"]].quantize(self(recipe["input"]), layout))
             return self._last_packed[1][recipe["part"]]
         raise ValueError(f"unknown weight recipe op {op!r}")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ember.errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
@@ -49,9 +49,9 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)
     # Weights left in the compute dtype by a quantized format: {"embedding": bool, "lm_head": bool}.
     kept_float: dict[str, bool] = field(default_factory=lambda: {"embedding": False, "lm_head": False})
-    # "int8": decode's quantized projections multiply int8-quantized activations (llama.cpp's
+    # "int8": the quantized projections multiply int8-quantized activations (llama.cpp's
     # Q8_0 rounding, per group of 32); "float": activations stay in the compute dtype.
-    decode_activations: str = "float"
+    activations: str = "float"
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON data."""

@@ -70,7 +70,7 @@ class TuneOptions:
     max_batch: int = 8
     keep_embedding: bool = False
     keep_lm_head: bool = False
-    float_activations: bool = False  # as for compile: decode GEMVs stay float kernels (and tunable)
+    float_activations: bool = False  # as for compile: projections stay float kernels (and tunable)
 
 
 @dataclass
@@ -230,7 +230,7 @@ def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions
         options, quantization=manifest.quantization, prefill_chunk=manifest.kv_cache["prefill_chunk"],
         max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
         keep_lm_head=manifest.kept_float["lm_head"],
-        float_activations=manifest.decode_activations == "float")
+        float_activations=manifest.activations == "float")
 
 
 def _called_kernels(func: relax.Function) -> list[str]:

@@ -43,7 +43,7 @@ class LowerOptions:
     keep_embedding: bool = False  # leave the embedding table in the compute dtype
     keep_lm_head: bool = False  # leave the output projection in the compute dtype
     tuning: TuningDatabase | None = None  # records from `ember tune` on this machine
-    int8_activations: bool = True  # decode multiplies int8 activations where the target has an int8 dot
+    int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
@@ -53,7 +53,7 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         fuse_parallel_projections,
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
-                         target.int8_dot if options.int8_activations else None),
+                         target.int8_dot if options.int8_activations else None, target.vector_bits),
     ]
 
 

@@ -26,6 +26,21 @@ the way Q4_0 does: the scale maps the group's largest-magnitude value to -8, so
 values land in [-8, 7]. `_zp` formats store a minimum per group (a zero point),
 so a group whose values are not centred on zero still gets all 16 levels: better
 quality for one more scalar per group.
+
+Each quantized weight is stored in one of two layouts:
+
+    rows          packed [N, K / per_word], scale [N, K / 32]: row-major, the layout above
+    interleaved   packed [N / 8, K * bits / 32, 8] uint32, scale [N / 8, K / 32, 8]: blocks
+                  of 8 rows, word w of the 8 rows side by side
+
+`interleaved` is what the int8 dot-product kernels read (`schedules/int8_matmul.py`):
+one 256-bit load holds 4 bytes of each of 8 rows, so one `vpdpbusd` with a broadcast
+activation word computes 8 rows at once, each int32 lane one row, and a group's 8
+scales are one vector load. Values are stored unsigned, as the instruction multiplies
+them: int8 as `v + 128`, int4 as `v + 8`. An int8 word holds 4 consecutive values;
+the 4 int4 words of a group hold its values 0-15 in their low nibbles and 16-31 in
+the high ones (byte t of word j: values 4j + t and 16 + 4j + t), so masking and
+shifting a word gives two byte vectors that pair with consecutive activations.
 """
 
 from __future__ import annotations
@@ -40,6 +55,8 @@ if TYPE_CHECKING:  # TVM is needed to build kernels, not to read the table (`emb
 
 GROUP_SIZE = 32
 WORD_BITS = 32
+ROWS, INTERLEAVED = "rows", "interleaved"  # weight layouts
+INTERLEAVED_ROWS = 8
 _QUANTIZE_BLOCK_VALUES = 1 << 20
 # Parameter-name suffixes of a quantized weight's stored tensors (`W.packed`, ...).
 QUANTIZED_PARTS = ("packed", "scale", "min")
@@ -92,27 +109,42 @@ class QuantFormat:
         """K rounded up to whole groups."""
         return -(-k // self.group_size) * self.group_size
 
-    def part_shapes(self, n: int, k: int) -> dict[str, tuple[tuple[int, int], str]]:
+    def interleaves(self, n: int, k: int) -> bool:
+        """Whether an [n, k] weight can be stored `interleaved`: symmetric int8/int4, whole row blocks and groups."""
+        return (self.bits in (4, 8) and not self.zero_point and n % INTERLEAVED_ROWS == 0
+                and k % self.group_size == 0)
+
+    def part_shapes(self, n: int, k: int, layout: str = ROWS) -> dict[str, tuple[tuple[int, ...], str]]:
         """Shape and dtype of each stored part of an [n, k] weight."""
         groups = self.padded(k) // self.group_size
+        if layout == INTERLEAVED:
+            self._check_interleaves(n, k)
+            blocks = n // INTERLEAVED_ROWS
+            return {"packed": ((blocks, k * self.bits // WORD_BITS, INTERLEAVED_ROWS), "uint32"),
+                    "scale": ((blocks, groups, INTERLEAVED_ROWS), self.dtype)}
         shapes = {"packed": ((n, self.padded(k) // self.per_word), self.storage_dtype),
                   "scale": ((n, groups), self.dtype)}
         if self.zero_point:
             shapes["min"] = ((n, groups), self.dtype)
         return shapes
 
-    def quantize(self, weight: np.ndarray) -> dict[str, np.ndarray]:
-        """Pack an [N, K] float weight into this format's parts."""
+    def quantize(self, weight: np.ndarray, layout: str = ROWS) -> dict[str, np.ndarray]:
+        """Pack an [N, K] float weight into this format's parts, in `layout`."""
         if weight.ndim != 2:
             raise ValueError(f"{self.name} quantizes 2-D weights; got shape {weight.shape}")
         n, k = weight.shape
         # A block of rows at a time: the float temporaries stay a few MB even for a
         # 128k-token embedding table, so conversion memory is the packed weight's.
-        parts = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.part_shapes(n, k).items()}
+        parts = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.part_shapes(n, k, layout).items()}
         block = max(1, _QUANTIZE_BLOCK_VALUES // max(k, 1))
+        if layout == INTERLEAVED:
+            block = -(-block // INTERLEAVED_ROWS) * INTERLEAVED_ROWS
         for start in range(0, n, block):
-            for name, values in self._quantize_rows(weight[start: start + block]).items():
-                parts[name][start: start + block] = values
+            rows = self._quantize_rows(weight[start: start + block])
+            if layout == INTERLEAVED:
+                rows, start = self._interleave(rows), start // INTERLEAVED_ROWS
+            for name, values in rows.items():
+                parts[name][start: start + len(values)] = values
         return parts
 
     def _quantize_rows(self, weight: np.ndarray) -> dict[str, np.ndarray]:
@@ -144,8 +176,10 @@ class QuantFormat:
             parts["min"] = low
         return parts
 
-    def dequantize(self, parts: dict[str, np.ndarray], k: int) -> np.ndarray:
-        """Numpy reference: the [N, k] weight the kernels compute from `parts`."""
+    def dequantize(self, parts: dict[str, np.ndarray], k: int, layout: str = ROWS) -> np.ndarray:
+        """Numpy reference: the [N, k] weight the kernels compute from `parts`, stored in `layout`."""
+        if layout == INTERLEAVED:
+            parts = self._deinterleave(parts)
         # In the compute dtype, one rounding per operation, as the kernels do.
         values = self._unpack(parts["packed"]).astype(self.dtype)
         weight = values * np.repeat(parts["scale"], self.group_size, axis=1)
@@ -153,11 +187,22 @@ class QuantFormat:
             weight = weight + np.repeat(parts["min"], self.group_size, axis=1)
         return weight[:, :k]
 
-    def dequantize_expr(self, parts: dict[str, te.Tensor], row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
-        """TIR: element [row, col] of the weight, computed from `parts` (in `self.dtype`)."""
+    def dequantize_expr(self, parts: dict[str, te.Tensor], row: tirx.PrimExpr, col: tirx.PrimExpr,
+                        layout: str = ROWS) -> tirx.PrimExpr:
+        """TIR: element [row, col] of the weight, computed from `parts` stored in `layout` (in `self.dtype`)."""
         from tvm import tirx
 
         packed = parts["packed"]
+        if layout == INTERLEAVED:
+            block, lane = row // INTERLEAVED_ROWS, row % INTERLEAVED_ROWS
+            if self.bits == 8:
+                word, shift = packed[block, col // 4, lane], col % 4 * 8
+            else:  # group g, word j = (col % 16) // 4, byte col % 4, high nibble for the group's second half
+                word = packed[block, col // self.group_size * 4 + col % 16 // 4, lane]
+                shift = col % 4 * 8 + col % self.group_size // 16 * 4
+            value = (word >> shift.astype("uint32")) & tirx.const(2**self.bits - 1, "uint32")
+            value = value.astype("int32") - 2 ** (self.bits - 1)
+            return value.astype(self.dtype) * parts["scale"][block, col // self.group_size, lane]
         if self.bits == 8:
             value = packed[row, col]
         else:
@@ -178,6 +223,37 @@ class QuantFormat:
         lanes = unsigned.reshape(unsigned.shape[0], -1, self.per_word)
         shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
         return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
+
+    def _interleave(self, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`rows` parts of a block of rows (a multiple of 8) in the `interleaved` layout."""
+        unsigned = self._unpack(parts["packed"]) + 2 ** (self.bits - 1)
+        n = unsigned.shape[0]
+        if self.bits == 4:  # byte t of a group's word j: values 4j + t (low nibble) and 16 + 4j + t (high)
+            halves = unsigned.reshape(n, -1, 2, 16)
+            unsigned = halves[:, :, 0] | halves[:, :, 1] << 4
+        words = np.ascontiguousarray(unsigned.astype(np.uint8)).view("<u4").reshape(n, -1)
+
+        def side_by_side(rows: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(rows.reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, -1).transpose(0, 2, 1))
+
+        return {"packed": side_by_side(words).astype(np.uint32), "scale": side_by_side(parts["scale"])}
+
+    def _deinterleave(self, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The `rows` parts of `interleaved` parts (the inverse of `_interleave`)."""
+
+        def row_major(blocks: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(blocks.transpose(0, 2, 1)).reshape(-1, blocks.shape[1])
+
+        unsigned = row_major(parts["packed"]).astype("<u4").view(np.uint8).astype(np.int32)
+        if self.bits == 4:
+            groups = unsigned.reshape(unsigned.shape[0], -1, 16)
+            unsigned = np.stack([groups & 0x0F, groups >> 4], axis=2).reshape(unsigned.shape[0], -1)
+        return {"packed": self._pack(unsigned - 2 ** (self.bits - 1)), "scale": row_major(parts["scale"])}
+
+    def _check_interleaves(self, n: int, k: int) -> None:
+        if not self.interleaves(n, k):
+            raise ValueError(f"{self.name} cannot store a [{n}, {k}] weight interleaved "
+                             f"(symmetric int8/int4, rows a multiple of {INTERLEAVED_ROWS}, K of {self.group_size})")
 
     def _unpack(self, packed: np.ndarray) -> np.ndarray:
         if self.bits == 8:

@@ -14,9 +14,11 @@ and each use by one kernel that reads the parts directly:
     e = dequantize_take(W.packed, W.scale, ids)   # e[.., k] = w(ids[..], k)
 
 where `w(n, k)` is the format's unpacking expression. On CPUs with an int8 dot-product
-instruction, decode's projections (one token per sequence) instead call
-`schedules/int8_gemv.py`'s kernel, which quantizes the activations to int8 and
-multiplies in integers, as llama.cpp does (`--float-activations` turns this off). Each kernel is one PrimFunc:
+instruction, projections instead call `schedules/int8_matmul.py`'s kernel, which
+quantizes the activations to int8 and multiplies in integers, as llama.cpp does
+(`--float-activations` turns this off); their weights are stored in the layout that
+kernel reads (`interleaved`, blocks of 8 rows side by side), and a gather of such a
+weight (tied embeddings) reads that layout too. Each kernel is one PrimFunc:
 the graph never holds a floating-point copy of a weight, and the schedules decide
 how much of a weight is unpacked at a time (a few rows, in cache). Every token
 streams `bits_per_weight / 32` of the bytes of the float32 model: decode is
@@ -40,20 +42,20 @@ import tvm
 from tvm import relax, te, tirx
 
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
-from ember.ir_passes.quant_formats import QuantFormat
+from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
-from ember.schedules import int8_gemv
+from ember.schedules import int8_matmul
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
 
 
 def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False,
-                     int8_dot: str | None = None) -> tvm.transform.Pass:
+                     int8_dot: str | None = None, vector_bits: int = 256) -> tvm.transform.Pass:
     """The pass quantizing every matmul and embedding weight to `fmt`.
 
-    With `int8_dot` (the target's dot-product intrinsic, `TargetSpec.int8_dot`), decode's
-    projections quantize their activations to int8 and multiply in integers
-    (`schedules/int8_gemv.py`), where the format allows it.
+    With `int8_dot` (the target's dot-product intrinsic, `TargetSpec.int8_dot`), projections
+    quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
+    register tiles sized by the target's `vector_bits`), where the format and shape allow it.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
@@ -62,8 +64,10 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
         if not fmt.quantizes or not names:
             return mod
         chosen: set[str] | None = None
+        projected: set[str] = set()
         for name in names:
             uses = _WeightUses(mod[name])
+            projected |= uses.projected
             keep = set()
             if keep_embedding:
                 keep |= uses.embeddings
@@ -73,17 +77,19 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
             chosen = found if chosen is None else chosen & found
         if not chosen:
             return mod
-        recipes = get_recipes(mod)
+        interleaved = projected if int8_dot is not None else set()
+        rewriter = _Rewriter(mod, fmt, int8_dot, vector_bits)
+        for name in names:
+            rewriter.builder_.update_func(mod.get_global_var(name),
+                                          rewriter.rewrite_function(mod[name], chosen, interleaved))
         new_recipes = {}
-        for name, recipe in recipes.items():
+        for name, recipe in get_recipes(mod).items():
             if name not in chosen:
                 new_recipes[name] = recipe
                 continue
             for part in fmt.parts:
-                new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": fmt.name, "part": part, "input": recipe}
-        rewriter = _Rewriter(mod, fmt, int8_dot)
-        for name in names:
-            rewriter.builder_.update_func(mod.get_global_var(name), rewriter.rewrite_function(mod[name], chosen))
+                new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": fmt.name, "part": part,
+                                                 "layout": rewriter.layouts[name], "input": recipe}
         return set_recipes(rewriter.builder_.get(), new_recipes)
 
     return transform
@@ -120,6 +126,7 @@ class _WeightUses:
             if var in weights:
                 readable[weights[var]] = False
         self.quantizable = {name for name, ok in readable.items() if ok and _is_2d(func, name)}
+        self.projected = set(projections.values())
         self.lm_heads = {projections[var] for var in _returned_through_casts(func) if var in projections}
 
 
@@ -127,27 +134,32 @@ class _WeightUses:
 class _Rewriter(relax.PyExprMutator):
     """Replaces projections and gathers of chosen weights by dequantizing kernels."""
 
-    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: str | None) -> None:
+    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: str | None, vector_bits: int) -> None:
         super().__init__(mod)
         self.fmt = fmt
         self.int8_dot = int8_dot
-        self.int8_kernels: dict[tuple[int, int], relax.GlobalVar] = {}
-        self.parts_of: dict[relax.Var, tuple[dict[str, relax.Var], int]] = {}
+        self.vector_bits = vector_bits
+        self.int8_kernels: dict[tuple[int, int, bool], relax.GlobalVar] = {}
+        self.parts_of: dict[relax.Var, tuple[dict[str, relax.Var], int, str]] = {}
         self.transposed: dict[relax.Var, relax.Var] = {}
+        self.layouts: dict[str, str] = {}  # weight name -> the layout its parts are stored in
 
-    def rewrite_function(self, func: relax.Function, chosen: set[str]) -> relax.Function:
-        """`func` taking the parts of the `chosen` weights instead of the weights."""
+    def rewrite_function(self, func: relax.Function, chosen: set[str], interleaved: set[str]) -> relax.Function:
+        """`func` taking the parts of the `chosen` weights instead of the weights; those in
+        `interleaved` are stored for the int8 dot-product kernel where it computes them."""
         new_params = []
         for param in func.params:
             if param.name not in chosen:
                 new_params.append(param)
                 continue
             n, k = (int(d) for d in param.ty.shape)
+            int8 = param.name in interleaved and int8_matmul.supports(self.fmt, n, k)
+            layout = self.layouts.setdefault(param.name, INTERLEAVED if int8 else ROWS)
             parts = {
                 part: relax.Var(f"{param.name}.{part}", relax.TensorType(shape, dtype))
-                for part, (shape, dtype) in self.fmt.part_shapes(n, k).items()
+                for part, (shape, dtype) in self.fmt.part_shapes(n, k, layout).items()
             }
-            self.parts_of[param] = (parts, k)
+            self.parts_of[param] = (parts, k, layout)
             new_params.extend(parts.values())
         body = self.visit_expr(func.body)
         return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
@@ -158,40 +170,37 @@ class _Rewriter(relax.PyExprMutator):
             self.transposed[binding.var] = value.args[0]  # consumed by the matmul below; no binding left
             return
         if is_op(value, "relax.matmul") and value.args[1] in self.transposed:
-            parts, k = self.parts_of[self.transposed[value.args[1]]]
+            parts, k, layout = self.parts_of[self.transposed[value.args[1]]]
             x = self.visit_expr(value.args[0])
             out_dtype = str(binding.var.ty.dtype)
-            if self._int8_dot_applies(x, k):
-                self._emit_as(binding.var, self._int8_dot_matmul(x, parts, k))
+            if layout == INTERLEAVED:
+                self._emit_as(binding.var, self._int8_dot_matmul(x, parts, k, int(binding.var.ty.shape[-1])))
                 return
             self._emit_as(binding.var, self.builder_.emit_te(
                 _dequantize_matmul(self.fmt, k, out_dtype), x, *parts.values(),
                 primfunc_name_hint="dequantize_matmul"))
             return
         if is_op(value, "relax.take") and value.args[0] in self.parts_of:
-            parts, k = self.parts_of[value.args[0]]
+            parts, k, layout = self.parts_of[value.args[0]]
             ids = self.visit_expr(value.args[1])
             self._emit_as(binding.var, self.builder_.emit_te(
-                _dequantize_take(self.fmt, k), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
+                _dequantize_take(self.fmt, k, layout), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
             return
         super().visit_var_binding_(binding)
 
-    def _int8_dot_applies(self, x: relax.Expr, k: int) -> bool:
-        """Decode (one token per sequence: x is [batch, 1, k]) on a target with an int8 dot product."""
-        shape = x.ty.shape
-        one_token = len(shape) >= 2 and isinstance(shape[-2], tirx.IntImm) and int(shape[-2]) == 1
-        return self.int8_dot is not None and one_token and int8_gemv.supports(self.fmt, k)
+    def _int8_dot_matmul(self, x: relax.Expr, parts: dict[str, relax.Var], k: int, n: int) -> relax.Expr:
+        """y = x @ w(n, :)^T by `int8_matmul`'s kernel, on x flattened to [rows, k].
 
-    def _int8_dot_matmul(self, x: relax.Expr, parts: dict[str, relax.Var], k: int) -> relax.Expr:
-        """y = x @ w(n, :)^T by `int8_gemv`'s kernel, on x flattened to [rows, k]."""
-        n = int(parts["scale"].ty.shape[0])
-        if (n, k) not in self.int8_kernels:
-            kernel = int8_gemv.int8_dot_gemv(self.fmt, n, k, self.int8_dot).with_attr(KERNEL_SOURCE_ATTR, int8_gemv.__name__)
-            self.int8_kernels[n, k] = self.builder_.add_func(kernel, "int8_dot_gemv")
+        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants."""
         *lead, _ = x.ty.shape
+        many_tokens = not (len(lead) >= 1 and isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1)
+        if (n, k, many_tokens) not in self.int8_kernels:
+            kernel = int8_matmul.int8_dot_matmul(self.fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
+            self.int8_kernels[n, k, many_tokens] = self.builder_.add_func(
+                kernel.with_attr(KERNEL_SOURCE_ATTR, int8_matmul.__name__), "int8_dot_matmul")
         rows = functools.reduce(operator.mul, lead)
         flat = self.builder_.emit(relax.op.reshape(x, (rows, k)))
-        y = self.builder_.emit(relax.call_tir(self.int8_kernels[n, k], [flat, *parts.values()],
+        y = self.builder_.emit(relax.call_tir(self.int8_kernels[n, k, many_tokens], [flat, *parts.values()],
                                               relax.TensorType((rows, n), "float32")))
         return self.builder_.emit(relax.op.reshape(y, (*lead, n)))
 
@@ -222,13 +231,13 @@ def _dequantize_matmul(fmt: QuantFormat, k: int, out_dtype: str):
     return compute
 
 
-def _dequantize_take(fmt: QuantFormat, k: int):
-    """TE: e[..., j] = w(ids[...], j)."""
+def _dequantize_take(fmt: QuantFormat, k: int, layout: str):
+    """TE: e[..., j] = w(ids[...], j), from parts stored in `layout`."""
 
     def compute(ids: te.Tensor, *tensors: te.Tensor) -> te.Tensor:
         parts = dict(zip(fmt.parts, tensors))
         return te.compute(
-            (*ids.shape, k), lambda *idx: fmt.dequantize_expr(parts, ids[idx[:-1]], idx[-1]), name="take"
+            (*ids.shape, k), lambda *idx: fmt.dequantize_expr(parts, ids[idx[:-1]], idx[-1], layout), name="take"
         )
 
     return compute

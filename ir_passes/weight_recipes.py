@@ -8,7 +8,7 @@ every TVM pass), keyed by the Relax parameter name:
 
     {"op": "load", "name": "model.layers.0.self_attn.q_proj.weight"}
     {"op": "concat", "axis": 0, "inputs": [<recipe>, <recipe>, ...]}
-    {"op": "quantize", "format": "q4f32", "part": "packed", "input": <recipe>}
+    {"op": "quantize", "format": "q4f32", "part": "packed", "layout": "rows", "input": <recipe>}
 
 Every entry function that takes weights takes the same weights in the same order,
 after its `num_input` runtime inputs.

@@ -84,7 +84,7 @@ class TargetSpec:
     def int8_dot(self) -> str | None:
         """The LLVM intrinsic of the CPU's u8 x s8 -> int32 dot product on 256-bit vectors, if it has one.
 
-        Quantized decode GEMVs use it (`schedules/int8_gemv.py`). AVX512-VNNI (with VL for
+        Quantized projections use it (`schedules/int8_matmul.py`). AVX512-VNNI (with VL for
         256-bit registers) and AVX-VNNI have the same instruction; ARM's SDOT multiplies
         signed by signed and would need its own offsets (not implemented).
         """
@@ -163,8 +163,18 @@ def _cpu_target(data: dict[str, Any]) -> TargetSpec:
         target = Target(data)
     except Exception as err:  # TVM raises several internal types for a bad dict
         raise TargetError(f"invalid TVM target {json.dumps(data)}: {err}") from None
-    vector_bits = int(codegen.llvm_get_vector_width(target))
-    return TargetSpec("cpu", data, int(data["num-cores"]), vector_bits)
+    return TargetSpec("cpu", data, int(data["num-cores"]), _vector_bits(target))
+
+
+def _vector_bits(target: Target) -> int:
+    """The SIMD register width of a CPU target, from its ISA features.
+
+    (`codegen.llvm_get_vector_width` answers for the host on x86: 512 for a Haswell
+    target compiled on an AVX-512 machine.)"""
+    for features, bits in ((["avx512f"], 512), (["avx"], 256), (["sse2"], 128)):
+        if codegen.target_has_features(features, target):
+            return bits
+    return int(codegen.llvm_get_vector_width(target))
 
 
 def _cuda_target(detail: str) -> TargetSpec:

@@ -21,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import shutil
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -82,10 +83,10 @@ class TinyModel:
         return model
 
     def reference_logits(self, ids: list[int]) -> np.ndarray:
-        """transformers' logits [len(ids), vocab] for one sequence."""
+        """transformers' logits [len(ids), vocab] for one sequence (int8 activations as in `int8_rounding`)."""
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), self.int8_rounding():
             out = self.reference(torch.tensor([ids], dtype=torch.long))
         return out.logits[0].float().numpy()
 
@@ -93,34 +94,40 @@ class TinyModel:
         """transformers' logits [len(continuation), vocab] for decoding `continuation` after `prompt`.
 
         The prompt goes through one forward pass and the continuation one token at a time
-        on its KV cache, as ember runs them. If the artifact's decode quantizes activations
-        (manifest `decode_activations: int8`), every projection ember runs that way sees
-        its input rounded as llama.cpp's Q8_0 does (`quantize_activations`), during decode
-        only: the reference then computes what ember's int8 kernels claim to.
+        on its KV cache, as ember runs them (int8 activations as in `int8_rounding`).
         """
         import torch
 
-        from ember.manifest import read_manifest
-        from ember.schedules import int8_gemv
-
-        fmt = FORMATS[self.quantization]
-        int8 = read_manifest(self.artifact_dir).decode_activations == "int8"
-        with torch.no_grad():
+        with torch.no_grad(), self.int8_rounding():
             out = self.reference(torch.tensor([prompt], dtype=torch.long), use_cache=True)
             past, rows = out.past_key_values, []
-            hooks = [module.register_forward_pre_hook(lambda _module, args: (quantize_activations(args[0]),))
-                     for module in self.reference.modules()
-                     if int8 and isinstance(module, torch.nn.Linear) and int8_gemv.supports(fmt, module.in_features)]
-            try:
-                for token in continuation:
-                    out = self.reference(torch.tensor([[token]], dtype=torch.long), past_key_values=past,
-                                         use_cache=True)
-                    past = out.past_key_values
-                    rows.append(out.logits[0, -1].float().numpy())
-            finally:
-                for hook in hooks:
-                    hook.remove()
+            for token in continuation:
+                out = self.reference(torch.tensor([[token]], dtype=torch.long), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                rows.append(out.logits[0, -1].float().numpy())
         return np.stack(rows)
+
+    @contextmanager
+    def int8_rounding(self):
+        """While active, if the artifact quantizes activations (manifest `activations: int8`), every
+        projection ember runs with `schedules/int8_matmul.py` sees its input rounded as llama.cpp's
+        Q8_0 does (`quantize_activations`): the reference computes what ember's kernels claim to."""
+        import torch
+
+        from ember.manifest import read_manifest
+        from ember.schedules import int8_matmul
+
+        fmt = FORMATS[self.quantization]
+        int8 = read_manifest(self.artifact_dir).activations == "int8"
+        hooks = [module.register_forward_pre_hook(lambda _module, args: (quantize_activations(args[0]),))
+                 for module in self.reference.modules()
+                 if int8 and isinstance(module, torch.nn.Linear)
+                 and int8_matmul.supports(fmt, module.out_features, module.in_features)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def reference_greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         """transformers' `generate` with greedy search and end-of-sequence stopping disabled."""

@@ -19,7 +19,7 @@ import tvm
 from tvm import s_tir, te
 
 from ember.ir_passes import pipeline
-from ember.ir_passes.quant_formats import FORMATS, QuantFormat
+from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED, ROWS, QuantFormat
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.manifest import read_manifest
 from ember.runtime.evaluate import scoring_windows
@@ -130,21 +130,50 @@ def test_bits_per_weight(name, bits):
     assert FORMATS[name].bits_per_weight == bits
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_kernel_unpacking_matches_numpy(name, shape):
-    """`dequantize_expr` compiled for the CPU computes exactly what `dequantize` does."""
+def test_int4_interleaved_layout_puts_eight_rows_side_by_side():
+    """Word [b, j, r] holds row 8b + r: byte t of a group's word j is values 4j + t (low nibble) and 16 + 4j + t."""
+    fmt = FORMATS["q4f32"]
+    values = np.arange(16 * 64).reshape(16, 64) % 16 - 8  # -8..7, every group has a -8: scale 1
+    parts = fmt.quantize(values.astype(np.float32), INTERLEAVED)
+    assert parts["packed"].shape == (2, 8, 8) and parts["scale"].shape == (2, 2, 8)
+    for block, word, lane in [(0, 0, 0), (1, 5, 3), (1, 7, 7)]:
+        row, group, j = 8 * block + lane, word // 4, word % 4
+        low = values[row, 32 * group + 4 * j: 32 * group + 4 * j + 4] + 8
+        high = values[row, 32 * group + 16 + 4 * j: 32 * group + 16 + 4 * j + 4] + 8
+        assert parts["packed"][block, word, lane] == sum(int(lo | hi << 4) << 8 * t
+                                                         for t, (lo, hi) in enumerate(zip(low, high)))
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q8f16", "q4f16"])
+def test_interleaved_layout_stores_the_same_weight(name):
+    fmt = FORMATS[name]
+    weight = _weight((24, 96))
+    rows, interleaved = fmt.quantize(weight), fmt.quantize(weight, INTERLEAVED)
+    assert {part: array.shape for part, array in interleaved.items()} == {
+        part: shape for part, (shape, _) in fmt.part_shapes(24, 96, INTERLEAVED).items()}
+    np.testing.assert_array_equal(fmt.dequantize(interleaved, 96, INTERLEAVED), fmt.dequantize(rows, 96))
+    with pytest.raises(ValueError, match="interleaved"):
+        fmt.quantize(weight[:20], INTERLEAVED)  # rows in whole blocks of 8
+    with pytest.raises(ValueError, match="interleaved"):
+        FORMATS["q4f32_zp"].part_shapes(24, 96, INTERLEAVED)
+
+
+@pytest.mark.parametrize("name,shape,layout", [
+    (name, shape, layout) for name in QUANTIZED for shape in SHAPES + [(16, 96)] for layout in (ROWS, INTERLEAVED)
+    if layout == ROWS or FORMATS[name].interleaves(*shape)])
+def test_kernel_unpacking_matches_numpy(name, shape, layout):
+    """`dequantize_expr` compiled for the CPU computes exactly what `dequantize` does, in either layout."""
     fmt: QuantFormat = FORMATS[name]
     n, k = shape
-    parts = fmt.quantize(_weight(shape, seed=1))
+    parts = fmt.quantize(_weight(shape, seed=1), layout)
     placeholders = {part: te.placeholder(parts[part].shape, str(parts[part].dtype), name=part) for part in fmt.parts}
-    out = te.compute((n, k), lambda i, j: fmt.dequantize_expr(placeholders, i, j), name="unpack")
+    out = te.compute((n, k), lambda i, j: fmt.dequantize_expr(placeholders, i, j, layout), name="unpack")
     func = te.create_prim_func([*placeholders.values(), out])
     lib = tvm.compile(tvm.IRModule({"main": func}), target={"kind": "llvm"})
     dev = tvm.cpu()
     result = tvm.runtime.tensor(np.zeros((n, k), fmt.dtype), dev)
     lib["main"](*[tvm.runtime.tensor(parts[part], dev) for part in fmt.parts], result)
-    np.testing.assert_array_equal(result.numpy(), fmt.dequantize(parts, k))
+    np.testing.assert_array_equal(result.numpy(), fmt.dequantize(parts, k, layout))
 
 
 # --- the pass, on a real model graph -------------------------------------------------
@@ -202,8 +231,8 @@ def test_tied_embedding_stays_float_if_either_use_is_kept(tiny_models):
 
 
 def test_no_float_copy_of_a_weight_is_materialized(tiny_models):
-    """The graph never holds an unpacked weight; each kernel unpacks a tile of `rows` x K in cache."""
-    mod, options, target, imported = _graph(tiny_models, "llama", "q4f32")
+    """The float path's graph never holds an unpacked weight; each kernel unpacks a tile of `rows` x K in cache."""
+    mod, options, target, imported = _graph(tiny_models, "llama", "q4f32", int8_activations=False)
     lowered = pipeline.lower(imported.mod, target, options)
     quantized_shapes = set()
     for param in weight_params(mod["decode"]):
@@ -239,29 +268,29 @@ E2E = [("llama", "q8f32"), ("llama", "q4f32"), ("llama", "q4f32_zp"), ("llama3_r
 def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, name, quantization):
     """Prefill (two chunks) and decode logits within 1e-4: the kernels are exact about their format.
 
-    Where decode multiplies int8 activations (CPUs with an int8 dot product), the reference
-    rounds its decode activations the same way (`conftest.quantize_activations`). Rounding
-    is discontinuous: an activation within float error of a rounding boundary may land on
-    the other integer in ember than in transformers (their float sums differ in the last
-    bits), which moves that step's logits by about one int8 step. So int8 decode asks
-    for most steps within 1e-4 and every step within 5e-2 (the float path is ~7e-2 away).
+    Where projections multiply int8 activations (CPUs with an int8 dot product), the reference
+    rounds its activations the same way (`conftest.TinyModel.int8_rounding`). Rounding is
+    discontinuous: an activation within float error of a rounding boundary may land on the
+    other integer in ember than in transformers (their float sums differ in the last bits),
+    which moves that token's logits by about one int8 step. So int8 activations ask for most
+    tokens within 1e-4 and every token within 5e-2 (the float path is ~7e-2 away).
     """
     model = tiny_models.quantized(name, quantization)
     engine = model.engine()
     ids, continuation = prompt_ids(100, seed=5), prompt_ids(9, seed=6)[1:]
-    expected_decode = model.reference_decode_logits(ids, continuation)
     seq = engine.add_sequence()
-    assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids),
-                        f"{name} {quantization} prefill")
+    prefilled = engine.prefill(seq, ids, all_logits=True)
     decoded = np.stack([engine.decode([seq], [token])[0] for token in continuation])
-    if read_manifest(model.artifact_dir).decode_activations == "float":
-        for step in range(len(continuation)):
-            assert_logits_close(decoded[step], expected_decode[step], f"{name} {quantization} decode {step}")
-        return
-    scale = max(1.0, float(np.abs(expected_decode).max()))
-    errors = np.abs(decoded - expected_decode).max(axis=1) / scale
-    assert errors.max() <= 5e-2, f"{name} {quantization} int8 decode: step errors {errors}"
-    assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 decode: step errors {errors}"
+    checks = [("prefill", prefilled, model.reference_logits(ids)),
+              ("decode", decoded, model.reference_decode_logits(ids, continuation))]
+    for what, actual, expected in checks:
+        if read_manifest(model.artifact_dir).activations == "float":
+            assert_logits_close(actual, expected, f"{name} {quantization} {what}")
+            continue
+        scale = max(1.0, float(np.abs(expected).max()))
+        errors = np.abs(actual - expected).max(axis=1) / scale
+        assert errors.max() <= 5e-2, f"{name} {quantization} int8 {what}: token errors {errors}"
+        assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
 
 
 def test_float16_quantized_model_is_close_to_float32_reference(tiny_models):

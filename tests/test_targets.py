@@ -25,6 +25,13 @@ def test_explicit_arm_cpu_has_neon_width() -> None:
     assert spec.vector_bits == 128 and spec.num_cores == 4
 
 
+@pytest.mark.parametrize(("mcpu", "bits"), [("haswell", 256), ("alderlake", 256), ("icelake-server", 512),
+                                            ("znver4", 512), ("x86-64", 128)])
+def test_explicit_x86_cpu_has_its_own_width(mcpu, bits) -> None:
+    """The width comes from the target's features, not from the machine compiling for it."""
+    assert resolve_target(f'{{"kind": "llvm", "mcpu": "{mcpu}", "mtriple": "x86_64-linux-gnu"}}').vector_bits == bits
+
+
 @pytest.mark.parametrize(("spec", "arch", "tvm_arch", "hardware", "memory_gib", "sms"), [
     ("cuda:sm_80", "sm_80", "sm_80", "nvidia-a100-80gb-sxm", 80, 108),
     ("cuda:sm_86", "sm_86", "sm_86", "nvidia-rtx-3090", 24, 82),        # the smaller of its two presets

@@ -49,7 +49,7 @@ from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
 from ember.ir_passes.quant_formats import FORMATS, QUANTIZED_PARTS
 from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
-from ember.schedules import int8_gemv
+from ember.schedules import int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
 
@@ -177,7 +177,7 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     kv = manifest.kv_cache
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
-                                    int8_activations=manifest.decode_activations == "int8")
+                                    int8_activations=manifest.activations == "int8")
     return pipeline.to_kernels(mod, target, options)
 
 
@@ -186,10 +186,10 @@ def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
 
     Symbolic dimensions (sequence length, batch) are bound by specializing the PrimFunc
     to the call's shapes; TVM counts every arithmetic operation of floating type once.
-    The int8 dot-product GEMV is written in vector operations TVM's counter does not
-    read: it counts as the GEMV it computes, 2 * rows * k * n.
+    The int8 dot-product matmul is written in vector operations TVM's counter does not
+    read: it counts as the matmul it computes, 2 * rows * k * n.
     """
-    if (func.attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_gemv.__name__:
+    if (func.attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__:
         (rows, k), *_, (_, n) = shapes
         return 2.0 * rows * k * n
     bindings = {}
