@@ -7,6 +7,11 @@ artifact size without tokenizer files.
 
     python scripts/quant_quality.py                      # the bundled demo model, validation.txt
     python scripts/quant_quality.py --model DIR --text FILE --window 256
+    python scripts/quant_quality.py --float-activations   # the weights' error alone
+
+On CPUs with an int8 dot product, q8f32/q4f32 projections round their activations to
+int8 (`schedules/int8_matmul.py`); `--float-activations` compiles without that, so the
+two tables side by side show what the activation rounding costs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=DEMO_MODEL_DIR / "validation.txt")
     parser.add_argument("--window", type=int, default=256, help="tokens per scoring window (the demo trained on 256)")
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--float-activations", action="store_true",
+                        help="compile as `ember compile --float-activations`: activations stay float")
     args = parser.parse_args()
 
     formats = args.formats.split(",")
@@ -42,19 +49,21 @@ def main() -> None:
         engines, sizes = {}, {}
         for name in ["q0f32"] + [f for f in formats if f != "q0f32"]:
             artifact = Path(tmp) / name
-            compile_model(args.model, artifact, CompileOptions(quantization=name, max_batch=1, show_progress=False))
+            compile_model(args.model, artifact, CompileOptions(quantization=name, max_batch=1, show_progress=False,
+                                                                float_activations=args.float_activations))
             engines[name], sizes[name] = Engine(load_artifact(artifact)), artifact_bytes(artifact)
         tokenizer = engines["q0f32"].artifact.tokenizer
         ids = tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)
         windows = scoring_windows(ids, tokenizer.bos_token_id, args.window)
         print(f"\n{args.model.name}: {len(ids)} tokens of {args.text.name}, windows of {args.window}\n")
-        print(f"{'format':<10} {'bits/weight':>11} {'perplexity':>11} {'vs q0f32':>9} {'mean KL':>9} "
+        print(f"{'format':<10} {'activations':>11} {'bits/weight':>11} {'perplexity':>11} {'vs q0f32':>9} {'mean KL':>9} "
               f"{'top-1 agree':>11} {'weights MiB':>11} {'artifact MiB':>12} {'vs q0f32':>9}")
         for name in formats:
             comparison = compare(engines[name], engines["q0f32"], windows)
             ppl, baseline, div = comparison.candidate.perplexity, comparison.reference.perplexity, comparison.divergence
             weights, total = sizes[name]
-            print(f"{name:<10} {FORMATS[name].bits_per_weight:>11g} {ppl:>11.3f} {ppl / baseline - 1:>+8.2%} "
+            activations = engines[name].artifact.manifest.activations
+            print(f"{name:<10} {activations:>11} {FORMATS[name].bits_per_weight:>11g} {ppl:>11.3f} {ppl / baseline - 1:>+8.2%} "
                   f"{div.mean_kl:>9.5f} {div.top1_agreement:>10.2%} {weights / 2**20:>11.2f} {total / 2**20:>12.2f} "
                   f"{total / sizes['q0f32'][1]:>8.3f}x")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import ArtifactError
+from ember.manifest import FORMAT_VERSION
 from ember.runtime import SamplingParams, generate, load_artifact
 from helpers import run_ember, run_python
 
@@ -141,7 +142,7 @@ def test_missing_file_is_refused(tiny_llama, copy_artifact):
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("format_version", 999, r"artifact format version 999, this ember reads version 1; recompile"),
+    ("format_version", 999, rf"artifact format version 999, this ember reads version {FORMAT_VERSION}; recompile"),
     ("tvm_version", "0.19.0", r"compiled with TVM 0.19.0, this runtime has TVM .*; recompile with `ember compile"),
 ])
 def test_version_mismatch_is_refused(tiny_llama, copy_artifact, field, value, message):
