@@ -12,7 +12,7 @@ over the read bandwidth measured in the same run. Greedy tokens of the float32
 runtimes are compared with PyTorch's.
 
     python scripts/bench_cpu.py --model /tmp/llama110m --ember q0f32,q8f32,q4f32 \\
-        --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime --threads 2 --repeats 3
+        --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime,onnxruntime-genai --threads 2 --repeats 3
     python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --ember q8f32,q4f32 --llama-cpp Q8_0,Q4_0 --peers ""
 """
 
@@ -109,7 +109,8 @@ def main() -> None:
     parser.add_argument("--ember", default="q0f32,q8f32,q4f32", help="ember --quant formats, comma-separated")
     parser.add_argument("--llama-cpp", default="F32,Q8_0,Q4_0",
                         help=f"llama.cpp GGUF types ({', '.join(peers.LLAMA_CPP_TYPES)}), comma-separated")
-    parser.add_argument("--peers", default="pytorch,onnxruntime", help="float32 peers: pytorch, onnxruntime")
+    parser.add_argument("--peers", default="pytorch,onnxruntime,onnxruntime-genai",
+                        help="float32 peers: pytorch, onnxruntime, onnxruntime-genai")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -141,6 +142,10 @@ def main() -> None:
     if "onnxruntime" in split(args.peers):
         runners["onnxruntime"] = lambda: peers.measure_onnxruntime(args.model, prompt, args.new_tokens, args.threads)
         bytes_per_token["onnxruntime"] = float32_bytes
+    if "onnxruntime-genai" in split(args.peers):
+        runners["onnxruntime-genai"] = lambda: peers.measure_onnxruntime_genai(args.model, prompt, args.new_tokens,
+                                                                               args.threads)
+        bytes_per_token["onnxruntime-genai"] = float32_bytes
 
     rows = []
     for name, run in runners.items():

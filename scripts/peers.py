@@ -8,6 +8,9 @@ peers, so a benchmark script can put ember's row beside them:
   model's own ``past_key_values``.
 * ``measure_onnxruntime``: the same checkpoint exported to ONNX with an explicit
   KV cache and run by onnxruntime.
+* ``measure_onnxruntime_genai``: onnxruntime-genai, Microsoft's generation runtime,
+  on the model its own builder writes from the checkpoint (fused attention
+  operators, its KV-cache management and search loop).
 
 Every measurement runs in a fresh Python interpreter, so its peak RSS is that
 peer's alone (not the caller's, and not whatever the caller imported, such as
@@ -140,20 +143,37 @@ def measure_onnxruntime(
         new_tokens=new_tokens,
         threads=threads,
     )
-    checked = min(_REFERENCE_TOKENS, new_tokens + 1)
-    reference = _run_isolated(
-        "_torch_reference_worker",
-        model_dir=str(model_dir),
-        prompt_ids=list(prompt_ids),
-        new_tokens=checked - 1,
-        threads=threads,
-    )
-    if result["token_ids"][:checked] != reference["token_ids"][:checked]:
-        raise RuntimeError(
-            f"onnxruntime's greedy tokens {result['token_ids'][:checked]} differ from "
-            f"PyTorch eager's {reference['token_ids'][:checked]}"
-        )
+    _check_greedy_tokens("onnxruntime", result["token_ids"], model_dir, prompt_ids, new_tokens, threads)
     return Measurement(name="onnxruntime", **result)
+
+
+def measure_onnxruntime_genai(
+    model_dir: str | os.PathLike, prompt_ids: list[int], new_tokens: int, threads: int
+) -> Measurement:
+    """Time onnxruntime-genai (fp32, CPU) on ``prompt_ids`` in a fresh process.
+
+    The model is built once by onnxruntime-genai's model builder into
+    ``model_dir/onnxruntime-genai/`` and reused. Raises ``RuntimeError`` if its first
+    greedy tokens differ from PyTorch eager's.
+    """
+    built = Path(model_dir) / "onnxruntime-genai"
+    if not (built / "genai_config.json").exists():
+        _run_isolated("_build_onnxruntime_genai_worker", model_dir=str(model_dir), out_dir=str(built))
+    result = _run_isolated("_onnxruntime_genai_worker", model_path=str(built), prompt_ids=list(prompt_ids),
+                           new_tokens=new_tokens, threads=threads)
+    _check_greedy_tokens("onnxruntime-genai", result["token_ids"], model_dir, prompt_ids, new_tokens, threads)
+    return Measurement(name="onnxruntime-genai", **result)
+
+
+def _check_greedy_tokens(name: str, tokens: list[int], model_dir: str | os.PathLike, prompt_ids: list[int],
+                         new_tokens: int, threads: int) -> None:
+    """Raise if a peer's first greedy tokens differ from PyTorch eager's: a fast wrong answer is no baseline."""
+    checked = min(_REFERENCE_TOKENS, new_tokens + 1)
+    reference = _run_isolated("_torch_reference_worker", model_dir=str(model_dir), prompt_ids=list(prompt_ids),
+                              new_tokens=checked - 1, threads=threads)
+    if tokens[:checked] != reference["token_ids"][:checked]:
+        raise RuntimeError(f"{name}'s greedy tokens {tokens[:checked]} differ from "
+                           f"PyTorch eager's {reference['token_ids'][:checked]}")
 
 
 def wait_for_quiet_machine(max_load: float = 0.3, timeout_s: float = 60) -> bool:
@@ -589,11 +609,71 @@ def _onnxruntime_generate(session: Any, prompt_ids: list[int], new_tokens: int) 
     return tokens, prefill_s, decode_s
 
 
+# --- onnxruntime-genai -------------------------------------------------------
+
+
+def _build_onnxruntime_genai_worker(model_dir: str, out_dir: str) -> dict[str, Any]:
+    """Run onnxruntime-genai's model builder (fp32, CPU) on the checkpoint.
+
+    The builder insists on loading a tokenizer; a random checkpoint has none, so it
+    reads a copy of the checkpoint's files next to a word-level tokenizer covering
+    the vocabulary (the benchmark feeds token ids and never uses it)."""
+    from tokenizers import Tokenizer, models
+
+    source = Path(model_dir)
+    with tempfile.TemporaryDirectory(prefix="ember-genai-src-") as tmp:
+        for path in source.iterdir():
+            if path.is_file():
+                (Path(tmp) / path.name).symlink_to(path.resolve())
+        if not (source / "tokenizer.json").exists():
+            vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+            tokenizer = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab)}, unk_token="<t0>"))
+            tokenizer.save(str(Path(tmp) / "tokenizer.json"))
+            (Path(tmp) / "tokenizer_config.json").write_text(
+                json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<t0>"}))
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", tmp, "-o", out_dir,
+                        "-p", "fp32", "-e", "cpu", "-c", str(Path(tmp) / "cache")],
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return {}
+
+
+def _onnxruntime_genai_worker(model_path: str, prompt_ids: list[int], new_tokens: int,
+                              threads: int) -> dict[str, Any]:
+    """Child side of ``measure_onnxruntime_genai``: warm up, then time one greedy generation."""
+    import onnxruntime_genai as og
+
+    config_path = Path(model_path) / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=2))
+    model = og.Model(og.Config(model_path))
+
+    def run() -> tuple[list[int], float, float]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt_ids) + new_tokens + 1, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompt_ids)  # the prefill forward
+        generator.generate_next_token()  # picks from the prefill's logits
+        tokens = [int(generator.get_next_tokens()[0])]
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        return tokens, prefill_s, time.perf_counter() - start
+
+    run()  # warm-up
+    tokens, prefill_s, decode_s = run()
+    return {**_rates(len(prompt_ids), new_tokens, prefill_s, decode_s), "peak_rss_mb": 0.0, "token_ids": tokens}
+
+
 # --- command line ------------------------------------------------------------
 
 _PEERS: dict[str, Callable[[str, list[int], int, int], Measurement]] = {
     "pytorch-eager": measure_torch_eager,
     "onnxruntime": measure_onnxruntime,
+    "onnxruntime-genai": measure_onnxruntime_genai,
 }
 
 
