@@ -1,15 +1,15 @@
-"""ember on CPU next to llama.cpp, onnxruntime and PyTorch eager: same weights, one run.
+"""ember on CPU next to llama.cpp, onnxruntime(-genai) and PyTorch eager: same weights, one run.
 
 Builds (or reuses) a Llama-shaped random checkpoint, compiles it with ember in each
 requested `--quant` format, writes it as GGUF for llama.cpp in each requested type,
-then measures every runtime in its own fresh process, one after another, waiting
-for a quiet machine before each run: prefill tok/s over the prompt, decode tok/s
-over the new tokens (greedy), peak RSS. The table gives the median of `--repeats`
-runs, the decode ratio to the first ember row, and decode as a share of this
-machine's memory-bandwidth roofline: bytes of weights read per decoded token
-(every weight but the embedding table, of which one row is read) times tok/s,
-over the read bandwidth measured in the same run. Greedy tokens of the float32
-runtimes are compared with PyTorch's.
+then measures every runtime in its own fresh process, one after another and
+round-robin over the repeats, waiting for a quiet machine before each run: prefill
+tok/s over the prompt, decode tok/s over the new tokens (greedy), peak RSS. The
+table gives the median of `--repeats` runs, the decode ratio to the first ember row,
+and decode as a share of this machine's memory-bandwidth roofline: bytes of weights
+read per decoded token (every weight but the embedding table, of which one row is
+read) times tok/s, over the read bandwidth measured in the same run. Greedy tokens
+of the float32 runtimes are compared with PyTorch's.
 
     python scripts/bench_cpu.py --model /tmp/llama110m --ember q0f32,q8f32,q4f32 \\
         --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime,onnxruntime-genai --threads 2 --repeats 3
@@ -147,13 +147,16 @@ def main() -> None:
                                                                                args.threads)
         bytes_per_token["onnxruntime-genai"] = float32_bytes
 
-    rows = []
-    for name, run in runners.items():
-        runs = []
-        for _ in range(args.repeats):
+    # Round-robin: every runtime once, then again. A shared machine's memory bandwidth drifts
+    # over minutes (decode of one artifact measured 76-111 tok/s within a minute), and the
+    # drift then lands on every runtime's median alike instead of on whichever ran last.
+    runs: dict[str, list[peers.Measurement]] = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, run in runners.items():
             peers.wait_for_quiet_machine()
-            runs.append(run())
-        rows.append(peers.summarize(runs))
+            runs[name].append(run())
+    rows = [peers.summarize(measured) for measured in runs.values()]
+    for name in runners:
         if name.startswith("llama.cpp"):
             bytes_per_token[name] = gguf_bytes_per_token(args.model / "gguf" / f"model-{name.split()[1]}.gguf")
     peers.wait_for_quiet_machine()
