@@ -8,7 +8,8 @@ frontend and `tvm.compile`'s code generation:
 2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused;
    functions and kernels get the bounds of their symbolic sizes.
 3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`), from
-   a tuning database where one has a checked record, else from the rules.
+   a tuning database where one has a checked record, else from the rules; then, on
+   CPUs, exp and sigmoid become polynomials that vectorize.
 4. dataflow lowering and memory planning: static buffers sized by the bounds;
    on CUDA, decode's kernel runs captured as CUDA graphs.
 5. finalization: VM-level lowering.
@@ -24,6 +25,7 @@ from tvm import relax
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.polynomial_exp import polynomial_exp
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
 from ember.ir_passes.specialize_cpu_attention import specialize_cpu_attention
@@ -78,6 +80,14 @@ def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.trans
     ]
 
 
+def kernel_math_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
+    """On CPUs, exp and sigmoid (SiLU) become polynomials that vectorize instead of a libm call per element.
+
+    After scheduling, so that `ember tune` and `ember analyze` (which read `to_kernels`) see
+    the operators as the model wrote them, and the schedules match either way."""
+    return [] if target.is_gpu else [polynomial_exp]
+
+
 def dataflow_lower_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     """Leave the dataflow form; calls become destination-passing."""
     return [
@@ -122,6 +132,7 @@ def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.I
         graph_passes(target, options)
         + legalize_passes(target, options)
         + schedule_passes(target, options.tuning)
+        + kernel_math_passes(target)
         + dataflow_lower_passes(target)
         + memory_planning_passes(target)
         + finalize_passes(target)

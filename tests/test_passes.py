@@ -116,3 +116,41 @@ def test_capture_cuda_graphs_lifts_decode_kernels_between_unstable_inputs() -> N
     decode = mod["decode"].script()
     assert decode.count("vm.builtin.cuda_graph.run_or_capture") == 1 and decode.count("matmul(") == 2
     assert "relu" in mod["decode_cuda_graph_capture"].script()
+
+
+def test_polynomial_exp_vectorizes_exp_and_sigmoid_within_float_rounding() -> None:
+    """SiLU and exp become polynomials (no libm call left) that agree with float64 numpy within the documented
+    bound over |x| <= 80, and saturate at the ends of float32's normal range."""
+    from tvm import s_tir, te
+
+    from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+    from ember.ir_passes.polynomial_exp import polynomial_exp
+    from ember.targets.registry import resolve_target
+
+    n = 4096
+    x = te.placeholder((n,), "float32", name="x")
+    silu = te.compute((n,), lambda i: x[i] * te.sigmoid(x[i]), name="silu")
+    exp = te.compute((n,), lambda i: te.exp(x[i]), name="exp")
+    tagged = te.create_prim_func([x, exp]).with_attr(KERNEL_SOURCE_ATTR, "a hand-written kernel")
+    mod = polynomial_exp(tvm.IRModule({"silu": te.create_prim_func([x, silu]), "exp": te.create_prim_func([x, exp]),
+                                       "tagged": tagged}))
+    assert "T.sigmoid" not in mod["silu"].script() and "T.exp" not in mod["exp"].script()
+    assert "T.exp" in mod["tagged"].script()
+
+    target = resolve_target("cpu")
+    values = np.concatenate([np.linspace(-80, 80, n // 2 - 2), np.random.default_rng(0).standard_normal(n // 2) * 8,
+                             [-100, 100]]).astype(np.float32)
+    exact = values.astype(np.float64)
+    for name, expected in (("silu", exact / (1 + np.exp(-exact))), ("exp", np.exp(exact))):
+        sch = s_tir.Schedule(mod[name])
+        sch.vectorize(sch.split(sch.get_loops(sch.get_sblock(name))[0], [None, 16])[1])
+        out = tvm.runtime.tensor(np.zeros(n, np.float32))
+        tvm.compile(sch.mod, target=target.target)["main"](tvm.runtime.tensor(values), out)
+        # The polynomial's 2e-7, float rounding of the result, and x * log2(e)'s rounding (|x| * 6e-8).
+        bound = (1e-6 + 6e-8 * np.abs(exact[:-2])) * np.abs(expected[:-2])
+        assert (np.abs(out.numpy()[:-2] - expected[:-2]) <= bound).all(), name
+        low, high = out.numpy()[-2:]
+        if name == "silu":
+            assert abs(low) < 1e-35 and high == np.float32(100)
+        else:
+            assert low <= 2e-38 and np.isfinite(high) and high > 1e38
