@@ -189,19 +189,23 @@ class _Rewriter(relax.PyExprMutator):
         super().visit_var_binding_(binding)
 
     def _int8_dot_matmul(self, x: relax.Expr, parts: dict[str, relax.Var], k: int, n: int) -> relax.Expr:
-        """y = x @ w(n, :)^T by `int8_matmul`'s kernel, on x flattened to [rows, k].
+        """y = x @ w(n, :)^T by `int8_matmul`'s kernel, which takes x as [batch, seq, k].
 
-        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants."""
+        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants.
+        A model's activations are [batch, seq, k] already: no reshape (each one a VM call)."""
         *lead, _ = x.ty.shape
         many_tokens = not (len(lead) >= 1 and isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1)
         if (n, k, many_tokens) not in self.int8_kernels:
             kernel = int8_matmul.int8_dot_matmul(self.fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
             self.int8_kernels[n, k, many_tokens] = self.builder_.add_func(
                 kernel.with_attr(KERNEL_SOURCE_ATTR, int8_matmul.__name__), "int8_dot_matmul")
-        rows = functools.reduce(operator.mul, lead)
-        flat = self.builder_.emit(relax.op.reshape(x, (rows, k)))
-        y = self.builder_.emit(relax.call_tir(self.int8_kernels[n, k, many_tokens], [flat, *parts.values()],
-                                              relax.TensorType((rows, n), "float32")))
+        kernel = self.int8_kernels[n, k, many_tokens]
+        if len(lead) == 2:
+            return self.builder_.emit(relax.call_tir(kernel, [x, *parts.values()],
+                                                     relax.TensorType((*lead, n), "float32")))
+        rows = functools.reduce(operator.mul, lead, 1)
+        flat = self.builder_.emit(relax.op.reshape(x, (1, rows, k)))
+        y = self.builder_.emit(relax.call_tir(kernel, [flat, *parts.values()], relax.TensorType((1, rows, n), "float32")))
         return self.builder_.emit(relax.op.reshape(y, (*lead, n)))
 
     def _emit_as(self, old: relax.Var, new: relax.Expr) -> None:

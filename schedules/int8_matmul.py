@@ -75,7 +75,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str, many_t
     `dot_intrinsic` is the LLVM name of the target's u8 x s8 -> int32 dot product on
     256-bit vectors (`TargetSpec.int8_dot`). `many_tokens`: prefill (rows quantized in
     parallel, a register tile over several rows) rather than decode (one token per
-    sequence). Parameters: x [M, k] float32, the weight's parts (packed, scale), y [M, n]."""
+    sequence). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
     lanes = INTERLEAVED_ROWS
@@ -112,16 +112,17 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str, many_t
     def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
                     scale: T.Buffer(scale_shape, "float32"), y_handle: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-        M = T.int64()
-        x = T.match_buffer(x_handle, (M, k), "float32")
-        y = T.match_buffer(y_handle, (M, n), "float32")
+        batch = T.int64()
+        seq = T.int64()
+        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
+        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
         with T.sblock("root"):
             T.reads()
             T.writes()
-            xq = T.sblock_alloc_buffer((M, k // 4), "int32")  # 4 int8 activations per word
-            x_scale = T.sblock_alloc_buffer((M, groups), "float32")
-            x_bias = T.sblock_alloc_buffer((M, groups), "int32")
-            for mg in quantize_loop(M * groups):
+            xq = T.sblock_alloc_buffer((batch * seq, k // 4), "int32")  # 4 int8 activations per word
+            x_scale = T.sblock_alloc_buffer((batch * seq, groups), "float32")
+            x_bias = T.sblock_alloc_buffer((batch * seq, groups), "int32")
+            for mg in quantize_loop(batch * seq * groups):
                 with T.sblock("quantize"):
                     T.reads()
                     T.writes()
@@ -129,11 +130,11 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str, many_t
                     m: T.let[T.int64] = mg // groups
                     g: T.let[T.int64] = mg % groups
                     top: T.let[T.float32] = T.call_llvm_pure_intrin(
-                        "float32", "llvm.vector.reduce.fmax", T.fabs(x[m, T.Ramp(g * 32, 1, 32)]))
+                        "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
                     inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
                                                                T.float32(0))
                     q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
-                        x[m, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+                        x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
                     x_scale[m, g] = top / T.float32(_LEVELS)
                     x_bias[m, g] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
                                                            q[T.Ramp(0, 1, 32)]) * (-offset)
@@ -144,22 +145,22 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str, many_t
                     T.writes()
                     dots = T.sblock_alloc_buffer((tokens, row_blocks, lanes), "int32")
                     acc = T.sblock_alloc_buffer((tokens, row_blocks, lanes), "float32")
-                    for tile_m in T.serial((M + tokens - 1) // tokens):
+                    for tile_m in T.serial((batch * seq + tokens - 1) // tokens):
                         for t, b in T.grid(tokens, row_blocks):
                             acc[t, b, vec] = T.Broadcast(T.float32(0), lanes)
                         for g in T.serial(groups):
                             for t in T.unroll(tokens):
                                 for b in T.unroll(row_blocks):
-                                        dots[t, b, vec] = group_dot(
-                                        T.Broadcast(x_bias[T.min(tile_m * tokens + t, M - 1), g], lanes), packed, xq,
-                                        tile_n * row_blocks + b, T.min(tile_m * tokens + t, M - 1), g)
+                                    dots[t, b, vec] = group_dot(
+                                        T.Broadcast(x_bias[T.min(tile_m * tokens + t, batch * seq - 1), g], lanes), packed, xq,
+                                        tile_n * row_blocks + b, T.min(tile_m * tokens + t, batch * seq - 1), g)
                             for t in T.unroll(tokens):
                                 for b in T.unroll(row_blocks):
                                     acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
-                                        T.Broadcast(x_scale[T.min(tile_m * tokens + t, M - 1), g], lanes)
+                                        T.Broadcast(x_scale[T.min(tile_m * tokens + t, batch * seq - 1), g], lanes)
                                         * scale[tile_n * row_blocks + b, g, vec])
                         for t, b in T.grid(tokens, row_blocks):
-                            y[T.min(tile_m * tokens + t, M - 1), T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = (
-                                acc[t, b, vec])
+                            m: T.let[T.int64] = T.min(tile_m * tokens + t, batch * seq - 1)
+                            y[m // seq, m % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = acc[t, b, vec]
 
     return int8_matmul

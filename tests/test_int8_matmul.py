@@ -23,14 +23,15 @@ needs_int8_dot = pytest.mark.skipif(TARGET.int8_dot is None, reason="this CPU ha
 
 @needs_int8_dot
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
-@pytest.mark.parametrize("n,k,rows,many_tokens", [
-    (96, 64, 1, False), (40, 128, 3, False),  # decode: one token per sequence, a batch of them
-    (64, 320, 7, True),  # prefill: a full and a partial tile of activation rows
-    (40, 96, 13, True),  # an odd number of row blocks: one block per register tile
-    (16, 512, 4, True),
+@pytest.mark.parametrize("n,k,batch,seq,many_tokens", [
+    (96, 64, 1, 1, False), (40, 128, 3, 1, False),  # decode: one token per sequence, a batch of them
+    (64, 320, 1, 7, True),  # prefill: a full and a partial tile of activation rows
+    (40, 96, 1, 13, True),  # an odd number of row blocks: one block per register tile
+    (16, 512, 2, 2, True),  # two sequences' rows in one tile
 ])
-def test_matches_llama_cpp_arithmetic(name, n, k, rows, many_tokens):
+def test_matches_llama_cpp_arithmetic(name, n, k, batch, seq, many_tokens):
     fmt = FORMATS[name]
+    rows = batch * seq
     rng = np.random.default_rng(n + k + rows)
     weight = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
@@ -38,13 +39,14 @@ def test_matches_llama_cpp_arithmetic(name, n, k, rows, many_tokens):
     parts = fmt.quantize(weight, INTERLEAVED)
     func = int8_matmul.int8_dot_matmul(fmt, n, k, TARGET.int8_dot, many_tokens, TARGET.vector_bits)
     lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET.target)
-    y = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
-    lib["main"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x.reshape(batch, seq, k)), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
     dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
     expected = q8_0_activations(x) @ dequantized.T
-    np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    actual = y.numpy().reshape(rows, n)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
     exact = x.astype(np.float64) @ dequantized.T
-    assert np.abs(y.numpy() - exact).max() > 1e-4 * np.abs(exact).max()  # the rounding is really there
+    assert np.abs(actual - exact).max() > 1e-4 * np.abs(exact).max()  # the rounding is really there
 
 
 def test_formats_and_shapes_it_takes():

@@ -190,8 +190,8 @@ def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
     read: it counts as the matmul it computes, 2 * rows * k * n.
     """
     if (func.attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__:
-        (rows, k), *_, (_, n) = shapes
-        return 2.0 * rows * k * n
+        x_shape, *_, y_shape = shapes
+        return 2.0 * math.prod(x_shape) * y_shape[-1]
     bindings = {}
     for param, shape in zip(func.params, shapes):
         buffer_shape = getattr(param.ty, "shape", None)
