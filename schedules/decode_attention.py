@@ -13,7 +13,7 @@ unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in):
       for each chunk of CHUNK cached tokens
         s[g, t] = q[g, :] . K[t, :]       # vector FMAs along the head dim, tree sum
         m' = max(m, s[g, :]); rescale o[g, :] and d once per chunk, not per token
-        p[g, t] = 2^(s[g, t] - m'); d += sum p
+        p[g, t] = 2^(s[g, t] - m'); d += sum p   # vector_math.exp2: a vector per chunk, no libm call per score
         o[g, :] += p[g, t] * V[t, :]      # vector FMAs, V read once for the whole group
       out = o / d;  lse = m + log2(d)     # base 2, as the runtime's state merge expects
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 
 from tvm.script import tirx as T
+
+from ember.schedules.vector_math import exp2
 
 # Cached tokens scored per softmax rescale.
 CHUNK = 32
@@ -133,8 +135,10 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                         for i in T.vectorized(head_dim):
                             o[g, i] = o[g, i] * rescale
                         m[g] = m_new[0]
+                        # The whole chunk in vectors; lanes past `rows` (last chunk) are never read.
+                        for t in T.vectorized(CHUNK):
+                            s[g, t] = exp2(s[g, t] - m_new[0])
                         for t in T.serial(rows):
-                            s[g, t] = T.exp2(s[g, t] - m_new[0])
                             d[g] = d[g] + s[g, t]
                     for t in T.serial(rows):
                         for g in T.serial(group):
