@@ -130,6 +130,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tune at most this many of the hottest kernels (default 8)")
     tune.add_argument("--prefill-chunk", type=int, default=256, help="as for compile (default 256)")
     tune.add_argument("--max-batch", type=int, default=8, help="as for compile (default 8)")
+    tune.add_argument("--float-activations", action="store_true",
+                      help="as for compile: q8f32/q4f32 projections stay float kernels, which tuning can search")
     tune.set_defaults(run=_run_tune)
 
     from ember.analyze import cli as analyze_cli
@@ -215,7 +217,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     model = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
     options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
                           budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
-                          max_batch=args.max_batch)
+                          max_batch=args.max_batch, float_activations=args.float_activations)
     report = tune_model(model, options)
     print(f"tuned {len(report)} kernels into {args.db}")
     return 0

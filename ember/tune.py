@@ -118,6 +118,11 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
                                           int8_activations=not options.float_activations)
     kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
+    if not kernels:
+        raise TuningError(
+            f"{model} at --quant {quantization} has no tunable kernels on this CPU: its projections run ember's "
+            "int8 dot-product kernel (schedules/int8_matmul.py), whose schedule is fixed. Tune the float path with "
+            "--float-activations (and compile with it), or another --quant")
     # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
     database = TuningDatabase.for_tuning(options.db)
     total_weight = sum(kernel.weight for kernel in kernels)

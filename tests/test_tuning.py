@@ -148,3 +148,24 @@ def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
     result = run_ember("tune", str(tmp_path / "missing"), "--db", str(db))
     assert result.returncode == 1 and "missing" in result.stderr and "Traceback" not in result.stderr
     assert not db.exists()
+
+
+@pytest.mark.skipif(resolve_target("cpu").int8_dot is None, reason="this CPU has no int8 dot-product instruction")
+def test_tune_explains_a_model_without_tunable_kernels(tiny_models, tmp_path):
+    """q4f32 with int8 activations runs only fixed-schedule projections: a clear error, no database, and
+    --float-activations finds the float kernels to tune."""
+    from helpers import run_ember
+
+    checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
+    result = run_ember("tune", str(checkpoint), "--db", str(db), "--quant", "q4f32", "--prefill-chunk", "64")
+    assert result.returncode == 1 and "no tunable kernels" in result.stderr and "--float-activations" in result.stderr
+    assert "Traceback" not in result.stderr and not db.exists()
+    from ember.frontend.hf import import_hf_model
+    from ember.ir_passes import pipeline
+    from ember.ir_passes.quant_formats import FORMATS
+    from ember.tune import hot_kernels
+
+    target = resolve_target("cpu")
+    imported = import_hf_model(checkpoint, target.target, "float32")
+    options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=False)
+    assert hot_kernels(pipeline.to_kernels(imported.mod, target, options), target)
