@@ -139,15 +139,13 @@ class QuantFormat:
         block = max(1, _QUANTIZE_BLOCK_VALUES // max(k, 1))
         if layout == INTERLEAVED:
             block = -(-block // INTERLEAVED_ROWS) * INTERLEAVED_ROWS
+        stored_rows = INTERLEAVED_ROWS if layout == INTERLEAVED else 1  # weight rows per first-axis index
         for start in range(0, n, block):
-            rows = self._quantize_rows(weight[start: start + block])
-            if layout == INTERLEAVED:
-                rows, start = self._interleave(rows), start // INTERLEAVED_ROWS
-            for name, values in rows.items():
-                parts[name][start: start + len(values)] = values
+            for name, values in self._quantize_rows(weight[start: start + block], layout).items():
+                parts[name][start // stored_rows: start // stored_rows + len(values)] = values
         return parts
 
-    def _quantize_rows(self, weight: np.ndarray) -> dict[str, np.ndarray]:
+    def _quantize_rows(self, weight: np.ndarray, layout: str) -> dict[str, np.ndarray]:
         n, k = weight.shape
         groups = np.zeros((n, self.padded(k)), np.float32)
         groups[:, :k] = weight
@@ -171,6 +169,8 @@ class QuantFormat:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(stored_scale != 0, (groups - offset) / stored_scale, 0.0)
         values = np.clip(np.rint(values), *levels).reshape(n, -1)
+        if layout == INTERLEAVED:
+            return self._pack_interleaved(values, scale)
         parts = {"packed": self._pack(values), "scale": scale}
         if self.zero_point:
             parts["min"] = low
@@ -224,22 +224,22 @@ class QuantFormat:
         shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
         return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
 
-    def _interleave(self, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`rows` parts of a block of rows (a multiple of 8) in the `interleaved` layout."""
-        unsigned = self._unpack(parts["packed"]) + 2 ** (self.bits - 1)
+    def _pack_interleaved(self, values: np.ndarray, scale: np.ndarray) -> dict[str, np.ndarray]:
+        """The `interleaved` parts of a block of rows (a multiple of 8): signed `values` [n, K], `scale` [n, groups]."""
+        unsigned = (values + 2 ** (self.bits - 1)).astype(np.uint8)
         n = unsigned.shape[0]
         if self.bits == 4:  # byte t of a group's word j: values 4j + t (low nibble) and 16 + 4j + t (high)
             halves = unsigned.reshape(n, -1, 2, 16)
             unsigned = halves[:, :, 0] | halves[:, :, 1] << 4
-        words = np.ascontiguousarray(unsigned.astype(np.uint8)).view("<u4").reshape(n, -1)
+        words = np.ascontiguousarray(unsigned).view("<u4").reshape(n, -1)
 
         def side_by_side(rows: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(rows.reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, -1).transpose(0, 2, 1))
 
-        return {"packed": side_by_side(words).astype(np.uint32), "scale": side_by_side(parts["scale"])}
+        return {"packed": side_by_side(words).astype(np.uint32), "scale": side_by_side(scale)}
 
     def _deinterleave(self, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The `rows` parts of `interleaved` parts (the inverse of `_interleave`)."""
+        """The `rows` parts of `interleaved` parts (the inverse of `_pack_interleaved`)."""
 
         def row_major(blocks: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(blocks.transpose(0, 2, 1)).reshape(-1, blocks.shape[1])
