@@ -99,7 +99,7 @@ def _weight_arena(nbytes: int) -> np.ndarray:
 
     Decode streams every weight from memory once per token. On 4 KiB pages that is a TLB
     miss every 4 KiB, and the hardware prefetcher stops at each page boundary; on huge
-    pages the same GEMV kernels read 3-5% faster per decode step (110M model, side by side).
+    pages a 110M model decodes 6-8% faster in float32, 2-3% in q8f32/q4f32 (side by side).
     """
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
