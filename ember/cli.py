@@ -156,6 +156,7 @@ def _build_parser() -> argparse.ArgumentParser:
     eval_.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     eval_.add_argument("--json", action="store_true", help="print the results as JSON")
     eval_.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_threads_argument(eval_)
     eval_.set_defaults(run=_run_eval)
 
     inspect = commands.add_parser("inspect", help="describe an artifact")
@@ -177,8 +178,15 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--repetition-penalty", type=float, default=1.0)
         sub.add_argument("--seed", type=int)
         sub.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+        _add_threads_argument(sub)
         sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
     return parser
+
+
+def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU artifacts: threads for the kernels (default: TVM_NUM_THREADS if set, "
+                             "else one per physical core)")
 
 
 def _run_compile(args: argparse.Namespace) -> int:
@@ -271,7 +279,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         text = args.perplexity.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise EmberError(f"--perplexity {args.perplexity}: cannot read it as UTF-8 text ({err})") from None
-    artifact = load_artifact(args.artifact)
+    artifact = load_artifact(args.artifact, threads=args.threads)
     if artifact.tokenizer is None:
         raise EmberError(f"{args.artifact}: the artifact has no tokenizer, so it cannot score text")
     engine = Engine(artifact)
@@ -287,7 +295,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     results = {"artifact": str(args.artifact), "quantization": artifact.manifest.quantization, "window": window}
     if args.reference:
-        reference = load_artifact(args.reference)
+        reference = load_artifact(args.reference, threads=args.threads)
         if reference.manifest.model != artifact.manifest.model:
             raise EmberError(f"--reference {args.reference} was compiled from a different model than {args.artifact}")
         comparison = compare(engine, Engine(reference), progress("Comparing"))
@@ -327,7 +335,7 @@ def _sampling(args: argparse.Namespace):
 def _run_generate(args: argparse.Namespace) -> int:
     from ember.runtime import Engine, generate, load_artifact
 
-    engine = Engine(load_artifact(args.artifact))
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
     generation = generate(engine, args.prompt, _sampling(args))
     print(args.prompt, end="", flush=True)
     for piece in generation:
@@ -343,7 +351,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     from ember.runtime import Engine, load_artifact
     from ember.runtime.chat import ChatSession
 
-    session = ChatSession(Engine(load_artifact(args.artifact)), system=args.system)
+    session = ChatSession(Engine(load_artifact(args.artifact, threads=args.threads)), system=args.system)
     sampling = _sampling(args)
     print("ember chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:

@@ -40,6 +40,7 @@ from ember.frontend.hf import import_hf_model
 from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import MANIFEST_NAME, read_manifest
+from ember.runtime.device import use_cpu_threads
 from ember.schedules.tuning import (
     BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, rule_record, space_size,
     tuning_space, workload,
@@ -110,6 +111,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
         logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
     deadline = time.monotonic() + 60 * options.budget_minutes
+    # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
+    use_cpu_threads()
 
     _progress(f"extracting kernels of {model}")
     fmt = FORMATS[quantization]

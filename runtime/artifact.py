@@ -34,8 +34,12 @@ class Artifact:
     device: tvm_runtime.Device
 
 
-def load_artifact(path: Path, verify: bool = True) -> Artifact:
-    """Open the artifact at `path` on the device it was compiled for, refusing a mismatched or tampered one."""
+def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -> Artifact:
+    """Open the artifact at `path` on the device it was compiled for, refusing a mismatched or tampered one.
+
+    `threads`: how many threads a CPU artifact's kernels use (default: one per physical core,
+    or `TVM_NUM_THREADS`); see `ember.runtime.device.use_cpu_threads`.
+    """
     path = Path(path)
     manifest = read_manifest(path)
     if manifest.tvm_version != tvm.__version__:
@@ -45,7 +49,7 @@ def load_artifact(path: Path, verify: bool = True) -> Artifact:
         )
     if verify:
         verify_files(path, manifest)
-    dev = open_device(manifest.target, path)
+    dev = open_device(manifest.target, path, threads)
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
     vm = VirtualMachine(library, dev)
     params = _load_params(path / PARAMS_DIR, manifest.params, dev)

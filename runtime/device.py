@@ -9,6 +9,7 @@ the CPU lives in separate runtime libraries (`libtvm_runtime_cuda.so`), which
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ _DEVICE_NAMES = {"cuda": "CUDA", "opencl": "OpenCL"}
 _CUDA_ARCH = re.compile(r"sm_(\d+)([af]?)")
 
 
-def open_device(target: dict[str, Any], artifact: Path) -> tvm_runtime.Device:
-    """The first device of the manifest target's kind, checked to exist and to run its code."""
+def open_device(target: dict[str, Any], artifact: Path, threads: int | None = None) -> tvm_runtime.Device:
+    """The first device of the manifest target's kind, checked to exist and to run its code;
+    a CPU with its kernels set to run on `threads` threads (`use_cpu_threads`)."""
     kind = target.get("name", "cpu")
     if kind == "cpu":
+        use_cpu_threads(threads)
         return tvm_runtime.cpu(0)
     arch = target.get("arch", "")
     compiled_for = f"{artifact}: artifact was compiled for {kind} {arch}".rstrip()
@@ -43,6 +46,39 @@ def open_device(target: dict[str, Any], artifact: Path) -> tvm_runtime.Device:
         raise ArtifactError(f"{compiled_for}; this GPU ({dev.device_name}, compute capability "
                             f"{dev.compute_version}) cannot run it: recompile with --target cuda:{have}")
     return dev
+
+
+def use_cpu_threads(threads: int | None = None) -> int:
+    """Make TVM's CPU kernels run on `threads` threads; by default `TVM_NUM_THREADS` if set,
+    else one per physical core this process may run on. Returns the count.
+
+    TVM's thread pool reads `TVM_NUM_THREADS` at every parallel launch. Unset, it takes half
+    of the logical CPUs on x86 (assuming two hyperthreads per core), re-reading
+    /sys/devices/system/cpu/online at each of the ~130 kernel launches of a decode step, and
+    runs one thread on a 2-vCPU machine. One thread per physical core is what decode
+    (memory-bound) and prefill (FMA-bound) can use. The count is fixed when a thread first
+    runs a parallel kernel, so set it before that.
+    """
+    if threads is None:
+        configured = os.environ.get("TVM_NUM_THREADS", "")
+        threads = int(configured) if configured.isdigit() and int(configured) > 0 else physical_cores()
+    if threads < 1:
+        raise ArtifactError(f"the thread count must be at least 1, got {threads}")
+    os.environ["TVM_NUM_THREADS"] = str(threads)
+    return threads
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthreads of one core count once)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:  # no sysfs topology (macOS, some containers): count logical CPUs
+            cores.add((str(cpu), ""))
+    return max(len(cores), 1)
 
 
 def cuda_arch_runs_on(arch: str, compute_version: str) -> bool:

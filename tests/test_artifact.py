@@ -4,6 +4,7 @@ explains itself (`ember inspect`), and refuses tampering or version skew."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,54 @@ def test_runtime_works_with_tvm_runtime_library_only(tiny_llama):
     ember.frontend / ir_passes / schedules, torch, transformers or tvm.relax.frontend is loaded."""
     out = run_runtime_program(tiny_llama.artifact_dir, env={"TVM_USE_RUNTIME_LIB": "1"})
     assert out["forbidden_loaded"] == []
+    assert out["tokens"] == greedy_in_process(tiny_llama, PROMPT)[0]
+
+
+# Loads an artifact with TVM_NUM_THREADS as argv[2] ("-": unset) and threads=argv[3] ("-": default);
+# reports the thread count TVM's pool will use, and where the weights live.
+THREADS_PROGRAM = """
+import json, os, sys
+import numpy as np
+if sys.argv[2] == "-":
+    os.environ.pop("TVM_NUM_THREADS", None)
+else:
+    os.environ["TVM_NUM_THREADS"] = sys.argv[2]
+from ember.runtime import load_artifact
+from ember.runtime.device import physical_cores
+artifact = load_artifact(sys.argv[1], threads=None if sys.argv[3] == "-" else int(sys.argv[3]))
+addresses = [np.from_dlpack(param).ctypes.data for param in artifact.params]
+print(json.dumps({"threads": os.environ["TVM_NUM_THREADS"], "cores": physical_cores(),
+                  "aligned": all(address % 64 == 0 for address in addresses),
+                  "span": max(addresses) - min(addresses)}))
+"""
+
+
+@pytest.mark.parametrize("env, threads, expected", [("-", "-", "cores"), ("3", "-", "3"), ("3", "1", "1")])
+def test_cpu_thread_count(tiny_llama, env, threads, expected):
+    """A CPU artifact runs one thread per physical core unless TVM_NUM_THREADS or `threads` says
+    otherwise (TVM alone would take half the logical CPUs on x86: one on a 2-vCPU machine)."""
+    result = run_python("-c", THREADS_PROGRAM, str(tiny_llama.artifact_dir), env, threads)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["threads"] == str(out["cores"] if expected == "cores" else expected)
+    assert 1 <= out["cores"] <= os.cpu_count()
+
+
+def test_cpu_weights_share_one_aligned_buffer(tiny_llama):
+    """On a CPU the weights are 64-byte aligned views into one arena (one huge-page region), not
+    separate allocations: the span of their addresses is about the weights' size."""
+    result = run_python("-c", THREADS_PROGRAM, str(tiny_llama.artifact_dir), "-", "-")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    index = json.loads((tiny_llama.artifact_dir / "params" / "tensor-cache.json").read_text())
+    records = [record for shard in index["records"] for record in shard["records"]]
+    assert out["aligned"]
+    assert out["span"] < sum(record["nbytes"] for record in records) + 64 * len(records)
+
+
+def test_thread_count_changes_no_token(tiny_llama):
+    """Kernels split rows, not reductions, across threads: one thread generates the same tokens."""
+    out = run_runtime_program(tiny_llama.artifact_dir, env={"TVM_NUM_THREADS": "1"})
     assert out["tokens"] == greedy_in_process(tiny_llama, PROMPT)[0]
 
 
