@@ -24,6 +24,7 @@ from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
+from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.polynomial_exp import polynomial_exp
 from ember.ir_passes.quant_formats import QuantFormat
@@ -53,6 +54,10 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
     return [
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections,
+        # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
+        # then chains of reshapes (heads views around attention) become one each.
+        fold_split_concat,
+        relax.transform.RemoveRedundantReshape(),
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
                          target.int8_dot if options.int8_activations else None, target.vector_bits),

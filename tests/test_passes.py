@@ -9,6 +9,7 @@ from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
+from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.weight_recipes import get_recipes, set_recipes, weight_params
 from ember.schedules.check import check_all_scheduled
@@ -39,6 +40,12 @@ def _run(mod: tvm.IRModule, inputs: list[np.ndarray]) -> list[np.ndarray]:
     vm = relax.VirtualMachine(tvm.compile(mod, target), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs])
     return [o.numpy() for o in out]
+
+
+def _run_single(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
+    """`main` of `mod` on one input, one output."""
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
 
 
 def test_fuse_parallel_projections_fuses_shared_input_and_keeps_values() -> None:
@@ -77,6 +84,41 @@ def test_fuse_parallel_projections_leaves_single_projections_alone() -> None:
         bb.emit_func_output(out)
     mod = set_recipes(bb.get(), {"w": {"op": "load", "name": "w"}})
     assert fuse_parallel_projections(mod)["main"].same_as(mod["main"])
+
+
+def _split_concat_module(order: tuple[int, ...]) -> tvm.IRModule:
+    """y[n, 1, 20] split into q/k/v (8 + 6 + 6), each viewed as heads of 2, concatenated in `order`."""
+    n = tvm.tirx.Var("n", "int64")
+    y = relax.Var("y", relax.TensorType([n, 1, 20], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [y]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(y, [8, 14], axis=-1))
+            heads = [bb.emit(relax.op.reshape(bb.emit(relax.TupleGetItem(parts, i)), [n, 1, size // 2, 2]))
+                     for i, size in enumerate((8, 6, 6))]
+            out = bb.emit_output(relax.op.concat([heads[i] for i in order], axis=2))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _ops(func: relax.Function) -> list[str]:
+    found = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: found.append(e.op.name) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+    return found
+
+
+def test_fold_split_concat_turns_split_heads_concat_into_a_reshape() -> None:
+    mod = _split_concat_module((0, 1, 2))
+    folded = fold_split_concat(mod)
+    assert _ops(folded["main"]) == ["relax.reshape"]
+    y = np.random.default_rng(0).standard_normal((3, 1, 20), "float32")
+    np.testing.assert_array_equal(_run_single(folded, y), _run_single(mod, y))
+
+
+def test_fold_split_concat_keeps_a_reordering_concat() -> None:
+    mod = _split_concat_module((1, 0, 2))
+    assert "relax.concat" in _ops(fold_split_concat(mod)["main"])
 
 
 def test_attach_sequence_bounds_sets_upper_bounds() -> None:
