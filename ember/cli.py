@@ -191,6 +191,7 @@ def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 def _run_compile(args: argparse.Namespace) -> int:
     from ember.compiler import CompileOptions, compile_model
+    from ember.schedules.tuning import describe_schedule_sources
 
     model_dir = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
     options = CompileOptions(
@@ -209,7 +210,7 @@ def _run_compile(args: argparse.Namespace) -> int:
     memory = result.memory
     print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
     if args.tuning_db is not None:
-        print(f"  {result.kernels_tuned} kernels from the tuning database, {result.kernels_ruled} from rules")
+        print(f"  {describe_schedule_sources(result.schedules)}")
     print(f"  weights {_mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
           f"planned workspace {_mib(memory.peak_workspace_bytes)}")
     kv = result.manifest.kv_cache

@@ -29,7 +29,7 @@ from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.schedules import int8_matmul
-from ember.schedules.tuning import schedule_sources
+from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.registry import TargetSpec, resolve_target
@@ -63,8 +63,7 @@ class CompileResult:
     manifest: Manifest
     memory: MemoryReport
     seconds: float
-    kernels_tuned: int  # scheduled from the tuning database
-    kernels_ruled: int  # scheduled by the rules
+    schedules: ScheduleSources  # how many kernels were scheduled from tuning records, by the rules
 
 
 def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
@@ -93,7 +92,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
                                           options.keep_embedding, options.keep_lm_head, tuning,
                                           int8_activations=not options.float_activations)
     lowered = pipeline.lower(imported.mod, target, lower_options)
-    kernels_tuned, kernels_ruled = schedule_sources(lowered)
+    schedules = schedule_sources(lowered)
     kv_bytes_per_token = (
         2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
         * tvm.runtime.DataType(model_dtype).bits // 8
@@ -122,7 +121,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, kernels_tuned, kernels_ruled)
+    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
 
 
 def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> CompileOptions:

@@ -54,6 +54,7 @@ def kernel_table(model: Path, db: Path) -> None:
 def end_to_end(model: Path, db: Path, repeats: int, threads: int) -> None:
     """Prefill and decode tok/s of the model compiled without and with the database."""
     from ember.compiler import CompileOptions, compile_model
+    from ember.schedules.tuning import describe_schedule_sources
 
     prompt = np.random.default_rng(0).integers(0, 32000, 128).tolist()
     with tempfile.TemporaryDirectory(prefix="ember-tuning-bench-") as tmp:
@@ -61,8 +62,7 @@ def end_to_end(model: Path, db: Path, repeats: int, threads: int) -> None:
         for name, tuning_db in (("rules", None), ("tuned", db)):
             result = compile_model(model, Path(tmp) / name, CompileOptions(tuning_db=tuning_db, show_progress=False))
             artifacts[name] = result.output_dir
-            print(f"compiled {name}: {result.kernels_tuned} kernels from the tuning database, "
-                  f"{result.kernels_ruled} from rules, {result.seconds:.1f} s")
+            print(f"compiled {name}: {describe_schedule_sources(result.schedules)}, {result.seconds:.1f} s")
         best: dict[str, list[float]] = {name: [0.0, 0.0] for name in artifacts}
         for _ in range(repeats):
             for name, artifact in artifacts.items():

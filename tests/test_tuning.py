@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from tvm import te, tirx
 
 from ember.errors import TuningError
 from ember.schedules.tuning import (
-    SCHEDULE_SOURCE_ATTR, apply_tuning_database, compare, record_knobs, rule_knobs, rule_record, schedule_sources,
+    SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, record_knobs, rule_knobs, rule_record, schedule_sources,
     space_size, workload,
 )
+from ember.schedules import schedule_passes
 from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
 from ember.targets.registry import resolve_target
 from ember.tune import HotKernel, tune_kernel
@@ -65,12 +67,15 @@ def test_database_round_trips(tuned_db, target):
         applied = apply_tuning_database(database, target)(mod)
     assert applied["nt_matmul"].attrs[SCHEDULE_SOURCE_ATTR] == "tuning"
     assert int(applied["nt_matmul"].attrs["tirx.is_scheduled"]) == 1
-    assert schedule_sources(applied) == (1, 0)
-    # When the rule's own knobs are the best record, the rule schedules the kernel.
+    assert schedule_sources(applied) == ScheduleSources(tuned=1, rule_won=0, untuned=0)
+    # When the rule's own knobs are the best record, the rule schedules the kernel (and says it won).
     database.records.commit_tuning_record(rule_record(workload(func), database, target, 1e-9))
     assert record_knobs(database.best(workload(func), target.target)) == rule_knobs(func, target)
     with target.target:
-        assert schedule_sources(apply_tuning_database(database, target)(mod)) == (0, 1)
+        ruled = apply_tuning_database(database, target)(mod)
+        assert schedule_sources(ruled) == ScheduleSources(tuned=0, rule_won=1, untuned=0)
+        scheduled = schedule_passes(target)[0](ruled)
+    assert schedule_sources(scheduled) == ScheduleSources(tuned=0, rule_won=1, untuned=0)
     # A kernel of another shape has no record: left for the rules.
     other = tvm.IRModule({"other": nt_matmul(n=32)})
     with target.target:
@@ -138,7 +143,9 @@ def test_killed_tuning_job_resumes(tiny_models, tmp_path):
                                "--tuning-db", str(db), "--prefill-chunk", "64", "--no-progress"],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert compiled.returncode == 0, compiled.stderr
-    assert "1 kernels from the tuning database" in compiled.stdout, compiled.stdout + compiled.stderr
+    # The record is applied, or measured the rule's own schedule fastest (timing noise decides which).
+    applied = re.search(r"(\d+) kernels from the tuning database, (\d+) where the rule's schedule won", compiled.stdout)
+    assert applied and int(applied[1]) + int(applied[2]) == 1, compiled.stdout + compiled.stderr
 
 
 def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
