@@ -198,7 +198,7 @@ def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats
     """Measure read bandwidth (threaded dot products) and fp32 peak (numpy matmul) on this machine."""
     import numpy as np
 
-    threads = _host_cores()
+    threads = host_cores()
     # Two streams far larger than the caches, read in one chunk per core. Read
     # bandwidth is what weight-streaming kernels (decode GEMVs) can reach; a copy
     # also pays for writes and reports less.
@@ -252,7 +252,7 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"
 
 def cpu_fingerprint() -> dict[str, Any]:
     """What a kernel's speed on this CPU depends on: architecture, model, ISA extensions, cores."""
-    return {"machine": platform.machine(), "cpu": _cpu_model(), "isa": _isa_flags(), "cores": _host_cores()}
+    return {"machine": platform.machine(), "cpu": _cpu_model(), "isa": _isa_flags(), "cores": host_cores()}
 
 
 def _isa_flags() -> list[str]:
@@ -271,7 +271,8 @@ def _host_fingerprint() -> dict[str, Any]:
             "method": BANDWIDTH_METHOD}
 
 
-def _host_cores() -> int:
+def host_cores() -> int:
+    """Logical CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

@@ -27,7 +27,7 @@ import tvm
 from tvm.target import Target, codegen
 
 from ember.errors import TargetError
-from ember.targets.hardware import Hardware, hardware_presets, load_hardware
+from ember.targets.hardware import Hardware, hardware_presets, host_cores, load_hardware
 
 # The rest of a GPU's memory is left to the driver context, the KV cache's page
 # tables and allocator fragmentation.
@@ -158,7 +158,7 @@ def _from_dict(data: Any, origin: str) -> TargetSpec:
 
 def _cpu_target(data: dict[str, Any]) -> TargetSpec:
     data = dict(data)
-    data.setdefault("num-cores", _host_cores())
+    data.setdefault("num-cores", host_cores())
     try:
         target = Target(data)
     except Exception as err:  # TVM raises several internal types for a bad dict
@@ -305,9 +305,6 @@ def _vulkan_refusal() -> str:
 
 _REFUSALS = {"rocm": _rocm_refusal, "metal": _metal_refusal, "webgpu": _webgpu_refusal, "vulkan": _vulkan_refusal}
 
-
-def _host_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _parse_json(text: str, origin: str) -> Any:
