@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kernels-only", action="store_true")
     args = parser.parse_args()
+    from ember.runtime.device import use_cpu_threads
+
+    use_cpu_threads(args.threads)  # the kernel table's timings run in this process, on the artifacts' thread count
     kernel_table(args.model, args.db)
     if not args.kernels_only:
         end_to_end(args.model, args.db, args.repeats, args.threads)
