@@ -167,19 +167,23 @@ def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bo
         return None
     device = tvm.cpu()
     inputs = _random_arguments(func, sizes)
-    results, seconds = [], []
+    runs = []
     for scheduled in (rule, tuned):
         library = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target.target)
         arguments = [tvm.runtime.tensor(array, device) for array in inputs]
         library["main"](*arguments)
-        results.append([argument.numpy() for argument in arguments])
-        if timed:
-            timer = library.mod.time_evaluator("main", device, number=10, repeat=3, min_repeat_ms=50)
-            seconds.append(min(timer(*arguments).results))
+        runs.append((library.mod.time_evaluator("main", device, number=10, repeat=1, min_repeat_ms=50), arguments))
+    results = [[argument.numpy() for argument in arguments] for _timer, arguments in runs]
+    seconds = [math.inf, math.inf]
+    # Alternated, best of three each: a machine whose memory bandwidth drifts (shared hosts)
+    # then slows both schedules alike, which back-to-back runs of one then the other do not.
+    for _round in range(3 if timed else 0):
+        for index, (timer, arguments) in enumerate(runs):
+            seconds[index] = min(seconds[index], timer(*arguments).results[0])
     scale = max(1.0, max(float(np.abs(a).max(initial=0)) for a in results[0] if a.dtype.kind == "f"))
     error = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
                 for a, b in zip(*results))
-    return Comparison(error, scale, *(seconds or [None, None]))
+    return Comparison(error, scale, *(seconds if timed else [None, None]))
 
 
 def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.transform.Pass:
