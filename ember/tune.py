@@ -42,7 +42,7 @@ from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.runtime.device import use_cpu_threads
 from ember.schedules.tuning import (
-    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, rule_record, space_size,
+    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, knobs_record, space_size,
     tuning_space, workload,
 )
 from ember.schedules.tuning_db import TuningDatabase
@@ -221,7 +221,7 @@ def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: 
         # database's best (what compile applies) is never slower than the rule.
         best_seconds = sum(map(float, best.run_secs)) / len(best.run_secs)
         ratio = comparison.rule_seconds / comparison.tuned_seconds
-        database.records.commit_tuning_record(rule_record(kernel.workload, database, target, best_seconds * ratio))
+        database.records.commit_tuning_record(knobs_record(kernel.workload, database, target, best_seconds * ratio))
         _progress("    the rule stays best; recorded its knobs")
     return TunedKernel(kernel, trials, knobs, comparison)
 

@@ -112,15 +112,16 @@ def register_build_function() -> None:
     tvm.register_global_func(BUILD_FUNCTION, build, override=True)
 
 
-def rule_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
-                run_secs: float) -> ms.database.TuningRecord:
-    """A record of the rule's own knobs, as if the search had sampled them, timed at `run_secs`."""
+def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
+                 run_secs: float, knobs: list[int] | None = None) -> ms.database.TuningRecord:
+    """A record of `knobs` (default: the rule's own), as if the search had sampled them, timed at `run_secs`."""
     sch = s_tir.Schedule(tuned_as)
+    values = iter(knobs or [])
 
     def choose(_name: str, candidates: Sequence[int], default: int) -> Knob:
         candidates = list(candidates)
         return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates),
-                                      decision=candidates.index(default))
+                                      decision=candidates.index(next(values) if knobs else default))
 
     NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
     return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as), [run_secs], target.target,
