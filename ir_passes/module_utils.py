@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterator
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 # Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
 KERNEL_SOURCE_ATTR = "ember.kernel_source"
@@ -25,6 +25,14 @@ def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) ->
         attrs=mod.attrs,
         global_infos=mod.global_infos,
     )
+
+
+def schedulable_kernels(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
+    """The PrimFuncs of `mod` that come from operators, which ember's schedules and kernel
+    passes own: every one but those tagged `KERNEL_SOURCE_ATTR` (written as explicit loops)."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and KERNEL_SOURCE_ATTR not in (func.attrs or {}):
+            yield gv, func
 
 
 def is_op(expr: relax.Expr, name: str) -> bool:

@@ -20,7 +20,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
+from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
 from ember.schedules import vector_math
 
 _EXP = tvm.ir.Op.get("tirx.exp")
@@ -31,9 +31,7 @@ _SIGMOID = tvm.ir.Op.get("tirx.sigmoid")
 def polynomial_exp(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """Every float32 `exp`/`sigmoid` of the module's untagged PrimFuncs as `vector_math.exp`."""
     updates = {}
-    for gv, func in mod.functions_items():
-        if not isinstance(func, tirx.PrimFunc) or KERNEL_SOURCE_ATTR in (func.attrs or {}):
-            continue
+    for gv, func in schedulable_kernels(mod):
         body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, _rewrite))
         if not body.same_as(func.body):
             updates[gv.name_hint] = func.with_body(body)

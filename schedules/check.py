@@ -9,16 +9,15 @@ new operator shows up as a compile failure instead of a silent serial loop.
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
-
+from ember.ir_passes.module_utils import schedulable_kernels
 
 
 @tvm.transform.module_pass(opt_level=0, name="CheckAllScheduled")
 def check_all_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """Raise if a PrimFunc is neither scheduled nor library-written."""
-    unscheduled = [gv.name_hint for gv, func in mod.functions_items() if not _accounted_for(func)]
+    unscheduled = [gv.name_hint for gv, func in schedulable_kernels(mod)
+                   if int((func.attrs or {}).get("tirx.is_scheduled", 0)) != 1]
     if unscheduled:
         raise RuntimeError(
             f"no ember schedule rule matched kernels {sorted(unscheduled)}; "
@@ -26,11 +25,3 @@ def check_all_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> t
         )
     return mod
 
-
-def _accounted_for(func: tvm.ir.BaseFunc) -> bool:
-    if not isinstance(func, tirx.PrimFunc):
-        return True
-    attrs = func.attrs or {}
-    if "tirx.is_scheduled" in attrs and int(attrs["tirx.is_scheduled"]) == 1:
-        return True
-    return KERNEL_SOURCE_ATTR in attrs

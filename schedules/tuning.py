@@ -38,7 +38,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, replace_functions
+from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
@@ -193,9 +193,7 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
     @tvm.transform.module_pass(opt_level=0, name="ApplyTuningDatabase")
     def _apply(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         updates = {}
-        for gv, func in mod.functions_items():
-            if not isinstance(func, tirx.PrimFunc) or KERNEL_SOURCE_ATTR in (func.attrs or {}):
-                continue
+        for gv, func in schedulable_kernels(mod):
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None:
@@ -234,11 +232,7 @@ def describe_schedule_sources(sources: ScheduleSources) -> str:
 
 def schedule_sources(mod: tvm.IRModule) -> ScheduleSources:
     """Count the kernels of a lowered module by where their schedule came from."""
-    sources = Counter(
-        (func.attrs or {}).get(SCHEDULE_SOURCE_ATTR, "rule")
-        for _gv, func in mod.functions_items()
-        if isinstance(func, tirx.PrimFunc) and KERNEL_SOURCE_ATTR not in (func.attrs or {})
-    )
+    sources = Counter((func.attrs or {}).get(SCHEDULE_SOURCE_ATTR, "rule") for _gv, func in schedulable_kernels(mod))
     return ScheduleSources(sources["tuning"], sources["rule-won-tuning"], sources["rule"])
 
 
