@@ -68,19 +68,21 @@ def _load_params(params_dir: Path, names: list[str], dev: tvm_runtime.Device) ->
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise ArtifactError(f"{index_path}: unreadable weight index: {err}") from None
+    def aligned(nbytes: int) -> int:
+        return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
     records = [record for shard in index["records"] for record in shard["records"]]
-    offsets = np.cumsum([0] + [-(-record["nbytes"] // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT for record in records])
-    arena = _weight_arena(int(offsets[-1])) if dev == tvm_runtime.cpu(0) else None
+    arena = _weight_arena(sum(aligned(record["nbytes"]) for record in records)) if dev == tvm_runtime.cpu(0) else None
     loaded: dict[str, tvm_runtime.Tensor] = {}
-    position = 0
+    start = 0  # of the next tensor in the arena
     for shard in index["records"]:
         with open(params_dir / shard["dataPath"], "rb") as f:
             for record in shard["records"]:
-                start, nbytes = int(offsets[position]), record["nbytes"]
-                position += 1
+                nbytes = record["nbytes"]
                 # A private buffer (not a memory map of the shard), so peak RSS is the
                 # weights plus at most one tensor, not the weights twice.
                 buffer = arena[start:start + nbytes] if arena is not None else np.empty(nbytes, dtype=np.uint8)
+                start += aligned(nbytes)
                 f.seek(record["byteOffset"])
                 if f.readinto(buffer) != nbytes:
                     raise ArtifactError(f"{params_dir / shard['dataPath']}: truncated weight shard")
