@@ -184,7 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, metavar="N",
+    parser.add_argument("--threads", type=_positive_int, metavar="N",
                         help="CPU artifacts: threads for the kernels (default: TVM_NUM_THREADS if set, "
                              "else one per physical core)")
 
@@ -383,6 +383,12 @@ def _parse_bytes(text: str) -> int:
         except ValueError:
             pass
     raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MB, 4GB, 2GiB)")
+
+
+def _positive_int(text: str) -> int:
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
 
 
 def _mib(n: int) -> str:

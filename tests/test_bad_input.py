@@ -139,6 +139,17 @@ def test_compile_refuses_bad_options(tiny_models, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["chat"], ["eval", "--perplexity", "text.txt"]])
+@pytest.mark.parametrize("threads", ["0", "-1", "two"])
+def test_runtime_commands_refuse_a_bad_thread_count(tmp_path, command, threads):
+    """--threads must be a positive whole number: one line naming the option, exit 2, before any loading."""
+    name, *rest = command
+    result = run_ember(name, str(tmp_path / "artifact"), *rest, "--threads", threads)
+    assert result.returncode == 2
+    assert f"argument --threads: not a positive whole number: '{threads}'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_failed_compile_leaves_no_staging_and_keeps_existing_dir(tiny_models, tmp_path):
     """A failure after staging began (OUT is a non-artifact directory) removes the staging
     directory and leaves OUT's contents untouched."""
