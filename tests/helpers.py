@@ -49,3 +49,35 @@ def run_python(*args: str, env: dict[str, str] | None = None, timeout: float = 3
         [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *expected: str, returncode: int = 1) -> None:
+    """The CLI failed as users should see it fail: `returncode`, no traceback, and stderr one
+    `ember: error:` line (argparse's usage lines allowed before it for exit 2) containing each of `expected`."""
+    assert result.returncode == returncode, f"exit {result.returncode}:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    if returncode == 2:  # argparse: "usage: ..." lines, then "ember ...: error: ..."
+        lines = [line for line in lines if ": error: " in line]
+    else:
+        assert len(lines) == 1 and lines[0].startswith("ember: error: "), f"expected one error line:\n{result.stderr}"
+    assert len(lines) == 1, f"expected one error line:\n{result.stderr}"
+    for text in expected:
+        assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+
+
+def tree_snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every path under `root` (itself excluded) with its bytes, a link's target, or "dir":
+    compare two snapshots to show nothing on disk changed."""
+    snapshot: dict[str, bytes | str] = {}
+    for path in sorted(Path(root).rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            snapshot[key] = f"link -> {os.readlink(path)}"
+        elif path.is_dir():
+            snapshot[key] = "dir"
+        elif path.is_file():
+            snapshot[key] = path.read_bytes()
+        else:
+            snapshot[key] = "special"
+    return snapshot
