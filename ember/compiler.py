@@ -2,8 +2,9 @@
 
 Wires the stages together and owns nothing else: frontend (import), ir_passes
 (lower, with schedules), `tvm.compile` (codegen), weight conversion, manifest.
-The artifact is assembled in a temporary sibling directory and renamed into place
-only when complete, so a failure or Ctrl-C never leaves a half artifact at OUT.
+The artifact is assembled in a staging directory beside OUT and renamed into place
+only when complete, so a failure or Ctrl-C never leaves a half artifact at OUT, and
+OUT is replaced only if it is empty or an ember artifact (`ember.artifact_dir`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 import tvm
 
 import ember
+from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.codegen import build_library
 from ember.convert import write_params
 from ember.errors import EmberError
@@ -31,12 +32,17 @@ from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
-from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.targets.hardware import host_memory_bytes
 from ember.targets.registry import TargetSpec, resolve_target
 
 log = logging.getLogger("ember")
 
 PAGE_SIZE = 16
+# Bounds on the KV cache's shape options: TVM's paged cache keeps per-sequence tables of
+# `max_batch` entries, and a prefill chunk sizes the planned workspace.
+MAX_BATCH = 1024
+MAX_PREFILL_CHUNK = 65536
 
 
 @dataclass
@@ -50,7 +56,7 @@ class CompileOptions:
     float_activations: bool = False  # decode keeps float activations even where the CPU has an int8 dot
     prefill_chunk: int = 256
     max_batch: int = 8
-    memory_budget: int | None = None  # None: most of a GPU target's memory; unbounded on CPUs
+    memory_budget: int | None = None  # None: most of a GPU target's memory; on CPUs see `_memory_budget`
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     show_progress: bool = True
 
@@ -74,40 +80,42 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     options = _with_target_defaults(options, target)
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if options.prefill_chunk < 1 or options.max_batch < 1:
-        raise EmberError("--prefill-chunk and --max-batch must be positive")
-    if output_dir.exists() and not (output_dir / MANIFEST_NAME).exists() and any(output_dir.iterdir()):
-        raise EmberError(f"{output_dir} exists and is not an ember artifact; refusing to overwrite it")
+    if not 1 <= options.prefill_chunk <= MAX_PREFILL_CHUNK:
+        raise EmberError(f"--prefill-chunk {options.prefill_chunk}: must be between 1 and {MAX_PREFILL_CHUNK}")
+    if not 1 <= options.max_batch <= MAX_BATCH:
+        raise EmberError(f"--max-batch {options.max_batch}: must be between 1 and {MAX_BATCH}")
+    check_output_dir(output_dir)
     quantization = FORMATS[options.quantization]
     model_dtype = quantization.dtype
 
-    log.info("importing %s", model_dir)
-    imported = import_hf_model(model_dir, target.target, model_dtype)
-    config = imported.config
-    prefill_chunk = min(options.prefill_chunk, config.context_window)
+    with staging_dir(output_dir) as staging:
+        log.info("importing %s", model_dir)
+        imported = import_hf_model(model_dir, target.target, model_dtype)
+        config = imported.config
+        prefill_chunk = min(options.prefill_chunk, config.context_window)
 
-    log.info("lowering and scheduling for %s", target.describe())
-    tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
-    lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
-                                          options.keep_embedding, options.keep_lm_head, tuning,
-                                          int8_activations=not options.float_activations)
-    lowered = pipeline.lower(imported.mod, target, lower_options)
-    schedules = schedule_sources(lowered)
-    kv_bytes_per_token = (
-        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-        * tvm.runtime.DataType(model_dtype).bits // 8
-    )
-    memory = memory_report(lowered, kv_bytes_per_token, config.context_window)
-    if options.memory_budget is not None and memory.max_context(options.memory_budget) < 1:
-        raise EmberError(
-            f"a memory budget of {options.memory_budget} bytes does not hold the weights "
-            f"({memory.weight_bytes} bytes) and workspace ({memory.peak_workspace_bytes} bytes); "
-            "give a larger --memory-budget or a smaller --quant"
+        log.info("lowering and scheduling for %s", target.describe())
+        tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
+        lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
+                                              options.keep_embedding, options.keep_lm_head, tuning,
+                                              int8_activations=not options.float_activations)
+        lowered = pipeline.lower(imported.mod, target, lower_options)
+        schedules = schedule_sources(lowered)
+        kv_bytes_per_token = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * tvm.runtime.DataType(model_dtype).bits // 8
         )
+        memory = memory_report(lowered, kv_bytes_per_token, config.context_window)
+        budget = _memory_budget(options, target, memory)
+        if budget is not None and memory.max_context(budget) < 1:
+            whose = ("--memory-budget" if options.memory_budget else
+                     "half of this machine's memory (the default where the whole KV cache does not fit it)")
+            raise EmberError(
+                f"{whose}, {budget} bytes, does not hold the weights ({memory.weight_bytes} bytes) and workspace "
+                f"({memory.peak_workspace_bytes} bytes); give a larger --memory-budget or a smaller --quant"
+            )
+        options = dataclasses.replace(options, memory_budget=budget)
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
-    try:
         log.info("generating code")
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
@@ -117,11 +125,26 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir,
                              activations(lowered))
         write_manifest(staging, manifest)
-        _replace_dir(staging, output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        replace_dir(staging, output_dir)
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
+
+
+def _memory_budget(options: CompileOptions, target: TargetSpec, memory: MemoryReport) -> int | None:
+    """The budget the KV cache is sized by: the user's or the target's; for a CPU without one,
+    half of this machine's memory where the whole cache (`--max-batch` full contexts) would not
+    fit in it (a config may claim a context of 10**12 tokens), else None: no bound needed."""
+    if options.memory_budget is not None or target.is_gpu:
+        return options.memory_budget
+    host = host_memory_bytes()
+    whole = (memory.weight_bytes + memory.peak_workspace_bytes
+             + options.max_batch * memory.context_window * memory.kv_bytes_per_token)
+    if not host or whole <= host:
+        return None
+    budget = host // 2
+    log.warning("the KV cache of %d sequences x %d tokens (%.3g GiB) does not fit this machine's memory "
+                "(%.1f GiB); sized to half of it instead (choose with --memory-budget)",
+                options.max_batch, memory.context_window, whole / 2**30, host / 2**30)
+    return budget
 
 
 def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> CompileOptions:
@@ -183,14 +206,3 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
         memory=memory.to_json(),
         source=str(model_dir.resolve()),
     )
-
-
-def _replace_dir(staging: Path, output_dir: Path) -> None:
-    """Move `staging` to `output_dir`, replacing an older artifact there."""
-    if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old-{time.time_ns()}")
-        output_dir.rename(old)
-        staging.rename(output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(output_dir)

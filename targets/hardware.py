@@ -227,7 +227,7 @@ def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats
         kind="cpu",
         peak_flops={"fp32": fp32},
         memory_bandwidth=bandwidth,
-        memory_capacity=float(_sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE")),
+        memory_capacity=float(host_memory_bytes()),
         onchip_memory=l2,
         source=f"measured by ember: {BANDWIDTH_METHOD} (bandwidth), numpy float32 matmul (peak)",
         notes=f"measured on {time.strftime('%Y-%m-%d')}; numpy's BLAS may reach less than the "
@@ -267,13 +267,18 @@ def _isa_flags() -> list[str]:
 
 
 def _host_fingerprint() -> dict[str, Any]:
-    return {**cpu_fingerprint(), "memory": _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE"),
+    return {**cpu_fingerprint(), "memory": host_memory_bytes(),
             "method": BANDWIDTH_METHOD}
 
 
 def host_cores() -> int:
     """Logical CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0: unknown)."""
+    return _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE")
 
 
 def _cpu_model() -> str:

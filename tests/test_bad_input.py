@@ -150,25 +150,8 @@ def test_runtime_commands_refuse_a_bad_thread_count(tmp_path, command, threads):
     assert "Traceback" not in result.stderr
 
 
-def test_failed_compile_leaves_no_staging_and_keeps_existing_dir(tiny_models, tmp_path):
-    """A failure after staging began (OUT is a non-artifact directory) removes the staging
-    directory and leaves OUT's contents untouched."""
-    from ember.compiler import CompileOptions, compile_model
-    from ember.errors import EmberError
-
-    out = tmp_path / "precious"
-    out.mkdir()
-    (out / "notes.txt").write_text("keep me")
-    options = CompileOptions(prefill_chunk=64, max_batch=4, show_progress=False)
-    with pytest.raises(EmberError, match="exists and is not an ember artifact; refusing to overwrite it"):
-        compile_model(tiny_models.checkpoint("llama"), out, options)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    assert (out / "notes.txt").read_text() == "keep me"
-
-
 def test_interrupted_compile_leaves_nothing(tiny_models, tmp_path):
-    """Ctrl-C (SIGINT) during code generation: exit 130, no OUT, no staging directory."""
+    """Ctrl-C (SIGINT) once the compile has made its staging directory: exit 130, no OUT, no staging directory."""
     out_parent = tmp_path / "out"
     out_parent.mkdir()
     out = out_parent / "artifact"
