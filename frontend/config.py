@@ -9,11 +9,11 @@ read: the older `rope_theta` + `rope_scaling` keys and the newer `rope_parameter
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from ember.errors import ModelError
+from ember.frontend.files import checkpoint_file, optional_checkpoint_file, read_json_object, short_repr
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -65,91 +65,179 @@ class ModelConfig:
         return self.num_hidden_layers * per_layer + embeddings + h
 
 
+_DIM = 2**20  # hidden, intermediate and head sizes: far above any model, far below overflowing int64 products
+_CONTEXT = 2**24
+_INF = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What one config key may hold: a JSON type and, for numbers, a range (ints closed, floats open)."""
+
+    kind: type
+    low: float = -_INF
+    high: float = _INF
+    default: Any = None  # None: no default (required, or derived from other keys)
+
+
+# The one description of the config.json keys ember reads, for compile and `ember analyze` alike.
+# JSON null counts as absent: Hugging Face writes `"rope_scaling": null`, `"sliding_window": null`.
+SCHEMA = {
+    "model_type": Key(str),
+    "vocab_size": Key(int, 1, 2**22),
+    "hidden_size": Key(int, 1, _DIM),
+    "intermediate_size": Key(int, 1, _DIM),
+    "num_hidden_layers": Key(int, 1, 1024),
+    "num_attention_heads": Key(int, 1, _DIM),
+    "num_key_value_heads": Key(int, 1, _DIM),  # default: num_attention_heads
+    "head_dim": Key(int, 1, _DIM),  # default: hidden_size // num_attention_heads
+    "max_position_embeddings": Key(int, 1, _CONTEXT),
+    "sliding_window": Key(int, 1, _CONTEXT),
+    "use_sliding_window": Key(bool, default=False),
+    "rms_norm_eps": Key(float, 0, 1, default=1e-6),
+    "rope_theta": Key(float, 0, default=10000.0),
+    "rope_parameters": Key(dict),
+    "rope_scaling": Key(dict),
+    "hidden_act": Key(str, default="silu"),
+    "tie_word_embeddings": Key(bool, default=False),
+    "attention_bias": Key(bool, default=False),
+    "torch_dtype": Key(str),
+    "dtype": Key(str),
+}
+ROPE_SCHEMA = {
+    "rope_type": Key(str),
+    "type": Key(str),
+    "rope_theta": Key(float, 0),
+    "factor": Key(float, 0),
+    "low_freq_factor": Key(float, 0),
+    "high_freq_factor": Key(float, 0),
+    "original_max_position_embeddings": Key(int, 1, _CONTEXT),
+}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a JSON boolean (true or false)", str: "a string",
+               dict: "a JSON object"}
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
     """Read `model_dir/config.json` (and `generation_config.json` if present)."""
-    path = Path(model_dir) / "config.json"
-    generation_path = Path(model_dir) / "generation_config.json"
-    generation = read_json_object(generation_path) if generation_path.exists() else {}
-    return parse_model_config(read_json_object(path), path, generation)
+    path = checkpoint_file(model_dir, "config.json")
+    generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
+    generation = read_json_object(generation_path) if generation_path else {}
+    return parse_model_config(read_json_object(path), path, generation, generation_path)
 
 
-def parse_model_config(
-    raw: dict[str, Any], path: Path | str = "config.json", generation: dict[str, Any] | None = None
-) -> ModelConfig:
-    """Validate a parsed HF config dict and map it onto `ModelConfig`."""
-    model_type = raw.get("model_type")
+def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", generation: dict[str, Any] | None = None,
+                       generation_path: Path | str | None = None) -> ModelConfig:
+    """Validate a parsed HF config dict (against `SCHEMA`) and map it onto `ModelConfig`."""
+    values = {key: validated(raw, key, spec, path) for key, spec in SCHEMA.items()}  # every key, used or not
+    model_type = values["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelError(
-            f"{path}: model_type {model_type!r} is not supported; "
+            f"{path}: model_type {short_repr(model_type)} is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
 
-    def require(key: str, kind: type = int) -> Any:
-        if key not in raw:
+    def get(key: str, required: bool = False) -> Any:
+        if required and values[key] is None:
             raise ModelError(f"{path}: missing required key {key!r} for model_type {model_type!r}")
-        value = raw[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value <= 0):
-            raise ModelError(f"{path}: {key!r} must be a positive {kind.__name__}, got {value!r}")
-        return value
+        return values[key]
 
-    hidden_size = require("hidden_size")
-    num_heads = require("num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    hidden_size = get("hidden_size", required=True)
+    num_heads = get("num_attention_heads", required=True)
+    num_kv_heads = get("num_key_value_heads") or num_heads
     if num_heads % num_kv_heads:
         raise ModelError(
             f"{path}: num_attention_heads ({num_heads}) must be a multiple of "
             f"num_key_value_heads ({num_kv_heads})"
         )
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    hidden_act = raw.get("hidden_act", "silu")
+    head_dim = get("head_dim") or hidden_size // num_heads
+    if head_dim == 0 or head_dim % 2:  # RoPE rotates pairs of channels
+        raise ModelError(f"{path}: the head dimension (head_dim, or hidden_size // num_attention_heads) "
+                         f"must be a positive even number, got {head_dim}")
+    hidden_act = get("hidden_act")
     if hidden_act != "silu":
         raise ModelError(f"{path}: hidden_act {hidden_act!r} is not supported (only 'silu')")
 
-    rope_theta, rope_scaling = _parse_rope(raw, path)
-    sliding_window = raw.get("sliding_window")
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+    rope_theta, rope_scaling = _parse_rope(values, path)
+    sliding_window = get("sliding_window")
+    if model_type == "qwen2" and not get("use_sliding_window"):
         sliding_window = None
+    vocab_size = get("vocab_size", required=True)
     generation = generation or {}
+    generation_path = generation_path or "generation_config.json"
+    ids = {key: (generation, generation_path) if generation.get(key) is not None else (raw, path)
+           for key in ("bos_token_id", "eos_token_id")}
     return ModelConfig(
         model_type=model_type,
-        vocab_size=require("vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=require("intermediate_size"),
-        num_hidden_layers=require("num_hidden_layers"),
+        intermediate_size=get("intermediate_size", required=True),
+        num_hidden_layers=get("num_hidden_layers", required=True),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=get("rms_norm_eps"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        context_window=require("max_position_embeddings"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        sliding_window=int(sliding_window) if sliding_window else None,
-        weight_dtype=_torch_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32", path),
-        bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-        eos_token_ids=_as_id_tuple(generation.get("eos_token_id", raw.get("eos_token_id"))),
+        context_window=get("max_position_embeddings", required=True),
+        tie_word_embeddings=get("tie_word_embeddings"),
+        attention_bias=model_type == "qwen2" or get("attention_bias"),
+        sliding_window=sliding_window,
+        weight_dtype=_torch_dtype_name(get("torch_dtype") or get("dtype") or "float32", path),
+        bos_token_id=_token_ids(*ids["bos_token_id"], "bos_token_id", vocab_size, allow_list=False),
+        eos_token_ids=_token_ids(*ids["eos_token_id"], "eos_token_id", vocab_size, allow_list=True),
     )
 
 
-def _parse_rope(raw: dict[str, Any], path: Path | str) -> tuple[float, dict[str, Any] | None]:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def validated(raw: dict[str, Any], key: str, spec: Key, path: Path | str, name: str | None = None) -> Any:
+    """`raw[key]` checked against `spec` (its default if absent or null), else a `ModelError` naming `name`."""
+    value = raw.get(key)
+    if value is None:
+        return spec.default
+    number = spec.kind in (int, float) and isinstance(value, int | float) and not isinstance(value, bool)
+    if spec.kind is float and number:
+        as_float = float(value) if abs(value) < 1e308 else _INF  # a huge int is out of range, not an OverflowError
+        ok = spec.low < as_float < spec.high  # NaN compares false
+        value = as_float if ok else value
+    elif spec.kind is int and number:
+        ok = isinstance(value, int) and spec.low <= value <= spec.high
+    else:
+        ok = isinstance(value, spec.kind) and not (spec.kind is int and isinstance(value, bool))
+    if not ok:
+        expected = _KIND_NAMES[spec.kind]
+        if spec.kind is int:
+            expected += f" in [{spec.low}, {spec.high}]"
+        elif spec.kind is float:
+            expected += f" in ({spec.low}, {spec.high})" if spec.high < _INF else f" greater than {spec.low}, finite"
+        raise ModelError(f"{path}: {name or key!r} must be {expected}, got {short_repr(value)}")
+    return value
+
+
+def _parse_rope(values: dict[str, Any], path: Path | str) -> tuple[float, dict[str, Any] | None]:
+    """RoPE theta and scaling from the newer `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    section = "rope_parameters" if values["rope_parameters"] is not None else "rope_scaling"
+    params = values[section] or {}
+
+    def get(key: str) -> Any:
+        return validated(params, key, ROPE_SCHEMA[key], path, f"{section}.{key}")
+
+    theta = get("rope_theta") or values["rope_theta"]
+    rope_type = get("rope_type") or get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelError(
-            f"{path}: RoPE type {rope_type!r} is not supported; "
+            f"{path}: RoPE type {short_repr(rope_type)} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in params]
+    missing = [k for k in keys if params.get(k) is None]
     if missing:
         raise ModelError(f"{path}: llama3 RoPE scaling is missing {', '.join(missing)}")
-    return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
+    scaling = {k: get(k) for k in keys}
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # llama3 RoPE divides by their difference
+        raise ModelError(f"{path}: {section}.high_freq_factor ({scaling['high_freq_factor']}) must exceed "
+                         f"low_freq_factor ({scaling['low_freq_factor']})")
+    return theta, {"rope_type": "llama3", **scaling}
 
 
 def _torch_dtype_name(name: str, path: Path | str) -> str:
@@ -159,22 +247,14 @@ def _torch_dtype_name(name: str, path: Path | str) -> str:
     return known[name]
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+def _token_ids(raw: dict[str, Any], path: Path | str, key: str, vocab_size: int, allow_list: bool) -> Any:
+    """`raw[key]`: a token id in [0, vocab_size) (or, if `allow_list`, a list of them, returned as a tuple)."""
+    value = raw.get(key)
     if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """Parse a checkpoint's JSON file, raising `ModelError` naming it if absent, malformed or not an object."""
-    if not path.exists():
-        raise ModelError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelError(f"{path}: malformed JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+        return () if allow_list else None
+    ids = value if allow_list and isinstance(value, list) else [value]
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            expected = "a token id" + (" or a list of token ids" if allow_list else "")
+            raise ModelError(f"{path}: {key!r} must be {expected} in [0, {vocab_size}), got {short_repr(value)}")
+    return tuple(ids) if allow_list else value

@@ -15,9 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
+from tokenizers import Tokenizer
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, load_model_config, read_json_object
+from ember.frontend.config import ModelConfig, load_model_config
+from ember.frontend.files import (
+    MAX_TOKENIZER_BYTES,
+    check_file_size,
+    optional_checkpoint_file,
+    read_json_object,
+    short_repr,
+)
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
@@ -44,13 +52,49 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
     config = load_model_config(model_dir)
     weights = CheckpointWeights(model_dir)
+    tokenizer_files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model_dir, name))]
+    _check_tokenizer_files(tokenizer_files, config)
     mod, shapes = build_module(config, target, model_dtype)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
-    if (model_dir / "tokenizer_config.json").exists():
-        read_json_object(model_dir / "tokenizer_config.json")
-    tokenizer_files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
+
+
+def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
+    """Load what the runtime will load, so that a broken tokenizer fails the compile, not the first generate."""
+    for path in paths:
+        if path.name == "tokenizer.json":
+            check_file_size(path, MAX_TOKENIZER_BYTES)
+            try:
+                tokenizer = Tokenizer.from_file(str(path))
+            except Exception as err:  # tokenizers raises a bare Exception for a bad file
+                reason = str(err).strip().splitlines() or [type(err).__name__]
+                raise ModelError(f"{path}: cannot load tokenizer: {reason[0]}") from None
+            # Ids past the embedding's rows would be read out of bounds; a smaller vocabulary is common (Qwen2 pads).
+            top_id = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+            if top_id >= config.vocab_size:
+                raise ModelError(f"{path}: has token id {top_id}, but config.json's vocab_size is {config.vocab_size}")
+        elif path.name == "tokenizer_config.json":
+            _check_tokenizer_config(read_json_object(path), path)
+        elif path.name == "special_tokens_map.json":
+            read_json_object(path)
+
+
+def _check_tokenizer_config(data: dict, path: Path) -> None:
+    template = data.get("chat_template")
+    if isinstance(template, list):  # transformers' named templates: the runtime renders the "default" one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", template)
+    if template is not None and not isinstance(template, str):
+        raise ModelError(f"{path}: 'chat_template' must be a string or a list of {{name, template}} with a "
+                         f"'default' one, got {short_repr(data['chat_template'])}")
+    for key in ("bos_token", "eos_token"):
+        token = data.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if data.get(key) is not None and not isinstance(token, str):
+            raise ModelError(f"{path}: {key!r} must be a string or {{\"content\": string}}, "
+                             f"got {short_repr(data[key])}")
 
 
 def build_module(config: ModelConfig, target: tvm.target.Target,

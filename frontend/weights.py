@@ -9,7 +9,7 @@ never read whole.
 
 from __future__ import annotations
 
-import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,13 @@ import ml_dtypes
 import numpy as np
 
 from ember.errors import ModelError
+from ember.frontend.files import (
+    checkpoint_file,
+    optional_checkpoint_file,
+    parse_json,
+    read_json_object,
+    short_repr,
+)
 
 _DTYPES = {
     "F32": np.dtype(np.float32),
@@ -52,6 +59,8 @@ class CheckpointWeights:
         self.records: dict[str, TensorRecord] = {}
         for path in _shard_paths(self.model_dir):
             for record in _read_header(path):
+                if record.name in self.records:
+                    raise ModelError(f"{path}: tensor {record.name!r} is also in {self.records[record.name].path}")
                 self.records[record.name] = record
 
     def record(self, name: str) -> TensorRecord:
@@ -71,19 +80,14 @@ class CheckpointWeights:
 
 
 def _shard_paths(model_dir: Path) -> list[Path]:
-    index_path = model_dir / "model.safetensors.index.json"
-    single_path = model_dir / "model.safetensors"
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ModelError(f"{index_path}: malformed index ({err})") from None
-        paths = [model_dir / name for name in dict.fromkeys(weight_map.values())]
-        for path in paths:
-            if not path.exists():
-                raise ModelError(f"{index_path}: lists shard {path.name}, which does not exist")
-        return paths
-    if single_path.exists():
+    index_path = optional_checkpoint_file(model_dir, "model.safetensors.index.json")
+    if index_path:
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f"{index_path}: malformed index ('weight_map' must map tensor names to shard file names)")
+        return [checkpoint_file(model_dir, name, listed_in=index_path) for name in dict.fromkeys(weight_map.values())]
+    single_path = optional_checkpoint_file(model_dir, "model.safetensors")
+    if single_path:
         return [single_path]
     found = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt*"))
     hint = f" (found {', '.join(found)}; ember reads safetensors only, never pickles)" if found else ""
@@ -99,26 +103,48 @@ def _read_header(path: Path) -> list[TensorRecord]:
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
             raise ModelError(f"{path}: truncated or corrupt safetensors header (declares {header_len} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ModelError(f"{path}: corrupt safetensors header: {err}") from None
+        header = parse_json(f.read(header_len), f"{path}: safetensors header")
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: corrupt safetensors header: expected a JSON object, got {type(header).__name__}")
     data_start = 8 + header_len
-    records = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise ModelError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise ModelError(f"{path}: tensor {name!r} byte range does not match shape {shape}")
-        if data_start + end > file_size:
-            raise ModelError(
-                f"{path}: truncated file: tensor {name!r} ends at byte {data_start + end}, "
-                f"file has {file_size} bytes"
-            )
-        records.append(TensorRecord(name, path, dtype, shape, data_start + begin, end - begin))
+    records = [_record(path, name, entry, data_start, file_size)
+               for name, entry in header.items() if name != "__metadata__"]
+    # A byte range shared by two tensors would make a crafted file load one tensor's data as another's.
+    end = 0
+    for record in sorted((r for r in records if r.nbytes), key=lambda r: r.offset):
+        if record.offset < end:
+            raise ModelError(f"{path}: tensor {record.name!r} overlaps the bytes of another tensor")
+        end = record.offset + record.nbytes
     return records
+
+
+def _record(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorRecord:
+    """One header entry, checked field by field: a hostile header may hold any JSON at all."""
+    def bad(what: str) -> ModelError:
+        return ModelError(f"{path}: tensor {name!r} has {what} in its safetensors header")
+
+    if not isinstance(entry, dict):
+        raise bad(f"an entry that is a {type(entry).__name__}, not an object")
+    dtype_name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise ModelError(f"{path}: tensor {name!r} has unsupported dtype {short_repr(dtype_name)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"a malformed shape {short_repr(shape)} (expected a list of non-negative integers)")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets)
+            or offsets[0] > offsets[1]):
+        raise bad(f"malformed data_offsets {short_repr(offsets)} (expected [begin, end], integers 0 <= begin <= end)")
+    shape, (begin, end) = tuple(shape), offsets
+    if end - begin != dtype.itemsize * math.prod(shape):
+        raise ModelError(f"{path}: tensor {name!r} byte range does not match shape {shape}")
+    if data_start + end > file_size:
+        raise ModelError(
+            f"{path}: truncated file: tensor {name!r} ends at byte {data_start + end}, "
+            f"file has {file_size} bytes"
+        )
+    return TensorRecord(name, path, dtype, shape, data_start + begin, end - begin)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+

@@ -35,7 +35,8 @@ import math
 from pathlib import Path
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, parse_model_config, read_json_object
+from ember.frontend.config import ModelConfig, parse_model_config
+from ember.frontend.files import read_json_object
 
 PRESET_DIR = Path(__file__).with_name("presets")
 VECTOR_DTYPE = "fp32"  # elementwise work runs on vector units, accumulating in fp32
