@@ -28,17 +28,18 @@ MAX_TOKENIZER_BYTES = 512 * 1024 * 1024  # tokenizer.json of a 256k vocabulary i
 def checkpoint_file(model_dir: Path, name: str, listed_in: Path | None = None) -> Path:
     """`model_dir/name`, checked to be a regular file inside the checkpoint; `listed_in` names the file naming it."""
     path = Path(model_dir) / name
-    where = f"{listed_in}: entry {name!r}" if listed_in else str(path)
+    where = f"{listed_in}: entry {short_repr(name)}" if listed_in else str(path)
     try:
         resolved = path.resolve()
-    except (OSError, RuntimeError) as err:  # a symlink loop
+        roots = _allowed_roots(Path(model_dir))
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise ModelError(f"{where}: resolves to {resolved}, "
+                             f"outside the model directory {roots[0]}; refusing to read it")
+        if not path.exists():
+            dangling = f" (a link to {os.readlink(path)}, which does not exist)" if path.is_symlink() else ""
+            raise ModelError(f"{where}: file not found{dangling}")
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte, a name too long
         raise ModelError(f"{where}: cannot resolve the path: {err}") from None
-    roots = _allowed_roots(Path(model_dir))
-    if not any(resolved.is_relative_to(root) for root in roots):
-        raise ModelError(f"{where}: resolves to {resolved}, outside the model directory {roots[0]}; refusing to read it")
-    if not path.exists():
-        dangling = f" (a link to {os.readlink(path)}, which does not exist)" if path.is_symlink() else ""
-        raise ModelError(f"{where}: file not found{dangling}")
     _check_regular(path, where)
     return path
 
@@ -96,7 +97,7 @@ def _refuse_constant(name: str) -> Any:
 
 
 def read_json_object(path: Path, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
-    """Parse a checkpoint's JSON file, raising `ModelError` naming it if absent, too large, malformed or not an object."""
+    """Parse a JSON file, raising `ModelError` naming it if absent, too large, malformed or not an object."""
     if not os.path.lexists(path):
         raise ModelError(f"{path}: file not found (is this a Hugging Face checkpoint directory?)")
     check_file_size(path, limit)

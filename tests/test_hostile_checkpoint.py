@@ -68,12 +68,26 @@ def shard_index(model: Path, shard: str) -> None:
 # --- 1. files outside the model directory ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", "/etc/passwd", "../../etc/passwd"])
+@pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", "/etc/passwd", "../../etc/passwd",
+                                   "sub/../../elsewhere/model.safetensors"])
 def test_index_shard_outside_the_model_is_refused(model, shard):
     (model.parent / "elsewhere").mkdir()
     shutil.copyfile(model / "model.safetensors", model.parent / "elsewhere" / "model.safetensors")
     shard_index(model, shard)
     refused(model, "model.safetensors.index.json: entry", repr(shard), "outside the model directory")
+
+
+@pytest.mark.parametrize("index, expected", [
+    ({"weight_map": {TENSOR: "a\u0000b"}}, "entry 'a\\x00b': cannot resolve the path"),
+    ({"weight_map": {TENSOR: "x" * 5000}}, "cannot resolve the path"),
+    ({"weight_map": {TENSOR: ""}}, "is a directory, not a regular file"),
+    ({"weight_map": {TENSOR: 5}}, "malformed index ('weight_map' must map tensor names to shard file names)"),
+    ({"weight_map": ["model.safetensors"]}, "malformed index"),
+    ({}, "malformed index"),
+])
+def test_malformed_index_is_refused(model, index, expected):
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(model, "model.safetensors.index.json: ", expected)
 
 
 @pytest.mark.parametrize("name, target", [
@@ -216,7 +230,8 @@ def test_tensor_in_two_shards_is_refused(model):
     shutil.copyfile(model / "model.safetensors", model / "copy.safetensors")
     header = read_header(model / "model.safetensors")
     weight_map = {name: "model.safetensors" for name in header if name != "__metadata__"}
-    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, "x": "copy.safetensors"}}))
+    weight_map["x"] = "copy.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     refused(model, "copy.safetensors: tensor", "is also in")
 
 
@@ -306,6 +321,12 @@ def test_garbage_tokenizer_is_refused_at_compile(model):
 def test_tokenizer_larger_than_the_embedding_is_refused(model):
     models.write_tokenizer(model, models.VOCAB_SIZE + 8)
     refused(model, "tokenizer.json: has token id 263, but config.json's vocab_size is 256")
+
+
+def test_named_chat_templates_with_a_default_are_accepted(model):
+    templates = [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "{{ messages }}"}]
+    edit_json(model / "tokenizer_config.json", lambda c: c.update(chat_template=templates))
+    assert import_model(model).config.vocab_size == models.VOCAB_SIZE
 
 
 @pytest.mark.parametrize("key, value, expected", [
