@@ -9,25 +9,40 @@ An artifact is a directory:
 
 The manifest records what produced the artifact (format, ember and TVM versions),
 what it computes (model config, quantization, target, entry functions, weight
-order, KV-cache layout and bounds) and the sha256 of every file. The runtime
-refuses an artifact whose format or TVM version differs or whose files do not
-match their hashes, and says what to recompile.
+order, KV-cache layout and bounds), the size and sha256 of every other file, and
+the sha256 of its own content (`manifest_sha256`). `read_manifest` refuses a
+manifest that was edited or does not have the shape this format promises, so no
+reader meets a missing key; `verify_files` refuses a directory that does not hold
+exactly the listed files, as regular files of the recorded sizes and hashes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import posixpath
+import reprlib
+import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
 
 from ember.errors import ArtifactError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
+WEIGHT_INDEX = "tensor-cache.json"  # in PARAMS_DIR, as TVM's tensor cache names it
+REQUIRED_FILES = (LIBRARY_NAME, f"{PARAMS_DIR}/{WEIGHT_INDEX}")
+# Far above any real manifest (a few KiB), low enough to read into memory.
+MAX_MANIFEST_BYTES = 64 * 2**20
+# The names of `ember.ir_passes.quant_formats.FORMATS`, repeated here because the runtime
+# reads manifests and must not import the compiler (a test keeps the two equal).
+QUANTIZATIONS = ("q0f32", "q0f16", "q8f32", "q8f16", "q4f32", "q4f16", "q4f32_zp", "q4f16_zp")
 
 
 @dataclass
@@ -46,53 +61,73 @@ class Manifest:
     params: list[str]
     memory: dict[str, Any]
     source: str
-    files: dict[str, str] = field(default_factory=dict)
+    # Every file but the manifest, by path relative to the artifact: {"sha256": hex, "size": bytes}.
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Weights left in the compute dtype by a quantized format: {"embedding": bool, "lm_head": bool}.
     kept_float: dict[str, bool] = field(default_factory=lambda: {"embedding": False, "lm_head": False})
     # "int8": the quantized projections multiply int8-quantized activations (llama.cpp's
     # Q8_0 rounding, per group of 32); "float": activations stay in the compute dtype.
     activations: str = "float"
+    manifest_sha256: str = ""  # `manifest_digest` of every other field, set by `write_manifest`
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON data."""
         return asdict(self)
 
 
+def manifest_digest(data: dict[str, Any]) -> str:
+    """Hex sha256 of the canonical JSON of a manifest's fields other than `manifest_sha256`."""
+    content = {key: value for key, value in data.items() if key != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in chunks."""
+    """Hex sha256 of a regular file, read in chunks."""
     digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
+    with _open_regular(Path(path)) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def write_manifest(artifact_dir: Path, manifest: Manifest) -> None:
-    """Hash every file under `artifact_dir` into `manifest` and write it."""
+    """Record the size and sha256 of every file under `artifact_dir` in `manifest`, seal it with
+    its own digest and write it."""
     artifact_dir = Path(artifact_dir)
     manifest.files = {
-        str(path.relative_to(artifact_dir)): sha256_file(path)
+        path.relative_to(artifact_dir).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(artifact_dir.rglob("*"))
-        if path.is_file() and path.name != MANIFEST_NAME
+        if path.is_file() and path != artifact_dir / MANIFEST_NAME
     }
+    manifest.manifest_sha256 = manifest_digest(manifest.to_json())
     (artifact_dir / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
 
 
 def read_manifest(artifact_dir: Path) -> Manifest:
-    """Read and structurally validate `artifact_dir/manifest.json`."""
+    """Read `artifact_dir/manifest.json`, refusing one of another format version, one edited after
+    compile, or one whose fields do not have the types this format promises."""
     path = Path(artifact_dir) / MANIFEST_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         raise ArtifactError(f"{artifact_dir}: not an ember artifact ({MANIFEST_NAME} is missing)")
+    with _open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path}: larger than {MAX_MANIFEST_BYTES // 2**20} MiB, not an ember manifest")
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
         raise ArtifactError(f"{path}: malformed manifest: {err}") from None
     version = data.get("format_version") if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
         raise ArtifactError(
-            f"{path}: artifact format version {version!r}, this ember reads version {FORMAT_VERSION}; "
+            f"{path}: artifact format version {reprlib.repr(version)}, this ember reads version {FORMAT_VERSION}; "
             f"recompile the model with this ember (`ember compile`)"
         )
+    if data.get("manifest_sha256") != manifest_digest(data):
+        raise ArtifactError(f"{path}: the manifest was edited after compile (its content does not match its "
+                            f"manifest_sha256); recompile the artifact with `ember compile`")
+    _check_fields(path, data, SCHEMA, "")
+    _check_file_list(path, data["files"])
     try:
         return Manifest(**data)
     except TypeError as err:
@@ -100,14 +135,172 @@ def read_manifest(artifact_dir: Path) -> Manifest:
 
 
 def verify_files(artifact_dir: Path, manifest: Manifest) -> None:
-    """Check every file against its recorded sha256; name the first that differs."""
+    """Check that `artifact_dir` holds exactly the manifest's files, as regular files (no links) of
+    the recorded sizes, then their sha256; name the first that differs."""
     artifact_dir = Path(artifact_dir)
-    for relpath, expected in manifest.files.items():
-        path = artifact_dir / relpath
-        if not path.exists():
-            raise ArtifactError(f"{path}: file listed in the manifest is missing; recompile the artifact")
-        if sha256_file(path) != expected:
+    sizes, directories = _artifact_tree(artifact_dir)
+    missing = sorted(manifest.files.keys() - sizes.keys())
+    if missing:
+        raise ArtifactError(f"{artifact_dir / missing[0]}: file listed in the manifest is missing; "
+                            f"recompile the artifact")
+    added = sorted(sizes.keys() - manifest.files.keys())
+    if added:
+        raise ArtifactError(f"{artifact_dir / added[0]}: file not listed in the manifest (added after compile); "
+                            f"remove it or recompile the artifact")
+    parents = {str(parent) for relpath in manifest.files for parent in PurePosixPath(relpath).parents}
+    unlisted = sorted(set(directories) - parents)
+    if unlisted:
+        raise ArtifactError(f"{artifact_dir / unlisted[0]}: directory holds no file of the manifest; "
+                            f"remove it or recompile the artifact")
+    # Sizes first: a truncated or partial copy is named without hashing gigabytes.
+    for relpath, entry in sorted(manifest.files.items()):
+        if sizes[relpath] != entry["size"]:
+            raise ArtifactError(f"{artifact_dir / relpath}: {sizes[relpath]} bytes, the manifest records "
+                                f"{entry['size']} (truncated or modified); recompile the artifact")
+    for relpath, entry in sorted(manifest.files.items()):
+        if sha256_file(artifact_dir / relpath) != entry["sha256"]:
             raise ArtifactError(
-                f"{path}: contents do not match the manifest's sha256 (modified or corrupted); "
+                f"{artifact_dir / relpath}: contents do not match the manifest's sha256 (modified or corrupted); "
                 f"recompile the artifact with `ember compile`"
             )
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` open for reading if it is a regular file and not a symbolic link. Never follows a link
+    out of the artifact nor blocks on a FIFO or device (`O_NONBLOCK`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if os.path.islink(path):
+            raise ArtifactError(f"{path}: is a symbolic link; an artifact holds regular files only") from None
+        raise ArtifactError(f"{path}: cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError(f"{path}: not a regular file; an artifact holds regular files only")
+    return os.fdopen(fd, "rb")
+
+
+def _artifact_tree(artifact_dir: Path) -> tuple[dict[str, int], list[str]]:
+    """The size of every file under `artifact_dir` but its manifest, and every directory, by relative
+    path; refuses a symbolic link (never followed) or anything but files and directories."""
+    sizes: dict[str, int] = {}
+    directories: list[str] = []
+    pending = [artifact_dir]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as entries:
+                found = [(Path(entry.path), entry.stat(follow_symlinks=False)) for entry in entries]
+        except OSError as err:
+            raise ArtifactError(f"{directory}: cannot be read ({err.strerror})") from None
+        for path, info in found:
+            relpath = path.relative_to(artifact_dir).as_posix()
+            if stat.S_ISLNK(info.st_mode):
+                raise ArtifactError(f"{path}: is a symbolic link; an artifact holds regular files only "
+                                    f"(copy it with links resolved, or recompile it)")
+            if stat.S_ISDIR(info.st_mode):
+                directories.append(relpath)
+                pending.append(path)
+            elif stat.S_ISREG(info.st_mode):
+                sizes[relpath] = info.st_size
+            else:
+                raise ArtifactError(f"{path}: not a regular file; an artifact holds regular files only")
+    sizes.pop(MANIFEST_NAME, None)
+    return sizes, directories
+
+
+# A field's rule: what it must be (for the message) and the test. A dict is a nested object's schema.
+_Rule = tuple[str, Callable[[Any], bool]]
+
+
+def _whole(low: int) -> _Rule:
+    return (f"a whole number >= {low}", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low)
+
+
+def _optional(rule: _Rule) -> _Rule:
+    return (f"null or {rule[0]}", lambda v: v is None or rule[1](v))
+
+
+def _one_of(*names: str) -> _Rule:
+    return (f"one of {', '.join(names)}", lambda v: isinstance(v, str) and v in names)
+
+
+def _list_of(rule: _Rule) -> _Rule:
+    return (f"a list of {rule[0]}", lambda v: isinstance(v, list) and all(map(rule[1], v)))
+
+
+_COUNT, _POSITIVE = _whole(0), _whole(1)
+_NUMBER: _Rule = ("a finite number",
+                lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+_TEXT: _Rule = ("a string", lambda v: isinstance(v, str))
+_FLAG: _Rule = ("true or false", lambda v: isinstance(v, bool))
+_OBJECT: _Rule = ("an object", lambda v: isinstance(v, dict))
+
+# Every field a reader of the manifest uses (runtime, inspect, tune, analyze), with its rule.
+SCHEMA: dict[str, Any] = {
+    "ember_version": _TEXT,
+    "tvm_version": _TEXT,
+    # `ember.frontend.config.ModelConfig`'s fields (a test keeps them equal).
+    "model": {
+        "model_type": _TEXT, "vocab_size": _POSITIVE, "hidden_size": _POSITIVE, "intermediate_size": _POSITIVE,
+        "num_hidden_layers": _POSITIVE, "num_attention_heads": _POSITIVE, "num_key_value_heads": _POSITIVE,
+        "head_dim": _POSITIVE, "rms_norm_eps": _NUMBER, "rope_theta": _NUMBER, "rope_scaling": _optional(_OBJECT),
+        "context_window": _POSITIVE, "tie_word_embeddings": _FLAG, "attention_bias": _FLAG,
+        "sliding_window": _optional(_POSITIVE), "weight_dtype": _TEXT, "bos_token_id": _optional(_COUNT),
+        "eos_token_ids": _list_of(_COUNT),
+    },
+    "quantization": _one_of(*QUANTIZATIONS),
+    "model_dtype": _one_of("float32", "float16", "bfloat16"),
+    "target": {"name": _TEXT, "tvm_target": _OBJECT, "arch": _TEXT, "hardware": _TEXT, "memory_bytes": _COUNT},
+    "entry_functions": _OBJECT,
+    "kv_cache": {
+        "kind": _one_of("tir_paged"), "page_size": _POSITIVE, "prefill_chunk": _POSITIVE, "max_batch": _POSITIVE,
+        "max_context": _POSITIVE, "max_total_tokens": _POSITIVE, "memory_budget": _optional(_POSITIVE),
+        "num_layers": _POSITIVE, "num_kv_heads": _POSITIVE, "head_dim": _POSITIVE, "dtype": _TEXT,
+        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT,
+    },
+    "params": _list_of(_TEXT),
+    "memory": {
+        "weight_bytes": _COUNT, "kv_bytes_per_token": _POSITIVE, "context_window": _POSITIVE,
+        "peak_workspace_bytes": _COUNT,
+        "workspace_bytes": ("an object of byte counts",
+                            lambda v: isinstance(v, dict) and all(map(_COUNT[1], v.values()))),
+    },
+    "source": _TEXT,
+    "files": _OBJECT,
+    "kept_float": {"embedding": _FLAG, "lm_head": _FLAG},
+    "activations": _one_of("int8", "float"),
+}
+
+
+def _check_fields(path: Path, data: dict[str, Any], schema: dict[str, Any], prefix: str) -> None:
+    """Refuse `data` unless it has every field of `schema`, each passing its rule."""
+    for key, rule in schema.items():
+        name = prefix + key
+        if key not in data:
+            raise ArtifactError(f"{path}: the manifest has no {name}; recompile the artifact")
+        value = data[key]
+        if isinstance(rule, dict):
+            if not isinstance(value, dict):
+                raise ArtifactError(f"{path}: manifest field {name} must be an object, got {reprlib.repr(value)}")
+            _check_fields(path, value, rule, name + ".")
+        elif not rule[1](value):
+            raise ArtifactError(f"{path}: manifest field {name} must be {rule[0]}, got {reprlib.repr(value)}")
+
+
+def _check_file_list(path: Path, files: dict[str, Any]) -> None:
+    """Refuse a file list that misses a required file, or names a path outside the artifact (absolute,
+    `..`, not normalized, a backslash) or an entry that is not {"sha256": hex, "size": bytes}."""
+    for relpath in REQUIRED_FILES:
+        if relpath not in files:
+            raise ArtifactError(f"{path}: the manifest does not list {relpath}; recompile the artifact")
+    for relpath, entry in files.items():
+        contained = (relpath and "\\" not in relpath and "\0" not in relpath and not relpath.startswith("/")
+                     and posixpath.normpath(relpath) == relpath and ".." not in relpath.split("/")
+                     and relpath != MANIFEST_NAME)
+        if not contained:
+            raise ArtifactError(f"{path}: files entry {reprlib.repr(relpath)} is not a normalized path inside "
+                                f"the artifact; recompile the artifact")
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _COUNT[1](entry.get("size"))):
+            raise ArtifactError(f"{path}: files entry {relpath} must be {{\"sha256\": hex, \"size\": bytes}}, "
+                                f"got {reprlib.repr(entry)}")

@@ -1,11 +1,14 @@
-"""Load a compiled artifact: check its manifest and hashes, load library and weights."""
+"""Load a compiled artifact: check its manifest, files and memory needs, load library and weights."""
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tvm
@@ -13,7 +16,7 @@ from tvm import runtime as tvm_runtime
 from tvm.runtime.vm import VirtualMachine
 
 from ember.errors import ArtifactError
-from ember.manifest import LIBRARY_NAME, PARAMS_DIR, Manifest, read_manifest, verify_files
+from ember.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
 
@@ -49,35 +52,75 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
         )
     if verify:
         verify_files(path, manifest)
+    _check_host_memory(path, manifest)
     dev = open_device(manifest.target, path, threads)
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
     vm = VirtualMachine(library, dev)
-    params = _load_params(path / PARAMS_DIR, manifest.params, dev)
+    params = _load_params(path / PARAMS_DIR, manifest, dev)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)
 
 
-def _load_params(params_dir: Path, names: list[str], dev: tvm_runtime.Device) -> list[tvm_runtime.Tensor]:
+def _check_host_memory(path: Path, manifest: Manifest) -> None:
+    """Refuse a CPU artifact whose weights, workspace and whole KV cache (allocated up front by the
+    engine) exceed the memory this machine has available, before allocating any of it."""
+    if manifest.target["name"] != "cpu":  # a GPU's memory was sized by --memory-budget at compile
+        return
+    memory, kv = manifest.memory, manifest.kv_cache
+    kv_bytes = kv["max_total_tokens"] * memory["kv_bytes_per_token"]
+    needed = memory["weight_bytes"] + memory["peak_workspace_bytes"] + kv_bytes
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise ArtifactError(
+            f"{path}: needs {_mib(needed)} of memory (weights {_mib(memory['weight_bytes'])}, workspace "
+            f"{_mib(memory['peak_workspace_bytes'])}, KV cache of {kv['max_total_tokens']} tokens "
+            f"{_mib(kv_bytes)}), this machine has {_mib(available)} available; recompile with a smaller "
+            f"--max-batch or --memory-budget"
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel can give this process without swapping, if it says."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device) -> list[tvm_runtime.Tensor]:
     """Read tensor-cache shards one tensor at a time, in the graph's parameter order.
 
     On a CPU the weights are read straight into one huge-page arena (`_weight_arena`) and
     wrapped without a copy; on a GPU each tensor goes through a host buffer to the device.
     """
-    index_path = params_dir / "tensor-cache.json"
+    index_path = params_dir / WEIGHT_INDEX
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:
         raise ArtifactError(f"{index_path}: unreadable weight index: {err}") from None
+    shards = _checked_shards(params_dir, index, manifest.files)
+
     def aligned(nbytes: int) -> int:
         return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
-    records = [record for shard in index["records"] for record in shard["records"]]
+    records = [record for _, shard_records in shards for record in shard_records]
     arena = _weight_arena(sum(aligned(record["nbytes"]) for record in records)) if dev == tvm_runtime.cpu(0) else None
     loaded: dict[str, tvm_runtime.Tensor] = {}
     start = 0  # of the next tensor in the arena
-    for shard in index["records"]:
-        with open(params_dir / shard["dataPath"], "rb") as f:
-            for record in shard["records"]:
+    for shard_path, shard_records in shards:
+        with open(shard_path, "rb") as f:
+            for record in shard_records:
                 nbytes = record["nbytes"]
                 # A private buffer (not a memory map of the shard), so peak RSS is the
                 # weights plus at most one tensor, not the weights twice.
@@ -85,7 +128,7 @@ def _load_params(params_dir: Path, names: list[str], dev: tvm_runtime.Device) ->
                 start += aligned(nbytes)
                 f.seek(record["byteOffset"])
                 if f.readinto(buffer) != nbytes:
-                    raise ArtifactError(f"{params_dir / shard['dataPath']}: truncated weight shard")
+                    raise ArtifactError(f"{shard_path}: truncated weight shard")
                 array = buffer.view(record["dtype"]).reshape(record["shape"])
                 if arena is not None:
                     tensor = tvm_runtime.from_dlpack(array)
@@ -93,10 +136,57 @@ def _load_params(params_dir: Path, names: list[str], dev: tvm_runtime.Device) ->
                     tensor = tvm_runtime.empty(record["shape"], record["dtype"], device=dev)
                     tensor.copyfrom(array)
                 loaded[record["name"]] = tensor
-    missing = [name for name in names if name not in loaded]
+    missing = [name for name in manifest.params if name not in loaded]
     if missing:
         raise ArtifactError(f"{index_path}: weights {missing[:3]} are missing; recompile the artifact")
-    return [loaded[name] for name in names]
+    return [loaded[name] for name in manifest.params]
+
+
+def _checked_shards(params_dir: Path, index: Any, files: dict[str, Any]) -> list[tuple[Path, list[dict]]]:
+    """The weight index's shards with their tensor records, each shard listed in the manifest and each
+    record lying within its shard. After the hash check only a bug of ember's own fails this, but
+    then as one line naming the shard and tensor, not a numpy error or a read past the end."""
+    shards = index.get("records") if isinstance(index, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(shard, dict) for shard in shards):
+        raise ArtifactError(f"{params_dir / WEIGHT_INDEX}: no list of weight shards; recompile the artifact")
+    checked = []
+    for shard in shards:
+        shard_path = params_dir / str(shard.get("dataPath"))
+        listed = files.get(f"{PARAMS_DIR}/{shard.get('dataPath')}")
+        if listed is None:
+            raise ArtifactError(f"{shard_path}: weight shard named by {WEIGHT_INDEX} is not listed in the "
+                                f"manifest; recompile the artifact")
+        records = shard.get("records")
+        if not isinstance(records, list):
+            raise ArtifactError(f"{shard_path}: {WEIGHT_INDEX} lists no tensor records for it; recompile the artifact")
+        for record in records:
+            problem = _record_problem(record, listed["size"])
+            if problem:
+                name = record.get("name") if isinstance(record, dict) else None
+                raise ArtifactError(f"{shard_path}: tensor {name!r}: {problem}; recompile the artifact")
+        checked.append((shard_path, records))
+    return checked
+
+
+def _record_problem(record: Any, shard_size: int) -> str:
+    """What is wrong with one tensor record of a shard of `shard_size` bytes, or ""."""
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        return "the record is not an object with a name"
+    shape, offset, nbytes = record.get("shape"), record.get("byteOffset"), record.get("nbytes")
+    counts = [*shape, offset, nbytes] if isinstance(shape, list) else [None]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return f"shape {shape!r}, byteOffset {offset!r} and nbytes {nbytes!r} must be whole numbers >= 0"
+    try:
+        dtype = np.dtype(record.get("dtype")) if isinstance(record.get("dtype"), str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or not (dtype.kind in "biuf" or dtype.name == "bfloat16"):
+        return f"unknown dtype {record.get('dtype')!r}"
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        return f"nbytes {nbytes} is not the size of shape {shape} in {dtype.name}"
+    if offset + nbytes > shard_size:
+        return f"bytes {offset}..{offset + nbytes} lie beyond the shard's {shard_size} bytes"
+    return ""
 
 
 def _weight_arena(nbytes: int) -> np.ndarray:
