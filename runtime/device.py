@@ -9,6 +9,7 @@ the CPU lives in separate runtime libraries (`libtvm_runtime_cuda.so`), which
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -58,27 +59,50 @@ def use_cpu_threads(threads: int | None = None) -> int:
     runs one thread on a 2-vCPU machine. One thread per physical core is what decode
     (memory-bound) and prefill (FMA-bound) can use. The count is fixed when a thread first
     runs a parallel kernel, so set it before that.
+
+    More threads than the CPUs this process may run on are refused: every kernel launch
+    then waits for threads that are not running (64 on 2 CPUs decode very slowly), and
+    TVM's pool aborts the process from 256 threads on.
     """
+    setting = f"--threads {threads}"
     if threads is None:
-        configured = os.environ.get("TVM_NUM_THREADS", "")
-        threads = int(configured) if configured.isdigit() and int(configured) > 0 else physical_cores()
+        configured = os.environ.get("TVM_NUM_THREADS", "").strip()
+        setting = f"TVM_NUM_THREADS={configured}"
+        if not configured:
+            threads = physical_cores()
+        elif configured.isdigit() and int(configured) > 0:
+            threads = int(configured)
+        else:
+            raise ArtifactError(f"{setting}: not a positive whole number")
     if threads < 1:
-        raise ArtifactError(f"the thread count must be at least 1, got {threads}")
+        raise ArtifactError(f"{setting}: the thread count must be at least 1")
+    cpus = len(_usable_cpus())
+    if threads > cpus:
+        raise ArtifactError(f"{setting}: this process may run on only {cpus} CPUs; use at most {cpus} threads")
+    cores = physical_cores()
+    if threads > cores:
+        logging.getLogger(__name__).warning(
+            "ember: warning: %s is more than the %d physical cores: hyperthreads of one core share its units, "
+            "so the kernels may run slower than on %d threads", setting, cores, cores)
     os.environ["TVM_NUM_THREADS"] = str(threads)
     return threads
 
 
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (hyperthreads of one core count once)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     cores = set()
-    for cpu in cpus:
+    for cpu in _usable_cpus():
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
         except OSError:  # no sysfs topology (macOS, some containers): count logical CPUs
             cores.add((str(cpu), ""))
     return max(len(cores), 1)
+
+
+def _usable_cpus() -> set[int] | range:
+    """The logical CPUs this process may run on (its affinity mask where the OS has one)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
 
 
 def cuda_arch_runs_on(arch: str, compute_version: str) -> bool:

@@ -29,7 +29,8 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    finish_reason: str = ""
+    finish_reason: str = ""  # as OpenAI's: "stop" (a stop token or string), "length" (out of room)
+    context_full: bool = False  # "length" because the context window was full, not max_new_tokens
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -68,9 +69,6 @@ class Generation:
         """Generate token ids (stop tokens excluded)."""
         rng = np.random.default_rng(self.params.seed)
         history = self.prompt_ids.copy()
-        if self.params.max_new_tokens == 0:
-            self.stats.finish_reason = "length"
-            return
         start = time.perf_counter()
         logits = self.engine.prefill(self.seq_id, self.prompt_ids)
         self.stats.prefill_seconds = time.perf_counter() - start
@@ -88,12 +86,12 @@ class Generation:
                 self.stats.finish_reason = "length"
                 break
             if self.engine.length(self.seq_id) + 1 > self.engine.context_window:
-                self.stats.finish_reason = "context_window"
+                self.stats.finish_reason, self.stats.context_full = "length", True
                 break
             logits = self.engine.decode([self.seq_id], [token])[0]
         self.stats.decode_seconds = time.perf_counter() - start
-        # The last sampled token is not in the cache yet; feed it so a chat can continue.
-        if self.token_ids and self.stats.finish_reason != "context_window":
+        # The last sampled token is not in the cache yet; feed it, if it fits, so a chat can continue.
+        if self.token_ids and self.engine.length(self.seq_id) < self.engine.context_window:
             self.engine.decode([self.seq_id], [self.token_ids[-1]])
 
     def __iter__(self) -> Iterator[str]:

@@ -7,6 +7,8 @@ penalty, temperature, top-k, top-p), so a seed-free greedy run matches
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,18 +29,37 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence tokens
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         """Raise `GenerationError` naming the first bad option."""
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise GenerationError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_new_tokens < 0:
-            raise GenerationError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        checks = (
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", _is_whole(self.top_k) and self.top_k >= 0, "a whole number >= 0"),
+            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a finite number > 0"),
+            ("max_new_tokens", _is_whole(self.max_new_tokens) and self.max_new_tokens >= 1, "a whole number >= 1"),
+            ("seed", self.seed is None or _is_whole(self.seed) and 0 <= self.seed < MAX_SEED,
+             "a whole number in [0, 2**63)"),
+            ("stop_strings", all(isinstance(stop, str) and stop for stop in self.stop_strings),
+             "non-empty strings"),
+        )
+        for name, valid, expected in checks:
+            if not valid:
+                raise GenerationError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+
+MAX_SEED = 2**63  # seeds are int64 in most APIs (OpenAI's, transformers'); numpy takes any
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
@@ -50,11 +71,13 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if params.temperature == 0:
         return int(np.argmax(logits))
-    logits /= params.temperature
+    # Shifted first: a tiny temperature then drives the others to -inf, not the maximum to inf (inf - inf is nan).
+    with np.errstate(over="ignore"):
+        logits = (logits - logits.max()) / params.temperature
     if 0 < params.top_k < logits.size:
         kth = np.partition(logits, -params.top_k)[-params.top_k]
         logits[logits < kth] = -np.inf
-    probs = np.exp(logits - logits.max())
+    probs = np.exp(logits)
     probs /= probs.sum()
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

@@ -150,14 +150,14 @@ def test_kv_cache_full_raises(tiny_llama):
 
 
 def test_generation_stops_at_the_context_window(tiny_llama):
-    """generate() ends with finish_reason 'context_window' instead of raising."""
+    """generate() ends with finish_reason 'length' and context_full instead of raising."""
     from ember.runtime import SamplingParams, generate
 
     engine = tiny_llama.engine()
     ids = prompt_ids(250)
     generation = generate(engine, ids, SamplingParams(temperature=0, max_new_tokens=50, stop_token_ids=()))
     tokens = list(generation.tokens())
-    assert generation.stats.finish_reason == "context_window"
+    assert generation.stats.finish_reason == "length" and generation.stats.context_full
     assert len(ids) + len(tokens) == engine.context_window + 1  # the last token is sampled, never cached
 
 
