@@ -11,6 +11,7 @@ from ember.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Generation
 from ember.runtime.sampling import SamplingParams
+from ember.runtime.tokenizer import check_text
 
 
 class ChatSession:
@@ -21,10 +22,15 @@ class ChatSession:
             raise GenerationError("chat needs a tokenizer; this artifact has none")
         self.engine = engine
         self.tokenizer = engine.artifact.tokenizer
+        self.tokenizer.check_chat_template()
+        if system is not None:
+            check_text(system, "the system message")
         self.system = system
         self.messages: list[dict[str, str]] = []
+        self.dropped_turns = 0  # earliest turns the last `send` dropped to fit the context window
         self.seq_id = engine.add_sequence()
         self.cached_ids: list[int] = []
+        self._prompt_ids: list[int] = []
         self._reply: Generation | None = None
         self.reset()
 
@@ -36,12 +42,17 @@ class ChatSession:
         self.cached_ids = []
 
     def send(self, message: str, params: SamplingParams) -> Generation:
-        """Add a user message; iterate the returned generation for the reply."""
+        """Add a user message; iterate the returned generation for the reply.
+
+        The earliest turns (a user message and the replies after it; the system message
+        stays) are dropped until the conversation leaves room for a reply in the context
+        window, and `dropped_turns` says how many. A message that does not fit even alone,
+        or that the chat template refuses, raises `GenerationError` and is not added.
+        """
+        check_text(message, "the message")
         self._finish_reply()
-        self.messages.append({"role": "user", "content": message})
-        prompt = self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True), add_special_tokens=False
-        )
+        messages, prompt, self.dropped_turns = self._fit([*self.messages, {"role": "user", "content": message}],
+                                                         params)
         shared = 0
         for cached, new in zip(self.cached_ids, prompt):
             if cached != new:
@@ -49,9 +60,29 @@ class ChatSession:
             shared += 1
         shared = min(shared, len(prompt) - 1)  # prefill needs at least one new token
         self.engine.truncate(self.seq_id, shared)
+        self.messages = messages
+        self.cached_ids, self._prompt_ids = prompt[:shared], prompt
         self._reply = Generation(self.engine, self.tokenizer, self.seq_id, prompt[shared:], params)
-        self.cached_ids = prompt
         return self._reply
+
+    def _fit(self, messages: list[dict[str, str]], params: SamplingParams) -> tuple[list[dict[str, str]], list[int], int]:
+        """The latest turns of `messages` whose prompt leaves room for a reply, that prompt, and how
+        many turns were dropped."""
+        context = self.engine.context_window
+        room = min(params.max_new_tokens, context // 4)
+        system, turns = messages[:1 if self.system else 0], messages[1 if self.system else 0:]
+        dropped = 0
+        while True:
+            prompt = self.tokenizer.encode(self.tokenizer.apply_chat_template(system + turns), add_special_tokens=False)
+            if len(prompt) <= context - room:
+                return system + turns, prompt, dropped
+            later_users = [i for i, turn in enumerate(turns) if turn["role"] == "user" and i > 0]
+            if not later_users:
+                raise GenerationError(
+                    f"the message does not fit: the conversation with only it is {len(prompt)} tokens, and the "
+                    f"context window of {context} tokens keeps {room} for the reply; it was not sent")
+            turns = turns[later_users[0]:]
+            dropped += 1
 
     def _finish_reply(self) -> None:
         """Record the last reply in the history and the cache bookkeeping."""
@@ -60,5 +91,5 @@ class ChatSession:
         reply = self._reply
         self._reply = None
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply.token_ids)})
-        in_cache = self.engine.length(self.seq_id) - len(self.cached_ids)
-        self.cached_ids = self.cached_ids + reply.token_ids[:in_cache]
+        # What the cache holds: the prompt, and the reply but for a last token it had no room for.
+        self.cached_ids = (self._prompt_ids + reply.token_ids)[: self.engine.length(self.seq_id)]

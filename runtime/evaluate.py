@@ -15,13 +15,16 @@ and how often their top-1 tokens agree.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TextIO
 
 import numpy as np
 
 from ember.errors import GenerationError
 from ember.runtime.engine import Engine
+from ember.runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -53,17 +56,70 @@ class Comparison:
 
 
 def scoring_windows(token_ids: list[int], bos_id: int | None, window: int) -> list[list[int]]:
-    """<s> + consecutive spans of `window - 1` tokens covering `token_ids` once.
+    """<s> + consecutive spans of `window - 1` tokens covering `token_ids` once (see `iter_scoring_windows`)."""
+    return list(iter_scoring_windows(token_ids, bos_id, window))
+
+
+def iter_scoring_windows(token_ids: Iterable[int], bos_id: int | None, window: int) -> Iterator[list[int]]:
+    """<s> + consecutive spans of `window - 1` tokens covering `token_ids` once, made as the
+    tokens arrive.
 
     A model without <s> gets plain spans of `window` tokens overlapping by one: the
     first token of the text is then the only one not predicted.
     """
     if window < 2:
         raise GenerationError(f"the scoring window must hold at least 2 tokens, got {window}")
-    span = window - 1
-    if bos_id is None:
-        return [token_ids[start: start + window] for start in range(0, max(len(token_ids) - 1, 0), span)]
-    return [[bos_id, *token_ids[start: start + span]] for start in range(0, len(token_ids), span)]
+    start = [] if bos_id is None else [bos_id]
+    current = list(start)
+    for token in token_ids:
+        current.append(token)
+        if len(current) == window:
+            yield current
+            current = [token] if bos_id is None else list(start)
+    if len(current) > 1:
+        yield current
+
+
+def stream_token_ids(tokenizer: Tokenizer, text: TextIO, max_tokens: int | None = None,
+                     piece_chars: int = 2**16) -> Iterator[int]:
+    """The token ids (no special tokens) of the text read from `text`, tokenized `piece_chars`
+    characters at a time, and no more than `max_tokens`.
+
+    Memory stays bounded however long the text. Pieces end after a newline followed by a
+    non-space, else before a space followed by a non-space: byte-level BPE's pre-tokenizers
+    (GPT-2's, Llama 3's) split there anyway, so the ids equal those of the whole text; a
+    SentencePiece-style tokenizer may differ by a token per piece.
+    """
+    name = getattr(text, "name", "the text")
+    carry, count = "", 0
+    while max_tokens is None or count < max_tokens:
+        try:
+            chunk = text.read(piece_chars)
+        except UnicodeDecodeError as err:
+            raise GenerationError(f"{name}: not UTF-8 text ({err.reason} in byte {err.object[err.start:err.end]!r})") \
+                from None
+        carry += chunk
+        cut = _piece_end(carry) if chunk else len(carry)
+        ids = tokenizer.encode(carry[:cut], add_special_tokens=False) if cut else []
+        carry = carry[cut:]
+        if max_tokens is not None:
+            ids = ids[: max_tokens - count]
+        count += len(ids)
+        yield from ids
+        if not chunk:
+            return
+
+
+def _piece_end(text: str) -> int:
+    """Where to end a piece of `text` for tokenizing it apart (see `stream_token_ids`); len(text) if nowhere."""
+    for pattern in _PIECE_ENDS:
+        ends = [match.end() for match in pattern.finditer(text)]
+        if ends and ends[-1] > 0:
+            return ends[-1]
+    return len(text)
+
+
+_PIECE_ENDS = (re.compile(r"\n(?=\S)"), re.compile(r"(?=\s\S)"))
 
 
 def perplexity(engine: Engine, windows: Iterable[list[int]]) -> Perplexity:
