@@ -2,7 +2,8 @@
 
 Every user error is an `EmberError`, caught here once and printed as one line
 without a traceback (`--verbose` shows it). Exit codes: 0 success, 1 an error in
-the input or the request, 2 bad command-line usage, 130 interrupted.
+the input or the request, 2 bad command-line usage, 70 an internal error (a bug:
+one line asking for a report), 130 interrupted, 141 stdout closed by its reader.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import signal
+import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TextIO
 
 from ember.errors import EmberError
 from ember.ir_passes.quant_formats import FORMATS
@@ -49,20 +54,35 @@ def main(argv: list[str] | None = None) -> int:
         interrupted.append(True)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_sigint)
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
     try:
         return args.run(args)
     except EmberError as err:
-        print(f"ember: error: {err}", file=sys.stderr)
+        print(f"ember: error: {_one_line(str(err))}", file=sys.stderr)
         if args.verbose:
             raise
         return 1
-    except BaseException:
+    except BrokenPipeError:
+        # The reader went away (`ember generate ... | head -1`): stop quietly, and let the
+        # interpreter's final flush of stdout write nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except BaseException as err:
         # Ctrl-C inside a TVM call reaches Python as a RuntimeError, not KeyboardInterrupt.
-        if not interrupted:
+        if interrupted or isinstance(err, KeyboardInterrupt):
+            print("ember: interrupted", file=sys.stderr)
+            return 130
+        if args.verbose or not isinstance(err, Exception):
             raise
-        print("ember: interrupted", file=sys.stderr)
-        return 130
+        if isinstance(err, MemoryError):
+            print(f"ember: error: out of memory: this machine's RAM did not hold what `ember {args.command}` "
+                  f"needed{': ' + _one_line(str(err)) if str(err) else ''}", file=sys.stderr)
+            return 1
+        print(f"ember: internal error: {type(err).__name__}: {_one_line(str(err))} (rerun with --verbose for the "
+              "traceback, and please report it)", file=sys.stderr)
+        return 70
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -73,6 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each stage; show tracebacks")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     compile_ = commands.add_parser("compile", help="compile a model into an artifact directory",
@@ -151,9 +172,9 @@ def _build_parser() -> argparse.ArgumentParser:
     eval_.add_argument("--perplexity", required=True, type=Path, metavar="TEXTFILE", help="UTF-8 text to score")
     eval_.add_argument("--reference", type=Path, metavar="ARTIFACT",
                        help="an artifact of the same model (e.g. q0f32) to compare logits with")
-    eval_.add_argument("--window", type=int,
+    eval_.add_argument("--window", type=_whole_number(2),
                        help="tokens per scoring window, <s> included (default: the artifact's context, at most 1024)")
-    eval_.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    eval_.add_argument("--max-tokens", type=_positive_int, help="score only the first N tokens of the text")
     eval_.add_argument("--json", action="store_true", help="print the results as JSON")
     eval_.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_threads_argument(eval_)
@@ -168,18 +189,29 @@ def _build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=helptext)
         sub.add_argument("artifact", type=Path)
         if name == "generate":
-            sub.add_argument("--prompt", required=True, help="text to continue")
+            sub.add_argument("--prompt", required=True, type=_text, help="text to continue")
         else:
-            sub.add_argument("--system", help="system message, if the chat template accepts one")
-        sub.add_argument("--max-new-tokens", type=int, default=128)
-        sub.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
-        sub.add_argument("--top-k", type=int, default=0, help="0 disables")
-        sub.add_argument("--top-p", type=float, default=0.95)
-        sub.add_argument("--repetition-penalty", type=float, default=1.0)
-        sub.add_argument("--seed", type=int)
-        sub.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+            sub.add_argument("--system", type=_text, help="system message, if the chat template accepts one")
+        sub.add_argument("--max-new-tokens", type=_sampling_option("max_new_tokens", int), default=128, metavar="N",
+                         help="most tokens to generate (default %(default)s; less if the context window fills)")
+        sub.add_argument("--temperature", type=_sampling_option("temperature", float), default=0.7, metavar="T",
+                         help="0 means greedy (default %(default)s)")
+        sub.add_argument("--top-k", type=_sampling_option("top_k", int), default=0, metavar="K",
+                         help="sample among the K likeliest tokens; 0 disables (default %(default)s)")
+        sub.add_argument("--top-p", type=_sampling_option("top_p", float), default=0.95, metavar="P",
+                         help="sample among the likeliest tokens whose probabilities sum to P (default %(default)s)")
+        sub.add_argument("--repetition-penalty", type=_sampling_option("repetition_penalty", float), default=1.0,
+                         metavar="R", help="above 1, tokens already seen become less likely (default %(default)s)")
+        sub.add_argument("--seed", type=_sampling_option("seed", int), metavar="N",
+                         help="random seed, 0 <= N < 2**63 (default: a fresh one each run)")
+        sub.add_argument("--stop", action="append", default=[], type=_stop_string, metavar="TEXT",
+                         help="stop string (repeatable)")
         _add_threads_argument(sub)
         sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
+    for sub in commands.choices.values():
+        # Also after the command (`ember generate -v ...`); SUPPRESS keeps a -v given before it.
+        sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log each stage; show tracebacks")
     return parser
 
 
@@ -269,17 +301,15 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    import itertools
     from dataclasses import asdict
 
     from tqdm import tqdm
 
     from ember.runtime import Engine, load_artifact
-    from ember.runtime.evaluate import compare, perplexity, scoring_windows
+    from ember.runtime.evaluate import compare, iter_scoring_windows, perplexity, stream_token_ids
 
-    try:
-        text = args.perplexity.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise EmberError(f"--perplexity {args.perplexity}: cannot read it as UTF-8 text ({err})") from None
+    text = _open_text(args.perplexity)
     artifact = load_artifact(args.artifact, threads=args.threads)
     if artifact.tokenizer is None:
         raise EmberError(f"{args.artifact}: the artifact has no tokenizer, so it cannot score text")
@@ -288,8 +318,13 @@ def _run_eval(args: argparse.Namespace) -> int:
     window = args.window or min(max_context, 1024)
     if window > max_context:
         raise EmberError(f"--window {window}: {args.artifact} holds at most {max_context} tokens per sequence")
-    token_ids = artifact.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
-    windows = scoring_windows(token_ids, artifact.tokenizer.bos_token_id, window)
+    # Read, tokenized and cut into windows as scoring goes: a long text never sits in memory whole.
+    windows = iter_scoring_windows(stream_token_ids(artifact.tokenizer, text, args.max_tokens),
+                                   artifact.tokenizer.bos_token_id, window)
+    first = next(windows, None)
+    if first is None:
+        raise EmberError(f"--perplexity {args.perplexity}: the text has too few tokens to score (at least 2)")
+    windows = itertools.chain([first], windows)
 
     def progress(desc: str):
         return tqdm(windows, desc=desc, unit="window", disable=args.no_progress)
@@ -316,6 +351,17 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(f"divergence from the reference: mean KL {ref['mean_kl']:.5f} nats/token (max {ref['max_kl']:.4f}), "
               f"top-1 agreement {ref['top1_agreement']:.2%}")
     return 0
+
+
+def _open_text(path: Path) -> TextIO:
+    """`path` opened as UTF-8 text for --perplexity, refusing what is not a regular file
+    (/dev/zero, a FIFO: endless or unbounded input)."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise EmberError(f"--perplexity {path}: not a regular file")
+        return path.open(encoding="utf-8")
+    except OSError as err:
+        raise EmberError(f"--perplexity {path}: cannot read it ({err.strerror or err})") from None
 
 
 def _describe_target(target: dict) -> str:
@@ -345,15 +391,26 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = generation.stats
     print(f"\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
           f"decode {stats.new_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    _report_context_full(generation, engine.context_window)
     return 0
+
+
+def _report_context_full(generation, context_window: int) -> None:
+    """One line on stderr when the context window, not --max-new-tokens, ended `generation`."""
+    if generation.stats.context_full:
+        print(f"ember: the context window ({context_window} tokens) is full: stopped after "
+              f"{generation.stats.new_tokens} of --max-new-tokens {generation.params.max_new_tokens}", file=sys.stderr)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
     from ember.runtime import Engine, load_artifact
     from ember.runtime.chat import ChatSession
 
-    session = ChatSession(Engine(load_artifact(args.artifact, threads=args.threads)), system=args.system)
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    session = ChatSession(engine, system=args.system)
     sampling = _sampling(args)
+    # Bytes that are not UTF-8 arrive as surrogates, which `send` refuses, instead of ending input().
+    sys.stdin.reconfigure(errors="surrogateescape")
     print("ember chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
@@ -365,13 +422,22 @@ def _run_chat(args: argparse.Namespace) -> int:
             return 0
         if message.strip() == "/reset":
             session.reset()
+            print("ember: the conversation is forgotten; starting over", file=sys.stderr)
             continue
         start = time.perf_counter()
-        reply = session.send(message, sampling)
+        try:
+            reply = session.send(message, sampling)
+        except EmberError as err:  # the message was not added: the conversation goes on
+            print(f"ember: {_one_line(str(err))}", file=sys.stderr)
+            continue
+        if session.dropped_turns:
+            print(f"ember: the conversation outgrew the context window ({engine.context_window} tokens): "
+                  f"dropped its {session.dropped_turns} earliest turns", file=sys.stderr)
         for piece in reply:
             print(piece, end="", flush=True)
         print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
               f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        _report_context_full(reply, engine.context_window)
 
 
 def _parse_bytes(text: str) -> int:
@@ -385,10 +451,73 @@ def _parse_bytes(text: str) -> int:
     raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MB, 4GB, 2GiB)")
 
 
-def _positive_int(text: str) -> int:
-    if text.strip().isdigit() and int(text) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+def _whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `minimum`."""
+    expected = "a positive whole number" if minimum == 1 else f"a whole number >= {minimum}"
+
+    def convert(text: str) -> int:
+        if text.strip().isdigit() and int(text) >= minimum:
+            return int(text)
+        raise argparse.ArgumentTypeError(f"not {expected}: {text!r}")
+
+    return convert
+
+
+_positive_int = _whole_number(1)
+
+
+def _sampling_option(field: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: `parse` the text, then check it as `SamplingParams` checks `field`."""
+    def convert(text: str) -> Any:
+        from ember.runtime import SamplingParams
+
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'a whole number' if parse is int else 'a number'}: {text!r}") \
+                from None
+        try:
+            SamplingParams(**{field: value})
+        except EmberError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    return convert
+
+
+def _text(text: str) -> str:
+    """An argparse type: text that was valid UTF-8 on the command line."""
+    from ember.runtime.tokenizer import check_text
+
+    try:
+        check_text(text, "the text")
+    except EmberError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return text
+
+
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty stop string would end every generation at once")
+    return _text(text)
+
+
+def _version() -> str:
+    """`ember X.Y.Z (TVM A.B.C)`, read from the installed packages' metadata (importing TVM takes seconds)."""
+    from importlib import metadata
+
+    from ember import __version__
+
+    for name in ("apache-tvm", "tvm"):
+        try:
+            return f"ember {__version__} (TVM {metadata.version(name)})"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"ember {__version__} (TVM: not installed as a package)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _mib(n: int) -> str:
