@@ -4,6 +4,9 @@ One `ModelConfig` describes every decoder ember builds today: the Llama family
 (Llama 2/3 with llama3-style RoPE scaling), Mistral (sliding-window attention) and
 Qwen2 (biased q/k/v projections). Both config layouts that transformers writes are
 read: the older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters`.
+Every key ember reads is checked against `SCHEMA` (JSON type and range) before use:
+a config.json is written by whoever published the checkpoint, and a string "false"
+or a negative head count must be refused by name, not turned into a wrong model.
 """
 
 from __future__ import annotations

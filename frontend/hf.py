@@ -5,8 +5,9 @@ parameters carry recipes (`ember.weight_recipes`, initially "load tensor X"), th
 model config, and the tokenizer files to copy into the artifact. Every tensor the
 graph needs is checked against the checkpoint's headers here (present, right
 shape, readable dtype) so a bad checkpoint fails before minutes of compilation.
-A checkpoint without `tokenizer.json` still compiles; its artifact then takes and
-returns token ids only.
+The tokenizer files are loaded here too, as the runtime will load them, so a broken
+one fails the compile rather than the first generate. A checkpoint without
+`tokenizer.json` still compiles; its artifact then takes and returns token ids only.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
 
 
 def _check_tokenizer_config(data: dict, path: Path) -> None:
+    """The keys of tokenizer_config.json the runtime reads: chat_template, bos_token, eos_token."""
     template = data.get("chat_template")
     if isinstance(template, list):  # transformers' named templates: the runtime renders the "default" one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -3,6 +3,8 @@
 The safetensors header is parsed here rather than by the `safetensors` package so
 that every failure names its file and tensor (a truncated shard, a tensor whose
 bytes run past the end of the file) and so that bfloat16 maps onto `ml_dtypes`.
+A header is checked field by field and its byte ranges must not overlap: a crafted
+one could otherwise make a weight out of the header's own text or another tensor.
 Tensors are memory-mapped and read one at a time: a checkpoint larger than RAM is
 never read whole.
 """

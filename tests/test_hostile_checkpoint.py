@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -148,13 +149,18 @@ def test_hf_cache_link_into_another_repo_is_refused(model, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
-@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+@pytest.mark.parametrize("kind", ["directory", "FIFO", "device or socket"])
 def test_special_files_are_refused_before_reading(model, name, kind):
     (model / name).unlink()
     if kind == "directory":
         (model / name).mkdir()
-    else:
+    elif kind == "FIFO":
         os.mkfifo(model / name)  # opening it would block forever
+    else:
+        try:  # a /dev/zero of its own: read until memory runs out
+            os.mknod(model / name, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
     refused(model, f"{name}: is a {kind}, not a regular file")
 
 
