@@ -85,6 +85,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     if not 1 <= options.max_batch <= MAX_BATCH:
         raise EmberError(f"--max-batch {options.max_batch}: must be between 1 and {MAX_BATCH}")
     check_output_dir(output_dir)
+    tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
     quantization = FORMATS[options.quantization]
     model_dtype = quantization.dtype
 
@@ -95,7 +96,6 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         prefill_chunk = min(options.prefill_chunk, config.context_window)
 
         log.info("lowering and scheduling for %s", target.describe())
-        tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
         lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, tuning,
                                               int8_activations=not options.float_activations)

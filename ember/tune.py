@@ -45,7 +45,7 @@ from ember.schedules.tuning import (
     BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, knobs_record, space_size,
     tuning_space, workload,
 )
-from ember.schedules.tuning_db import TuningDatabase
+from ember.schedules.tuning_db import TuningDatabase, check_for_tuning
 from ember.targets.registry import TargetSpec, resolve_target
 
 log = logging.getLogger("ember")
@@ -111,6 +111,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
         logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
     deadline = time.monotonic() + 60 * options.budget_minutes
+    check_for_tuning(options.db)
     # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
     use_cpu_threads()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,37 +34,36 @@ from ember.targets.hardware import cpu_fingerprint
 log = logging.getLogger("ember")
 
 FINGERPRINT_NAME = "fingerprint.json"
+_TABLES = ("database_workload.json", "database_tuning_record.json")
 
 
 @dataclass
 class TuningDatabase:
-    """meta_schedule's JSONDatabase at `path`, measured on this machine."""
+    """meta_schedule's records of the database at `path`, measured on this machine: the JSONDatabase
+    itself when tuning, an in-memory copy when compiling."""
 
     path: Path
-    records: ms.database.JSONDatabase
+    records: ms.database.Database
 
     @classmethod
     def for_tuning(cls, path: Path) -> TuningDatabase:
         """Open (or create) `path` to add records measured on this machine."""
         path = Path(path)
-        here = cpu_fingerprint()
-        theirs = _read_fingerprint(path)
-        if theirs is None:
+        if check_for_tuning(path) is None:
             try:
                 path.mkdir(parents=True, exist_ok=True)
-                (path / FINGERPRINT_NAME).write_text(json.dumps(here, indent=2))
+                (path / FINGERPRINT_NAME).write_text(json.dumps(cpu_fingerprint(), indent=2))
             except OSError as err:
                 raise TuningError(f"--db {path}: cannot write the tuning database ({err})") from None
-        elif theirs != here:
-            raise TuningError(f"--db {path} was made on {describe(theirs)}, not this machine ({describe(here)}); "
-                              "tune into another directory")
-        return cls(path, _json_database(path))
+        for name in _TABLES:
+            _drop_torn_line(path / name)
+        return cls(path, _json_database(path, "--db"))
 
     @classmethod
     def for_compiling(cls, path: Path) -> TuningDatabase | None:
-        """Open `path` to read records; None (with a notice) if another machine made it."""
+        """Open `path` to read records, writing nothing there; None (with a notice) if another machine made it."""
         path = Path(path)
-        theirs = _read_fingerprint(path)
+        theirs = _read_fingerprint(path, "--tuning-db")
         if theirs is None:
             raise TuningError(f"--tuning-db {path}: not a tuning database (no {FINGERPRINT_NAME}); "
                               "make one with `ember tune --db`")
@@ -71,7 +71,24 @@ class TuningDatabase:
         if theirs != here:
             log.warning("tuning database %s was made on %s; ignoring it", path, describe(theirs))
             return None
-        return cls(path, _json_database(path))
+        # meta_schedule's JSONDatabase opens its tables for appending: load a private copy of their whole
+        # lines into memory, so a read-only (or shared) database stays untouched.
+        with tempfile.TemporaryDirectory(prefix="ember-tuning-db-") as copy:
+            for name in _TABLES:
+                try:
+                    data = (path / name).read_bytes()
+                except FileNotFoundError:
+                    data = b""
+                except OSError as err:
+                    raise TuningError(f"--tuning-db {path / name}: unreadable ({err.strerror or err})") from None
+                (Path(copy) / name).write_bytes(data[: data.rfind(b"\n") + 1])
+            on_disk = _json_database(Path(copy), "--tuning-db", shown=path)
+        in_memory = ms.database.MemoryDatabase(module_equality="structural")
+        for record in on_disk.get_all_tuning_records():
+            entry = in_memory.commit_workload(record.workload.mod)
+            in_memory.commit_tuning_record(ms.database.TuningRecord(
+                record.trace, entry, record.run_secs, record.target, record.args_info))
+        return cls(path, in_memory)
 
     def trials(self, workload: tvm.IRModule) -> int:
         """How many trials of `workload` are on disk (failed builds and runs included)."""
@@ -87,6 +104,17 @@ class TuningDatabase:
         return self.records.query_tuning_record(workload, target, "main")
 
 
+def check_for_tuning(path: Path) -> dict[str, Any] | None:
+    """Refuse a `--db` that is no tuning database directory or was made on another machine (before
+    minutes of work); its fingerprint, or None where there is no database yet."""
+    theirs = _read_fingerprint(Path(path), "--db")
+    here = cpu_fingerprint()
+    if theirs is not None and theirs != here:
+        raise TuningError(f"--db {path} was made on {describe(theirs)}, not this machine ({describe(here)}); "
+                          "tune into another directory")
+    return theirs
+
+
 def describe(fingerprint: dict[str, Any]) -> str:
     """A machine fingerprint in words."""
     isa = "/".join(fingerprint.get("isa", [])) or "no listed ISA extensions"
@@ -94,27 +122,29 @@ def describe(fingerprint: dict[str, Any]) -> str:
     return f"{cpu} ({machine}, {isa}, {cores} cores)"
 
 
-def _read_fingerprint(path: Path) -> dict[str, Any] | None:
+def _read_fingerprint(path: Path, option: str) -> dict[str, Any] | None:
+    """The fingerprint in the database directory `path` (given as `option`); None if there is none yet."""
+    if path.exists() and not path.is_dir():
+        raise TuningError(f"{option} {path}: not a directory (a tuning database is a directory `ember tune` writes)")
+    fingerprint = path / FINGERPRINT_NAME
+    if fingerprint.exists() and not fingerprint.is_file():
+        raise TuningError(f"{option} {fingerprint}: not a regular file")
     try:
-        data = json.loads((path / FINGERPRINT_NAME).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise TuningError(f"{path / FINGERPRINT_NAME}: unreadable ({err}); delete the directory and tune again") \
-            from None
-    if not isinstance(data, dict):
-        raise TuningError(f"{path / FINGERPRINT_NAME}: not a JSON object; delete the directory and tune again")
+        data = json.loads(fingerprint.read_text(encoding="utf-8")) if fingerprint.exists() else None
+    except (OSError, ValueError, RecursionError) as err:
+        raise TuningError(f"{option} {fingerprint}: unreadable ({err}); tune into a new directory") from None
+    if data is not None and not isinstance(data, dict):
+        raise TuningError(f"{option} {fingerprint}: not a JSON object; tune into a new directory")
     return data
 
 
-def _json_database(path: Path) -> ms.database.JSONDatabase:
-    for name in ("database_workload.json", "database_tuning_record.json"):
-        _drop_torn_line(path / name)
+def _json_database(path: Path, option: str, shown: Path | None = None) -> ms.database.JSONDatabase:
     try:
         return ms.database.JSONDatabase(work_dir=str(path), module_equality="structural")
     except Exception as err:  # TVM reports a damaged line as a bare TVMError
-        raise TuningError(f"{path}: the tuning records are damaged ({err}); delete the directory and tune again") \
-            from None
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise TuningError(f"{option} {shown or path}: the tuning records are damaged ({reason}); "
+                          "tune into a new directory") from None
 
 
 def _drop_torn_line(file: Path) -> None:

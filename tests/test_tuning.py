@@ -123,7 +123,7 @@ def test_killed_tuning_job_resumes(tiny_models, tmp_path):
     def tune(trials: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "ember", "tune", str(checkpoint), "--db", str(db),
                                  "--trials", str(trials), "--kernels", "1", "--prefill-chunk", "64"],
-                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def lines() -> int:
         return len(records.read_text().splitlines()) if records.exists() else 0
@@ -135,13 +135,15 @@ def test_killed_tuning_job_resumes(tiny_models, tmp_path):
     job.send_signal(signal.SIGKILL)
     job.wait()
     before = lines()
-    assert before >= 1, job.stdout.read()
+    assert before >= 1, job.stderr.read()
 
     resumed = tune(before + 2)
-    output, _ = resumed.communicate(timeout=300)
+    summary, output = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
     # The killed job's trials count towards the target: two more are measured (and maybe the rule recorded).
     assert f"{before + 2}/{before + 2} trials" in output and lines() in (before + 2, before + 3), output
+    # Progress goes to stderr; stdout holds the result alone (no meta_schedule tables from the resumed job).
+    assert summary == f"tuned 1 kernels into {db}\n", summary
 
     compiled = subprocess.run([sys.executable, "-m", "ember", "compile", str(checkpoint), "-o", str(tmp_path / "a"),
                                "--tuning-db", str(db), "--prefill-chunk", "64", "--no-progress"],
@@ -180,3 +182,59 @@ def test_tune_explains_a_model_without_tunable_kernels(tiny_models, tmp_path):
     imported = import_hf_model(checkpoint, target.target, "float32")
     options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=False)
     assert hot_kernels(pipeline.to_kernels(imported.mod, target, options), target)
+
+
+def test_compiling_reads_a_database_without_writing_it(tuned_db, tmp_path):
+    """A torn last line (a killed job's) is skipped in memory, not cut on disk: compiling only reads."""
+    db = tmp_path / "db"
+    db.mkdir()
+    for name in os.listdir(tuned_db):
+        if name.endswith(".json"):
+            (db / name).write_bytes((tuned_db / name).read_bytes())
+    with (db / RECORDS).open("a") as f:
+        f.write('[0, [[[1, 2')
+    from helpers import tree_snapshot
+
+    before = tree_snapshot(db)
+    stamps = {path.name: path.stat().st_mtime_ns for path in db.iterdir()}
+    database = TuningDatabase.for_compiling(db)
+    assert database is not None and database.best(workload(nt_matmul()), resolve_target("cpu").target) is not None
+    assert tree_snapshot(db) == before
+    assert {path.name: path.stat().st_mtime_ns for path in db.iterdir()} == stamps
+
+
+def test_compile_with_a_database_on_a_read_only_filesystem(tuned_db, tiny_models, tmp_path):
+    """The probe's case: `compile --tuning-db` on a read-only mount (a private mount namespace, so
+    nothing outside this test sees it) compiles instead of failing with EROFS."""
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("no mount namespaces here (needs unshare -m as root)")
+    db = tmp_path / "db"
+    shutil.copytree(tuned_db, db)
+    with (db / RECORDS).open("a") as f:
+        f.write('[0, [[[1, 2')  # what made the old code rewrite the file
+    out = tmp_path / "out"
+    script = (f"mount --bind {db} {db} && mount -o remount,bind,ro {db} && touch {db}/probe 2>/dev/null && exit 9; "
+              f"exec {sys.executable} -m ember compile {tiny_models.checkpoint('llama')} -o {out} "
+              f"--tuning-db {db} --prefill-chunk 64 --no-progress")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (out / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("command", ["tune", "compile"])
+def test_a_file_is_not_a_database(tiny_models, tmp_path, command):
+    """`--db FILE` / `--tuning-db FILE`: one line saying it is not a directory (it used to say to delete it)."""
+    from helpers import assert_one_line_error, run_ember, tree_snapshot
+
+    db = tmp_path / "db.json"
+    db.write_text("{}")
+    option = "--db" if command == "tune" else "--tuning-db"
+    before = tree_snapshot(tmp_path)
+    result = run_ember(command, str(tiny_models.checkpoint("llama")), *(["-o", str(tmp_path / "out")] if
+                       command == "compile" else []), option, str(db), "--prefill-chunk", "64")
+    assert_one_line_error(result, f"{option} {db}: not a directory")
+    assert "delete" not in result.stderr
+    assert tree_snapshot(tmp_path) == before
