@@ -287,12 +287,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
         ("entry functions", ", ".join(manifest.entry_functions)),
         ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "
                      f"heads x {kv['head_dim']} ({kv['dtype']}); prefill chunk {kv['prefill_chunk']}, "
-                     f"max batch {kv['max_batch']}, "
-                     f"{kv.get('max_total_tokens', kv['max_batch'] * kv['max_context'])} tokens in all"),
+                     f"max batch {kv['max_batch']}, {kv['max_total_tokens']} tokens in all"),
         ("memory", f"weights {_mib(memory['weight_bytes'])}, KV {memory['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
                    f"workspace {_mib(memory['peak_workspace_bytes'])}"),
         ("weights", f"{len(manifest.params)} tensors"),
-        ("files", ", ".join(f"{name} ({sha[:12]})" for name, sha in manifest.files.items())),
+        ("files", ", ".join(f"{name} ({entry['sha256'][:12]})" for name, entry in manifest.files.items())),
     ]
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
