@@ -65,7 +65,8 @@ class ChatSession:
         self._reply = Generation(self.engine, self.tokenizer, self.seq_id, prompt[shared:], params)
         return self._reply
 
-    def _fit(self, messages: list[dict[str, str]], params: SamplingParams) -> tuple[list[dict[str, str]], list[int], int]:
+    def _fit(self, messages: list[dict[str, str]],
+             params: SamplingParams) -> tuple[list[dict[str, str]], list[int], int]:
         """The latest turns of `messages` whose prompt leaves room for a reply, that prompt, and how
         many turns were dropped."""
         context = self.engine.context_window
