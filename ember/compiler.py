@@ -78,6 +78,9 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     target = resolve_target(options.target)
     options = _with_target_defaults(options, target)
+    if target.foreign_architecture:
+        raise EmberError(f"--target: {target.foreign_architecture} is another CPU architecture than this machine's; "
+                         "ember cannot link a library for it yet: run `ember compile` on such a machine")
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if not 1 <= options.prefill_chunk <= MAX_PREFILL_CHUNK:

@@ -97,6 +97,14 @@ class TargetSpec:
         return None
 
     @property
+    def foreign_architecture(self) -> str | None:
+        """The target triple of a CPU target for another architecture than this machine's (whose
+        library the host linker cannot link), or None."""
+        triple = self.tvm_target.get("mtriple") if not self.is_gpu else None
+        host = codegen.llvm_get_system_triple()
+        return triple if triple and str(triple).split("-")[0] != host.split("-")[0] else None
+
+    @property
     def cuda_graph(self) -> bool:
         """Whether decode is captured as CUDA graphs."""
         return self.name == "cuda"

@@ -104,3 +104,17 @@ def test_cuda_needs_nvcc(monkeypatch):
 def test_bad_targets_are_refused_with_the_reason(spec: str, message: str) -> None:
     with pytest.raises(TargetError, match=message.replace("(", r"\(")):
         resolve_target(spec)
+
+
+def test_compile_refuses_another_architecture_before_any_work(tmp_path) -> None:
+    """The README's aarch64 target JSON ended in a traceback from the host linker; until ember
+    cross-links, it is one line naming the triple, before the model is read (the path is bogus)."""
+    from ember.compiler import CompileOptions, compile_model
+    from ember.errors import EmberError
+
+    target = '{"kind": "llvm", "mcpu": "cortex-a76", "mtriple": "aarch64-linux-gnu"}'
+    with pytest.raises(EmberError, match=r"^--target: aarch64-linux-gnu is another CPU architecture"):
+        compile_model(tmp_path / "no-model", tmp_path / "out", CompileOptions(target=target))
+    assert list(tmp_path.iterdir()) == []
+    assert resolve_target(target).foreign_architecture == "aarch64-linux-gnu"
+    assert resolve_target("cpu").foreign_architecture is None
