@@ -31,6 +31,7 @@ from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
 from ember.ir_passes.weight_recipes import set_recipes, weight_params
+from ember.runtime.tokenizer import default_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
@@ -83,10 +84,7 @@ def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
 
 def _check_tokenizer_config(data: dict, path: Path) -> None:
     """The keys of tokenizer_config.json the runtime reads: chat_template, bos_token, eos_token."""
-    template = data.get("chat_template")
-    if isinstance(template, list):  # transformers' named templates: the runtime renders the "default" one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", template)
+    template = default_chat_template(data.get("chat_template"))
     if template is not None and not isinstance(template, str):
         raise ModelError(f"{path}: 'chat_template' must be a string or a list of {{name, template}} with a "
                          f"'default' one, got {short_repr(data['chat_template'])}")

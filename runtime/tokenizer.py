@@ -38,7 +38,7 @@ class Tokenizer:
         self._tokenizer = tokenizer
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template = config.get("chat_template")
+        self.chat_template = default_chat_template(config.get("chat_template"))
         eos_ids = generation.get("eos_token_id")
         if eos_ids is None and self.eos_token is not None:
             eos_ids = tokenizer.token_to_id(self.eos_token)
@@ -227,6 +227,14 @@ def _check_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, int) and abs(value) > budget.max_chars:
             raise _OverBudget(f"the argument {value} is too large")
+
+
+def default_chat_template(template: Any) -> Any:
+    """transformers' named templates ([{name, template}, ...]) stand for the one named "default"."""
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        return named.get("default", template)
+    return template
 
 
 def _compile_template(source: Any, name: str) -> tuple[jinja2.Template | None, str]:

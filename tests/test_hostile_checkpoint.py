@@ -333,6 +333,10 @@ def test_named_chat_templates_with_a_default_are_accepted(model):
     templates = [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "{{ messages }}"}]
     edit_json(model / "tokenizer_config.json", lambda c: c.update(chat_template=templates))
     assert import_model(model).config.vocab_size == models.VOCAB_SIZE
+    from ember.runtime.tokenizer import Tokenizer
+
+    rendered = Tokenizer.from_dir(model).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "[{'role': 'user', 'content': 'hi'}]"  # the default one, rendered by the runtime
 
 
 @pytest.mark.parametrize("key, value, expected", [
