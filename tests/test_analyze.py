@@ -560,3 +560,12 @@ def test_attention_and_data_movement_bytes_by_hand():
     # A matmul reads all its inputs; a gather (no arithmetic) only what it writes.
     assert moved_bytes([100, 1000, 40], num_inputs=2, ops=5) == 1140
     assert moved_bytes([4096, 8, 64], num_inputs=2, ops=0) == 128
+
+
+@pytest.mark.parametrize("argv", [["--prompt-len", "1000000000", "--gen-len", "1000000000"],
+                                  ["--prompt-len", "131000", "--gen-len", "100"],
+                                  ["--context", "200000"]])
+def test_cli_refuses_a_workload_past_the_context_window(argv):
+    """1e9 + 1e9 tokens was accepted and would have evaluated a billion decode steps (~40 hours)."""
+    with pytest.raises(EmberError, match=r"exceeds Llama-3\.2-1B's context window of 131072 tokens$"):
+        run_cli("Llama-3.2-1B", "--hardware", "raspberry-pi-5", *argv)

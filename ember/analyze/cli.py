@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     abits = 16 if args.abits is None else args.abits
     precision = Precision(16 if args.wbits is None else args.wbits, abits, args.kvbits or abits, float16)
     workload = Workload(args.batch, args.prompt_len or 1024, args.gen_len or 256, args.context, args.flash_attention)
+    window = arch.config.context_window
+    if workload.prompt_len + workload.gen_len > window or (args.context or 0) > window:
+        raise EmberError(f"--prompt-len {workload.prompt_len} + --gen-len {workload.gen_len}"
+                         f"{f' (or --context {args.context})' if args.context else ''} exceeds {args.model}'s "
+                         f"context window of {window} tokens")
     analysis = analyze(arch, hardware, precision, workload)
     print(json.dumps(to_json(analysis), indent=2) if args.json else format_text(analysis))
     if args.plot:
