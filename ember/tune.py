@@ -115,9 +115,9 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
     use_cpu_threads()
 
-    _progress(f"extracting kernels of {model}")
     fmt = FORMATS[quantization]
     imported = import_hf_model(model, target.target, fmt.dtype)
+    _progress(f"extracting kernels of {model}")
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
                                           int8_activations=not options.float_activations)

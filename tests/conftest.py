@@ -216,3 +216,13 @@ def copy_artifact(tmp_path):
         return Path(shutil.copytree(model.artifact_dir, tmp_path / "artifact"))
 
     return copy
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The hostile-input corpus's tally (`test_hostile_corpus.py`), when it ran."""
+    import hostile
+
+    if hostile.TALLY.counts:
+        terminalreporter.write_line("hostile-input corpus (outcome of every generated case):")
+        for line in hostile.TALLY.report():
+            terminalreporter.write_line(line)

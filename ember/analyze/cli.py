@@ -119,9 +119,11 @@ def _run_measure(args: argparse.Namespace) -> int:
     if args.hardware not in (None, "host"):
         raise EmberError(f"--hardware {args.hardware}: --measure runs on this machine, whose roofline is 'host'")
     prompt_len = args.prompt_len or 128
-    print(f"timing every kernel of {args.model}: a prefill of {prompt_len} tokens and a decode step of "
-          f"batch {args.batch} ...", file=sys.stderr)
-    measurement = measure(Path(args.model), prompt_len, args.batch)
+    def announce() -> None:
+        print(f"timing every kernel of {args.model}: a prefill of {prompt_len} tokens and a decode step of "
+              f"batch {args.batch} ...", file=sys.stderr)
+
+    measurement = measure(Path(args.model), prompt_len, args.batch, on_start=announce)
     print(json.dumps(measurement_json(measurement), indent=2) if args.json else format_measurement(measurement))
     if args.plot:
         print(f"wrote {write_measured_plot(measurement, args.plot)}", file=sys.stderr)

@@ -31,7 +31,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -122,8 +122,11 @@ class Measurement:
 
 
 def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: int = REPEATS,
-            hardware: Hardware | None = None) -> Measurement:
-    """Time every kernel of the artifact's prefill of `prompt_len` tokens and of a decode step of `batch` sequences."""
+            hardware: Hardware | None = None, on_start: Callable[[], None] = lambda: None) -> Measurement:
+    """Time every kernel of the artifact's prefill of `prompt_len` tokens and of a decode step of `batch` sequences.
+
+    `on_start` is called once the artifact and the request are found good, before the timing.
+    """
     artifact = load_artifact(Path(artifact_dir))
     manifest = artifact.manifest
     engine = Engine(artifact)
@@ -132,6 +135,7 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
                          f"per call and holds {engine.context_window}; measure a prompt that fits one call")
     if batch > engine.max_batch:
         raise EmberError(f"--batch {batch}: {artifact_dir} decodes at most {engine.max_batch} sequences")
+    on_start()
     hardware = hardware or load_host()
     config = _config(manifest, artifact_dir)
     arch = Architecture(Path(artifact_dir).resolve().name, config)
