@@ -1,19 +1,25 @@
 """ember on CPU next to llama.cpp, onnxruntime(-genai) and PyTorch eager: same weights, one run.
 
-Builds (or reuses) a Llama-shaped random checkpoint, compiles it with ember in each
-requested `--quant` format, writes it as GGUF for llama.cpp in each requested type,
-then measures every runtime in its own fresh process, one after another and
+Builds (or reuses) a Llama-shaped random checkpoint and, for each `--isa` level this host
+can execute, compiles it with ember in each requested `--quant` format for that level's
+`--target` and builds llama.cpp for the same level (`build_llama_cpp.py`, cached); the
+GGUF files for llama.cpp's requested types are written once from the same weights. Then
+every runtime of every level runs in its own fresh process, one after another and
 round-robin over the repeats, waiting for a quiet machine before each run: prefill
-tok/s over the prompt, decode tok/s over the new tokens (greedy), peak RSS. The
-table gives the median of `--repeats` runs, the decode ratio to the first ember row,
-and decode as a share of this machine's memory-bandwidth roofline: bytes of weights
-read per decoded token (every weight but the embedding table, of which one row is
-read) times tok/s, over the read bandwidth measured in the same run. Greedy tokens
-of the float32 runtimes are compared with PyTorch's.
+tok/s over the prompt, decode tok/s over the new tokens (greedy), peak RSS. The header
+gives the host's ISA flags and the read bandwidth measured in the same run, and says
+which levels were skipped; then one table per level (the float32 peers, which choose
+their kernels at run time, in a table of their own) with the median of `--repeats`
+runs, decode as a share of the memory-bandwidth roofline (bytes of weights read per
+decoded token, every weight but the embedding table of which one row is read, times
+tok/s, over the bandwidth), ember/llama.cpp ratios per format (q0f32/F32, q8f32/Q8_0,
+q4f32/Q4_0) and each runtime's q4/q8 decode ratio. Greedy tokens are compared with
+PyTorch's where it ran.
 
-    python scripts/bench_cpu.py --model /tmp/llama110m --ember q0f32,q8f32,q4f32 \\
+    python scripts/bench_cpu.py --model /tmp/llama110m --isa avx2,avx512,native --ember q0f32,q8f32,q4f32 \\
         --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime,onnxruntime-genai --threads 2 --repeats 3
-    python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --ember q8f32,q4f32 --llama-cpp Q8_0,Q4_0 --peers ""
+    python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --isa avx2,native --ember q8f32,q4f32 \\
+        --llama-cpp Q8_0,Q4_0 --peers ""
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
+from ember.targets.hardware import cpu_fingerprint, measure_host
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
 
 
@@ -93,9 +103,39 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 def read_bandwidth() -> float:
     """Best of five measurements of this machine's read bandwidth, bytes/s."""
-    from ember.targets.hardware import measure_host
-
     return max(measure_host(matmul_size=64).memory_bandwidth for _ in range(5))
+
+
+# Pairs of the same bits per weight: ember's --quant and llama.cpp's GGUF type.
+FORMAT_PAIRS = (("q0f32", "F32"), ("q8f32", "Q8_0"), ("q4f32", "Q4_0"))
+# The host's flags shown in the header: the ones that decide which kernels either runtime can use.
+SHOWN_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+               "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
+def print_table(title: str, rows: dict[str, peers.Measurement], bytes_per_token: dict[str, int], bandwidth: float,
+                reference: list[int] | None) -> None:
+    """One ISA level's table, then its ember/llama.cpp ratios per format and q4/q8 decode ratios."""
+    print(f"\n{title}")
+    print(f"{'runtime':<17} {'prefill tok/s':>13} {'decode tok/s':>12} {'MB/token':>9} {'% roofline':>10} "
+          f"{'peak RSS MB':>11} {'tokens = torch':>14}")
+    for name, row in rows.items():
+        per_token = bytes_per_token.get(name)
+        roofline = f"{row.decode_tokens_per_s * per_token / bandwidth:>10.0%}" if per_token else f"{'-':>10}"
+        mb = f"{per_token / 1e6:>9.1f}" if per_token else f"{'-':>9}"
+        same = str(row.token_ids[:16] == reference[:16]) if reference else "-"
+        print(f"{name:<17} {row.prefill_tokens_per_s:>13.1f} {row.decode_tokens_per_s:>12.2f} {mb} {roofline} "
+              f"{row.peak_rss_mb:>11.0f} {same:>14}")
+    for ours, theirs in FORMAT_PAIRS:
+        a, b = rows.get(f"ember {ours}"), rows.get(f"llama.cpp {theirs}")
+        if a and b:
+            print(f"  ember {ours} / llama.cpp {theirs}: prefill "
+                  f"{a.prefill_tokens_per_s / b.prefill_tokens_per_s:.2f}x, decode "
+                  f"{a.decode_tokens_per_s / b.decode_tokens_per_s:.2f}x")
+    for runtime, q4, q8 in (("ember", "q4f32", "q8f32"), ("llama.cpp", "Q4_0", "Q8_0")):
+        a, b = rows.get(f"{runtime} {q4}"), rows.get(f"{runtime} {q8}")
+        if a and b:
+            print(f"  {runtime} decode {q4} / {q8}: {a.decode_tokens_per_s / b.decode_tokens_per_s:.2f}x")
 
 
 def main() -> None:
@@ -106,6 +146,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=Path("/tmp/llama110m"),
                         help="checkpoint dir; created with random weights of --shape if missing")
     parser.add_argument("--shape", choices=SHAPES, default="110m")
+    parser.add_argument("--isa", default="native",
+                        help=f"ISA levels ({', '.join(build_llama_cpp.LEVELS)}), comma-separated: per level, ember "
+                             "compiled for that level's --target next to llama.cpp built for it")
     parser.add_argument("--ember", default="q0f32,q8f32,q4f32", help="ember --quant formats, comma-separated")
     parser.add_argument("--llama-cpp", default="F32,Q8_0,Q4_0",
                         help=f"llama.cpp GGUF types ({', '.join(peers.LLAMA_CPP_TYPES)}), comma-separated")
@@ -115,68 +158,96 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-wait", type=float, default=60,
+                        help="seconds to wait for an idle machine before each run (then it runs anyway)")
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    unknown = [name for name in split(args.isa) if name not in build_llama_cpp.LEVELS]
+    if unknown:
+        parser.error(f"--isa: unknown level {unknown[0]!r} (known: {', '.join(build_llama_cpp.LEVELS)})")
+
+    levels, skipped = [], []
+    for name in split(args.isa):
+        missing = build_llama_cpp.missing_flags(build_llama_cpp.LEVELS[name])
+        if missing:
+            skipped.append(f"ISA level {name} skipped: this host cannot execute it (no {', '.join(missing)})")
+            print(skipped[-1], file=sys.stderr)
+        else:
+            levels.append(build_llama_cpp.LEVELS[name])
 
     if not (args.model / "config.json").exists():
         peers.make_random_llama(args.model, **SHAPES[args.shape])
     from ember.compiler import CompileOptions, compile_model
 
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
-    runners, bytes_per_token, compile_s = {}, {}, {}
-    for fmt in split(args.ember):
-        artifact = args.model.with_name(f"{args.model.name}-ember-{fmt}")
-        start = time.perf_counter()
-        compile_model(args.model, artifact, CompileOptions(quantization=fmt, show_progress=False))
-        compile_s[fmt] = time.perf_counter() - start
-        name = f"ember {fmt}"
-        runners[name] = lambda artifact=artifact: measure_ember(artifact, prompt, args.new_tokens, args.threads)
-        bytes_per_token[name] = ember_bytes_per_token(artifact)
-    for qtype in split(args.llama_cpp):
-        name = f"llama.cpp {qtype}"
-        runners[name] = lambda q=qtype: peers.measure_llama_cpp(args.model, q, prompt, args.new_tokens, args.threads)
-    float32_bytes = next((b for n, b in bytes_per_token.items() if n == "ember q0f32"), None)
-    if "pytorch" in split(args.peers):
-        runners["pytorch-eager"] = lambda: peers.measure_torch_eager(args.model, prompt, args.new_tokens, args.threads)
-        bytes_per_token["pytorch-eager"] = float32_bytes
-    if "onnxruntime" in split(args.peers):
-        runners["onnxruntime"] = lambda: peers.measure_onnxruntime(args.model, prompt, args.new_tokens, args.threads)
-        bytes_per_token["onnxruntime"] = float32_bytes
-    if "onnxruntime-genai" in split(args.peers):
-        runners["onnxruntime-genai"] = lambda: peers.measure_onnxruntime_genai(args.model, prompt, args.new_tokens,
-                                                                               args.threads)
-        bytes_per_token["onnxruntime-genai"] = float32_bytes
+    # Runners and results are keyed by (table, runtime): one table per ISA level, one for the float peers.
+    runners: dict[tuple[str, str], Callable[[], peers.Measurement]] = {}
+    bytes_per_token: dict[str, int] = {}
+    compile_s, builds = {}, {}
+    for level in levels:
+        for fmt in split(args.ember):
+            artifact = args.model.with_name(f"{args.model.name}-ember-{fmt}-{level.name}")
+            start = time.perf_counter()
+            compile_model(args.model, artifact, CompileOptions(quantization=fmt, target=level.ember_target,
+                                                               show_progress=False))
+            compile_s[level.name, fmt] = time.perf_counter() - start
+            runners[level.name, f"ember {fmt}"] = lambda a=artifact: measure_ember(a, prompt, args.new_tokens,
+                                                                                    args.threads)
+            bytes_per_token[f"ember {fmt}"] = ember_bytes_per_token(artifact)
+        if split(args.llama_cpp):
+            package = build_llama_cpp.ensure_built(level)
+            builds[level.name] = (package, build_llama_cpp.check_isa(level, package))
+        for qtype in split(args.llama_cpp):
+            runners[level.name, f"llama.cpp {qtype}"] = lambda q=qtype, d=package: peers.measure_llama_cpp(
+                args.model, q, prompt, args.new_tokens, args.threads, package_dir=d)
+    float32_bytes = bytes_per_token.get("ember q0f32")
+    for peer, name, measure in (("pytorch", "pytorch-eager", peers.measure_torch_eager),
+                                ("onnxruntime", "onnxruntime", peers.measure_onnxruntime),
+                                ("onnxruntime-genai", "onnxruntime-genai", peers.measure_onnxruntime_genai)):
+        if peer in split(args.peers):
+            runners["peers", name] = lambda m=measure: m(args.model, prompt, args.new_tokens, args.threads)
+            if float32_bytes:
+                bytes_per_token[name] = float32_bytes
 
     # Round-robin: every runtime once, then again. A shared machine's memory bandwidth drifts
     # over minutes (decode of one artifact measured 76-111 tok/s within a minute), and the
     # drift then lands on every runtime's median alike instead of on whichever ran last.
-    runs: dict[str, list[peers.Measurement]] = {name: [] for name in runners}
+    runs: dict[tuple[str, str], list[peers.Measurement]] = {key: [] for key in runners}
+    busy = 0
     for _ in range(args.repeats):
-        for name, run in runners.items():
-            peers.wait_for_quiet_machine()
-            runs[name].append(run())
-    rows = [peers.summarize(measured) for measured in runs.values()]
-    for name in runners:
-        if name.startswith("llama.cpp"):
-            bytes_per_token[name] = gguf_bytes_per_token(args.model / "gguf" / f"model-{name.split()[1]}.gguf")
-    peers.wait_for_quiet_machine()
+        for key, run in runners.items():
+            busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+            runs[key].append(run())
+    for qtype in split(args.llama_cpp):
+        bytes_per_token[f"llama.cpp {qtype}"] = gguf_bytes_per_token(args.model / "gguf" / f"model-{qtype}.gguf")
+    peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
     bandwidth = read_bandwidth()
 
-    first = rows[0]
-    reference = next((r.token_ids for r in rows if r.name == "pytorch-eager"), None)
+    summary = {key: peers.summarize(measured) for key, measured in runs.items()}
+    reference = summary.get(("peers", "pytorch-eager"))
+    flags = build_llama_cpp.host_flags()
     print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
-          f"{args.new_tokens} new tokens, median of {args.repeats}   read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print("ember compile time (untuned): " + ", ".join(f"{f} {s:.1f} s" for f, s in compile_s.items()) + "\n")
-    print(f"{'runtime':<17} {'prefill tok/s':>13} {'decode tok/s':>12} {'decode vs ' + first.name:>22} "
-          f"{'MB/token':>9} {'% roofline':>10} {'peak RSS MB':>11} {'tokens = torch':>14}")
-    for row in rows:
-        per_token = bytes_per_token.get(row.name)
-        roofline = f"{row.decode_tokens_per_s * per_token / bandwidth:>10.0%}" if per_token else f"{'-':>10}"
-        mb = f"{per_token / 1e6:>9.1f}" if per_token else f"{'-':>9}"
-        same = str(row.token_ids[:16] == reference[:16]) if reference else "-"
-        print(f"{row.name:<17} {row.prefill_tokens_per_s:>13.1f} {row.decode_tokens_per_s:>12.2f} "
-              f"{row.decode_tokens_per_s / first.decode_tokens_per_s:>21.2f}x {mb} {roofline} "
-              f"{row.peak_rss_mb:>11.0f} {same:>14}")
+          f"{args.new_tokens} new tokens, median of {args.repeats}, round-robin   "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured in this run)")
+    print(f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in SHOWN_FLAGS if f in flags)}; "
+          f"lacks: {' '.join(f for f in SHOWN_FLAGS if f not in flags) or 'none of these'}")
+    for line in skipped:
+        print(line)
+    if busy:
+        print(f"warning: {busy} of {len(runners) * args.repeats} runs started on a busy machine")
+    for level in levels:
+        compiled = ", ".join(f"{fmt} {s:.1f} s" for (name, fmt), s in compile_s.items() if name == level.name)
+        title = f"ISA level {level.name}: ember --target {level.ember_target} (compile, untuned: {compiled})"
+        if level.name in builds:
+            package, counts = builds[level.name]
+            title += (f"\n  llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(level)}; objdump: "
+                      f"{counts['zmm']} zmm instructions, {counts['vpdpbusd']} vpdpbusd")
+        rows = {name: m for (table, name), m in summary.items() if table == level.name}
+        print_table(title, rows, bytes_per_token, bandwidth, reference and reference.token_ids)
+    peer_rows = {name: m for (table, name), m in summary.items() if table == "peers"}
+    if peer_rows:
+        print_table("float32 peers (each dispatches to this host's ISA at run time)", peer_rows, bytes_per_token,
+                    bandwidth, reference and reference.token_ids)
 
 
 if __name__ == "__main__":

@@ -392,17 +392,22 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype:
 
 
 def measure_llama_cpp(
-    model_dir: str | os.PathLike, qtype: str, prompt_ids: list[int], new_tokens: int, threads: int
+    model_dir: str | os.PathLike, qtype: str, prompt_ids: list[int], new_tokens: int, threads: int,
+    package_dir: str | os.PathLike | None = None,
 ) -> Measurement:
     """Time llama.cpp (llama-cpp-python) on the checkpoint converted to ``qtype`` GGUF, in a fresh process.
 
-    The GGUF file is written once to ``model_dir/gguf/`` and reused.
+    The GGUF file is written once to ``model_dir/gguf/`` and reused. ``package_dir``, a
+    directory holding a ``llama_cpp`` package (one ISA level's build, see
+    ``build_llama_cpp.py``), is put first on the worker's ``sys.path``; without it the
+    installed llama-cpp-python runs.
     """
     path = Path(model_dir) / "gguf" / f"model-{qtype}.gguf"
     if not path.exists():
         _run_isolated("_write_gguf_worker", model_dir=str(model_dir), out_path=str(path), qtype=qtype)
     result = _run_isolated("_llama_cpp_worker", gguf_path=str(path), prompt_ids=list(prompt_ids),
-                           new_tokens=new_tokens, threads=threads)
+                           new_tokens=new_tokens, threads=threads,
+                           package_dir=str(package_dir) if package_dir else None)
     return Measurement(name=f"llama.cpp {qtype}", **result)
 
 
@@ -411,8 +416,16 @@ def _write_gguf_worker(model_dir: str, out_path: str, qtype: str) -> dict[str, A
     return {}
 
 
-def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, threads: int,
+                      package_dir: str | None) -> dict[str, Any]:
+    if package_dir:
+        sys.path.insert(0, package_dir)
+    import llama_cpp
     from llama_cpp import Llama
+
+    # An ISA-level build that failed to import would silently measure another llama.cpp.
+    if package_dir and not Path(llama_cpp.__file__).resolve().is_relative_to(Path(package_dir).resolve()):
+        raise RuntimeError(f"llama_cpp was imported from {llama_cpp.__file__}, not from {package_dir}")
 
     llm = Llama(model_path=gguf_path, n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=len(prompt_ids),
                 n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
