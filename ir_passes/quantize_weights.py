@@ -13,8 +13,8 @@ and each use by one kernel that reads the parts directly:
     y = dequantize_matmul(x, W.packed, W.scale)   # y[.., n] = sum_k x[.., k] * w(n, k)
     e = dequantize_take(W.packed, W.scale, ids)   # e[.., k] = w(ids[..], k)
 
-where `w(n, k)` is the format's unpacking expression. On CPUs with an int8 dot-product
-instruction, projections instead call `schedules/int8_matmul.py`'s kernel, which
+where `w(n, k)` is the format's unpacking expression. On CPUs with an int8 dot product
+(AVX2 and up: `TargetSpec.int8_dot`), projections instead call `schedules/int8_matmul.py`'s kernel, which
 quantizes the activations to int8 and multiplies in integers, as llama.cpp does
 (`--float-activations` turns this off); their weights are stored in the layout that
 kernel reads (`interleaved`, blocks of 8 rows side by side), and a gather of such a
@@ -45,15 +45,16 @@ from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bi
 from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 from ember.schedules import int8_matmul
+from ember.targets.registry import Int8Dot
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
 
 
 def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False,
-                     int8_dot: str | None = None, vector_bits: int = 256) -> tvm.transform.Pass:
+                     int8_dot: Int8Dot | None = None, vector_bits: int = 256) -> tvm.transform.Pass:
     """The pass quantizing every matmul and embedding weight to `fmt`.
 
-    With `int8_dot` (the target's dot-product intrinsic, `TargetSpec.int8_dot`), projections
+    With `int8_dot` (the target's dot product, `TargetSpec.int8_dot`), projections
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
     register tiles sized by the target's `vector_bits`), where the format and shape allow it.
     """
@@ -134,7 +135,7 @@ class _WeightUses:
 class _Rewriter(relax.PyExprMutator):
     """Replaces projections and gathers of chosen weights by dequantizing kernels."""
 
-    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: str | None, vector_bits: int) -> None:
+    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: Int8Dot | None, vector_bits: int) -> None:
         super().__init__(mod)
         self.fmt = fmt
         self.int8_dot = int8_dot

@@ -1,12 +1,19 @@
-"""ember's matmul for int8/int4 weights on CPUs with an int8 dot-product instruction.
+"""ember's matmul for int8/int4 weights on x86 CPUs with AVX2 and up, in integer dot products.
 
 The float path (`matmul.py`) unpacks every weight value to float32 and multiplies it
 with a float FMA: a shift, a mask, a convert and an FMA per value, so decode is
 compute-bound below the memory roofline and prefill runs at float GEMM speed at best.
-CPUs with AVX512-VNNI or AVX-VNNI multiply bytes directly: `vpdpbusd` adds four
-products of an unsigned and a signed byte into each int32 lane, 32 multiply-adds per
-instruction on a 256-bit register. This kernel quantizes the activation rows to int8
-once per call (llama.cpp's Q8_0 rounding) and does the dot products in integers.
+x86 CPUs multiply bytes directly, 32 multiply-adds per 256-bit register. This kernel
+quantizes the activation rows to int8 once per call (llama.cpp's Q8_0 rounding) and
+does the dot products in integers, with the target's instructions (`TargetSpec.int8_dot`,
+the one place a level is chosen):
+
+    avx512vnni, avxvnni   vpdpbusd adds four u8 x s8 products into each int32 lane
+    avx512, avx2          vpmaddubsw adds two u8 x s8 products into a saturating int16
+                          lane, vpmaddwd with ones sums pairs of those into int32
+                          (AVX-512 without VNNI runs the AVX2 sequence, with a larger tile)
+
+SSE4.2-only CPUs have no int8 path: the float path computes their projections.
 
 Weights are stored `interleaved` (see `ir_passes/quant_formats.py`): one 256-bit load
 holds 4 bytes of each of 8 weight rows. Broadcasting 4 activation bytes against it
@@ -23,7 +30,7 @@ shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vect
         for g:
           dot[t, b] = broadcast(x_bias[m_t, g])               # int32 x 8
           for each weight word w of the group:
-            dot[t, b] = vpdpbusd(dot[t, b], packed[b, w, 0:8], broadcast(xq[m_t, w]))
+            dot[t, b] = vpdpbusd(dot[t, b], packed[b, w, 0:8], broadcast(xq[m_t, w]))  # VNNI; see below
           acc[t, b] += float(dot[t, b]) * x_scale[m_t, g] * scale[b, g, 0:8]
         y[m_t, 8b:8b+8] = acc[t, b]                           # one vector store
 
@@ -35,6 +42,18 @@ decode's (1 x 1) streams the weight once, linearly. Values are stored unsigned
 sum(q) = sum(v * q), exact in integers. A partial last tile of activation rows
 recomputes the last row instead of branching (the stores write the same values).
 
+Without VNNI, nothing may saturate vpmaddubsw's int16 pair sums (|q| <= 127: q8 rounds
+to +-127), and the stored weights are the same as for VNNI, so an artifact's weights do
+not depend on the ISA level:
+  int4: nibbles v + 8 in 0..15 times q: a pair is at most 2 * 15 * 127 = 3810, and the
+    8 steps of a group add 16 products per int16 lane, at most 30480 <= 32767, so a
+    group sums in int16 (vpaddw) and widens once: 8 vpmaddubsw + 1 vpmaddwd per group.
+  int8: v + 128 in 0..255 times q would reach 2 * 255 * 127 = 64770 and saturate. As in
+    llama.cpp, the unsigned operand is |v| (v = stored xor 0x80, then vpabsb) and the
+    signed one q with v's sign (vpsignb): a pair is at most 2 * 128 * 127 = 32512 <= 32767
+    (v >= -127 after rounding; -128 would still fit). Each step widens at once, and the
+    offset is not subtracted (`x_bias` is 0).
+
 Numerics: the weights are used exactly; the activations carry int8 rounding (at most
 half a step of max|x| / 127 per value), the same rounding llama.cpp applies to Q4_0
 and Q8_0 dot products. `ember compile --float-activations` keeps the float path.
@@ -42,13 +61,15 @@ and Q8_0 dot products. `ember compile --float-activations` keeps the float path.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir_passes.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
+from ember.targets.registry import Int8Dot
 
-# Bytes of one dot-product operand (256-bit registers): 4 per weight row of a block.
-DOT_BYTES = 4 * INTERLEAVED_ROWS
 _LEVELS = 127.0
 
 
@@ -61,51 +82,80 @@ def register_tile(vector_bits: int, many_tokens: bool) -> tuple[int, int]:
     """(activation rows, weight row blocks) of one register tile.
 
     Prefill: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (measured on
-    Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI has 16, so 2 x 2.
+    Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI and AVX2 have 16, so 2 x 2.
     Decode: one row block, streamed once."""
     if not many_tokens:
         return 1, 1
     return (4, 2) if vector_bits >= 512 else (2, 2)
 
 
-def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot_intrinsic: str, many_tokens: bool,
+def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool,
                     vector_bits: int) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`.
 
-    `dot_intrinsic` is the LLVM name of the target's u8 x s8 -> int32 dot product on
-    256-bit vectors (`TargetSpec.int8_dot`). `many_tokens`: prefill (rows quantized in
-    parallel, a register tile over several rows) rather than decode (one token per
-    sequence). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
+    `dot` is the target's u8 x s8 dot product on 256-bit vectors (`TargetSpec.int8_dot`).
+    `many_tokens`: prefill (rows quantized in parallel, a register tile over several rows)
+    rather than decode (one token per sequence). Parameters: x [batch, seq, k] float32, the
+    weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
     lanes = INTERLEAVED_ROWS
     groups = k // fmt.group_size
     words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
-    offset = 2 ** (fmt.bits - 1)  # stored value = value + offset
+    int4 = fmt.bits == 4
+    # int8 weights on vpmaddubsw are made signed again (the sign trick below): no offset to take out.
+    offset = 0 if fmt.bits == 8 and not dot.accumulates else 2 ** (fmt.bits - 1)
     tokens, row_blocks = register_tile(vector_bits, many_tokens)
     if (n // lanes) % row_blocks:
         row_blocks = 1
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
-    int4 = fmt.bits == 4
     quantize_loop = T.parallel if many_tokens else T.serial
     vec = tirx.Ramp(0, 1, lanes)
 
-    def dot(acc, weight_bytes, xq_word):
-        activations = T.reinterpret("int8x32", tirx.Broadcast(xq_word, lanes))
-        return T.call_llvm_pure_intrin("int32x8", dot_intrinsic, acc, T.reinterpret("int8x32", weight_bytes), activations)
+    def u32(value):
+        return tirx.Broadcast(tirx.const(value, "uint32"), lanes)
+
+    def activations(xq_word):
+        return T.reinterpret("int8x32", tirx.Broadcast(xq_word, lanes))
+
+    def pairs(unsigned, signed):
+        """int16 x 16: sums of two u8 x s8 products (vpmaddubsw)."""
+        return T.call_llvm_pure_intrin("int16x16", dot.multiply, unsigned, signed)
+
+    def widen(acc, sums):
+        """acc + the int16 pairs summed into int32 (vpmaddwd with ones)."""
+        return acc + T.call_llvm_pure_intrin("int32x8", dot.widen, sums, tirx.Broadcast(T.int16(1), 2 * lanes))
 
     def group_dot(acc, packed, xq, block, m, g):
         """int32 x 8: the group's dot product for each of the block's 8 weight rows, plus `acc`."""
+        steps = []  # (weight bytes, activation word) of each u8 x s8 product of 4 bytes per row
         for w in range(words):
             word = packed[block, g * words + w, vec]
             if not int4:
-                acc = dot(acc, word, xq[m, g * 8 + w])
+                steps.append((word, xq[m, g * 8 + w]))
                 continue
-            nibbles = tirx.Broadcast(tirx.const(0x0F0F0F0F, "uint32"), lanes)
-            high = tirx.shift_right(word, tirx.Broadcast(tirx.const(4, "uint32"), lanes))
-            acc = dot(acc, tirx.bitwise_and(word, nibbles), xq[m, g * 8 + w])  # values 4w..4w+3
-            acc = dot(acc, tirx.bitwise_and(high, nibbles), xq[m, g * 8 + 4 + w])  # values 16+4w..
+            high = tirx.shift_right(word, u32(4))
+            steps.append((tirx.bitwise_and(word, u32(0x0F0F0F0F)), xq[m, g * 8 + w]))  # values 4w..4w+3
+            steps.append((tirx.bitwise_and(high, u32(0x0F0F0F0F)), xq[m, g * 8 + 4 + w]))  # values 16+4w..
+        if dot.accumulates:
+            for weight, xq_word in steps:
+                acc = T.call_llvm_pure_intrin("int32x8", dot.multiply, acc, T.reinterpret("int8x32", weight),
+                                              activations(xq_word))
+            return acc
+        if int4:
+            # Nibbles 0..15 times |q| <= 127: each int16 lane sums 16 products, at most
+            # 16 * 15 * 127 = 30480 <= 32767 in magnitude, so a group adds up in int16 before widening.
+            sums = [pairs(T.reinterpret("int8x32", weight), activations(xq_word)) for weight, xq_word in steps]
+            return widen(acc, functools.reduce(operator.add, sums))
+        for weight, xq_word in steps:
+            # Stored v + 128, xor 0x80 gives v back. |v| as the unsigned operand and q with v's sign
+            # as the signed one: each product is |v| * |q| <= 128 * 127, a pair at most 32512 <= 32767.
+            # (v + 128 times q would reach 2 * 255 * 127 = 64770 and saturate.) A pair per int16 lane:
+            # widened at once. abs(-128) stays -128, whose byte read unsigned is 128.
+            signed_weight = T.reinterpret("int8x32", tirx.bitwise_xor(weight, u32(0x80808080)))
+            signed_x = T.call_llvm_pure_intrin("int8x32", dot.sign, activations(xq_word), signed_weight)
+            acc = widen(acc, pairs(T.abs(signed_weight), signed_x))
         return acc
 
     @T.prim_func(s_tir=True)

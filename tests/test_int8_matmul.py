@@ -21,15 +21,60 @@ TARGET = resolve_target("cpu")
 needs_int8_dot = pytest.mark.skipif(TARGET.int8_dot is None, reason="this CPU has no int8 dot-product instruction")
 
 
-@needs_int8_dot
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+CPU_FLAGS = _cpu_flags()
+# One CPU per ISA level (int8_dot's level; None: the float path), and the /proc/cpuinfo
+# flags of the extensions its code may use: this host runs a level's code if it has them all.
+LEVELS = {
+    "avx512vnni": ("cascadelake", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd",
+                                   "avx512_vnni"}),
+    "avxvnni": ("alderlake", {"avx2", "fma", "avx_vnni", "gfni", "vaes", "vpclmulqdq", "sha_ni"}),
+    "avx512": ("skylake-avx512", {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}),
+    "avx2": ("haswell", {"avx2", "fma", "bmi2", "f16c", "movbe"}),
+    None: ("nehalem", {"sse4_2", "popcnt"}),
+}
+
+
+def level_target(level):
+    """The target of an ISA level's CPU, or a skip when this host cannot run its code."""
+    cpu, flags = LEVELS[level]
+    if not flags <= CPU_FLAGS:
+        pytest.skip(f"this CPU cannot run {cpu} code (no {', '.join(sorted(flags - CPU_FLAGS))} in /proc/cpuinfo)")
+    return resolve_target(f'{{"kind": "llvm", "mcpu": "{cpu}"}}')
+
+
+INT8_LEVELS = [level for level in LEVELS if level]
+
+
+def _run(target, fmt, parts, x, n, many_tokens, batch=1):
+    """y [rows, n] from the kernel compiled for `target`, with x [rows, k] as `batch` sequences."""
+    rows, k = x.shape
+    func = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, many_tokens, target.vector_bits)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target.target)
+    y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    return y.numpy().reshape(rows, n)
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS)
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 @pytest.mark.parametrize("n,k,batch,seq,many_tokens", [
     (96, 64, 1, 1, False), (40, 128, 3, 1, False),  # decode: one token per sequence, a batch of them
+    (8, 2080, 1, 1, False),  # an odd number of groups (65), one row block
     (64, 320, 1, 7, True),  # prefill: a full and a partial tile of activation rows
-    (40, 96, 1, 13, True),  # an odd number of row blocks: one block per register tile
+    (40, 96, 1, 13, True),  # an odd number of row blocks and of groups: one block per register tile
     (16, 512, 2, 2, True),  # two sequences' rows in one tile
 ])
-def test_matches_llama_cpp_arithmetic(name, n, k, batch, seq, many_tokens):
+def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens):
+    target = level_target(level)
+    assert target.int8_dot.level == level
     fmt = FORMATS[name]
     rows = batch * seq
     rng = np.random.default_rng(n + k + rows)
@@ -37,16 +82,54 @@ def test_matches_llama_cpp_arithmetic(name, n, k, batch, seq, many_tokens):
     x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
     x[0, :32] = 0  # a group of zeros: scale 0, no division by it
     parts = fmt.quantize(weight, INTERLEAVED)
-    func = int8_matmul.int8_dot_matmul(fmt, n, k, TARGET.int8_dot, many_tokens, TARGET.vector_bits)
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET.target)
-    y = tvm.runtime.tensor(np.zeros((batch, seq, n), np.float32))
-    lib["main"](tvm.runtime.tensor(x.reshape(batch, seq, k)), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    actual = _run(target, fmt, parts, x, n, many_tokens, batch)
     dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
     expected = q8_0_activations(x) @ dequantized.T
-    actual = y.numpy().reshape(rows, n)
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     exact = x.astype(np.float64) @ dequantized.T
     assert np.abs(actual - exact).max() > 1e-4 * np.abs(exact).max()  # the rounding is really there
+
+
+def _integer_weight(fmt, values):
+    """Interleaved parts storing the integers `values` [n, k] with scale 1 (any value of the format's range)."""
+    n, k = values.shape
+    return fmt._pack_interleaved(values, np.ones((n, k // fmt.group_size), np.float32))
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS)
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("rows,many_tokens", [(1, False), (5, True)])
+def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
+    """Integer weights (scale 1) and activations whose every group holds a +-127 (scale 1): the
+    kernel's output is its integer dot products, equal to numpy's bit for bit."""
+    target = level_target(level)
+    fmt = FORMATS[name]
+    n, k = 24, 160
+    low, high = (-127, 127) if fmt.bits == 8 else (-8, 7)
+    rng = np.random.default_rng(rows)
+    values = rng.integers(low, high + 1, (n, k))
+    x = rng.integers(-127, 128, (rows, k))
+    x[:, ::32] = rng.choice([-127, 127], (rows, k // 32))
+    actual = _run(target, fmt, _integer_weight(fmt, values), x.astype(np.float32), n, many_tokens)
+    np.testing.assert_array_equal(actual, x @ values.T)
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS)
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+def test_extreme_values_do_not_saturate(level, name):
+    """Every weight at the format's minimum or maximum times activations all +127 or all -127, and
+    alternating signs: the largest sums each step and group can reach (vpmaddubsw's int16 pairs
+    saturate at 32767; see the kernel's docstring for the bounds), computed exactly."""
+    target = level_target(level)
+    fmt = FORMATS[name]
+    low, high = (-127, 127) if fmt.bits == 8 else (-8, 7)
+    k = 64
+    alternating = np.where(np.arange(k) % 2, low, high)
+    values = np.stack([np.full(k, high)] * 4 + [np.full(k, low)] * 3 + [alternating])  # one row block
+    x = np.stack([np.full(k, 127), np.full(k, -127), np.where(np.arange(k) % 2, -127, 127)])
+    actual = _run(target, fmt, _integer_weight(fmt, values), x.astype(np.float32), 8, many_tokens=True)
+    np.testing.assert_array_equal(actual, x @ values.T)
+    assert np.abs(actual).max() == k * 127 * max(-low, high)
 
 
 def test_formats_and_shapes_it_takes():
@@ -57,35 +140,95 @@ def test_formats_and_shapes_it_takes():
         assert not int8_matmul.supports(FORMATS[name], 768, 768)
 
 
-@pytest.mark.parametrize("spec,has", [('{"kind": "llvm", "mcpu": "skylake-avx512"}', False),
-                                      ('{"kind": "llvm", "mcpu": "icelake-server"}', True),
-                                      ('{"kind": "llvm", "mcpu": "alderlake"}', True),
-                                      ('{"kind": "llvm", "mcpu": "haswell"}', False)])
-def test_targets_choose_the_instruction_by_cpu_features(spec, has):
-    assert (resolve_target(spec).int8_dot is not None) == has
+@pytest.mark.parametrize("cpu,level", [("icelake-server", "avx512vnni"), ("cascadelake", "avx512vnni"),
+                                       ("alderlake", "avxvnni"), ("skylake-avx512", "avx512"),
+                                       ("haswell", "avx2"), ("znver3", "avx2"), ("nehalem", None), ("x86-64", None)])
+def test_targets_choose_the_level_by_cpu_features(cpu, level):
+    dot = resolve_target(f'{{"kind": "llvm", "mcpu": "{cpu}"}}').int8_dot
+    assert (dot and dot.level) == level
+    if dot:
+        assert dot.accumulates == level.endswith("vnni")
 
 
-def test_compiles_for_avx_vnni():
-    """Alder Lake's AVX-VNNI form of the instruction (no AVX-512, 16 vector registers) compiles too."""
-    target = resolve_target('{"kind": "llvm", "mcpu": "alderlake"}')
-    assert int8_matmul.register_tile(target.vector_bits, many_tokens=True) == (2, 2)
-    func = int8_matmul.int8_dot_matmul(FORMATS["q4f32"], 16, 128, target.int8_dot, True, target.vector_bits)
-    assert "vpdpbusd" in tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
+# Instructions each level's kernel must use, and must not.
+INSTRUCTIONS = {"avx512vnni": ({"vpdpbusd"}, {"vpmaddubsw"}), "avxvnni": ({"vpdpbusd"}, {"vpmaddubsw"}),
+                "avx512": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"}), "avx2": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"})}
 
 
-def test_every_projection_uses_it(tiny_models):
-    """On a CPU with the instruction, every projection of a q4f32 model, decode and prefill, is this kernel;
-    with float activations none is, and the weights stay row-major."""
+@pytest.mark.parametrize("level", INT8_LEVELS)
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+def test_each_level_compiles_to_its_instructions(level, name):
+    """Compiled, not run (any host): the assembly has the level's dot product; without VNNI, int8
+    weights take the sign trick (vpsignb) and int4 groups widen once (a vpmaddwd per 8 vpmaddubsw)."""
+    target = resolve_target(f'{{"kind": "llvm", "mcpu": "{LEVELS[level][0]}"}}')
+    assert int8_matmul.register_tile(target.vector_bits, many_tokens=True) == (
+        (4, 2) if level.startswith("avx512") else (2, 2))
+    func = int8_matmul.int8_dot_matmul(FORMATS[name], 8, 128, target.int8_dot, False, target.vector_bits)
+    asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
+    used, unused = INSTRUCTIONS[level]
+    mnemonics = set(asm.split())
+    assert used <= mnemonics and not unused & mnemonics
+    if "vpmaddubsw" in used:
+        assert ("vpsignb" in mnemonics) == (name == "q8f32")
+        assert asm.count("vpmaddubsw") == asm.count("vpmaddwd") * (1 if name == "q8f32" else 8)
+
+
+@pytest.mark.parametrize("cpu", [None, "haswell", "nehalem"])
+def test_every_projection_uses_it(tiny_models, cpu):
+    """On a CPU with an int8 dot product (this one; AVX2), every projection of a q4f32 model, decode and
+    prefill, is this kernel; with float activations, or without AVX2, none is, and the weights stay row-major."""
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
     from ember.ir_passes.weight_recipes import get_recipes
 
-    imported = import_hf_model(tiny_models.checkpoint("llama"), TARGET.target, "float32")
+    target = TARGET if cpu is None else resolve_target(f'{{"kind": "llvm", "mcpu": "{cpu}"}}')
+    imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
     for int8 in (True, False):
         options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=int8)
-        kernels = pipeline.to_kernels(imported.mod, TARGET, options)
+        kernels = pipeline.to_kernels(imported.mod, target, options)
         calls = {name: kernels[name].script().count("int8_dot_matmul") for name in ("decode", "prefill")}
-        expected = 4 * 2 + 1 if int8 and TARGET.int8_dot else 0  # qkv, o, gate_up, down per layer; lm_head
+        expected = 4 * 2 + 1 if int8 and target.int8_dot else 0  # qkv, o, gate_up, down per layer; lm_head
         assert calls == {"decode": expected, "prefill": expected}
+        assert cpu != "haswell" or not int8 or expected  # the AVX2 path is taken
         layouts = {recipe["layout"] for name, recipe in get_recipes(kernels).items() if name.endswith("_proj.weight.packed")}
         assert layouts == {"interleaved" if expected else "rows"}
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("n,k", [(16, 96), (12, 64), (16, 80), (16, 33)])
+@pytest.mark.parametrize("seq", [1, 5])
+def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, seq):
+    """The quantization pass gives a projection the int8 kernel only where `supports` says so (rows in
+    blocks of 8, K in whole groups: not 12 rows, K = 80 or an odd 33); the rest run the float path,
+    compiled for the level, equal to the float reference (the int8 kernel to the int8-rounded one)."""
+    from tvm import relax
+
+    from ember.ir_passes.quantize_weights import quantize_weights
+    from ember.ir_passes.weight_recipes import get_recipes, set_recipes
+
+    target = level_target(level)
+    fmt = FORMATS[name]
+    builder = relax.BlockBuilder()
+    x_var = relax.Var("x", relax.TensorType((1, seq, k), "float32"))
+    w_var = relax.Var("w", relax.TensorType((n, k), "float32"))
+    with builder.function("main", [x_var, w_var], attrs={"num_input": 1}):
+        with builder.dataflow():
+            y_var = builder.emit_output(relax.op.matmul(x_var, relax.op.permute_dims(w_var)))
+        builder.emit_func_output(y_var)
+    mod = set_recipes(builder.get(), {"w": {"op": "load", "name": "w"}})
+    with target.target:
+        mod = quantize_weights(fmt, int8_dot=target.int8_dot, vector_bits=target.vector_bits)(mod)
+    layout = get_recipes(mod)["w.packed"]["layout"]
+    assert (layout == INTERLEAVED) == int8_matmul.supports(fmt, n, k)
+    assert ("int8_dot_matmul" in mod["main"].script()) == (layout == INTERLEAVED)
+
+    rng = np.random.default_rng(n + k + seq)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((1, seq, k)).astype(np.float32)
+    parts = fmt.quantize(weight, layout)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target.target), tvm.cpu())
+    actual = vm["main"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts)).numpy()
+    dequantized = fmt.dequantize(parts, k, layout).astype(np.float64)
+    expected = (q8_0_activations(x) if layout == INTERLEAVED else x.astype(np.float64)) @ dequantized.T
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
