@@ -5,4 +5,9 @@ on devices that have only TVM's runtime libraries, so nothing here may pull in t
 compiler.
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+# The bundled demo checkpoint (`ember compile demo`): `compile_model(ember.DEMO_MODEL_DIR, ...)`.
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from ember import DEMO_MODEL_DIR
 from ember.errors import EmberError
 from ember.ir_passes.quant_formats import FORMATS
 
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 _EPILOG = """\
 examples:
@@ -222,10 +222,14 @@ def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_compile(args: argparse.Namespace) -> int:
+    from ember.artifact_dir import check_output_dir
+
+    model_dir = _checkpoint_dir(args.model)
+    check_output_dir(args.output)
+    # The compiler takes seconds to import: only now that the paths are known good.
     from ember.compiler import CompileOptions, compile_model
     from ember.schedules.tuning import describe_schedule_sources
 
-    model_dir = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
     options = CompileOptions(
         target=args.target,
         quantization=args.quant,
@@ -253,9 +257,9 @@ def _run_compile(args: argparse.Namespace) -> int:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
+    model = _checkpoint_dir(args.model)
     from ember.tune import TuneOptions, tune_model
 
-    model = DEMO_MODEL_DIR if args.model == "demo" else Path(args.model)
     options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
                           budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
                           max_batch=args.max_batch, float_activations=args.float_activations)
@@ -437,6 +441,26 @@ def _run_chat(args: argparse.Namespace) -> int:
         print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
               f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
         _report_context_full(reply, engine.context_window)
+
+
+def _checkpoint_dir(argument: str) -> Path:
+    """MODEL as given to compile or tune: `demo`, or a directory; a hub id or a GGUF file is told what to do."""
+    if argument == "demo":
+        return DEMO_MODEL_DIR
+    path = Path(argument)
+    if path.is_dir():
+        return path
+    if path.suffix.lower() == ".gguf" and path.exists():
+        raise EmberError(f"{argument}: ember cannot read GGUF files yet; compile the model's Hugging Face "
+                         "checkpoint (a directory with config.json and safetensors weights)")
+    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", argument):
+        local = argument.rsplit("/", 1)[1]
+        raise EmberError(f"{argument}: no such directory; ember compiles a checkpoint on disk and never downloads: "
+                         f"`hf download {argument} --local-dir {local}` (huggingface_hub's CLI; "
+                         f"`huggingface-cli download` in older versions), then `ember compile {local} ...`")
+    if not path.exists():
+        raise EmberError(f"{argument}: no such directory (expected a Hugging Face checkpoint directory, or `demo`)")
+    raise EmberError(f"{argument}: not a directory (expected a Hugging Face checkpoint directory)")
 
 
 def _parse_bytes(text: str) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from ember.schedules.tuning_db import TuningDatabase
 from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.hardware import host_memory_bytes
 from ember.targets.registry import TargetSpec, resolve_target
+from ember.tvm_log import tvm_warnings_hidden
 
 log = logging.getLogger("ember")
 
@@ -93,16 +96,18 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     model_dtype = quantization.dtype
 
     with staging_dir(output_dir) as staging:
-        log.info("importing %s", model_dir)
+        stage = _stage_printer(options.show_progress, start)
+        stage(f"importing {model_dir}")
         imported = import_hf_model(model_dir, target.target, model_dtype)
         config = imported.config
         prefill_chunk = min(options.prefill_chunk, config.context_window)
 
-        log.info("lowering and scheduling for %s", target.describe())
+        stage(f"lowering and scheduling for {target.describe()}")
         lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, tuning,
                                               int8_activations=not options.float_activations)
-        lowered = pipeline.lower(imported.mod, target, lower_options)
+        with tvm_warnings_hidden():
+            lowered = pipeline.lower(imported.mod, target, lower_options)
         schedules = schedule_sources(lowered)
         kv_bytes_per_token = (
             2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
@@ -119,9 +124,10 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
             )
         options = dataclasses.replace(options, memory_budget=budget)
 
-        log.info("generating code")
+        stage("generating code")
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
+        stage(f"converting weights to {options.quantization}")
         write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
@@ -130,6 +136,18 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
+
+
+def _stage_printer(show: bool, start: float) -> Callable[[str], None]:
+    """Announces each stage of a compile on stderr with the seconds since it began (logged under `-v` if not shown)."""
+
+    def stage(what: str) -> None:
+        if show:
+            print(f"[{time.perf_counter() - start:5.1f} s] {what}", file=sys.stderr, flush=True)
+        else:
+            log.info("%s", what)
+
+    return stage
 
 
 def _memory_budget(options: CompileOptions, target: TargetSpec, memory: MemoryReport) -> int | None:

@@ -46,6 +46,7 @@ from ember.schedules.tuning import (
     tuning_space, workload,
 )
 from ember.schedules.tuning_db import TuningDatabase, check_for_tuning
+from ember.tvm_log import tvm_warnings_hidden
 from ember.targets.registry import TargetSpec, resolve_target
 
 log = logging.getLogger("ember")
@@ -121,7 +122,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
                                           int8_activations=not options.float_activations)
-    kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
+    with tvm_warnings_hidden():
+        kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:
         raise TuningError(
             f"{model} at --quant {quantization} has no tunable kernels on this CPU: its projections run ember's "

@@ -20,7 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ember.cli import DEMO_MODEL_DIR
+from ember import DEMO_MODEL_DIR
 from ember.compiler import CompileOptions, compile_model
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR

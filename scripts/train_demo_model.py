@@ -82,14 +82,13 @@ NUM_LAYERS = 6
 NUM_HEADS = 8  # head_dim 32
 NUM_KV_HEADS = 2  # grouped-query attention: 4 query heads share each KV head
 FFN_SIZE = 576
-MAX_POSITIONS = 1024
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-5
 
 # --- Training -------------------------------------------------------------------------
 SEED = 1611
 THREADS = 1  # leave the machine's other core free
-CONTEXT = 256  # tokens per training sequence, <s> included
+CONTEXT = 256  # tokens per training sequence, <s> included; also the context the config declares
 BATCH_SIZE = 16  # 4096 tokens per step
 PEAK_LR = 2e-3
 MIN_LR = 2e-4  # end of the cosine decay
@@ -192,7 +191,7 @@ def build_model(tokenizer: Tokenizer) -> LlamaForCausalLM:
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
         hidden_act="silu",
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=CONTEXT,
         rms_norm_eps=RMS_NORM_EPS,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         attention_bias=False,
@@ -342,7 +341,7 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) ->
         eos_token=EOS,
         unk_token=UNK,
         pad_token=PAD,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=CONTEXT,
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     )

@@ -569,3 +569,15 @@ def test_cli_refuses_a_workload_past_the_context_window(argv):
     """1e9 + 1e9 tokens was accepted and would have evaluated a billion decode steps (~40 hours)."""
     with pytest.raises(EmberError, match=r"exceeds Llama-3\.2-1B's context window of 131072 tokens$"):
         run_cli("Llama-3.2-1B", "--hardware", "raspberry-pi-5", *argv)
+
+
+def test_measured_report_fits_100_columns_unless_wide(tiny_measurement):
+    """The default table fits a 100-column terminal (it needed ~170); --wide keeps every column."""
+    from ember.analyze.report import NARROW, format_measurement
+
+    narrow, wide = format_measurement(tiny_measurement), format_measurement(tiny_measurement, wide=True)
+    assert max(map(len, narrow.splitlines())) <= NARROW
+    assert "roof op/s" in wide and "roof op/s" not in narrow
+    assert max(map(len, wide.splitlines())) > NARROW
+    header = next(line for line in narrow.splitlines() if line.strip().startswith("kernel"))
+    assert header.split() == ["kernel", "implements", "calls", "time", "of", "roof", "bound", "predicted", "share"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ember.cli import DEMO_MODEL_DIR
+from ember import DEMO_MODEL_DIR
 from ember.compiler import CompileOptions, compile_model
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
 from ember.runtime.evaluate import compare, perplexity, scoring_windows
@@ -89,3 +89,21 @@ def test_demo_quantized_quality(demo_engine, validation_windows, tmp_path_factor
     assert fitted.candidate.perplexity < plain.candidate.perplexity
     assert fitted.divergence.mean_kl < 0.8 * plain.divergence.mean_kl
     assert fitted.divergence.top1_agreement > plain.divergence.top1_agreement
+
+
+def test_readme_eval_command_prints_the_readme_figure(demo_engine, capsys) -> None:
+    """The README's `ember eval` line for the demo, run as written (default window: the demo's trained
+    context of 256), prints the README's figure: it printed 70.658 when the artifact allowed 1024."""
+    import re
+
+    from ember.cli import main
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"^\s*(ember eval demo-cpu --perplexity \S+)\s*$", readme, re.M)[1].split()
+    shown = re.search(r"demo-cpu \(q0f32\): (perplexity [\d.]+ over \d+ tokens \(\d+ windows of \d+\))", readme)[1]
+    artifact = demo_engine.artifact.path
+    assert demo_engine.artifact.manifest.kv_cache["max_context"] == 256
+    argv = [str(artifact) if arg == "demo-cpu" else str(DEMO_MODEL_DIR.parent.parent / arg) if "/" in arg else arg
+            for arg in command[1:]]
+    assert main([*argv, "--no-progress"]) == 0
+    assert shown in capsys.readouterr().out

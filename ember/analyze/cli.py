@@ -50,6 +50,10 @@ _NOT_MEASURED = ("wbits", "abits", "kvbits", "gen_len", "context", "flash_attent
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `ember analyze`'s options on `parser`."""
     parser.description = DESCRIPTION
+    # --hardware is required without --measure and refused with it: say so in the usage line.
+    parser.usage = ("%(prog)s MODEL --hardware NAME [--batch B] [--prompt-len S] [--gen-len G] [--context C]\n"
+                    "       [--wbits BITS] [--abits BITS] [--kvbits BITS] [--flash-attention] [--json] [--plot DIR]\n"
+                    "       %(prog)s ARTIFACT --measure [--batch B] [--prompt-len S] [--json] [--wide] [--plot DIR]")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
     parser.add_argument("model", metavar="MODEL",
@@ -79,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MODEL is a compiled artifact: time each of its kernels on this machine and place "
                              "them on the host roofline next to the predicted operators")
     parser.add_argument("--json", action="store_true", help="print the full analysis as JSON instead of tables")
+    parser.add_argument("--wide", action="store_true",
+                        help="with --measure: every column (ops, bytes, op/B, op/s, roof op/s) and full kernel names; "
+                             "by default the table fits 100 columns")
     parser.add_argument("--plot", type=Path, metavar="DIR",
                         help="also write roofline.png, batch_sweep.png and seqlen_sweep.png to DIR, or with "
                              "--measure measured_roofline.png (needs matplotlib: pip install 'ember[plot]')")
@@ -124,7 +131,8 @@ def _run_measure(args: argparse.Namespace) -> int:
               f"batch {args.batch} ...", file=sys.stderr)
 
     measurement = measure(Path(args.model), prompt_len, args.batch, on_start=announce)
-    print(json.dumps(measurement_json(measurement), indent=2) if args.json else format_measurement(measurement))
+    print(json.dumps(measurement_json(measurement), indent=2) if args.json
+          else format_measurement(measurement, wide=args.wide))
     if args.plot:
         print(f"wrote {write_measured_plot(measurement, args.plot)}", file=sys.stderr)
     return 0

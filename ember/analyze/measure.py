@@ -52,6 +52,7 @@ from ember.runtime import Engine, load_artifact
 from ember.schedules import int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
+from ember.tvm_log import tvm_warnings_hidden
 
 REPEATS = 10
 # Copied before each timed run: more than the last-level cache a core sees on the CPUs
@@ -182,7 +183,8 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
                                     int8_activations=manifest.activations == "int8")
-    return pipeline.to_kernels(mod, target, options)
+    with tvm_warnings_hidden():
+        return pipeline.to_kernels(mod, target, options)
 
 
 def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:

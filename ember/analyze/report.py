@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -262,10 +263,16 @@ def _sweep_figure(analysis: Analysis, xlabel: str, xs: list[int], workload: Call
 # --- measurements (--measure) --------------------------------------------------------
 
 
-def format_measurement(m: Measurement) -> str:
-    """The measured kernels of the prefill and the decode step, against the host roofline and the prediction."""
+NARROW = 100  # columns the default measured report fits (`wide` shows every column)
+_NARROW_COLUMNS = ("kernel", "implements", "calls", "time", "of roof", "bound", "predicted", "share")
+_NARROW_NAMES = 24, 18  # characters of the kernel and implements columns
+
+
+def format_measurement(m: Measurement, wide: bool = False) -> str:
+    """The measured kernels of the prefill and the decode step, against the host roofline and the prediction;
+    within `NARROW` columns unless `wide`."""
     hw, c = m.hardware, m.arch.config
-    lines = [
+    paragraphs = [
         f"{m.artifact} measured on {hw.name}: {hw.description}",
         f"  model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
         f"{c.num_key_value_heads} KV heads, ffn {c.intermediate_size}, vocab {c.vocab_size}; {m.precision.label()}",
@@ -275,14 +282,16 @@ def format_measurement(m: Measurement) -> str:
         f"run), best of {m.repeats}; 'of roof' = roofline time / measured time; 'predicted' = analyze's "
         "operators on this roofline",
     ]
+    lines = paragraphs if wide else [wrapped for text in paragraphs for wrapped in textwrap.wrap(
+        text, NARROW, subsequent_indent="    ", break_on_hyphens=False)]
     for stage in (m.prefill, m.decode):
         what = (f"Prefill: 1 sequence x {stage.new_tokens} tokens" if stage.name == "prefill"
                 else f"Decode: one step, batch {stage.batch}, attending to {stage.context} tokens")
-        lines += ["", what, *_measured_table(stage)]
+        lines += ["", what, *_measured_table(stage, wide)]
     return "\n".join(lines)
 
 
-def _measured_table(stage: MeasuredStage) -> list[str]:
+def _measured_table(stage: MeasuredStage, wide: bool) -> list[str]:
     header = ("kernel", "implements", "calls", "ops", "bytes", "op/B", "time", "op/s", "roof op/s", "of roof",
               "bound", "predicted", "share")
     total = stage.kernel_seconds
@@ -294,6 +303,10 @@ def _measured_table(stage: MeasuredStage) -> list[str]:
                      f"{p.intensity:.2f}", _time(k.seconds), _si(k.achieved) if arithmetic else "-",
                      _si(p.attainable) if arithmetic else "-", _pct(k.fraction), p.bound,
                      _time(k.predicted) if k.predicted is not None else "-", _pct(k.calls * k.seconds / total)))
+    if not wide:
+        keep = [header.index(name) for name in _NARROW_COLUMNS]
+        header = tuple(header[i] for i in keep)
+        rows = [(_clip(r[0], _NARROW_NAMES[0]), _clip(r[1], _NARROW_NAMES[1]), *(r[i] for i in keep[2:])) for r in rows]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -301,11 +314,15 @@ def _measured_table(stage: MeasuredStage) -> list[str]:
 
     explained = total / stage.step_seconds
     return [line(header), "  " + "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, rows), "",
-            f"  kernels, every call summed  {_time(total):>9}   ({100 * explained:.0f}% of the step; the step runs "
-            "them with warm caches, plus VM and Python overhead)",
+            f"  kernels, every call summed  {_time(total):>9}   ({100 * explained:.0f}% of the step: warm caches "
+            "there, plus VM overhead)",
             f"  step, timed end to end      {_time(stage.step_seconds):>9}",
             f"  predicted by analyze        {_time(stage.predicted.time):>9}   "
             f"(the measured step takes {stage.step_seconds / stage.predicted.time:.2g}x that)"]
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _kernel_name(k: KernelTiming) -> str:

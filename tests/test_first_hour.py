@@ -1,0 +1,69 @@
+"""A newcomer's first hour (issue #23): what `ember compile` shows while it works, TVM's noise kept
+out of it, bad model paths refused at once, and `analyze`'s usage saying what it requires."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ember.tvm_log import tvm_warnings_hidden
+from helpers import REPO_ROOT, run_ember
+
+TVM_WARNING = b"[11:47:13] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when there are\n"
+
+
+def test_compile_shows_its_stages_without_tvm_warnings(tiny_models, tmp_path):
+    """Default output: a line per stage with the seconds since the start, and none of TVM's
+    'Fast mode segfaults' warnings (three per compile before)."""
+    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(tmp_path / "out"),
+                       "--prefill-chunk", "64", "--max-batch", "2")
+    assert result.returncode == 0, result.stderr
+    stages = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[")]
+    assert [stage.split()[0] for stage in stages] == ["importing", "lowering", "generating", "converting"], stages
+    assert "Warning" not in result.stderr and "Fast mode" not in result.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_tvm_warnings_are_held_back_unless_verbose(capfd, verbose):
+    """The mechanism: TVM's native warnings (written to fd 2) are dropped, other native output is kept,
+    and under -v (ember logging at INFO) the warnings are shown too."""
+    logger = logging.getLogger("ember")
+    level = logger.level
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        with tvm_warnings_hidden():
+            os.write(2, TVM_WARNING + b"a real problem\n")
+    finally:
+        logger.setLevel(level)
+    err = capfd.readouterr().err
+    assert "a real problem" in err
+    assert ("Fast mode" in err) == verbose
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("meta-llama/Llama-3.2-1B", "`hf download meta-llama/Llama-3.2-1B --local-dir Llama-3.2-1B`"),
+    ("model.gguf", "ember cannot read GGUF files yet"),
+    ("no/such/dir/at/all", "no such directory (expected a Hugging Face checkpoint directory, or `demo`)"),
+])
+def test_a_bad_model_path_is_refused_before_tvm_is_imported(tmp_path, model, expected):
+    """It used to take 7-9 s (TVM and the compiler imported first) to say the path was wrong."""
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    code = ("import sys\nfrom ember.cli import main\n"
+            f"code = main(['compile', {model!r}, '-o', 'out'])\n"
+            "print(code, 'tvm' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.stdout.split() == ["1", "False"], result.stdout + result.stderr
+    assert result.stderr.startswith(f"ember: error: {model}: ") and expected in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_analyze_usage_says_hardware_is_required():
+    result = run_ember("analyze", "--help")
+    usage = result.stdout.split("\n\n")[0]
+    assert "ember analyze MODEL --hardware NAME" in usage and "[--hardware" not in usage
+    assert "ember analyze ARTIFACT --measure" in usage
