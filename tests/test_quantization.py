@@ -275,7 +275,12 @@ def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, n
     which moves that token's logits by about one int8 step. So int8 activations ask for most
     tokens within 1e-4 and every token within 5e-2 (the float path is ~7e-2 away).
     """
-    model = tiny_models.quantized(name, quantization)
+    _assert_logits_match_reference(tiny_models.quantized(name, quantization))
+
+
+def _assert_logits_match_reference(model) -> None:
+    """`model`'s prefill and decode logits against transformers on its quantized weights (see above)."""
+    name, quantization = model.name, model.quantization
     engine = model.engine()
     ids, continuation = prompt_ids(100, seed=5), prompt_ids(9, seed=6)[1:]
     seq = engine.add_sequence()
@@ -291,6 +296,28 @@ def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, n
         errors = np.abs(actual - expected).max(axis=1) / scale
         assert errors.max() <= 5e-2, f"{name} {quantization} int8 {what}: token errors {errors}"
         assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
+
+
+@pytest.mark.parametrize("cpu,quantization,activations", [
+    ("haswell", "q4f32", "int8"), ("haswell", "q8f32", "int8"),  # AVX2: vpmaddubsw, no VNNI
+    ("nehalem", "q4f32", "float"),  # SSE4.2 only: no int8 dot product, the float path
+])
+def test_quantized_model_for_another_isa_level(tiny_models, tmp_path, cpu, quantization, activations):
+    """Compiled for an older CPU than this one and run here, against transformers as above: AVX2 takes the
+    int8 path, a CPU without AVX2 the float path."""
+    from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
+    from test_int8_matmul import level_target
+
+    from ember.compiler import CompileOptions, compile_model
+
+    level_target("avx2" if cpu == "haswell" else None)  # skips where this CPU cannot run that code
+    model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"
+    compile_model(model_dir, artifact_dir, CompileOptions(
+        target=f'{{"kind": "llvm", "mcpu": "{cpu}"}}', quantization=quantization, prefill_chunk=PREFILL_CHUNK,
+        max_batch=MAX_BATCH, show_progress=False))
+    manifest = read_manifest(artifact_dir)
+    assert manifest.activations == activations and manifest.target["tvm_target"]["mcpu"] == cpu
+    _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization=quantization))
 
 
 def test_float16_quantized_model_is_close_to_float32_reference(tiny_models):
