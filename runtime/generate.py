@@ -4,20 +4,21 @@
 afterwards `.stats` holds token counts and prefill/decode speed. Text is decoded
 incrementally from all generated ids, so multi-byte characters split across
 tokens are emitted whole, and text that could still become a stop string is
-held back until it cannot.
+held back until it cannot. That per-request state is a `Decoding`, which the
+scheduler (`runtime/scheduler.py`) steps for many sequences decoded in one batch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ember.errors import GenerationError
 from ember.runtime.engine import Engine
-from ember.runtime.sampling import SamplingParams, sample_token
+from ember.runtime.sampling import SamplingParams, TokenLogprob, sample_token, token_logprob
 from ember.runtime.tokenizer import Tokenizer
 
 
@@ -44,49 +45,121 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-class Generation:
-    """An in-progress generation: iterate for text pieces; `.token_ids` and `.stats` after."""
+LogitsProcessor = Callable[[list[int], np.ndarray], np.ndarray]
+"""Called with the tokens generated so far and the next token's logits [vocab]; returns the logits to
+sample from (e.g. -inf where a grammar forbids a token). Log-probabilities are reported from its output."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, seq_id: int,
-                 new_input_ids: list[int], params: SamplingParams) -> None:
+
+class Decoding:
+    """One request's sampling and text state, advanced one token at a time by whoever runs the
+    engine: `Generation` for a single sequence, the scheduler for many in one batch."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 logits_processor: LogitsProcessor | None = None) -> None:
         params.validate()
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.seq_id = seq_id
-        self.params = params
-        self.prompt_ids = list(new_input_ids)
-        self.token_ids: list[int] = []
-        self.stats = GenerationStats(prompt_tokens=len(new_input_ids))
+        tokenizer = engine.artifact.tokenizer
+        if params.stop_strings and tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer; this artifact has none")
         if params.stop_token_ids is not None:
             self._stop_ids = set(params.stop_token_ids)
         else:
             model_eos = engine.artifact.manifest.model.get("eos_token_ids") or []
             self._stop_ids = set(model_eos) | set(tokenizer.eos_token_ids if tokenizer else ())
-        if params.stop_strings and tokenizer is None:
-            raise GenerationError("stop strings need a tokenizer; this artifact has none")
+        self.params = params
+        self.tokenizer = tokenizer
+        self.logits_processor = logits_processor
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.finished = False
+        self._history = list(prompt_ids)
+        self._rng = np.random.default_rng(params.seed)
+        self._emitted = ""
+
+    def step(self, logits: np.ndarray) -> int | None:
+        """Sample the token after `logits`; None for a stop token. Sets `finished` when the request ends."""
+        if self.logits_processor is not None:
+            logits = self.logits_processor(self.token_ids, logits)
+        token = sample_token(logits, self.params, self._rng, self._history, self.token_ids)
+        if token in self._stop_ids:
+            self._finish("stop")
+            return None
+        self._history.append(token)
+        self.token_ids.append(token)
+        self.stats.new_tokens += 1
+        if self.params.logprobs is not None:
+            self.logprobs.append(token_logprob(logits, token, self.params.logprobs))
+        if self.stats.new_tokens >= self.params.max_new_tokens:
+            self._finish("length")
+        return token
+
+    def out_of_room(self) -> None:
+        """End the request because the context window holds no next token."""
+        self.stats.context_full = True
+        self._finish("length")
+
+    def text(self) -> str:
+        """The text decoded since the last call that can be given out now: whole UTF-8 characters
+        that cannot become a stop string, or all the rest once finished. A stop string ends the request."""
+        text = self.tokenizer.decode(self.token_ids)
+        stops = self.params.stop_strings
+        hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self._finish("stop")
+            end = hit
+        elif self.finished:
+            end = len(text)
+        elif text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence; wait for its next byte
+        else:
+            end = len(text) - _held_back(text, stops)
+        if end <= len(self._emitted):
+            return ""
+        piece, self._emitted = text[len(self._emitted): end], text[:end]
+        return piece
+
+    def _finish(self, reason: str) -> None:
+        self.stats.finish_reason = reason
+        self.finished = True
+
+
+class Generation:
+    """An in-progress generation: iterate for text pieces; `.token_ids` and `.stats` after."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, seq_id: int,
+                 new_input_ids: list[int], params: SamplingParams) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.seq_id = seq_id
+        self.params = params
+        self.prompt_ids = list(new_input_ids)
+        self.decoding = Decoding(engine, self.prompt_ids, params)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens generated so far (stop tokens excluded)."""
+        return self.decoding.token_ids
+
+    @property
+    def stats(self) -> GenerationStats:
+        """Counts, speeds and finish reason."""
+        return self.decoding.stats
 
     def tokens(self) -> Iterator[int]:
         """Generate token ids (stop tokens excluded)."""
-        rng = np.random.default_rng(self.params.seed)
-        history = self.prompt_ids.copy()
         start = time.perf_counter()
         logits = self.engine.prefill(self.seq_id, self.prompt_ids)
         self.stats.prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         while True:
-            token = sample_token(logits, self.params, rng, history)
-            if token in self._stop_ids:
-                self.stats.finish_reason = "stop"
+            token = self.decoding.step(logits)
+            if token is None:
                 break
-            history.append(token)
-            self.token_ids.append(token)
-            self.stats.new_tokens += 1
             yield token
-            if self.stats.new_tokens >= self.params.max_new_tokens:
-                self.stats.finish_reason = "length"
+            if self.decoding.finished:
                 break
             if self.engine.length(self.seq_id) + 1 > self.engine.context_window:
-                self.stats.finish_reason, self.stats.context_full = "length", True
+                self.decoding.out_of_room()
                 break
             logits = self.engine.decode([self.seq_id], [token])[0]
         self.stats.decode_seconds = time.perf_counter() - start
@@ -97,27 +170,17 @@ class Generation:
     def __iter__(self) -> Iterator[str]:
         if self.tokenizer is None:
             raise GenerationError("this artifact has no tokenizer; use Generation.tokens() for token ids")
-        emitted = ""
-        stops = self.params.stop_strings
         tokens = self.tokens()
         for _ in tokens:
-            text = self.tokenizer.decode(self.token_ids)
-            hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if hit >= 0:
-                if hit > len(emitted):
-                    yield text[len(emitted): hit]
-                self.stats.finish_reason = "stop"
+            piece = self.decoding.text()
+            if piece:
+                yield piece
+            if self.stats.finish_reason == "stop":  # a stop string: the token after it is not fed
                 tokens.close()
                 return
-            safe = len(text) - _held_back(text, stops)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence; wait for its next byte
-            if safe > len(emitted):
-                yield text[len(emitted): safe]
-                emitted = text[:safe]
-        text = self.tokenizer.decode(self.token_ids)
-        if len(text) > len(emitted):
-            yield text[len(emitted):]
+        piece = self.decoding.text()
+        if piece:
+            yield piece
 
     def text(self) -> str:
         """Run to the end and return all generated text."""

@@ -1,14 +1,19 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition,
+presence and frequency penalties; log-probabilities of the chosen and likeliest tokens.
 
 Semantics follow Hugging Face's logits processors in their order (repetition
 penalty, temperature, top-k, top-p), so a seed-free greedy run matches
-`transformers.generate` token for token.
+`transformers.generate` token for token. Presence and frequency penalties are
+OpenAI's, applied first: each token's logit drops by `frequency_penalty` times the
+number of times it was generated, plus `presence_penalty` if it was generated at all
+(the prompt does not count).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +33,9 @@ class SamplingParams:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # record each token's log-probability and this many likeliest alternatives
 
     def __post_init__(self) -> None:
         self.validate()
@@ -45,6 +53,12 @@ class SamplingParams:
              "a whole number in [0, 2**63)"),
             ("stop_strings", all(isinstance(stop, str) and stop for stop in self.stop_strings),
              "non-empty strings"),
+            ("presence_penalty", _is_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
+             "a number in [-2, 2]"),
+            ("frequency_penalty", _is_number(self.frequency_penalty) and abs(self.frequency_penalty) <= 2,
+             "a number in [-2, 2]"),
+            ("logprobs", self.logprobs is None or _is_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"a whole number in [0, {MAX_LOGPROBS}]"),
         )
         for name, valid, expected in checks:
             if not valid:
@@ -52,6 +66,7 @@ class SamplingParams:
 
 
 MAX_SEED = 2**63  # seeds are int64 in most APIs (OpenAI's, transformers'); numpy takes any
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 def _is_number(value: object) -> bool:
@@ -62,9 +77,13 @@ def _is_whole(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
-    """Pick one token id from a [vocab] logits vector."""
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[int],
+                 generated: Sequence[int] = ()) -> int:
+    """Pick one token id from a [vocab] logits vector; `history` is prompt + `generated`."""
     logits = logits.astype(np.float64, copy=True)
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        seen, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        logits[seen] -= counts * params.frequency_penalty + params.presence_penalty
     if params.repetition_penalty != 1.0 and history:
         seen = np.unique(np.asarray(history, dtype=np.int64))
         values = logits[seen]
@@ -88,3 +107,24 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability, and the likeliest tokens' at its position (likeliest first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: np.ndarray, token_id: int, top_n: int) -> TokenLogprob:
+    """Log-probability of `token_id` and of the `top_n` likeliest tokens under the model's
+    distribution `logits` (before temperature, top-k, top-p and penalties, as vLLM reports them)."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    n = min(top_n, logprobs.size)
+    top = np.argpartition(-logprobs, n - 1)[:n] if n else np.empty(0, dtype=np.int64)
+    top = top[np.argsort(-logprobs[top], kind="stable")]
+    return TokenLogprob(token_id, float(logprobs[token_id]), [(int(i), float(logprobs[i])) for i in top])
