@@ -49,10 +49,11 @@ CACHE = Path.home() / ".cache" / "ember" / "llama-cpp"
 # Not ISA options: the multimodal library is never loaded by the benchmark and takes a
 # quarter of the build.
 _COMMON_ARGS = ("-DLLAVA_BUILD=OFF",)
-_NO_AVX512 = ("-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF",
-              "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF")
 _AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
          "-DGGML_BMI2=ON")
+_NO_EXTENSIONS = ("-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_BF16=OFF",
+                  "-DGGML_AVX_VNNI=OFF")
+_AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,12 @@ class Level:
 LEVELS = {
     # Haswell rather than Zen 3: the oldest CPU with exactly llama.cpp's AVX2 set (AVX2, FMA,
     # F16C, BMI2), so neither side may use anything a 2013 Intel or a Zen 1-3 lacks.
-    "avx2": Level("avx2", _AVX2 + _NO_AVX512, '{"kind": "llvm", "mcpu": "haswell"}',
-                  ("avx", "avx2", "fma", "f16c", "bmi2"), (False, False)),
+    "avx2": Level("avx2", _AVX2 + ("-DGGML_AVX512=OFF",) + _NO_EXTENSIONS, '{"kind": "llvm", "mcpu": "haswell"}',
+                  _AVX2_FLAGS, (False, False)),
     # Skylake-X: AVX512 F/CD/VL/DQ/BW without VNNI, which is what GGML_AVX512 alone enables.
-    "avx512": Level("avx512", _AVX2 + ("-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF",
-                                       "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"),
+    "avx512": Level("avx512", _AVX2 + ("-DGGML_AVX512=ON",) + _NO_EXTENSIONS,
                     '{"kind": "llvm", "mcpu": "skylake-avx512"}',
-                    ("avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
-                    (True, False)),
+                    _AVX2_FLAGS + ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"), (True, False)),
     # Everything this host has: llama.cpp's default -march=native, ember's default target.
     "native": Level("native", ("-DGGML_NATIVE=ON",), "cpu", (), None),
 }
