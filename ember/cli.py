@@ -208,6 +208,27 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="stop string (repeatable)")
         _add_threads_argument(sub)
         sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
+    serve = commands.add_parser(
+        "serve", help="serve an artifact over an OpenAI-compatible HTTP API",
+        description="Serve an artifact over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health, /metrics), batching concurrent requests. Needs the serve extra: "
+                    "pip install 'ember[serve]'.",
+        epilog="example:\n  ember serve demo-cpu --port 8000\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+               "    -d '{\"model\": \"demo-cpu\", \"prompt\": \"And the LORD said\", \"max_tokens\": 32}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("artifact", type=Path, help="artifact directory; its name is the model name clients send")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default %(default)s: this machine only; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=_whole_number(0), default=8000, help="TCP port (default %(default)s)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", type=_text, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    key.add_argument("--api-key-file", type=Path, metavar="FILE",
+                     help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
+    serve.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
+                       help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
+    _add_threads_argument(serve)
+    serve.set_defaults(run=_run_serve)
     for sub in commands.choices.values():
         # Also after the command (`ember generate -v ...`); SUPPRESS keeps a -v given before it.
         sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -441,6 +462,29 @@ def _run_chat(args: argparse.Namespace) -> int:
         print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
               f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
         _report_context_full(reply, engine.context_window)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            api_key = args.api_key_file.read_text(encoding="utf-8").partition("\n")[0].strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise EmberError(f"--api-key-file {args.api_key_file}: cannot read it: "
+                             f"{getattr(err, 'strerror', None) or err}") from None
+    if api_key is not None and not api_key.strip():
+        raise EmberError("--api-key/--api-key-file: the key is empty")
+    from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
+
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.scheduler import Scheduler
+
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    with Scheduler(engine, max_queue=args.max_queue) as scheduler:
+        server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key)
+        print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        server.run()
+    return 0
 
 
 def _checkpoint_dir(argument: str) -> Path:

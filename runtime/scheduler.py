@@ -1,0 +1,389 @@
+"""Continuous batching: many requests served by one engine loop in a background thread.
+
+Requests join and leave between steps. Each step prefills at most one chunk of the
+oldest prompt still being read, then decodes every request that has a token to feed
+in ONE batched `Engine.decode` call, so a long prompt holds running streams back by
+one chunk at most. A request is admitted (given a sequence) only while the KV cache
+can hold every admitted request's prompt plus its `max_new_tokens`: the cache can
+never fill up under a running request, and the others wait in the queue, first in
+first out. A cancelled request (a client gone) leaves at the next step and its pages
+are freed.
+
+Sampling, stop tokens and stop strings are `generate.Decoding`'s, the same as a single
+`generate()`: a greedy request's text does not depend on what else runs beside it.
+`submit` (async) and `submit_sync` hand out the events of one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ember.errors import GenerationError
+from ember.runtime.engine import Engine
+from ember.runtime.generate import Decoding, LogitsProcessor
+from ember.runtime.sampling import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 256
+# Seconds; Prometheus-style upper bounds, the last one +Inf.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class QueueFullError(GenerationError):
+    """The scheduler's queue of waiting requests is full; try again later."""
+
+
+@dataclass
+class StreamEvent:
+    """What one request produced since its previous event; the last event has `finish_reason`."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token of `token_ids` when the request asked for logprobs
+    finish_reason: str | None = None  # "stop" or "length" on the last event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # all tokens generated so far
+
+
+@dataclass
+class Histogram:
+    """Counts of observations at or below each bound, Prometheus-style (cumulative when rendered)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        """A snapshot that later observations do not change."""
+        return Histogram(self.bounds, list(self.counts), self.total, self.count)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics."""
+
+    queued: int
+    running: int
+    kv_tokens_used: int  # in pages held by running sequences
+    kv_tokens_free: int
+    kv_tokens_reserved: int  # prompt + max_new_tokens of every admitted request, page-rounded
+    finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
+    prompt_tokens: int  # of requests that ended
+    generated_tokens: int
+    ttft: Histogram  # seconds from submit to the first token
+    tpot: Histogram  # seconds per output token after the first, one observation per request
+
+
+class _Request:
+    """A request as the engine loop sees it."""
+
+    def __init__(self, prompt_ids: list[int], decoding: Decoding, reserve: int,
+                 emit: Callable[[StreamEvent | BaseException], None]) -> None:
+        self.prompt_ids = prompt_ids
+        self.decoding = decoding
+        self.reserve = reserve
+        self.emit = emit
+        self.submitted = time.monotonic()
+        self.first_token: float | None = None
+        self.seq_id: int | None = None
+        self.prefilled = 0
+        self.pending: int | None = None  # the last sampled token, to feed at the next decode step
+        self.sent = 0  # tokens already handed out in events
+        self.cancelled = False
+
+
+class Scheduler:
+    """Serves many generation requests over one engine with continuous batching (a background thread)."""
+
+    def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None) -> None:
+        if max_queue < 1:
+            raise GenerationError(f"max_queue must be at least 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.prefill_chunk = min(prefill_chunk or engine.prefill_chunk, engine.prefill_chunk)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # oldest first; only the engine thread changes it
+        self._reserved = 0
+        self._kv_used = 0
+        self._finished: Counter[str] = Counter()
+        self._prompt_tokens = 0
+        self._generated_tokens = 0
+        self._ttft = Histogram(TTFT_BUCKETS)
+        self._tpot = Histogram(TPOT_BUCKETS)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ember-scheduler", daemon=True)
+        self._thread.start()
+
+    async def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     logits_processor: LogitsProcessor | None = None) -> TokenStream:
+        """Queue a request; iterate the returned stream for its events. Raises `GenerationError`
+        for a request that can never run, `QueueFullError` when the queue is full."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+
+        def emit(item: StreamEvent | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                request.cancelled = True
+
+        request = self._enqueue(prompt_ids, params, logits_processor, emit)
+        return TokenStream(self, request, events)
+
+    def submit_sync(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    logits_processor: LogitsProcessor | None = None) -> Iterator[StreamEvent]:
+        """`submit` for synchronous code: queue the request now, iterate for its events
+        (closing the iterator early cancels the request)."""
+        events: queue.SimpleQueue[StreamEvent | BaseException] = queue.SimpleQueue()
+        request = self._enqueue(prompt_ids, params, logits_processor, events.put)
+
+        def iterate() -> Iterator[StreamEvent]:
+            try:
+                while True:
+                    item = events.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finish_reason is not None:
+                        return
+            finally:
+                self.cancel(request)
+
+        return iterate()
+
+    def cancel(self, request: _Request) -> None:
+        """Stop a request; its sequence is freed before the next engine step."""
+        with self._cond:
+            if request.cancelled:
+                return
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self._finished["cancelled"] += 1
+            self._cond.notify()
+
+    def stats(self) -> SchedulerStats:
+        """Queue, batch, KV cache and latency figures now."""
+        with self._cond:
+            return SchedulerStats(
+                queued=len(self._waiting), running=len(self._running), kv_tokens_used=self._kv_used,
+                kv_tokens_free=self.engine.kv_capacity - self._kv_used, kv_tokens_reserved=self._reserved,
+                finished=dict(self._finished), prompt_tokens=self._prompt_tokens,
+                generated_tokens=self._generated_tokens, ttft=self._ttft.copy(), tpot=self._tpot.copy(),
+            )
+
+    def close(self) -> None:
+        """Stop the engine loop; requests still queued or running end with an error."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _enqueue(self, prompt_ids: Sequence[int], params: SamplingParams, logits_processor: LogitsProcessor | None,
+                 emit: Callable[[StreamEvent | BaseException], None]) -> _Request:
+        engine = self.engine
+        prompt = [int(token) for token in prompt_ids]
+        if not prompt:
+            raise GenerationError("the prompt is empty: it needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= engine.vocab_size:
+            raise GenerationError(f"prompt token ids must be in [0, {engine.vocab_size})")
+        if len(prompt) > engine.context_window:
+            raise GenerationError(f"the prompt is {len(prompt)} tokens, more than the context window of "
+                                  f"{engine.context_window} tokens")
+        decoding = Decoding(engine, prompt, params, logits_processor)
+        reserve = self._pages(min(len(prompt) + params.max_new_tokens, engine.context_window))
+        if reserve > engine.kv_capacity:
+            raise GenerationError(f"the prompt and max_new_tokens need {reserve} KV cache tokens; the cache holds "
+                                  f"{engine.kv_capacity}")
+        request = _Request(prompt, decoding, reserve, emit)
+        with self._cond:
+            if self._closed:
+                raise GenerationError("the scheduler is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (--max-queue "
+                                     f"{self.max_queue}); try again later")
+            self._waiting.append(request)
+            self._cond.notify()
+        return request
+
+    def _pages(self, tokens: int) -> int:
+        """`tokens` rounded up to whole KV pages, as the engine allocates them."""
+        page = self.engine.page_size
+        return -(-tokens // page) * page
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                cancelled = [request for request in self._running if request.cancelled]
+                self._admit()
+            for request in cancelled:
+                self._end(request, "cancelled")
+            try:
+                self._step()
+            except Exception as err:  # a bug, not a request's fault: fail the batch, keep serving
+                log.exception("scheduler step failed")
+                for request in list(self._running):
+                    self._end(request, "error", err)
+            used = self._kv_tokens_used()
+            with self._cond:
+                self._kv_used = used
+        shutdown = GenerationError("the server is shutting down")
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting + list(self._running):
+            self._end(request, "error", shutdown)
+
+    def _admit(self) -> None:
+        """Give sequences to waiting requests, oldest first, while the batch and the KV cache have room
+        (called with the lock held)."""
+        while self._waiting and len(self._running) < self.engine.max_batch:
+            request = self._waiting[0]
+            if self._reserved + request.reserve > self.engine.kv_capacity:
+                break
+            self._waiting.popleft()
+            request.seq_id = self.engine.add_sequence()
+            self._reserved += request.reserve
+            self._running.append(request)
+
+    def _step(self) -> None:
+        """One chunk of the oldest unread prompt, then one batched decode of every request with a token."""
+        live = [request for request in self._running if not request.cancelled]
+        reading = [request for request in live if request.prefilled < len(request.prompt_ids)]
+        if reading:
+            request = reading[0]
+            chunk = request.prompt_ids[request.prefilled: request.prefilled + self.prefill_chunk]
+            try:
+                logits = self.engine.prefill(request.seq_id, chunk)
+            except Exception as err:
+                self._end(request, "error", err)
+            else:
+                request.prefilled += len(chunk)
+                if request.prefilled == len(request.prompt_ids):
+                    self._advance(request, logits)
+        batch = [request for request in live if request.pending is not None]
+        if batch:
+            rows = self.engine.decode([request.seq_id for request in batch], [request.pending for request in batch])
+            for request, row in zip(batch, rows):
+                self._advance(request, row)
+
+    def _advance(self, request: _Request, logits: np.ndarray) -> None:
+        """Sample a request's next token from `logits` and hand out what it produced."""
+        decoding = request.decoding
+        try:
+            token = decoding.step(logits)
+            if token is not None and not decoding.finished and \
+                    self.engine.length(request.seq_id) + 1 > self.engine.context_window:
+                decoding.out_of_room()
+            text = decoding.text() if decoding.tokenizer is not None else ""
+        except Exception as err:  # a logits processor's or the tokenizer's failure ends this request only
+            self._end(request, "error", err)
+            return
+        request.pending = None if decoding.finished else token
+        now = time.monotonic()
+        if request.first_token is None:
+            request.first_token = now
+            with self._cond:
+                self._ttft.observe(now - request.submitted)
+        new = decoding.token_ids[request.sent:]
+        logprobs = decoding.logprobs[request.sent:]
+        request.sent = len(decoding.token_ids)
+        if decoding.finished:
+            self._end(request, decoding.stats.finish_reason, StreamEvent(text, new, logprobs))
+        elif text or new:
+            request.emit(StreamEvent(text, new, logprobs, prompt_tokens=len(request.prompt_ids),
+                                     completion_tokens=len(decoding.token_ids)))
+
+    def _end(self, request: _Request, how: str, last: StreamEvent | BaseException | None = None) -> None:
+        """Free a running request's sequence and count it; `last` is its final event or error."""
+        if request.seq_id is not None:
+            self.engine.remove_sequence(request.seq_id)
+            request.seq_id = None
+        generated = len(request.decoding.token_ids)
+        used = self._kv_tokens_used()
+        with self._cond:
+            self._kv_used = used
+            if request in self._running:
+                self._running.remove(request)
+                self._reserved -= request.reserve
+            self._finished[how] += 1
+            self._prompt_tokens += len(request.prompt_ids)
+            self._generated_tokens += generated
+            if how in ("stop", "length") and generated > 1:
+                self._tpot.observe((time.monotonic() - request.first_token) / (generated - 1))
+        if isinstance(last, StreamEvent):
+            last.finish_reason = how
+            last.prompt_tokens, last.completion_tokens = len(request.prompt_ids), generated
+        if last is not None and not request.cancelled:
+            request.emit(last)
+
+    def _kv_tokens_used(self) -> int:
+        """KV cache tokens in the pages of running sequences (engine thread only)."""
+        return sum(self._pages(self.engine.length(request.seq_id))
+                   for request in self._running if request.seq_id is not None)
+
+
+class TokenStream:
+    """The events of one submitted request, as an async iterator; `cancel()` frees its sequence."""
+
+    def __init__(self, scheduler: Scheduler, request: _Request,
+                 events: asyncio.Queue[StreamEvent | BaseException]) -> None:
+        self._scheduler = scheduler
+        self._request = request
+        self._events = events
+        self._done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Length of the request's prompt."""
+        return len(self._request.prompt_ids)
+
+    def cancel(self) -> None:
+        """Stop the request (a client that went away); harmless once it has ended."""
+        self._scheduler.cancel(self._request)
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
