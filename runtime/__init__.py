@@ -2,12 +2,15 @@
 
 Imports only TVM's runtime, numpy, tokenizers and jinja2: never the compiler side
 of ember (frontend, ir_passes, schedules) nor torch or transformers, so it runs on
-a device that has only TVM's runtime libraries (`TVM_USE_RUNTIME_LIB=1`).
+a device that has only TVM's runtime libraries (`TVM_USE_RUNTIME_LIB=1`). The HTTP
+server (`ember.runtime.server`) is the one module that needs more: FastAPI and uvicorn.
 """
 
 from ember.runtime.artifact import Artifact, load_artifact
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Generation, generate
 from ember.runtime.sampling import SamplingParams
+from ember.runtime.scheduler import Scheduler, StreamEvent
 
-__all__ = ["Artifact", "Engine", "Generation", "SamplingParams", "generate", "load_artifact"]
+__all__ = ["Artifact", "Engine", "Generation", "SamplingParams", "Scheduler", "StreamEvent", "generate",
+           "load_artifact"]
