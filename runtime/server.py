@@ -32,6 +32,7 @@ from ember.runtime.scheduler import Histogram, QueueFullError, Scheduler, Stream
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 413 before it is parsed
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of union branches in error locations
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 try:
@@ -185,9 +186,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         try:
             fields = schema.model_validate(data)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ApiError(400, f"{where or 'body'}: {first['msg']}", param=str(first["loc"][0]) if first["loc"]
+            # Of a union's failed branches, the one that got deepest says most ("content.0.type", not "content").
+            worst = max(err.errors(), key=lambda error: len(error["loc"]))
+            where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part))
+            raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=str(worst["loc"][0]) if worst["loc"]
                            else None, code="invalid_value") from None
         if fields.model != model_name:
             raise ApiError(404, f"the model {fields.model!r} does not exist; this server has {model_name!r}",

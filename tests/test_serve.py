@@ -1,0 +1,539 @@
+"""`ember serve` and its scheduler: the official `openai` client against a server on loopback.
+
+Servers run in this process (a thread per server, on a free port, stopped by their own
+handle), each over its own loaded artifact, so nothing else touches their engine; one
+test starts `ember serve` as a subprocess and stops it by its PID. Greedy outputs are
+compared with `generate()` on a separate engine: batching must not change a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import ember
+from ember.cli import main
+from ember.errors import GenerationError
+from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
+from ember.runtime.sampling import sample_token, token_logprob
+from ember.runtime.server import Server
+from helpers import REPO_ROOT, prompt_ids
+
+API_KEY = "test-key"
+TIMEOUT = 60  # seconds; catches a hang, never a speed
+
+
+def _greedy(max_tokens: int, **options) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_tokens, **options)
+
+
+class Served:
+    """A server over its own load of an artifact, and clients for it."""
+
+    def __init__(self, artifact_dir, api_key: str | None = None, max_queue: int = 256, kv_capacity: int | None = None):
+        engine = Engine(load_artifact(artifact_dir))
+        if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows
+            engine.kv_capacity = kv_capacity
+        self.scheduler = Scheduler(engine, max_queue=max_queue)
+        self.name = artifact_dir.name
+        self.server = Server(self.scheduler, self.name, port=0, api_key=api_key)
+        self.server.start()
+        self.api_key = api_key or "unused"
+        self.client = openai.OpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0, timeout=TIMEOUT)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0, timeout=TIMEOUT)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed JSON or text) of one raw HTTP request."""
+        connection = http.client.HTTPConnection(self.server.host, self.server.port, timeout=TIMEOUT)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            data = response.read().decode("utf-8")
+        finally:
+            connection.close()
+        try:
+            return response.status, json.loads(data)
+        except json.JSONDecodeError:
+            return response.status, data
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{labels}': value}."""
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def close(self) -> None:
+        self.server.stop()
+        self.scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    """The demo model compiled with max_batch 4 (its context window is 256)."""
+    from ember.compiler import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("serve") / "demo"
+    compile_model(ember.DEMO_MODEL_DIR, out, CompileOptions(max_batch=4, show_progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir):
+    served = Served(demo_dir)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def demo_reference(demo_dir):
+    """The demo artifact loaded apart from the server's, for `generate()` references."""
+    return load_artifact(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    served = Served(tiny_llama.artifact_dir, api_key=API_KEY)
+    yield served
+    served.close()
+
+
+def _reference(artifact, prompt, max_tokens: int):
+    generation = generate(Engine(artifact), prompt, _greedy(max_tokens))
+    text = generation.text()
+    return text, generation
+
+
+def test_demo_completions_and_chat_match_generate(demo, demo_reference):
+    prompt = "And the LORD said unto Moses"
+    text, generation = _reference(demo_reference, prompt, 24)
+    whole = demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == text
+    assert whole.choices[0].finish_reason == generation.stats.finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(generation.prompt_ids),
+                                                                          generation.stats.new_tokens)
+    chunks = list(demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == generation.stats.new_tokens
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who led Israel?"}]
+    tokenizer = demo_reference.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    text, generation = _reference(demo_reference, ids, 20)
+    reply = demo.client.chat.completions.create(model=demo.name, messages=messages, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), generation.stats.new_tokens)
+    assert reply.usage.total_tokens == len(ids) + generation.stats.new_tokens
+    streamed = demo.client.chat.completions.create(model=demo.name, messages=messages, max_tokens=20, temperature=0,
+                                                   stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    assert [model.id for model in demo.client.models.list()] == [demo.name]
+
+
+def test_demo_stop_logprobs_and_penalties(demo, demo_reference):
+    prompt = "And the LORD said unto Moses"
+    text, _ = _reference(demo_reference, prompt, 24)
+    stop = text[5:9]
+    cut = demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    scored = demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = scored.choices[0].logprobs
+    assert "".join(logprobs.tokens) == scored.choices[0].text
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and chosen == pytest.approx(max(top.values()))  # greedy picks the likeliest
+    chat = demo.client.chat.completions.create(model=demo.name, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert [len(item.top_logprobs) for item in chat.choices[0].logprobs.content] == [2] * 4
+    repeated = demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=40, temperature=0,
+                                              frequency_penalty=2.0)
+    assert repeated.choices[0].text != _reference(demo_reference, prompt, 40)[0]
+
+
+def test_concurrent_streams_match_their_solo_runs(demo, demo_reference):
+    """24 streaming clients at once, prompts of 1..200 tokens and max_tokens 1..48: each gets
+    exactly its solo greedy run, and /metrics agrees with what the clients counted."""
+    rng = np.random.default_rng(1)
+    vocab = demo_reference.manifest.model["vocab_size"]
+    jobs = []
+    for i in range(24):
+        length, max_tokens = int(rng.integers(1, 201)), int(rng.integers(1, 49))
+        ids = [1] + rng.integers(4, vocab, length - 1).tolist()
+        jobs.append((ids, max_tokens, _reference(demo_reference, ids, max_tokens)[0]))
+    before = demo.metrics()
+
+    async def one(client, ids, max_tokens):
+        pieces, usage, finish = [], None, None
+        stream = await client.completions.create(model=demo.name, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return "".join(pieces), usage, finish
+
+    async def run_all():
+        client = demo.async_client()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)), TIMEOUT)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for (ids, max_tokens, expected), (text, usage, finish) in zip(jobs, results):
+        assert text == expected, f"prompt of {len(ids)} tokens, max_tokens {max_tokens}"
+        assert usage.prompt_tokens == len(ids) and finish in ("stop", "length")
+    after = demo.metrics()
+    assert after["ember_prompt_tokens_total"] - before["ember_prompt_tokens_total"] == sum(len(j[0]) for j in jobs)
+    assert after["ember_generation_tokens_total"] - before["ember_generation_tokens_total"] == \
+        sum(r[1].completion_tokens for r in results)
+    ok = 'ember_http_requests_total{endpoint="/v1/completions",status="200"}'
+    assert after[ok] - before.get(ok, 0) == len(jobs)
+    assert after["ember_running_sequences"] == 0 and after["ember_kv_cache_tokens_used"] == 0
+    assert after["ember_time_to_first_token_seconds_count"] - before["ember_time_to_first_token_seconds_count"] \
+        == len(jobs)
+
+
+def _assert_openai_error(status: int, body, expected_status: int, *words: str, param: str | None = None) -> None:
+    assert status == expected_status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert "Traceback" not in error["message"] and "\n" not in error["message"]
+    for word in words:
+        assert word in error["message"], error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def _still_serving(served: Served, key: str = API_KEY) -> None:
+    """A health check and a normal request succeed."""
+    assert served.request("GET", "/health") == (200, {"status": "ok"})
+    status, body = served.request("POST", "/v1/completions", json.dumps(
+        {"model": served.name, "prompt": "ab", "max_tokens": 2}).encode(), {"Authorization": f"Bearer {key}"})
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
+
+
+BAD_REQUESTS = {
+    # name: (path, body (bytes, or a dict merged over a good one), status, words in the message, param)
+    "malformed JSON": ("/v1/completions", b'{"model": "x", "prompt": ', 400, ("not valid JSON",), None),
+    "not UTF-8": ("/v1/completions", b'{"model": "\xff\xfe", "prompt": "a"}', 400, ("not UTF-8",), None),
+    "not an object": ("/v1/completions", b"[1, 2]", 400, ("JSON object",), None),
+    "no prompt": ("/v1/completions", {"prompt": None}, 400, ("prompt",), "prompt"),
+    "negative max_tokens": ("/v1/completions", {"max_tokens": -1}, 400, ("max_tokens",), "max_tokens"),
+    "absurd max_tokens": ("/v1/completions", {"max_tokens": 10**12}, 400, ("context window",), "max_tokens"),
+    "string max_tokens": ("/v1/completions", {"max_tokens": "5"}, 400, ("max_tokens",), "max_tokens"),
+    "absurd temperature": ("/v1/completions", {"temperature": 1e300}, 400, ("temperature",), "temperature"),
+    "negative temperature": ("/v1/completions", {"temperature": -0.5}, 400, ("temperature",), "temperature"),
+    "top_p zero": ("/v1/completions", {"top_p": 0}, 400, ("top_p",), "top_p"),
+    "top_p above one": ("/v1/completions", {"top_p": 1.5}, 400, ("top_p",), "top_p"),
+    "negative seed": ("/v1/completions", {"seed": -1}, 400, ("seed",), "seed"),
+    "penalty out of range": ("/v1/completions", {"presence_penalty": 3}, 400, ("presence_penalty",),
+                             "presence_penalty"),
+    "too many logprobs": ("/v1/completions", {"logprobs": 21}, 400, ("logprobs",), "logprobs"),
+    "n above one": ("/v1/completions", {"n": 2}, 400, ("n",), "n"),
+    "empty stop": ("/v1/completions", {"stop": [""]}, 400, ("stop",), "stop"),
+    "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ("token ids",), None),
+    "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ("one prompt",), "prompt"),
+    "json mode": ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, ("not supported yet",),
+                  "response_format"),
+    "unknown model": ("/v1/completions", {"model": "gpt-4"}, 404, ("gpt-4",), "model"),
+    "1 MB prompt": ("/v1/completions", {"prompt": "ab" * 2**19}, 400, ("context window",), "prompt"),
+    "body over 16 MiB": ("/v1/completions", {"prompt": "a" * (17 * 2**20)}, 413, ("16 MiB",), None),
+    "unknown path": ("/v1/embeddings", {}, 404, (), None),
+    "no messages": ("/v1/chat/completions", {"messages": []}, 400, ("messages",), "messages"),
+    "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, 400,
+                     ("role",), "messages"),
+    "image content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, ("type",), "messages"),
+    "lone surrogate": ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                       400, ("UTF-8",), None),
+    "tools": ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, ("tools",), "tools"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {"top_logprobs": 2}, 400, ("logprobs",),
+                                      "top_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(tiny, case):
+    path, body, status, words, param = BAD_REQUESTS[case]
+    if isinstance(body, dict):
+        good = {"model": tiny.name, "max_tokens": 4}
+        good.update({"prompt": "ab"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]})
+        body = json.dumps({key: value for key, value in {**good, **body}.items() if value is not None}).encode()
+    body = body.replace(b'"M"', json.dumps(tiny.name).encode())
+    got = tiny.request("POST", path, body, {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    _assert_openai_error(*got, status, *words, param=param)
+    _still_serving(tiny)
+
+
+def test_unknown_fields_are_ignored(tiny):
+    """Like vLLM and llama.cpp's server (OpenAI itself refuses them): clients send vendor fields."""
+    reply = tiny.client.completions.create(model=tiny.name, prompt="ab", max_tokens=3, temperature=0,
+                                           extra_body={"vendor_option": {"x": 1}, "user": "me"})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_api_key_is_required(tiny, key):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+        _assert_openai_error(*tiny.request(method, path, b"{}", headers), 401, "API key")
+    if key is not None:  # the client itself refuses to send no key
+        client = openai.OpenAI(base_url=tiny.server.url, api_key=key, max_retries=0, timeout=TIMEOUT)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    _still_serving(tiny)
+
+
+def test_disconnect_mid_stream_frees_the_sequence(tiny):
+    before = tiny.metrics()
+    connection = http.client.HTTPConnection(tiny.server.host, tiny.server.port, timeout=TIMEOUT)
+    body = json.dumps({"model": tiny.name, "prompt": prompt_ids(20), "max_tokens": 230, "stream": True,
+                       "temperature": 1.0, "seed": 0, "stop": None})
+    connection.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        now = tiny.metrics()
+        cancelled = now.get('ember_requests_finished_total{reason="cancelled"}', 0)
+        if cancelled > before.get('ember_requests_finished_total{reason="cancelled"}', 0):
+            break
+        assert time.monotonic() < deadline, "the disconnected stream was never cancelled"
+        time.sleep(0.02)
+    assert now["ember_running_sequences"] == 0 and now["ember_kv_cache_tokens_used"] == 0
+    assert now["ember_kv_cache_tokens_free"] == tiny.scheduler.engine.kv_capacity
+    _still_serving(tiny)
+
+
+def test_a_burst_over_max_queue_gets_429_then_requests_succeed(tiny_llama):
+    served = Served(tiny_llama.artifact_dir, max_queue=2)
+    try:
+        async def burst():
+            client = served.async_client()
+            try:
+                calls = [client.completions.create(model=served.name, prompt=prompt_ids(50, seed=i), max_tokens=150,
+                                                   temperature=0, stop=None) for i in range(16)]
+                return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), TIMEOUT)
+            finally:
+                await client.close()
+
+        results = asyncio.run(burst())
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        assert refused and all(isinstance(r, openai.RateLimitError) or r.choices[0].text is not None for r in results)
+        assert "--max-queue 2" in refused[0].body["message"] and refused[0].body["code"] == "queue_full"
+        assert served.metrics()['ember_http_requests_total{endpoint="/v1/completions",status="429"}'] == len(refused)
+        _still_serving(served, key="unused")
+    finally:
+        served.close()
+
+
+def test_kv_exhaustion_makes_requests_wait_then_complete(tiny_llama):
+    """A cache that holds two full contexts: four requests that each reserve one run two at a time,
+    each with its solo output."""
+    window = Engine(tiny_llama.artifact).context_window
+    served = Served(tiny_llama.artifact_dir, kv_capacity=2 * window)
+    peaks = {"running": 0, "queued": 0}
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            stats = served.scheduler.stats()
+            peaks["running"] = max(peaks["running"], stats.running)
+            if stats.running == 2:  # waiting while the batch (4) has room: for the KV cache
+                peaks["queued"] = max(peaks["queued"], stats.queued)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        prompts = [prompt_ids(30 + 20 * i, seed=i) for i in range(4)]
+
+        async def run_all():
+            client = served.async_client()
+            try:
+                calls = [client.completions.create(model=served.name, prompt=ids, temperature=0) for ids in prompts]
+                return await asyncio.wait_for(asyncio.gather(*calls), TIMEOUT)
+            finally:
+                await client.close()
+
+        results = asyncio.run(run_all())
+    finally:
+        watching.set()
+        watcher.join()
+    try:
+        assert peaks["running"] == 2 and peaks["queued"] >= 1, peaks
+        for ids, result in zip(prompts, results):
+            assert result.choices[0].text == _reference(tiny_llama.artifact, ids, window - len(ids))[0]
+        _still_serving(served, key="unused")
+    finally:
+        served.close()
+
+
+def _recording_engine(artifact):
+    """An engine whose prefill and decode calls are logged as ('prefill', n) / ('decode', batch size)."""
+    engine, calls = Engine(artifact), []
+    prefill, decode = engine.prefill, engine.decode
+    engine.prefill = lambda seq_id, ids, **kw: calls.append(("prefill", len(ids))) or prefill(seq_id, ids, **kw)
+    engine.decode = lambda seq_ids, ids: calls.append(("decode", len(seq_ids))) or decode(seq_ids, ids)
+    return engine, calls
+
+
+def test_scheduler_interleaves_prefill_chunks_with_batched_decode(tiny_llama):
+    engine, calls = _recording_engine(tiny_llama.artifact)
+    short, long = prompt_ids(10, seed=1), prompt_ids(200, seed=2)
+    with Scheduler(engine) as scheduler:
+        first = scheduler.submit_sync(short, _greedy(60, stop_token_ids=()))
+        events = [next(first)]  # the short request is decoding when the long one arrives
+        second = scheduler.submit_sync(long, _greedy(20, stop_token_ids=()))
+        events += list(first)
+        tail = list(second)
+    chunk = engine.prefill_chunk
+    long_chunks = [n for kind, n in calls if kind == "prefill"][1:]
+    assert long_chunks == [chunk] * (200 // chunk) + [200 % chunk]
+    assert not any(a[0] == b[0] == "prefill" for a, b in zip(calls, calls[1:])), calls  # decode never waits two
+    assert ("decode", 2) in calls  # both streams in one batched call
+    for ids, got, n in ((short, events, 60), (long, tail, 20)):
+        reference = generate(Engine(tiny_llama.artifact), ids, _greedy(n, stop_token_ids=()))
+        list(reference.tokens())
+        assert [t for e in got for t in e.token_ids] == reference.token_ids
+        assert got[-1].finish_reason == "length" and got[-1].completion_tokens == n
+
+
+def test_scheduler_logits_processor_cancel_and_failure(tiny_llama):
+    engine = Engine(tiny_llama.artifact)
+    ids = prompt_ids(12)
+    with Scheduler(engine, max_queue=8) as scheduler:
+        plain = [t for e in scheduler.submit_sync(ids, _greedy(8, stop_token_ids=())) for t in e.token_ids]
+        banned = plain[0]
+
+        def ban(_generated, logits):
+            logits = logits.copy()
+            logits[banned] = -np.inf
+            return logits
+
+        masked = [t for e in scheduler.submit_sync(ids, _greedy(8, stop_token_ids=()), ban) for t in e.token_ids]
+        assert banned not in masked and len(masked) == 8
+
+        def broken(_generated, _logits):
+            raise ValueError("a grammar bug")
+
+        with pytest.raises(ValueError, match="grammar"):
+            list(scheduler.submit_sync(ids, _greedy(8), broken))
+        stream = scheduler.submit_sync(ids, _greedy(200, stop_token_ids=()))
+        next(stream)
+        stream.close()  # the consumer leaves: cancelled
+        assert [t for e in scheduler.submit_sync(ids, _greedy(8, stop_token_ids=())) for t in e.token_ids] == plain
+        deadline = time.monotonic() + TIMEOUT
+        while scheduler.stats().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = scheduler.stats()
+        assert stats.finished == {"length": 3, "error": 1, "cancelled": 1}
+        assert (stats.running, stats.kv_tokens_used, stats.kv_tokens_reserved) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, words", [
+    ([], 4, "empty"),
+    ([1] * 300, 4, "context window"),
+    ([1, -5], 4, "token ids"),
+])
+def test_scheduler_refuses_requests_that_can_never_run(tiny_llama, prompt, max_tokens, words):
+    with Scheduler(Engine(tiny_llama.artifact)) as scheduler:
+        with pytest.raises(GenerationError, match=words):
+            scheduler.submit_sync(prompt, _greedy(max_tokens))
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = np.array([5.0, 4.0, 3.5, 0.0])
+    rng = np.random.default_rng(0)
+    generated = [0, 0, 1]
+    # 5 - 2*1.0 - 0 = 3 ; 4 - 1*1.0 = 3 ; 3.5 untouched: token 2 wins
+    assert sample_token(logits, _greedy(1, frequency_penalty=1.0), rng, generated, generated) == 2
+    # presence: 5 - 2 = 3, 4 - 2 = 2, 3.5: token 2 wins; without generated tokens nothing changes
+    assert sample_token(logits, _greedy(1, presence_penalty=2.0), rng, generated, generated) == 2
+    assert sample_token(logits, _greedy(1, presence_penalty=2.0), rng, generated) == 0
+    with pytest.raises(GenerationError, match="frequency_penalty"):
+        _greedy(1, frequency_penalty=2.5)
+
+
+def test_token_logprob_is_the_log_softmax():
+    logits = np.array([1.0, 3.0, 2.0, -1.0])
+    expected = logits - np.log(np.exp(logits).sum())
+    result = token_logprob(logits, 2, 2)
+    assert result.logprob == pytest.approx(expected[2])
+    assert [i for i, _ in result.top] == [1, 2] and result.top[0][1] == pytest.approx(expected[1])
+    assert len(token_logprob(logits, 0, 10).top) == 4 and token_logprob(logits, 0, 0).top == []
+
+
+def test_cli_serve_runs_until_stopped(tiny_llama, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY + "\n")
+    process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama.artifact_dir), "--port", "0",
+                                "--api-key-file", str(key_file), "--threads", "1"],
+                               cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()  # blocks until the server listens, or the process ends
+        match = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)
+        assert match, line + process.stderr.read() if process.poll() is not None else line
+        client = openai.OpenAI(base_url=match.group(1), api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+        assert [model.id for model in client.models.list()] == [tiny_llama.artifact_dir.name]
+        reply = client.chat.completions.create(model=tiny_llama.artifact_dir.name, max_tokens=3,
+                                               messages=[{"role": "user", "content": "hello"}])
+        assert reply.usage.completion_tokens <= 3
+    finally:
+        process.terminate()
+        process.wait(timeout=TIMEOUT)
+
+
+def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
+    artifact = str(tiny_llama.artifact_dir)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    busy = socket.create_server(("127.0.0.1", 0))
+    cases = [
+        (["--api-key-file", str(tmp_path / "missing")], "--api-key-file"),
+        (["--api-key-file", str(empty)], "the key is empty"),
+        (["--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
+        (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+        (["--port", "70000"], "--port 70000"),
+    ]
+    try:
+        for options, words in cases:
+            assert main(["serve", artifact, *options]) == 1, options
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("ember: error: ") and words in err[0], err
+    finally:
+        busy.close()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", artifact, "--api-key", "a", "--api-key-file", str(empty)])
+    assert exit_info.value.code == 2
+
+
+def test_runtime_imports_without_the_serve_extra():
+    code = ("import sys; sys.modules['fastapi'] = None; import ember.runtime; "
+            "from ember.runtime import Scheduler\n"
+            "try:\n import ember.runtime.server\nexcept ember.errors.EmberError as err: print(err)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'ember[serve]'" in result.stdout
