@@ -222,7 +222,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default %(default)s: this machine only; 0.0.0.0 for all)")
     serve.add_argument("--port", type=_whole_number(0), default=8000, help="TCP port (default %(default)s)")
     key = serve.add_mutually_exclusive_group()
-    key.add_argument("--api-key", type=_text, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    key.add_argument("--api-key", type=_text, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/ requests")
     key.add_argument("--api-key-file", type=Path, metavar="FILE",
                      help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
     serve.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
