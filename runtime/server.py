@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent
 events ending in `data: [DONE]`, or whole), GET /v1/models, /health and /metrics
-(Prometheus text). Every request runs through one `Scheduler`, which this module
+(Prometheus text), and a web chat page at / (static/chat.html, which streams through
+/v1/chat/completions). Every request runs through one `Scheduler`, which this module
 only wraps: bodies are parsed and checked here, prompts tokenized off the event
 loop, and every failure answered in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
@@ -23,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from ember.errors import EmberError, GenerationError
@@ -33,12 +35,13 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 413 before it is parsed
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of union branches in error locations
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+_ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 try:
     import fastapi
     import uvicorn
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.exceptions import HTTPException
 except ImportError as err:
@@ -142,6 +145,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     engine = scheduler.engine
     tokenizer = engine.artifact.tokenizer
     created = int(time.time())
+    page = CHAT_PAGE.read_text(encoding="utf-8")
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Any, err: ApiError) -> Any:
@@ -357,6 +361,11 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         authorize(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "ember", "max_model_len": engine.context_window}]}
+
+    @app.get("/")
+    async def chat_page() -> Any:
+        # No API key here: the page holds no secret, and it asks for the key when the API wants one.
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health() -> Any:

@@ -1,0 +1,198 @@
+"""The web chat page of `ember serve` in a real browser: Debian's chromium, headless, driven by playwright.
+
+scripts/install_browser.sh finds chromium or installs it with apt-get (the test skips only when it
+cannot); playwright launches that executable, so no browser is downloaded from elsewhere. One
+`ember serve` subprocess with an API key serves the tiny llama; each test opens the page afresh.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from helpers import REPO_ROOT
+
+API_KEY = "browser-key"
+TIMEOUT = 60  # seconds; catches a hang, never a speed
+MAX_TOKENS = 24
+
+# Records every text the assistant messages show, as the page renders them: streaming shows
+# growing prefixes of the answer, a page that waited for the whole answer would show one text.
+RECORD_UPDATES = """
+window.assistantTexts = [];
+new MutationObserver((records) => {
+  for (const record of records) {
+    if (!(record.target instanceof Element) || !record.target.closest(".assistant .content")) continue;
+    for (const node of record.addedNodes) if (node.nodeType === Node.TEXT_NODE) window.assistantTexts.push(node.data);
+  }
+}).observe(document, {childList: true, subtree: true});
+"""
+
+# Lets the first read of a chat stream through, then holds the rest back until the request is aborted,
+# so that Stop is pressed mid-stream however fast the model is. The request itself is the real one.
+HOLD_STREAM = """
+const realFetch = window.fetch;
+window.fetch = async (url, options) => {
+  const response = await realFetch(url, options);
+  if (!String(url).endsWith("chat/completions") || !response.ok) return response;
+  const reader = response.body.getReader();
+  const held = new ReadableStream({
+    async start(controller) {
+      controller.enqueue((await reader.read()).value);
+      options.signal.addEventListener("abort", () => { reader.cancel(); controller.error(options.signal.reason); });
+    },
+  });
+  return new Response(held, {status: response.status, headers: response.headers});
+};
+"""
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The path of a chromium executable, installed by scripts/install_browser.sh if need be."""
+    result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "install_browser.sh")], capture_output=True,
+                            text=True, timeout=900)
+    if result.returncode == 3:
+        pytest.skip(f"no browser: {result.stderr.strip().splitlines()[-1]}")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    """`ember serve` on the tiny llama with an API key: (page URL, openai client, model name)."""
+    key_file = tmp_path_factory.mktemp("browser") / "key"
+    key_file.write_text(API_KEY + "\n")
+    process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama.artifact_dir), "--port", "0",
+                                "--api-key-file", str(key_file), "--threads", "1"],
+                               cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()  # blocks until the server listens, or the process ends
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line + process.stderr.read() if process.poll() is not None else line
+        client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+        yield match.group(1) + "/", client, tiny_llama.artifact_dir.name
+    finally:
+        process.terminate()
+        process.wait(timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """The chat page, opened and given the API key it asks for."""
+    context = browser.new_context(viewport={"width": 900, "height": 900})
+    context.set_default_timeout(TIMEOUT * 1000)
+    page = context.new_page()
+    page.add_init_script(RECORD_UPDATES)
+    yield page
+    context.close()
+
+
+def _open(page, url: str, api_key: str = API_KEY) -> None:
+    page.goto(url)
+    sync_api.expect(page.get_by_label("API key")).to_be_visible()  # /v1/models answered 401
+    page.get_by_label("API key").fill(api_key)
+    page.get_by_label("API key").press("Enter")
+
+
+def _send(page, text: str, temperature: str = "0", max_tokens: str = str(MAX_TOKENS)) -> None:
+    if not page.get_by_label("Temperature").is_visible():
+        page.get_by_text("Settings").click()
+    page.get_by_label("Temperature").fill(temperature)
+    page.get_by_label("Max tokens").fill(max_tokens)
+    page.get_by_label("Message").fill(text)
+    page.get_by_label("Message").press("Enter")
+
+
+def _answers(page) -> list[str]:
+    """The assistant messages once the page is idle again."""
+    sync_api.expect(page.get_by_role("log")).to_have_attribute("aria-busy", "false")
+    return page.locator(".message.assistant .content").all_text_contents()
+
+
+def _greedy(client, model: str, messages: list[dict]) -> str:
+    reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+    return reply.choices[0].message.content
+
+
+def test_chat_page_streams_a_conversation(page, server, tmp_path, capsys):
+    url, client, model = server
+    _open(page, url, api_key="wrong")
+    sync_api.expect(page.get_by_role("alert")).to_contain_text("incorrect API key (HTTP 401)")
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    sync_api.expect(page.get_by_role("heading", level=1)).to_contain_text(model)
+
+    page.get_by_text("Settings").click()
+    page.get_by_label("System prompt").fill("You are terse.")
+    _send(page, "Hello, who are you?")
+    sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(1)
+    first = _answers(page)[0]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, who are you?"}]
+    assert first and first == _greedy(client, model, messages)
+    updates = page.evaluate("window.assistantTexts")
+    assert len(set(updates)) >= 2 and updates[-1] == first, updates  # shown piece by piece
+    assert all(later.startswith(earlier) for earlier, later in zip(updates, updates[1:])), updates
+
+    _send(page, "Tell me more.")  # the second turn is sent with the first
+    sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(2)
+    second = _answers(page)[1]
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Tell me more."}]
+    assert second and second == _greedy(client, model, messages)
+    assert page.locator(".message.user .content").all_text_contents() == ["Hello, who are you?", "Tell me more."]
+    sync_api.expect(page.locator(".message.assistant .meta").first).to_contain_text("tokens")
+
+    screenshot = tmp_path / "chat_page.png"
+    page.screenshot(path=str(screenshot), full_page=True)
+    with capsys.disabled():
+        print(f"\nchat page screenshot: {screenshot}")
+    assert screenshot.stat().st_size > 0
+
+    page.get_by_role("button", name="New chat").click()
+    assert page.locator(".message").count() == 0
+
+
+def test_chat_page_shows_the_servers_error(page, server):
+    url, _client, _model = server
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    _send(page, "Hello", max_tokens="256")  # the prompt plus 256 tokens overflow the context window of 256
+    sync_api.expect(page.get_by_role("alert")).to_contain_text("context window is 256 tokens")
+    sync_api.expect(page.get_by_role("alert")).to_contain_text("(HTTP 400)")
+    assert page.locator(".message").count() == 0  # the turn is withdrawn...
+    assert page.get_by_label("Message").input_value() == "Hello"  # ...and back in the box, to send again
+    _send(page, "Hello")
+    assert len(_answers(page)) == 1 and page.locator("#error").text_content() == ""  # the error is cleared
+
+
+def test_chat_page_stop_button(page, server):
+    url, client, model = server
+    page.add_init_script(HOLD_STREAM)
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    stop = page.get_by_role("button", name="Stop")
+    assert stop.is_disabled()
+    _send(page, "Hello")
+    sync_api.expect(page.locator(".message.assistant[data-state=streaming] .content")).not_to_be_empty()
+    stop.click()
+    sync_api.expect(page.locator(".message.assistant[data-state=stopped]")).to_have_count(1)
+    sync_api.expect(page.locator(".message.assistant .meta")).to_contain_text("stopped")
+    partial = _answers(page)[0]
+    whole = _greedy(client, model, [{"role": "user", "content": "Hello"}])
+    assert partial and whole.startswith(partial)
+    assert stop.is_disabled() and page.get_by_role("button", name="Send").is_enabled()
