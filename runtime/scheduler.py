@@ -9,8 +9,19 @@ never fill up under a running request, and the others wait in the queue, first i
 first out. A cancelled request (a client gone) leaves at the next step and its pages
 are freed.
 
+With the prefix cache (`runtime/prefix_cache.py`, on unless the model has a sliding
+window, which TVM cannot fork), a request that ended keeps its sequence as a cache entry,
+and a new prompt that starts with tokens a running or cached sequence holds forks its
+pages and prefills only the rest. Entries are evicted least recently used first as soon
+as a request needs their sequence slot or KV pages, so the cache never makes a request
+wait; admission counts their pages as the engine does. When only the matched entry stands
+in the way, the request takes that entry's sequence over (truncated to the shared prefix).
+
 Sampling, stop tokens and stop strings are `generate.Decoding`'s, the same as a single
-`generate()`: a greedy request's text does not depend on what else runs beside it.
+`generate()`: a greedy request's text does not depend on what else runs beside it. A fork
+is the exception within float rounding: attention over shared pages is computed in a
+separate pass and merged, so a forked sequence's logits (and those of the sequence it
+was forked from, whose pages are split) can differ from a solo run's in the last bits.
 `submit` (async) and `submit_sync` hand out the events of one request.
 """
 
@@ -31,6 +42,7 @@ import numpy as np
 from ember.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Decoding, LogitsProcessor
+from ember.runtime.prefix_cache import PrefixCache
 from ember.runtime.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -87,13 +99,18 @@ class SchedulerStats:
     queued: int
     running: int
     kv_tokens_used: int  # in pages held by running sequences
-    kv_tokens_free: int
+    kv_tokens_free: int  # not held by running sequences: cache entries' pages count as free (evicted on demand)
     kv_tokens_reserved: int  # prompt + max_new_tokens of every admitted request, page-rounded
     finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
     prompt_tokens: int  # of requests that ended
     generated_tokens: int
     ttft: Histogram  # seconds from submit to the first token
     tpot: Histogram  # seconds per output token after the first, one observation per request
+    prefill_tokens: int  # prompt tokens run through the model (a prefix cache hit skips the rest)
+    prefix_cache_hits: int  # requests that forked a cached or running sequence's pages
+    prefix_cache_hit_tokens: int  # prompt tokens those requests did not prefill
+    prefix_cache_sequences: int  # finished sequences kept as cache entries
+    prefix_cache_tokens: int  # in the pages of those entries
 
 
 class _Request:
@@ -117,7 +134,8 @@ class _Request:
 class Scheduler:
     """Serves many generation requests over one engine with continuous batching (a background thread)."""
 
-    def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
+                 prefix_cache: bool = True) -> None:
         if max_queue < 1:
             raise GenerationError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
@@ -133,6 +151,12 @@ class Scheduler:
         self._generated_tokens = 0
         self._ttft = Histogram(TTFT_BUCKETS)
         self._tpot = Histogram(TPOT_BUCKETS)
+        # A shared prefix shorter than a page saves less prefill than the fork costs.
+        self._prefix = PrefixCache(engine.page_size) if prefix_cache and not engine.sliding_window else None
+        self._cached_tokens = 0  # page-rounded lengths of the cache entries
+        self._prefill_tokens = 0
+        self._prefix_hits = 0
+        self._prefix_hit_tokens = 0
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ember-scheduler", daemon=True)
         self._thread.start()
@@ -193,6 +217,10 @@ class Scheduler:
                 kv_tokens_free=self.engine.kv_capacity - self._kv_used, kv_tokens_reserved=self._reserved,
                 finished=dict(self._finished), prompt_tokens=self._prompt_tokens,
                 generated_tokens=self._generated_tokens, ttft=self._ttft.copy(), tpot=self._tpot.copy(),
+                prefill_tokens=self._prefill_tokens, prefix_cache_hits=self._prefix_hits,
+                prefix_cache_hit_tokens=self._prefix_hit_tokens,
+                prefix_cache_sequences=len(self._prefix.finished()) if self._prefix else 0,
+                prefix_cache_tokens=self._cached_tokens,
             )
 
     def close(self) -> None:
@@ -265,18 +293,59 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting + list(self._running):
             self._end(request, "error", shutdown)
+        with self._cond:  # the engine may outlive the scheduler: give its sequence slots back
+            for seq_id in self._prefix.finished() if self._prefix else ():
+                self._evict(seq_id)
 
     def _admit(self) -> None:
         """Give sequences to waiting requests, oldest first, while the batch and the KV cache have room
-        (called with the lock held)."""
-        while self._waiting and len(self._running) < self.engine.max_batch:
+        (called with the lock held). Cache entries are evicted for them, and never make them wait."""
+        engine = self.engine
+        while self._waiting and len(self._running) < engine.max_batch:
             request = self._waiting[0]
-            if self._reserved + request.reserve > self.engine.kv_capacity:
+            if self._reserved + request.reserve > engine.kv_capacity:
                 break
             self._waiting.popleft()
-            request.seq_id = self.engine.add_sequence()
+            parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
+            if parent is not None and self._prefix.is_finished(parent) and not self._fits(request.reserve, parent):
+                self._prefix.remove(parent)
+                self._cached_tokens -= self._pages(engine.length(parent))
+                engine.truncate(parent, length)
+                request.seq_id = parent
+            self._evict_for(request.reserve, keep=parent)
+            if request.seq_id is None:
+                request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
+            if parent is not None:
+                request.prefilled = length
+                self._prefix_hits += 1
+                self._prefix_hit_tokens += length
+            if self._prefix:
+                self._prefix.add(request.seq_id, request.prompt_ids[:length])
             self._reserved += request.reserve
             self._running.append(request)
+
+    def _fits(self, reserve: int, keep: int) -> bool:
+        """Whether a new sequence reserving `reserve` KV tokens fits beside the running ones and the cache
+        entry `keep` once every other entry is evicted (lock held)."""
+        return (len(self._running) + 2 <= self.engine.max_batch and
+                self._reserved + self._pages(self.engine.length(keep)) + reserve <= self.engine.kv_capacity)
+
+    def _evict_for(self, reserve: int, keep: int | None) -> None:
+        """Evict cache entries other than `keep`, least recently used first, until a new sequence reserving
+        `reserve` KV tokens fits (lock held; the caller checked that it can)."""
+        entries = self._prefix.finished() if self._prefix else []
+        for seq_id in entries:
+            if (len(self._running) + len(self._prefix.finished()) < self.engine.max_batch and
+                    self._reserved + self._cached_tokens + reserve <= self.engine.kv_capacity):
+                return
+            if seq_id != keep:
+                self._evict(seq_id)
+
+    def _evict(self, seq_id: int) -> None:
+        """Free a cache entry's sequence (lock held)."""
+        self._cached_tokens -= self._pages(self.engine.length(seq_id))
+        self._prefix.remove(seq_id)
+        self.engine.remove_sequence(seq_id)
 
     def _step(self) -> None:
         """One chunk of the oldest unread prompt, then one batched decode of every request with a token."""
@@ -290,12 +359,20 @@ class Scheduler:
             except Exception as err:
                 self._end(request, "error", err)
             else:
+                with self._cond:
+                    self._prefill_tokens += len(chunk)
+                    if self._prefix:
+                        self._prefix.extend(request.seq_id, chunk)
                 request.prefilled += len(chunk)
                 if request.prefilled == len(request.prompt_ids):
                     self._advance(request, logits)
         batch = [request for request in live if request.pending is not None]
         if batch:
-            rows = self.engine.decode([request.seq_id for request in batch], [request.pending for request in batch])
+            fed = [request.pending for request in batch]
+            rows = self.engine.decode([request.seq_id for request in batch], fed)
+            for request, token in zip(batch, fed):
+                if self._prefix:
+                    self._prefix.extend(request.seq_id, [token])
             for request, row in zip(batch, rows):
                 self._advance(request, row)
 
@@ -327,14 +404,19 @@ class Scheduler:
                                      completion_tokens=len(decoding.token_ids)))
 
     def _end(self, request: _Request, how: str, last: StreamEvent | BaseException | None = None) -> None:
-        """Free a running request's sequence and count it; `last` is its final event or error."""
-        if request.seq_id is not None:
-            self.engine.remove_sequence(request.seq_id)
-            request.seq_id = None
+        """Free a running request's sequence, or keep it as a prefix cache entry if the request ran to
+        its end, and count it; `last` is its final event or error."""
         generated = len(request.decoding.token_ids)
-        used = self._kv_tokens_used()
         with self._cond:
-            self._kv_used = used
+            if request.seq_id is not None:
+                if self._prefix and how in ("stop", "length") and self.engine.length(request.seq_id):
+                    self._prefix.finish(request.seq_id)
+                    self._cached_tokens += self._pages(self.engine.length(request.seq_id))
+                else:  # an error may have left it half-written; a client gone wants its pages back at once
+                    if self._prefix:
+                        self._prefix.remove(request.seq_id)
+                    self.engine.remove_sequence(request.seq_id)
+                request.seq_id = None
             if request in self._running:
                 self._running.remove(request)
                 self._reserved -= request.reserve
@@ -343,6 +425,7 @@ class Scheduler:
             self._generated_tokens += generated
             if how in ("stop", "length") and generated > 1:
                 self._tpot.observe((time.monotonic() - request.first_token) / (generated - 1))
+            self._kv_used = self._kv_tokens_used()
         if isinstance(last, StreamEvent):
             last.finish_reason = how
             last.prompt_tokens, last.completion_tokens = len(request.prompt_ids), generated
