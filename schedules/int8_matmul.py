@@ -37,7 +37,16 @@ shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vect
 The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
 AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
-decode's (1 x 1) streams the weight once, linearly. Values are stored unsigned
+decode's (1 x 1) streams the weight once, linearly.
+
+Knobs (`INT8_KNOBS`): `tokens`, `row_blocks` and `unroll` (the word loop unrolled, or
+a loop: unrolled suits VNNI's one instruction per step, a loop the longer AVX2 steps).
+The kernel is a whole PrimFunc built from its knobs, not a schedule of a generic one, so
+`knob_space` lists every tuple it takes (tiles within a quarter of the level's vector
+registers, as each tile entry holds an int32 and a float32 accumulator and, for int4
+without VNNI, an int16 one), the rule's (`rule_knobs`) first. `ember tune` measures
+them one by one and `compile --tuning-db` rebuilds the kernel with the best
+(`schedules/tuning.py`); `BUILD_ATTR` records what the kernel computes, knobs aside. Values are stored unsigned
 (`v + offset`); `x_bias` takes the offset back out: sum((v + offset) * q) - offset *
 sum(q) = sum(v * q), exact in integers. A partial last tile of activation rows
 recomputes the last row instead of branching (the stores write the same values).
@@ -61,13 +70,19 @@ and Q8_0 dot products. `ember compile --float-activations` keeps the float path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir_passes.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
+from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
 from ember.targets.registry import Int8Dot
 
 _LEVELS = 127.0
+INT8_KNOBS = ("tokens", "row_blocks", "unroll")
+# On each kernel: {"format", "n", "k", "many_tokens"}, the arguments of `int8_dot_matmul` but the target's and the knobs.
+BUILD_ATTR = "ember.int8_matmul"
 
 
 def supports(fmt: QuantFormat, n: int, k: int) -> bool:
@@ -86,29 +101,75 @@ def register_tile(vector_bits: int, many_tokens: bool) -> tuple[int, int]:
     return (4, 2) if vector_bits >= 512 else (2, 2)
 
 
+def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int) -> list[int]:
+    """The knobs (`INT8_KNOBS`) the rule picks: `register_tile`, one row block where the blocks
+    do not divide evenly, and the word loop unrolled on VNNI only."""
+    tokens, row_blocks = register_tile(vector_bits, many_tokens)
+    if (n // INTERLEAVED_ROWS) % row_blocks:
+        row_blocks = 1
+    return [tokens, row_blocks, int(dot.accumulates)]
+
+
+def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int) -> list[list[int]]:
+    """Every knob tuple the kernel of an [n, k] weight takes, the rule's first.
+
+    Decode keeps one activation row per tile: it is tuned, and mostly run, with one sequence."""
+    budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries: see the module docstring
+    space = [[tokens, row_blocks, unroll] for tokens in ((1, 2, 4) if many_tokens else (1,))
+             for row_blocks in (1, 2, 4) if tokens * row_blocks <= budget and (n // INTERLEAVED_ROWS) % row_blocks == 0
+             for unroll in (0, 1)]
+    rule = rule_knobs(n, dot, many_tokens, vector_bits)
+    return [rule, *(knobs for knobs in space if knobs != rule)]
+
+
+def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
+    """What `func` computes if `int8_dot_matmul` built it (`BUILD_ATTR`, as plain values), else None."""
+    built = (func.attrs or {}).get(BUILD_ATTR)
+    if built is None:
+        return None
+    return {"format": str(built["format"]), "n": int(built["n"]), "k": int(built["k"]),
+            "many_tokens": bool(built["many_tokens"])}
+
+
+def kernel_knob_space(func: tirx.PrimFunc, dot: Int8Dot, vector_bits: int) -> list[list[int]] | None:
+    """`knob_space` of a kernel `int8_dot_matmul` built (None for any other PrimFunc)."""
+    built = built_as(func)
+    return None if built is None else knob_space(built["n"], dot, built["many_tokens"], vector_bits)
+
+
+def rebuild(func: tirx.PrimFunc, dot: Int8Dot, vector_bits: int, knobs: Sequence[int]) -> tirx.PrimFunc:
+    """The kernel `func` (built by `int8_dot_matmul`) built again with `knobs`, keeping `func`'s attributes."""
+    built = built_as(func)
+    kernel = int8_dot_matmul(FORMATS[built["format"]], built["n"], built["k"], dot, built["many_tokens"],
+                             vector_bits, knobs)
+    return kernel.with_attrs(dict(func.attrs))
+
+
 def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool,
-                    vector_bits: int) -> tirx.PrimFunc:
+                    vector_bits: int, knobs: Sequence[int] | None = None) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`.
 
     `dot` is the target's u8 x s8 dot product on 256-bit vectors (`TargetSpec.int8_dot`).
     `many_tokens`: prefill (rows quantized in parallel, a register tile over several rows)
-    rather than decode (one token per sequence). Parameters: x [batch, seq, k] float32, the
-    weight's parts (packed, scale), y [batch, seq, n]."""
+    rather than decode (one token per sequence). `knobs`: one of `knob_space` (default: the
+    rule's). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    space = knob_space(n, dot, many_tokens, vector_bits)
+    knobs = space[0] if knobs is None else [int(knob) for knob in knobs]
+    if knobs not in space:
+        raise ValueError(f"int8 matmul knobs {dict(zip(INT8_KNOBS, knobs))} are not among {space}")
+    tokens, row_blocks, unroll = knobs
     lanes = INTERLEAVED_ROWS
     groups = k // fmt.group_size
     words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
     int4 = fmt.bits == 4
     # int8 weights on vpmaddubsw are made signed again (the sign trick below): no offset to take out.
     offset = 0 if fmt.bits == 8 and not dot.accumulates else 2 ** (fmt.bits - 1)
-    tokens, row_blocks = register_tile(vector_bits, many_tokens)
-    if (n // lanes) % row_blocks:
-        row_blocks = 1
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     quantize_loop = T.parallel if many_tokens else T.serial
-    word_loop = T.unroll if dot.accumulates else T.serial
+    word_loop = T.unroll if unroll else T.serial
     vec = tirx.Ramp(0, 1, lanes)
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
 
@@ -205,7 +266,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                                         sums[t, b, wide] = T.Broadcast(T.int16(0), 2 * lanes)
                             # Word by word over the tile: each weight word is loaded (and transformed) once
                             # per tile. Without VNNI a step is several instructions, and a group unrolled
-                            # spilled registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower).
+                            # spilled registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower),
+                            # so the rule unrolls only on VNNI.
                             for w in word_loop(words):
                                 for t in T.unroll(tokens):
                                     for b in T.unroll(row_blocks):
@@ -228,4 +290,4 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                             m: T.let[T.int64] = T.min(tile_m * tokens + t, batch * seq - 1)
                             y[m // seq, m % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = acc[t, b, vec]
 
-    return int8_matmul
+    return int8_matmul.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})

@@ -232,3 +232,43 @@ def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, 
     dequantized = fmt.dequantize(parts, k, layout).astype(np.float64)
     expected = (q8_0_activations(x) if layout == INTERLEAVED else x.astype(np.float64)) @ dequantized.T
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
+    """Each knob tuple `ember tune` may choose (register tile, row blocks, word loop unrolled or not),
+    prefill at 7 tokens (partial tiles) and decode at 3 sequences, equals the numpy reference."""
+    target = level_target(level)
+    fmt = FORMATS[name]
+    n, k = 32, 96  # 4 row blocks, 3 groups
+    rng = np.random.default_rng(7)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    expected = {}
+    kernels = {}
+    for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (3, 1))):
+        x = rng.standard_normal((batch, seq, k)).astype(np.float32)
+        expected[many_tokens] = (x, q8_0_activations(x) @ fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64).T)
+        space = int8_matmul.knob_space(n, target.int8_dot, many_tokens, target.vector_bits)
+        assert space[0] == int8_matmul.rule_knobs(n, target.int8_dot, many_tokens, target.vector_bits)
+        assert len(space) == len({tuple(knobs) for knobs in space}) >= (12 if many_tokens else 6)
+        for knobs in space:
+            func = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, many_tokens, target.vector_bits, knobs)
+            kernels[f"k{len(kernels)}"] = (many_tokens, knobs, func.with_attr("global_symbol", f"k{len(kernels)}"))
+    # One module: one LLVM run for every variant.
+    lib = tvm.compile(tvm.IRModule({symbol: func for symbol, (_m, _k, func) in kernels.items()}), target=target.target)
+    for symbol, (many_tokens, knobs, _func) in kernels.items():
+        x, reference = expected[many_tokens]
+        y = tvm.runtime.tensor(np.zeros((*x.shape[:2], n), np.float32))
+        lib[symbol](tvm.runtime.tensor(x), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+        np.testing.assert_allclose(y.numpy(), reference, rtol=0, atol=1e-5 * np.abs(reference).max(),
+                                   err_msg=f"knobs {knobs}, many_tokens={many_tokens}")
+
+
+def test_knobs_outside_the_space_are_refused():
+    """A tile over the register budget, or row blocks that do not divide the weight's, is no kernel."""
+    target = resolve_target('{"kind": "llvm", "mcpu": "haswell"}')
+    fmt = FORMATS["q4f32"]
+    for knobs in ([4, 4, 0], [4, 2, 1], [1, 4, 0], [2, 1, 0]):  # over 4 tile entries; 4 blocks of 6; decode: 2 rows
+        with pytest.raises(ValueError, match="not among"):
+            int8_matmul.int8_dot_matmul(fmt, 48, 64, target.int8_dot, knobs != [2, 1, 0], target.vector_bits, knobs)
