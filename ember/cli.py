@@ -228,6 +228,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
     serve.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
                        help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="free each request's KV pages when it ends instead of reusing them for later prompts "
+                            "that start the same way (outputs then never depend on other requests, not even "
+                            "in the last float bits)")
     _add_threads_argument(serve)
     serve.set_defaults(run=_run_serve)
     for sub in commands.choices.values():
@@ -481,7 +485,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ember.runtime.scheduler import Scheduler
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
-    with Scheduler(engine, max_queue=args.max_queue) as scheduler:
+    with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key)
         print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
         server.run()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ember.errors import GenerationError
+from ember.runtime.artifact import Artifact
 from ember.runtime.engine import Engine
 from ember.runtime.sampling import SamplingParams, TokenLogprob, sample_token, token_logprob
 from ember.runtime.tokenizer import Tokenizer
@@ -60,11 +61,8 @@ class Decoding:
         tokenizer = engine.artifact.tokenizer
         if params.stop_strings and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
-        if params.stop_token_ids is not None:
-            self._stop_ids = set(params.stop_token_ids)
-        else:
-            model_eos = engine.artifact.manifest.model.get("eos_token_ids") or []
-            self._stop_ids = set(model_eos) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self._stop_ids = set(params.stop_token_ids) if params.stop_token_ids is not None else \
+            end_of_sequence_ids(engine.artifact)
         self.params = params
         self.tokenizer = tokenizer
         self.logits_processor = logits_processor
@@ -197,6 +195,12 @@ def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, se
     if seq_id is None:
         seq_id = engine.add_sequence()
     return Generation(engine, tokenizer, seq_id, list(prompt), params)
+
+
+def end_of_sequence_ids(artifact: Artifact) -> set[int]:
+    """The tokens that end a generation unless a request names its own: the model's and its tokenizer's."""
+    model_eos = artifact.manifest.model.get("eos_token_ids") or []
+    return set(model_eos) | set(artifact.tokenizer.eos_token_ids if artifact.tokenizer else ())
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

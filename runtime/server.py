@@ -5,7 +5,8 @@ events ending in `data: [DONE]`, or whole), GET /v1/models, /health and /metrics
 (Prometheus text), and a web chat page at / (static/chat.html, which streams through
 /v1/chat/completions). Every request runs through one `Scheduler`, which this module
 only wraps: bodies are parsed and checked here, prompts tokenized off the event
-loop, and every failure answered in OpenAI's error shape
+loop, `response_format` JSON enforced by a token mask (`runtime/constrained.py`),
+and every failure answered in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
 404 unknown model or path, 413 body too large, 429 queue full, 500 a bug), never
 a traceback. Unknown request fields are ignored, as by vLLM and llama.cpp's server.
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ember.errors import EmberError, GenerationError
+from ember.runtime.constrained import JsonConstraints
+from ember.runtime.generate import LogitsProcessor
 from ember.runtime.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.scheduler import Histogram, QueueFullError, Scheduler, StreamEvent
 
@@ -144,6 +147,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     metrics = _Metrics()
     engine = scheduler.engine
     tokenizer = engine.artifact.tokenizer
+    constraints = JsonConstraints(engine.artifact, engine.vocab_size)
     created = int(time.time())
     page = CHAT_PAGE.read_text(encoding="utf-8")
 
@@ -198,9 +202,6 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         if fields.model != model_name:
             raise ApiError(404, f"the model {fields.model!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
-        if fields.response_format is not None and fields.response_format.get("type") != "text":
-            raise ApiError(400, "response_format other than text (JSON mode, JSON schema) is not supported yet",
-                           param="response_format", code="unsupported_value")
         return fields
 
     def sampling(fields: Any, prompt_len: int, max_tokens: int | None, logprobs: int | None,
@@ -234,9 +235,18 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         except GenerationError as err:
             raise ApiError(400, str(err), code="invalid_value") from None
 
-    async def start(prompt_ids: list[int], params: SamplingParams) -> Any:
+    async def constrain(fields: Any) -> LogitsProcessor | None:
+        if fields.response_format is None:
+            return None
+        try:  # a large schema takes a while to compile: off the event loop
+            return await asyncio.to_thread(constraints.mask, fields.response_format)
+        except GenerationError as err:
+            raise ApiError(400, str(err), param="response_format", code="invalid_value") from None
+
+    async def start(prompt_ids: list[int], params: SamplingParams, fields: Any) -> Any:
+        processor = await constrain(fields)
         try:
-            return await scheduler.submit(prompt_ids, params)
+            return await scheduler.submit(prompt_ids, params, processor)
         except QueueFullError as err:
             raise ApiError(429, str(err), code="queue_full", kind="rate_limit_exceeded") from None
         except GenerationError as err:
@@ -337,7 +347,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         max_tokens = fields.max_completion_tokens or fields.max_tokens
         logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
         params = sampling(fields, len(prompt_ids), max_tokens, logprobs, "messages")
-        stream = await start(prompt_ids, params)
+        stream = await start(prompt_ids, params, fields)
         return await respond(request, stream, fields, "chat.completion", fields.logprobs)
 
     @app.post("/v1/completions")
@@ -353,7 +363,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         else:
             prompt_ids = list(prompt)
         params = sampling(fields, len(prompt_ids), fields.max_tokens, fields.logprobs, "prompt")
-        stream = await start(prompt_ids, params)
+        stream = await start(prompt_ids, params, fields)
         return await respond(request, stream, fields, "text_completion", fields.logprobs is not None)
 
     @app.get("/v1/models")
@@ -436,10 +446,20 @@ def _prometheus(scheduler: Scheduler, responses: Counter[tuple[str, int]]) -> st
     metric("ember_running_sequences", "gauge", "Requests holding a sequence in the KV cache.", [("", stats.running)])
     metric("ember_kv_cache_tokens_used", "gauge", "KV cache tokens in pages held by running sequences.",
            [("", stats.kv_tokens_used)])
-    metric("ember_kv_cache_tokens_free", "gauge", "KV cache tokens not held by any sequence.",
-           [("", stats.kv_tokens_free)])
+    metric("ember_kv_cache_tokens_free", "gauge", "KV cache tokens not held by running sequences (prefix cache "
+           "entries' count as free: they are evicted on demand).", [("", stats.kv_tokens_free)])
     metric("ember_kv_cache_tokens_reserved", "gauge", "KV cache tokens promised to running requests "
            "(prompt + max_tokens).", [("", stats.kv_tokens_reserved)])
+    metric("ember_prefill_tokens_total", "counter", "Prompt tokens run through the model (prefix cache hits "
+           "skip theirs).", [("", stats.prefill_tokens)])
+    metric("ember_prefix_cache_hits_total", "counter", "Requests that reused a cached or running sequence's "
+           "KV pages.", [("", stats.prefix_cache_hits)])
+    metric("ember_prefix_cache_hit_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix "
+           "cache.", [("", stats.prefix_cache_hit_tokens)])
+    metric("ember_prefix_cache_sequences", "gauge", "Finished sequences kept as prefix cache entries.",
+           [("", stats.prefix_cache_sequences)])
+    metric("ember_prefix_cache_tokens", "gauge", "KV cache tokens in the pages of prefix cache entries.",
+           [("", stats.prefix_cache_tokens)])
     histogram("ember_time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", stats.ttft)
     histogram("ember_time_per_output_token_seconds", "Seconds per generated token after the first, per request.",
               stats.tpot)

@@ -252,8 +252,16 @@ BAD_REQUESTS = {
     "empty stop": ("/v1/completions", {"stop": [""]}, 400, ("stop",), "stop"),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ("token ids",), None),
     "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ("one prompt",), "prompt"),
-    "json mode": ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, ("not supported yet",),
-                  "response_format"),
+    "response_format type": ("/v1/completions", {"response_format": {"type": "xml"}}, 400, ("type must be",),
+                             "response_format"),
+    "json_schema without schema": ("/v1/completions", {"response_format": {"type": "json_schema"}}, 400,
+                                   ("json_schema.schema",), "response_format"),
+    "invalid JSON schema": ("/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400,
+        ("invalid JSON schema", "nonsense"), "response_format"),
+    "unimplemented schema keyword": ("/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}}, 400,
+        ("uniqueItems",), "response_format"),
     "unknown model": ("/v1/completions", {"model": "gpt-4"}, 404, ("gpt-4",), "model"),
     "1 MB prompt": ("/v1/completions", {"prompt": "ab" * 2**19}, 400, ("context window",), "prompt"),
     "body over 16 MiB": ("/v1/completions", {"prompt": "a" * (17 * 2**20)}, 413, ("16 MiB",), None),
