@@ -113,8 +113,8 @@ SHOWN_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx5
                "avx512_vnni", "avx512_bf16", "amx_int8")
 
 
-def print_table(title: str, rows: dict[str, peers.Measurement], bytes_per_token: dict[str, int], bandwidth: float,
-                reference: list[int] | None) -> None:
+def print_table(title: str, rows: dict[str, peers.Measurement], bytes_per_token: dict[str, int | None],
+                bandwidth: float, reference: list[int] | None) -> None:
     """One ISA level's table, then its ember/llama.cpp ratios per format and q4/q8 decode ratios."""
     print(f"\n{title}")
     print(f"{'runtime':<17} {'prefill tok/s':>13} {'decode tok/s':>12} {'MB/token':>9} {'% roofline':>10} "
@@ -182,7 +182,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
     # Runners and results are keyed by (table, runtime): one table per ISA level, one for the float peers.
     runners: dict[tuple[str, str], Callable[[], peers.Measurement]] = {}
-    bytes_per_token: dict[str, int] = {}
+    bytes_per_token: dict[tuple[str, str], int | None] = {}
     compile_s, builds = {}, {}
     for level in levels:
         for fmt in split(args.ember):
@@ -193,21 +193,20 @@ def main() -> None:
             compile_s[level.name, fmt] = time.perf_counter() - start
             runners[level.name, f"ember {fmt}"] = lambda a=artifact: measure_ember(a, prompt, args.new_tokens,
                                                                                     args.threads)
-            bytes_per_token[f"ember {fmt}"] = ember_bytes_per_token(artifact)
+            bytes_per_token[level.name, f"ember {fmt}"] = ember_bytes_per_token(artifact)
         if split(args.llama_cpp):
             package = build_llama_cpp.ensure_built(level)
             builds[level.name] = (package, build_llama_cpp.check_isa(level, package))
         for qtype in split(args.llama_cpp):
             runners[level.name, f"llama.cpp {qtype}"] = lambda q=qtype, d=package: peers.measure_llama_cpp(
                 args.model, q, prompt, args.new_tokens, args.threads, package_dir=d)
-    float32_bytes = bytes_per_token.get("ember q0f32")
+    float32_bytes = next((b for (_, name), b in bytes_per_token.items() if name == "ember q0f32"), None)
     for peer, name, measure in (("pytorch", "pytorch-eager", peers.measure_torch_eager),
                                 ("onnxruntime", "onnxruntime", peers.measure_onnxruntime),
                                 ("onnxruntime-genai", "onnxruntime-genai", peers.measure_onnxruntime_genai)):
         if peer in split(args.peers):
             runners["peers", name] = lambda m=measure: m(args.model, prompt, args.new_tokens, args.threads)
-            if float32_bytes:
-                bytes_per_token[name] = float32_bytes
+            bytes_per_token["peers", name] = float32_bytes
 
     # Round-robin: every runtime once, then again. A shared machine's memory bandwidth drifts
     # over minutes (decode of one artifact measured 76-111 tok/s within a minute), and the
@@ -219,11 +218,17 @@ def main() -> None:
             busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
             runs[key].append(run())
     for qtype in split(args.llama_cpp):
-        bytes_per_token[f"llama.cpp {qtype}"] = gguf_bytes_per_token(args.model / "gguf" / f"model-{qtype}.gguf")
+        gguf_bytes = gguf_bytes_per_token(args.model / "gguf" / f"model-{qtype}.gguf")
+        bytes_per_token.update({(level.name, f"llama.cpp {qtype}"): gguf_bytes for level in levels})
     peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
     bandwidth = read_bandwidth()
 
     summary = {key: peers.summarize(measured) for key, measured in runs.items()}
+
+    def table_of(table: str) -> tuple[dict[str, peers.Measurement], dict[str, int | None]]:
+        keys = [key for key in summary if key[0] == table]
+        return {key[1]: summary[key] for key in keys}, {key[1]: bytes_per_token.get(key) for key in keys}
+
     reference = summary.get(("peers", "pytorch-eager"))
     flags = build_llama_cpp.host_flags()
     print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
@@ -242,12 +247,10 @@ def main() -> None:
             package, counts = builds[level.name]
             title += (f"\n  llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(level)}; objdump: "
                       f"{counts['zmm']} zmm instructions, {counts['vpdpbusd']} vpdpbusd")
-        rows = {name: m for (table, name), m in summary.items() if table == level.name}
-        print_table(title, rows, bytes_per_token, bandwidth, reference and reference.token_ids)
-    peer_rows = {name: m for (table, name), m in summary.items() if table == "peers"}
-    if peer_rows:
-        print_table("float32 peers (each dispatches to this host's ISA at run time)", peer_rows, bytes_per_token,
-                    bandwidth, reference and reference.token_ids)
+        print_table(title, *table_of(level.name), bandwidth, reference and reference.token_ids)
+    if any(table == "peers" for table, _ in summary):
+        print_table("float32 peers (each dispatches to this host's ISA at run time)", *table_of("peers"), bandwidth,
+                    reference and reference.token_ids)
 
 
 if __name__ == "__main__":
