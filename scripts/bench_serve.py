@@ -1,0 +1,381 @@
+"""`ember serve` under load next to llama.cpp's own server (llama-cpp-python's `llama_cpp.server`): one run.
+
+For each model (the ~110M Llama shape with random weights, made by `peers.make_random_llama`
+if missing, and the demo model) and each `--quant` format, ember compiles the checkpoint
+(`--max-batch` = the highest concurrency) and `peers.write_gguf` writes the same weights as the
+matching GGUF type (q8f32 -> Q8_0, q4f32 -> Q4_0); llama.cpp is the `native` build of
+`build_llama_cpp.py` (cached under ~/.cache/ember/llama-cpp/, put on PYTHONPATH). Each server
+runs alone in its own process on `--threads` threads, and serves the same requests: random
+prompt and output lengths drawn once from `--seed`, greedy, streamed through the official
+`openai` client, at each `--concurrency` (that many clients, each sending its next request
+when the previous one ends). Per server and concurrency: total output tok/s (tokens over the
+level's wall time), p50/p99 time to first token and time per output token (per request, the
+time between its first and last token over its tokens after the first).
+
+Both servers read the same token ids. The GGUF's vocabulary is placeholder pieces with byte
+fallback, so a prompt is random letters that llama.cpp's server tokenizes (/extras/tokenize)
+into exactly the drawn length; ember gets those ids (a token-id prompt on /v1/completions).
+Outputs stop at the model's end-of-sequence token as in any chat, so the tokens generated are
+counted and shown, not assumed.
+
+Decode stall: a stream runs, then a `--stall-prompt`-token prompt arrives: the longest gap
+between two tokens of the running stream while the long prompt is read, next to its median
+gap before, and the long request's time to first token (for models whose context holds it).
+llama_cpp.server serves one request at a time, so there the long prompt waits for the stream.
+
+    python scripts/bench_serve.py --quant q4f32,q8f32 --threads 2            # the full run (minutes)
+    python scripts/bench_serve.py --models demo --quant q4f32 --concurrency 1,2 --requests 4   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import ember
+from ember.targets.hardware import cpu_fingerprint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu  # noqa: E402
+import build_llama_cpp  # noqa: E402
+import peers  # noqa: E402
+
+GGUF_TYPES = dict((ours, theirs) for ours, theirs in bench_cpu.FORMAT_PAIRS)
+LLAMA_SERVER_MODULES = ("sse_starlette", "starlette_context", "pydantic_settings", "fastapi", "uvicorn")
+START_TIMEOUT = 300  # seconds for a server to load its model and answer
+
+
+@dataclass
+class Reply:
+    """One streamed request, client side: when it was sent and when each token arrived."""
+
+    sent: float
+    token_times: list[float]
+    tokens: int  # the server's usage count where it gives one, else the chunks that carried a token
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        times = self.token_times
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+class Served:
+    """A server process (ember's or llama.cpp's) on a free loopback port, and how to ask it for tokens."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, model: str,
+                 log_path: Path) -> None:
+        self.name, self.model, self.port = name, model, port
+        self.base = f"http://127.0.0.1:{port}"
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._answers():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start; its log: {log_path}")
+            time.sleep(0.5)
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base}/v1/models", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def post(self, path: str, body: dict) -> dict:
+        """POST `body` as JSON, the parsed answer."""
+        request = urllib.request.Request(self.base + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_ember(artifact: Path, threads: int, log_dir: Path) -> Served:
+    port = free_port()
+    command = [sys.executable, "-m", "ember", "serve", str(artifact), "--port", str(port), "--threads", str(threads),
+               "--max-queue", "4096"]
+    return Served("ember", command, dict(os.environ), port, artifact.name, log_dir / f"ember-{artifact.name}.log")
+
+
+def start_llama_cpp(gguf: Path, package: Path, context: int, threads: int, log_dir: Path) -> Served:
+    port = free_port()
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", gguf.stem,
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context), "--n_batch", "512",
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--verbose", "False",
+               # By default a new request interrupts the one streaming: under load most would end cut short.
+               "--interrupt_requests", "False"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
+    return Served("llama.cpp", command, env, port, gguf.stem, log_dir / f"llama-cpp-{gguf.stem}.log")
+
+
+def prompt_of_length(server: Served, length: int, rng: np.random.Generator) -> tuple[str, list[int]]:
+    """Random letters that llama.cpp's server reads as exactly `length` tokens, and those token ids."""
+    letters = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=length))
+    count = length
+    for _ in range(4):  # the placeholder vocabulary falls back to one byte token per letter, plus BOS and a prefix
+        ids = server.post("/extras/tokenize", {"input": letters[:count]})["tokens"]
+        if len(ids) == length:
+            return letters[:count], ids
+        count -= len(ids) - length
+    raise RuntimeError(f"no prompt of {length} tokens: {count} letters give {len(ids)}")
+
+
+async def stream(client, served: Served, prompt: str | list[int], max_tokens: int,
+                 times: list[float] | None = None, stop: asyncio.Event | None = None) -> Reply:
+    """Send one greedy streamed completion and time its tokens into `times`; close it early once `stop` is set."""
+    extra = {"stream_options": {"include_usage": True}} if served.name == "ember" else {}
+    times = [] if times is None else times
+    usage = None
+    sent = time.perf_counter()
+    response = await client.completions.create(model=served.model, prompt=prompt, max_tokens=max_tokens,
+                                               temperature=0.0, stream=True, **extra)
+    async for chunk in response:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        # A token's chunk, unless it is a closing one with no text (llama.cpp's; ember's last token, without a
+        # tokenizer, is missed too: a stream's time per token is over the gaps between the chunks timed).
+        choice = chunk.choices[0] if chunk.choices else None
+        if choice and (choice.text or choice.finish_reason is None or not times):
+            times.append(time.perf_counter())
+        if stop is not None and stop.is_set():
+            await response.close()
+            break
+    return Reply(sent, times, usage if usage is not None else len(times))
+
+
+def client_of(served: Served):
+    """An asynchronous `openai` client of `served`, without retries."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+async def run_level(served: Served, requests: list[tuple[str | list[int], int]], concurrency: int
+                    ) -> tuple[list[Reply], float]:
+    """Every request, `concurrency` at a time; the replies and the wall time."""
+    client = client_of(served)
+    pending = iter(requests)
+    replies: list[Reply] = []
+
+    async def worker() -> None:
+        for prompt, max_tokens in pending:
+            replies.append(await stream(client, served, prompt, max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return replies, wall
+
+
+async def measure_stall(served: Served, short: str | list[int], long: str | list[int], max_tokens: int
+                        ) -> dict[str, float]:
+    """The longest gap of a stream of `max_tokens` while a long prompt arrives, its median gap before, the long TTFT."""
+    client = client_of(served)
+    times: list[float] = []
+    done = asyncio.Event()
+    running = asyncio.ensure_future(stream(client, served, short, max_tokens, times, done))
+    while len(times) < 16:  # let the stream settle into decoding before the long prompt arrives
+        if running.done():
+            await running  # its error, if it failed
+            raise RuntimeError(f"{served.name}: the running stream ended after {len(times)} tokens")
+        await asyncio.sleep(0.01)
+    arrived = time.perf_counter()
+    long_reply = await stream(client, served, long, 1)
+    done.set()
+    await running
+    await client.close()
+    gaps_before = [b - a for a, b in zip(times, times[1:]) if b <= arrived]
+    during = [b - a for a, b in zip(times, times[1:]) if b > arrived and a < long_reply.token_times[0]]
+    return {"median_gap": statistics.median(gaps_before), "stall": max(during, default=float("nan")),
+            "long_ttft": long_reply.ttft}
+
+
+def draw_prompts(tokenizer: Served | None, lengths: list[int], rng: np.random.Generator
+                 ) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) of prompts of `lengths` tokens; without llama.cpp's tokenizer, random byte tokens only."""
+    if tokenizer is None:
+        return [(None, [1] + rng.integers(3, 259, n - 1).tolist()) for n in lengths]
+    return [prompt_of_length(tokenizer, n, rng) for n in lengths]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def level_row(replies: list[Reply], wall: float) -> dict[str, float]:
+    """A concurrency level's figures: tokens, tok/s, TTFT and TPOT percentiles (seconds)."""
+    tokens = sum(reply.tokens for reply in replies)
+    ttfts = [reply.ttft for reply in replies if reply.token_times]
+    tpots = [reply.tpot for reply in replies if reply.tpot is not None]
+    return {"tokens": tokens, "tok_s": tokens / wall, "ttft50": percentile(ttfts, 50), "ttft99": percentile(ttfts, 99),
+            "tpot50": percentile(tpots, 50), "tpot99": percentile(tpots, 99)}
+
+
+def print_table(title: str, rows: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]) -> None:
+    print(f"\n{title}")
+    print(f"{'server':<10} {'conc':>4} {'out tokens':>10} {'tok/s':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
+          f"{'TPOT p50 ms':>11} {'TPOT p99 ms':>11}")
+    for (server, concurrency), row in rows.items():
+        print(f"{server:<10} {concurrency:>4} {row['tokens']:>10} {row['tok_s']:>8.1f} {row['ttft50'] * 1e3:>11.1f} "
+              f"{row['ttft99'] * 1e3:>11.1f} {row['tpot50'] * 1e3:>11.1f} {row['tpot99'] * 1e3:>11.1f}")
+    ember = {c: row["tok_s"] for (server, c), row in rows.items() if server == "ember"}
+    llama = {c: row["tok_s"] for (server, c), row in rows.items() if server == "llama.cpp"}
+    if ember:
+        first = min(ember)
+        print("  ember tok/s over its concurrency " + str(first) + ": "
+              + ", ".join(f"c{c} {ember[c] / ember[first]:.2f}x" for c in concurrencies if c in ember))
+    if ember and llama:
+        print("  ember / llama.cpp tok/s: "
+              + ", ".join(f"c{c} {ember[c] / llama[c]:.2f}x" for c in concurrencies if c in ember and c in llama))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="110m,demo", help="110m (random weights, --model) and/or demo")
+    parser.add_argument("--model", type=Path, default=Path("/tmp/llama110m"),
+                        help="the 110m checkpoint dir; created with random weights if missing")
+    parser.add_argument("--quant", default="q4f32,q8f32", help=f"ember formats ({', '.join(GGUF_TYPES)})")
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--prompt-len", default="16,128", help="MIN,MAX prompt tokens (uniform, seeded)")
+    parser.add_argument("--output-len", default="16,96", help="MIN,MAX max_tokens (uniform, seeded)")
+    parser.add_argument("--stall-prompt", type=int, default=2000, help="tokens of the prompt that arrives mid-stream")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--servers", default="ember,llama.cpp")
+    parser.add_argument("--quiet-wait", type=float, default=60,
+                        help="seconds to wait for an idle machine before each level (then it runs anyway)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/ember-bench-serve"),
+                        help="artifacts, GGUF files and server logs")
+    args = parser.parse_args()
+    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    concurrencies = sorted(int(c) for c in split(args.concurrency))
+    lengths = {name: tuple(int(v) for v in getattr(args, name).split(",")) for name in ("prompt_len", "output_len")}
+    servers = split(args.servers)
+    unknown = [q for q in split(args.quant) if q not in GGUF_TYPES]
+    if unknown:
+        parser.error(f"--quant: {unknown[0]} has no llama.cpp type beside it (known: {', '.join(GGUF_TYPES)})")
+    package = None
+    if "llama.cpp" in servers:
+        missing = [m for m in LLAMA_SERVER_MODULES if not _importable(m)]
+        if missing:
+            sys.exit(f"llama_cpp.server needs {', '.join(missing)}: pip install sse-starlette starlette-context "
+                     "pydantic-settings fastapi uvicorn (or --servers ember)")
+        package = build_llama_cpp.ensure_built(build_llama_cpp.LEVELS["native"])
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+
+    from ember.compiler import CompileOptions, compile_model
+
+    checkpoints = {}
+    for name in split(args.models):
+        if name == "110m":
+            if not (args.model / "config.json").exists():
+                peers.make_random_llama(args.model, **bench_cpu.SHAPES["110m"])
+            checkpoints[name] = args.model
+        elif name == "demo":
+            checkpoints[name] = ember.DEMO_MODEL_DIR
+        else:
+            parser.error(f"--models: unknown model {name!r} (110m, demo)")
+
+    rng = np.random.default_rng(args.seed)
+    shapes = [(int(rng.integers(lengths["prompt_len"][0], lengths["prompt_len"][1] + 1)),
+               int(rng.integers(lengths["output_len"][0], lengths["output_len"][1] + 1))) for _ in range(args.requests)]
+    flags = build_llama_cpp.host_flags()
+    print(f"host: {cpu_fingerprint()['cpu']}; threads per server: {args.threads}; ISA flags: "
+          f"{' '.join(f for f in bench_cpu.SHOWN_FLAGS if f in flags)}")
+    print(f"{args.requests} requests per level, prompt {lengths['prompt_len']} and max_tokens {lengths['output_len']} "
+          f"tokens (seed {args.seed}), greedy, streamed; llama.cpp: llama_cpp.server from {package}")
+
+    for model_name, checkpoint in checkpoints.items():
+        context = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings", 2048)
+        for fmt in split(args.quant):
+            qtype = GGUF_TYPES[fmt]
+            artifact = args.work_dir / f"{model_name}-{fmt}"
+            gguf = args.work_dir / f"{model_name}-{qtype}.gguf"
+            start = time.perf_counter()
+            compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=max(concurrencies),
+                                                               show_progress=False))
+            print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
+                  f"{max(concurrencies)}, context {context})", flush=True)
+            if not gguf.exists():
+                peers._run_isolated("_write_gguf_worker", model_dir=str(checkpoint), out_path=str(gguf), qtype=qtype)
+            # The prompts are read by llama.cpp's tokenizer once, for both servers.
+            tokenizer = start_llama_cpp(gguf, package, context, args.threads, args.work_dir) if package else None
+            try:
+                prompt_rng = np.random.default_rng(args.seed)
+                prompts = draw_prompts(tokenizer, [p for p, _ in shapes], prompt_rng)
+                stall_prompts = (draw_prompts(tokenizer, [16, args.stall_prompt], prompt_rng)
+                                 if args.stall_prompt < context else None)
+            finally:
+                if tokenizer:
+                    tokenizer.stop()
+            rows, stalls, busy = {}, {}, 0
+            for server in servers:
+                served = (start_ember(artifact, args.threads, args.work_dir) if server == "ember" else
+                          start_llama_cpp(gguf, package, context, args.threads, args.work_dir))
+                pick = 1 if server == "ember" else 0  # ember reads the token ids, llama.cpp the text
+                requests = [(prompt[pick], out) for prompt, (_, out) in zip(prompts, shapes)]
+                try:
+                    asyncio.run(run_level(served, requests[:1], 1))  # warm-up
+                    for concurrency in concurrencies:
+                        # Two busy cores slow any server, and llama.cpp's spinning threads far more than ember's.
+                        busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+                        rows[server, concurrency] = level_row(*asyncio.run(run_level(served, requests, concurrency)))
+                        print(f"  {server} c{concurrency}: {rows[server, concurrency]['tok_s']:.1f} tok/s", flush=True)
+                    if stall_prompts:
+                        short, long = (prompt[pick] for prompt in stall_prompts)
+                        stalls[server] = asyncio.run(measure_stall(served, short, long, min(256, context - 16)))
+                finally:
+                    served.stop()
+            print_table(f"{model_name} {fmt} (llama.cpp {qtype}), {args.threads} threads", rows, concurrencies)
+            if busy:
+                print(f"  warning: {busy} of {len(rows)} levels started on a busy machine")
+            for server, stall in stalls.items():
+                print(f"  {server}: a {args.stall_prompt}-token prompt arriving mid-stream: longest gap of the running "
+                      f"stream {stall['stall'] * 1e3:.0f} ms (median gap before {stall['median_gap'] * 1e3:.0f} ms); "
+                      f"its own TTFT {stall['long_ttft']:.2f} s")
+            if not stall_prompts:
+                print(f"  decode stall not measured: the context of {context} tokens cannot hold a "
+                      f"{args.stall_prompt}-token prompt")
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    main()
