@@ -6,14 +6,16 @@ weighted by how often a generation calls it: its call sites in `decode` (run onc
 per new token, `DECODE_STEPS_PER_PREFILL` tokens per prompt chunk) and in `prefill`,
 times a roofline-shaped cost at its tuning shape (the larger of its FLOPs and
 `FLOPS_PER_BYTE` times the bytes it touches). The hottest matmuls (the kernels whose
-schedule has knobs, `schedules/tuning.py`) share the trial budget in proportion to
-their weight.
+schedule has knobs, `schedules/tuning.py`: the float matmuls and the int8 dot-product
+matmuls) share the trial budget in proportion to their weight.
 
 Tuning runs in rounds of a few trials with meta_schedule's local builder and runner
 (one build worker, long timeouts: LLVM is slow on small machines), which append
 every `TRIALS_PER_COMMIT` measurements to the database. Each round starts from the
 trials already on disk, so rerunning a killed job continues it, and no new round
-starts after `--budget` minutes. After a kernel's last round, its best
+starts after `--budget` minutes. An int8 matmul's few knob tuples are built and timed
+in order, the rule's first, by the same builder and runner, each round skipping the
+tuples already on disk. After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
 times and flags a record that disagrees numerically (compile would reject it), and
 if the rule is faster, a record of the rule's own knobs is added so that the
@@ -41,9 +43,10 @@ from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.runtime.device import use_cpu_threads
+from ember.schedules import int8_matmul
 from ember.schedules.tuning import (
-    BUILD_FUNCTION, Comparison, compare, is_tunable, record_knobs, register_build_function, knobs_record, space_size,
-    tuning_space, workload,
+    BUILD_FUNCTION, Comparison, compare, enumerated_space, is_tunable, record_knobs, register_build_function,
+    knobs_record, schedule_with, space_size, tuning_space, workload,
 )
 from ember.schedules.tuning_db import TuningDatabase, check_for_tuning
 from ember.tvm_log import tvm_warnings_hidden
@@ -125,10 +128,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     with tvm_warnings_hidden():
         kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:
-        raise TuningError(
-            f"{model} at --quant {quantization} has no tunable kernels on this CPU: its projections run ember's "
-            "int8 dot-product kernel (schedules/int8_matmul.py), whose schedule is fixed. Tune the float path with "
-            "--float-activations (and compile with it), or another --quant")
+        raise TuningError(f"{model} at --quant {quantization} has no tunable kernels (matmuls) for this CPU")
     # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
     database = TuningDatabase.for_tuning(options.db)
     total_weight = sum(kernel.weight for kernel in kernels)
@@ -173,23 +173,65 @@ def hot_kernels(mod: tvm.IRModule, target: TargetSpec) -> list[HotKernel]:
 
 def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target: TargetSpec,
                  deadline: float) -> int:
-    """meta_schedule rounds until `wanted` trials of `kernel` are on disk or the deadline passes; the trials on disk."""
+    """Rounds until `wanted` trials of `kernel` are on disk or the deadline passes; the trials on disk.
+
+    A float matmul's rounds are meta_schedule searches; an int8 matmul's, its next untried knob tuples."""
     done = database.trials(kernel.workload)
+    enumerated = enumerated_space(kernel.workload["main"], target) is not None
     while done < wanted and time.monotonic() < deadline:
-        ms.tune_tir(
-            kernel.workload, target.target, work_dir=str(database.path / "logs"),
-            max_trials_global=min(TRIALS_PER_ROUND, wanted - done), num_trials_per_iter=TRIALS_PER_COMMIT,
-            builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=120.0, f_build=BUILD_FUNCTION,
-                                            initializer=register_build_function),
-            runner=ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=ms.runner.EvaluatorConfig(
-                number=5, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False)),
-            database=database.records, cost_model="random", task_scheduler="round-robin",
-            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"),
-                               _Progress(done, wanted)],
-            space=tuning_space(target), strategy="replay-trace", num_tuning_cores=max(target.num_cores, 1),
-        )
+        if enumerated:
+            if not _measure_next_knobs(kernel, min(TRIALS_PER_COMMIT, wanted - done), database, target,
+                                       _Progress(done, wanted)):
+                break  # every knob tuple is on disk
+        else:
+            ms.tune_tir(
+                kernel.workload, target.target, work_dir=str(database.path / "logs"),
+                max_trials_global=min(TRIALS_PER_ROUND, wanted - done), num_trials_per_iter=TRIALS_PER_COMMIT,
+                builder=_builder(), runner=_runner(), database=database.records, cost_model="random",
+                task_scheduler="round-robin", measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"),
+                                                                 _Progress(done, wanted)],
+                space=tuning_space(target), strategy="replay-trace", num_tuning_cores=max(target.num_cores, 1),
+            )
         done = database.trials(kernel.workload)
     return done
+
+
+def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase, target: TargetSpec,
+                        progress: _Progress) -> bool:
+    """Build, time and record the next `count` knob tuples of an int8 matmul not on disk; False if none is left."""
+    func = kernel.workload["main"]
+    entry = database.records.commit_workload(kernel.workload)
+    tried = [record_knobs(record) for record in database.records.get_all_tuning_records()
+             if record.workload.same_as(entry)]
+    todo = [knobs for knobs in enumerated_space(func, target) if knobs not in tried][:count]
+    if not todo:
+        return False
+    candidates = [workload(schedule_with(func, knobs, target)) for knobs in todo]
+    builds = _builder().build([ms.builder.BuilderInput(candidate, target.target) for candidate in candidates])
+    built = [(build, candidate) for build, candidate in zip(builds, candidates) if not build.error_msg]
+    futures = iter(_runner().run([ms.runner.RunnerInput(build.artifact_path, target.name,
+                                                        ms.arg_info.ArgInfo.from_prim_func(candidate["main"]))
+                                  for build, candidate in built]))
+    runs = [ms.runner.RunnerResult(None, build.error_msg) if build.error_msg else next(futures).result()
+            for build in builds]
+    for knobs, build, run in zip(todo, builds, runs):
+        seconds = None if run.error_msg or not run.run_secs else sum(map(float, run.run_secs)) / len(run.run_secs)
+        database.records.commit_tuning_record(knobs_record(kernel.workload, database, target, seconds, knobs))
+        if not build.error_msg:
+            ms.utils.remove_build_dir(build.artifact_path)
+    progress.count(runs)
+    return True
+
+
+def _builder() -> ms.builder.LocalBuilder:
+    # One worker, a long timeout: LLVM is slow on small machines.
+    return ms.builder.LocalBuilder(max_workers=1, timeout_sec=120.0, f_build=BUILD_FUNCTION,
+                                   initializer=register_build_function)
+
+
+def _runner() -> ms.runner.LocalRunner:
+    return ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=ms.runner.EvaluatorConfig(
+        number=5, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False))
 
 
 @derived_object
@@ -200,6 +242,10 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         self.done, self.wanted, self.best = done, wanted, math.inf
 
     def apply(self, _scheduler, _task_id, _candidates, _builds, runs) -> None:
+        self.count(runs)
+
+    def count(self, runs: list[ms.runner.RunnerResult]) -> None:
+        """Count a batch of measurements and print the trials so far."""
         self.done += len(runs)
         times = [sum(map(float, run.run_secs)) / len(run.run_secs) for run in runs if run.run_secs]
         self.best = min([self.best, *times])
@@ -262,7 +308,11 @@ def _cost(tuned_as: tvm.IRModule) -> float:
     func = tuned_as["main"]
     data = sum(math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(param.dtype).bits // 8
                for param in func.params)
-    return max(s_tir.analysis.estimate_tir_flops(tuned_as), FLOPS_PER_BYTE * data)
+    built = int8_matmul.built_as(func)
+    # TVM's estimate cannot read the int8 matmul's vector code; its multiply-adds are those of the matmul it computes.
+    flops = (2 * math.prod(int(d) for d in func.params[0].shape[:-1]) * built["n"] * built["k"] if built
+             else s_tir.analysis.estimate_tir_flops(tuned_as))
+    return max(flops, FLOPS_PER_BYTE * data)
 
 
 def _ms(seconds: float) -> str:

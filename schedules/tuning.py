@@ -1,4 +1,5 @@
-"""Tuned matmul schedules: meta_schedule searches the knobs of ember's matmul rule.
+"""Tuned matmul schedules: meta_schedule searches the knobs of ember's matmul rule, and
+`ember tune` measures every knob tuple of the int8 dot-product matmul.
 
 What is tuned. meta_schedule's generic CPU search space ties the rules at best on a
 2-core machine (TVM_NOTES: 64 trials reached the hand schedule's GEMV time) and
@@ -8,6 +9,16 @@ its sizes sampled (`MATMUL_KNOBS`: weight rows per tile, k-split width, activati
 rows per tile): a `ScheduleFn` space whose trace is the rule's schedule with
 `SampleCategorical` decisions, searched with meta_schedule's replay-trace strategy,
 built and timed by its local builder and runner, and recorded in its JSONDatabase.
+
+The int8 dot-product matmul (`int8_matmul.py`) is not a schedule of a generic kernel
+but a PrimFunc written from its knobs (register tile, row blocks, word loop unrolled),
+so meta_schedule's traces cannot vary it. Its space is the short list of knob tuples
+the kernel takes (`enumerated_space`: at most 16), which `ember tune` builds and
+times one by one with the same builder and runner. A record has the same form as a
+float matmul's: a trace of one `SampleCategorical` per knob (here nothing else), whose
+decisions are the knobs, for the workload of the rule-built kernel; compile rebuilds
+the kernel with them (`schedule_with`). Its workload keeps `int8_matmul.BUILD_ATTR`,
+which says what the kernel computes and which symbolic sizes are decode's.
 
 Shapes. A kernel is tuned as its *workload*: the PrimFunc with `batch_size = 1`
 (decode's common case) and `seq_len`/`num_logits = min(TUNE_SEQ_LEN, bound)`
@@ -39,6 +50,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
+from ember.schedules import int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
@@ -60,12 +72,22 @@ def workload(func: tirx.PrimFunc) -> tvm.IRModule | None:
         return None
     static = func.specialize(_static_buffers(func, sizes)) if sizes else func
     bare = tirx.PrimFunc(static.params, static.body, static.ret_type)
-    return tvm.IRModule({"main": bare.with_attrs({"global_symbol": "main", "tirx.noalias": True})})
+    attrs = {"global_symbol": "main", "tirx.noalias": True}
+    if int8_matmul.BUILD_ATTR in (func.attrs or {}):
+        attrs[int8_matmul.BUILD_ATTR] = func.attrs[int8_matmul.BUILD_ATTR]
+    return tvm.IRModule({"main": bare.with_attrs(attrs)})
 
 
 def is_tunable(func: tirx.PrimFunc, target: TargetSpec) -> bool:
-    """Whether the matmul rule, whose knobs are tuned, schedules `func`."""
-    return NTMatmul(target.vector_bits).apply(func, target.target, False) is not None
+    """Whether `func` has knobs to tune: the matmul rule schedules it, or it is an int8 matmul."""
+    return enumerated_space(func, target) is not None or NTMatmul(target.vector_bits).apply(
+        func, target.target, False) is not None
+
+
+def enumerated_space(func: tirx.PrimFunc, target: TargetSpec) -> list[list[int]] | None:
+    """Every knob tuple of an int8 matmul kernel, the rule's first (None for kernels meta_schedule searches)."""
+    return None if target.int8_dot is None else int8_matmul.kernel_knob_space(func, target.int8_dot,
+                                                                               target.vector_bits)
 
 
 def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
@@ -85,6 +107,9 @@ def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
 
 def space_size(func: tirx.PrimFunc, target: TargetSpec) -> int:
     """How many knob combinations the search space of `func` has."""
+    space = enumerated_space(func, target)
+    if space is not None:
+        return len(space)
     return math.prod(len(candidates) for candidates, _default in _knob_choices(func, target))
 
 
@@ -113,8 +138,9 @@ def register_build_function() -> None:
 
 
 def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
-                 run_secs: float, knobs: list[int] | None = None) -> ms.database.TuningRecord:
-    """A record of `knobs` (default: the rule's own), as if the search had sampled them, timed at `run_secs`."""
+                 run_secs: float | None, knobs: list[int] | None = None) -> ms.database.TuningRecord:
+    """A record of `knobs` (default: the rule's own), as if the search had sampled them, timed at
+    `run_secs` (None: a failed trial)."""
     sch = s_tir.Schedule(tuned_as)
     values = iter(knobs or [])
 
@@ -123,20 +149,29 @@ def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: Targe
         return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates),
                                       decision=candidates.index(next(values) if knobs else default))
 
-    NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
-    return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as), [run_secs], target.target,
+    if enumerated_space(tuned_as["main"], target) is None:
+        NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
+    else:  # the knobs alone: the kernel is rebuilt from them
+        for name, (candidates, default) in zip(int8_matmul.INT8_KNOBS, _knob_choices(tuned_as["main"], target)):
+            choose(name, candidates, default)
+    return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as),
+                                    None if run_secs is None else [run_secs], target.target,
                                     ms.arg_info.ArgInfo.from_prim_func(tuned_as["main"]))
 
 
 def record_knobs(record: ms.database.TuningRecord) -> list[int]:
-    """The knob values a record chose, in the order of `MATMUL_KNOBS`."""
+    """The knob values a record chose, in the order of `MATMUL_KNOBS` (`INT8_KNOBS` for an int8 matmul)."""
     trace = record.trace
     return [int(inst.attrs[0][int(trace.decisions[inst])]) for inst in trace.insts
             if inst.kind.name == "SampleCategorical"]
 
 
 def schedule_with(func: tirx.PrimFunc, knobs: list[int] | None, target: TargetSpec) -> tirx.PrimFunc | None:
-    """`func` scheduled by the matmul rule with `knobs` (None: the rule's defaults)."""
+    """`func` scheduled by the matmul rule, or an int8 matmul rebuilt, with `knobs` (None: the rule's defaults)."""
+    space = enumerated_space(func, target)
+    if space is not None:
+        knobs = space[0] if knobs is None else knobs
+        return int8_matmul.rebuild(func, target.int8_dot, target.vector_bits, knobs) if knobs in space else None
     rule = NTMatmul(target.vector_bits) if knobs is None else NTMatmul(target.vector_bits, choose=_replay(knobs))
     try:
         sch = rule.apply(func, target.target, False)
@@ -193,7 +228,7 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
     @tvm.transform.module_pass(opt_level=0, name="ApplyTuningDatabase")
     def _apply(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         updates = {}
-        for gv, func in schedulable_kernels(mod):
+        for gv, func in _tunable_kernels(mod):
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None:
@@ -232,12 +267,22 @@ def describe_schedule_sources(sources: ScheduleSources) -> str:
 
 def schedule_sources(mod: tvm.IRModule) -> ScheduleSources:
     """Count the kernels of a lowered module by where their schedule came from."""
-    sources = Counter((func.attrs or {}).get(SCHEDULE_SOURCE_ATTR, "rule") for _gv, func in schedulable_kernels(mod))
+    sources = Counter((func.attrs or {}).get(SCHEDULE_SOURCE_ATTR, "rule") for _gv, func in _tunable_kernels(mod))
     return ScheduleSources(sources["tuning"], sources["rule-won-tuning"], sources["rule"])
+
+
+def _tunable_kernels(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
+    """The kernels a tuning record may schedule: those the rules own, and the int8 matmuls."""
+    int8 = [(gv, func) for gv, func in mod.functions_items()
+            if isinstance(func, tirx.PrimFunc) and int8_matmul.built_as(func) is not None]
+    return [*schedulable_kernels(mod), *int8]
 
 
 def _knob_choices(func: tirx.PrimFunc, target: TargetSpec) -> list[tuple[Sequence[int], int]]:
     """(candidates, the rule's default) of each knob of `func`."""
+    space = enumerated_space(func, target)
+    if space is not None:
+        return [(sorted({knobs[index] for knobs in space}), space[0][index]) for index in range(len(space[0]))]
     choices = []
 
     def record(_name: str, candidates: Sequence[int], default: int) -> Knob:
@@ -263,6 +308,9 @@ def _replay(knobs: list[int]) -> KnobChooser:
 
 def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.IntImm] | None:
     """Each symbolic size of `func`'s buffers bound to `values` (clipped to its bound); None if one is unknown."""
+    built = int8_matmul.built_as(func)
+    if built is not None:  # its [batch, seq] is a decode step's [batch_size, 1] or a prefill chunk's
+        values = {"batch": values["batch_size"], "seq": values["seq_len"] if built["many_tokens"] else 1}
     bounds = {str(k): int(v) for k, v in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
     sizes = {}
     for param in func.params:

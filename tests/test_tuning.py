@@ -17,15 +17,18 @@ import tvm
 from tvm import te, tirx
 
 from ember.errors import TuningError
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+from ember.ir_passes.quant_formats import FORMATS
+from ember.schedules import int8_matmul, schedule_passes
 from ember.schedules.tuning import (
-    SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, record_knobs, knobs_record, rule_knobs, schedule_sources,
-    space_size, workload,
+    SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, enumerated_space, is_tunable, knobs_record,
+    record_knobs, rule_knobs, schedule_sources, space_size, workload,
 )
-from ember.schedules import schedule_passes
 from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
 from ember.targets.registry import resolve_target
 from ember.tune import HotKernel, tune_kernel
 from helpers import REPO_ROOT
+from test_int8_matmul import level_target
 
 RECORDS = "database_tuning_record.json"
 
@@ -163,25 +166,96 @@ def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
     assert not db.exists()
 
 
+def _int8_kernel(target, many_tokens=True):
+    """A q4f32 int8 matmul as the quantization pass adds it to a model (built by the rule, tagged)."""
+    func = int8_matmul.int8_dot_matmul(FORMATS["q4f32"], 64, 256, target.int8_dot, many_tokens, target.vector_bits)
+    return func.with_attr(KERNEL_SOURCE_ATTR, int8_matmul.__name__)
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+def test_int8_records_are_checked_and_applied(tmp_path, caplog, level):
+    """Records of int8 matmul knobs have the float path's form and fate: the rule's knobs leave the rule,
+    others rebuild the kernel with them (counted as tuned), a tuple the kernel cannot take is refused."""
+    target = level_target(level)
+    func = _int8_kernel(target)
+    tuned_as, space = workload(func), enumerated_space(func, target)
+    assert space_size(func, target) == len(space) >= 12 and rule_knobs(func, target) == space[0]
+    assert is_tunable(func, target) and enumerated_space(nt_matmul(), target) is None
+    database = TuningDatabase.for_tuning(tmp_path / "db")
+    mod = tvm.IRModule({"int8_dot_matmul": func, "nt_matmul": nt_matmul()})
+
+    def applied(knobs, seconds):
+        database.records.commit_tuning_record(knobs_record(tuned_as, database, target, seconds, knobs))
+        reread = TuningDatabase.for_compiling(tmp_path / "db")  # what compile reads back from disk
+        assert record_knobs(reread.best(workload(func), target.target)) == (knobs or space[0])
+        with target.target:
+            return apply_tuning_database(reread, target)(mod)
+
+    assert schedule_sources(applied(None, 1e-3)) == ScheduleSources(tuned=0, rule_won=1, untuned=1)
+    other = space[-1]
+    result = applied(other, 1e-4)
+    assert schedule_sources(result) == ScheduleSources(tuned=1, rule_won=0, untuned=1)
+    kernel = result["int8_dot_matmul"]
+    tvm.ir.assert_structural_equal(kernel.without_attr(SCHEDULE_SOURCE_ATTR),
+                                   int8_matmul.rebuild(func, target.int8_dot, target.vector_bits, other))
+    with pytest.raises(ValueError):  # another kernel than the rule's
+        tvm.ir.assert_structural_equal(kernel.without_attr(SCHEDULE_SOURCE_ATTR), func)
+    assert kernel.attrs[KERNEL_SOURCE_ATTR] == int8_matmul.__name__  # the rules still leave it alone
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        refused = applied([4, 4, 1], 1e-5)  # each value a candidate, the tile over the register budget
+    assert "does not fit; using the rule" in caplog.text
+    assert schedule_sources(refused) == ScheduleSources(tuned=0, rule_won=0, untuned=2)
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
+def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_path, level):
+    """A q4f32 model for an AVX2 target (haswell, run here) or this CPU's VNNI: its hottest kernels are int8
+    matmuls; tune_kernel measures their knob tuples into a database, compile reads it back, checks and
+    applies a tuned kernel, and the model still matches transformers on its quantized weights."""
+    from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
+    from test_quantization import _assert_logits_match_reference
+
+    from ember.compiler import CompileOptions, compile_model
+    from ember.frontend.hf import import_hf_model
+    from ember.ir_passes import pipeline
+    from ember.tune import hot_kernels
+
+    target = level_target(level)
+    checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
+    imported = import_hf_model(checkpoint, target.target, "float32")
+    options = pipeline.LowerOptions(FORMATS["q4f32"], PREFILL_CHUNK, MAX_BATCH)
+    kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, options), target)
+    int8 = [kernel for kernel in kernels if enumerated_space(kernel.workload["main"], target) is not None]
+    assert kernels[0] in int8 and {kernel.phases for kernel in int8} == {"decode", "prefill"}
+    hottest = kernels[0]
+    database = TuningDatabase.for_tuning(db)
+    assert tune_kernel(hottest, 2, database, target, time.monotonic() + 300) == 2
+    space = enumerated_space(hottest.workload["main"], target)
+    assert sorted(record_knobs(record) for record in database.records.get_all_tuning_records()) == sorted(space[:2])
+    # Whichever was faster here, a faster record of a third tuple is what compile must apply.
+    database.records.commit_tuning_record(knobs_record(hottest.workload, database, target, 1e-10, space[2]))
+
+    out = tmp_path / "artifact"
+    result = compile_model(checkpoint, out, CompileOptions(
+        target=json.dumps(target.tvm_target), quantization="q4f32", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+        tuning_db=db, show_progress=False))
+    assert result.schedules.tuned == 1 and result.manifest.activations == "int8"
+    _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q4f32"))
+
+
 @pytest.mark.skipif(resolve_target("cpu").int8_dot is None, reason="this CPU has no int8 dot-product instruction")
-def test_tune_explains_a_model_without_tunable_kernels(tiny_models, tmp_path):
-    """q4f32 with int8 activations runs only fixed-schedule projections: a clear error, no database, and
-    --float-activations finds the float kernels to tune."""
+def test_tune_searches_the_int8_matmuls_of_a_q4f32_model(tiny_models, tmp_path):
+    """`ember tune` on a q4f32 model on this CPU tunes its int8 matmuls (it used to say their schedule was fixed)."""
     from helpers import run_ember
 
     checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
-    result = run_ember("tune", str(checkpoint), "--db", str(db), "--quant", "q4f32", "--prefill-chunk", "64")
-    assert result.returncode == 1 and "no tunable kernels" in result.stderr and "--float-activations" in result.stderr
-    assert "Traceback" not in result.stderr and not db.exists()
-    from ember.frontend.hf import import_hf_model
-    from ember.ir_passes import pipeline
-    from ember.ir_passes.quant_formats import FORMATS
-    from ember.tune import hot_kernels
-
-    target = resolve_target("cpu")
-    imported = import_hf_model(checkpoint, target.target, "float32")
-    options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=False)
-    assert hot_kernels(pipeline.to_kernels(imported.mod, target, options), target)
+    result = run_ember("tune", str(checkpoint), "--db", str(db), "--quant", "q4f32", "--prefill-chunk", "64",
+                       "--trials", "2", "--kernels", "1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "int8_dot_matmul" in result.stderr and "2/2 trials" in result.stderr and "knobs [" in result.stderr
+    assert "fixed" not in result.stderr and result.stdout == f"tuned 1 kernels into {db}\n"
+    records = (db / RECORDS).read_text().splitlines()
+    assert len(records) in (2, 3)  # and the rule's own knobs, where the other tuple measured faster
 
 
 def test_compiling_reads_a_database_without_writing_it(tuned_db, tmp_path):
