@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +84,20 @@ def tree_snapshot(root: Path) -> dict[str, bytes | str]:
         else:
             snapshot[key] = "special"
     return snapshot
+
+
+@contextmanager
+def ember_serve(artifact: Path, api_key_file: Path, timeout: float) -> Iterator[str]:
+    """`ember serve ARTIFACT` in a subprocess on a free loopback port, one thread: its base URL
+    (http://127.0.0.1:PORT), once it listens; stopped by its own process handle at the end."""
+    process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(artifact), "--port", "0",
+                                "--api-key-file", str(api_key_file), "--threads", "1"],
+                               cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()  # blocks until the server listens, or the process ends
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line + process.stderr.read() if process.poll() is not None else line
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=timeout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from ember.errors import GenerationError
 from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
 from ember.runtime.sampling import sample_token, token_logprob
 from ember.runtime.server import Server
-from helpers import REPO_ROOT, prompt_ids
+from helpers import REPO_ROOT, ember_serve, prompt_ids
 
 API_KEY = "test-key"
 TIMEOUT = 60  # seconds; catches a hang, never a speed
@@ -496,21 +495,12 @@ def test_token_logprob_is_the_log_softmax():
 def test_cli_serve_runs_until_stopped(tiny_llama, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(API_KEY + "\n")
-    process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama.artifact_dir), "--port", "0",
-                                "--api-key-file", str(key_file), "--threads", "1"],
-                               cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        line = process.stderr.readline()  # blocks until the server listens, or the process ends
-        match = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)
-        assert match, line + process.stderr.read() if process.poll() is not None else line
-        client = openai.OpenAI(base_url=match.group(1), api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+    with ember_serve(tiny_llama.artifact_dir, key_file, TIMEOUT) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
         assert [model.id for model in client.models.list()] == [tiny_llama.artifact_dir.name]
         reply = client.chat.completions.create(model=tiny_llama.artifact_dir.name, max_tokens=3,
                                                messages=[{"role": "user", "content": "hello"}])
         assert reply.usage.completion_tokens <= 3
-    finally:
-        process.terminate()
-        process.wait(timeout=TIMEOUT)
 
 
 def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):

@@ -7,9 +7,7 @@ cannot); playwright launches that executable, so no browser is downloaded from e
 
 from __future__ import annotations
 
-import re
 import subprocess
-import sys
 
 import pytest
 
@@ -17,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, ember_serve
 
 API_KEY = "browser-key"
 TIMEOUT = 60  # seconds; catches a hang, never a speed
@@ -70,18 +68,9 @@ def server(tiny_llama, tmp_path_factory):
     """`ember serve` on the tiny llama with an API key: (page URL, openai client, model name)."""
     key_file = tmp_path_factory.mktemp("browser") / "key"
     key_file.write_text(API_KEY + "\n")
-    process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama.artifact_dir), "--port", "0",
-                                "--api-key-file", str(key_file), "--threads", "1"],
-                               cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        line = process.stderr.readline()  # blocks until the server listens, or the process ends
-        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-        assert match, line + process.stderr.read() if process.poll() is not None else line
-        client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
-        yield match.group(1) + "/", client, tiny_llama.artifact_dir.name
-    finally:
-        process.terminate()
-        process.wait(timeout=TIMEOUT)
+    with ember_serve(tiny_llama.artifact_dir, key_file, TIMEOUT) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+        yield url + "/", client, tiny_llama.artifact_dir.name
 
 
 @pytest.fixture(scope="module")
