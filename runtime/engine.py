@@ -47,8 +47,7 @@ class Engine:
         self._params = artifact.params
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
         # when that is what the artifact's memory budget holds.
-        self.kv_capacity = min(self.context_window * self.max_batch,
-                               int(kv.get("max_total_tokens", self.context_window * self.max_batch)))
+        self.kv_capacity = min(self.context_window * self.max_batch, int(kv["max_total_tokens"]))
         self.kv_cache = self._vm["create_paged_kv_cache"](
             _ShapeTuple([self.max_batch]), _ShapeTuple([self.kv_capacity]), _ShapeTuple([self.prefill_chunk]),
             _ShapeTuple([self.page_size]), _ShapeTuple([1 if self.sliding_window else 0]),
