@@ -56,6 +56,19 @@ class Served:
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0, timeout=TIMEOUT)
 
+    def concurrently(self, one, jobs) -> list:
+        """`one(client, ids, max_tokens)` for every (ids, max_tokens, _) of `jobs` at once on one async
+        client, all done within TIMEOUT; their results in the order of `jobs`."""
+
+        async def run_all():
+            client = self.async_client()
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)), TIMEOUT)
+            finally:
+                await client.close()
+
+        return asyncio.run(run_all())
+
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         """(status, parsed JSON or text) of one raw HTTP request."""
         connection = http.client.HTTPConnection(self.server.host, self.server.port, timeout=TIMEOUT)
@@ -188,14 +201,7 @@ def test_concurrent_streams_match_their_solo_runs(demo, demo_reference):
                 usage = chunk.usage
         return "".join(pieces), usage, finish
 
-    async def run_all():
-        client = demo.async_client()
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)), TIMEOUT)
-        finally:
-            await client.close()
-
-    results = asyncio.run(run_all())
+    results = demo.concurrently(one, jobs)
     for (ids, max_tokens, expected), (text, usage, finish) in zip(jobs, results):
         assert text == expected, f"prompt of {len(ids)} tokens, max_tokens {max_tokens}"
         assert usage.prompt_tokens == len(ids) and finish in ("stop", "length")

@@ -196,14 +196,7 @@ def test_concurrent_streams_sharing_prefixes_match_their_solo_runs(served, tiny_
                                                  temperature=0, stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
-    async def run_all():
-        client = served.async_client()
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)), TIMEOUT)
-        finally:
-            await client.close()
-
-    results = asyncio.run(run_all())
+    results = served.concurrently(one, jobs)
     for (ids, max_tokens, expected), text in zip(jobs, results):
         assert text == expected, f"prompt of {len(ids)} tokens, max_tokens {max_tokens}"
     after = served.metrics()
