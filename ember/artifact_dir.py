@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ember.errors import EmberError
-from ember.manifest import MANIFEST_NAME
+from ember.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 log = logging.getLogger("ember")
 
@@ -133,7 +133,7 @@ def _files_not_in_artifact(directory: Path) -> list[str]:
 
 def _listed_files(manifest_path: Path) -> set[str] | None:
     """The relative paths an ember manifest lists, or None if `manifest_path` is not one."""
-    if manifest_path.is_symlink() or not manifest_path.is_file() or manifest_path.stat().st_size > 64 * 2**20:
+    if manifest_path.is_symlink() or not manifest_path.is_file() or manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
         return None
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
