@@ -33,18 +33,31 @@ new MutationObserver((records) => {
 }).observe(document, {childList: true, subtree: true});
 """
 
-# Lets the first read of a chat stream through, then holds the rest back until the request is aborted,
-# so that Stop is pressed mid-stream however fast the model is. The request itself is the real one.
+# Lets a chat stream through up to its first event with text, then holds the rest back until the request is
+# aborted, so that Stop is pressed mid-stream however fast the model is and however the server's bytes were
+# split into reads (a fast server's whole answer can arrive in the first read). The request itself is real.
 HOLD_STREAM = """
 const realFetch = window.fetch;
 window.fetch = async (url, options) => {
   const response = await realFetch(url, options);
   if (!String(url).endsWith("chat/completions") || !response.ok) return response;
   const reader = response.body.getReader();
+  const decoder = new TextDecoder(), encoder = new TextEncoder();
   const held = new ReadableStream({
     async start(controller) {
-      controller.enqueue((await reader.read()).value);
       options.signal.addEventListener("abort", () => { reader.cancel(); controller.error(options.signal.reason); });
+      let buffer = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) { controller.enqueue(encoder.encode(buffer)); controller.close(); return; }
+        buffer += decoder.decode(value, {stream: true});
+        const events = buffer.split("\\n\\n");
+        const first = events.findIndex((event) => /"content":\\s*"[^"]/.test(event));
+        if (first >= 0 && first < events.length - 1) {
+          controller.enqueue(encoder.encode(events.slice(0, first + 1).join("\\n\\n") + "\\n\\n"));
+          return;
+        }
+      }
     },
   });
   return new Response(held, {status: response.status, headers: response.headers});
