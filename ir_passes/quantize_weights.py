@@ -45,7 +45,7 @@ from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bi
 from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
 from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 from ember.schedules import int8_matmul
-from ember.targets.registry import Int8Dot
+from ember.targets.int8_dot import Int8Dot
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
 

@@ -79,7 +79,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
-from ember.targets.registry import Int8Dot
+from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0
 INT8_KNOBS = ("tokens", "row_blocks", "unroll")

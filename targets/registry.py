@@ -28,6 +28,7 @@ from tvm.target import Target, codegen
 
 from ember.errors import TargetError
 from ember.targets.hardware import Hardware, hardware_presets, host_cores, load_hardware
+from ember.targets.int8_dot import Int8Dot, int8_dot_of
 
 # The rest of a GPU's memory is left to the driver context, the KV cache's page
 # tables and allocator fragmentation.
@@ -40,41 +41,6 @@ _CUDA_LIMITS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_
 # Generic host code: the machine driving the GPU is not this one.
 _HOST = {"kind": "llvm"}
 TVM_FROM_SOURCE = "https://tvm.apache.org/docs/install/from_source.html"
-
-
-@dataclass(frozen=True)
-class Int8Dot:
-    """A CPU's dot product of unsigned by signed bytes on 256-bit registers, as the int8 matmul emits it.
-
-    VNNI levels have one instruction that adds four u8 x s8 products into each int32 lane
-    (`vpdpbusd`). Without VNNI, `vpmaddubsw` adds two products into a saturating int16
-    and `vpmaddwd` with ones sums those pairs into int32, as llama.cpp's AVX2 kernels do;
-    `sign` (`vpsignb`) moves a sign from one operand onto the other so that the unsigned
-    operand can be a magnitude (see `schedules/int8_matmul.py` for why no sum saturates).
-    """
-
-    level: str  # the ISA level, as reports name it: "avx512vnni", "avxvnni", "avx512", "avx2"
-    multiply: str  # LLVM intrinsic: u8 x s8 -> int32 sums of 4 (vpdpbusd), or int16 sums of 2 (vpmaddubsw)
-    widen: str = ""  # LLVM intrinsic: int16 pairs -> int32 (vpmaddwd); empty when `multiply` gives int32
-    sign: str = ""  # LLVM intrinsic: a byte negated where another is negative, zeroed where it is zero
-
-    @property
-    def accumulates(self) -> bool:
-        """Whether `multiply` adds into an int32 accumulator itself (VNNI)."""
-        return not self.widen
-
-
-_VNNI = {"multiply": "llvm.x86.avx512.vpdpbusd.256"}  # LLVM picks EVEX or, for AVX-VNNI, VEX by the features
-_PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd.wd", "sign": "llvm.x86.avx2.psign.b"}
-# The first level whose CPU features a target has is its int8 dot product. AVX-512 without
-# VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a larger tile):
-# a 512-bit form would need blocks of 16 rows in the weight layout for the same shuffle-free loads.
-_INT8_DOTS = (
-    (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", **_VNNI)),
-    (("avxvnni",), Int8Dot("avxvnni", **_VNNI)),
-    (("avx512bw", "avx512vl"), Int8Dot("avx512", **_PAIRS)),
-    (("avx2",), Int8Dot("avx2", **_PAIRS)),
-)
 
 
 @dataclass(frozen=True)
@@ -111,19 +77,8 @@ class TargetSpec:
 
     @property
     def int8_dot(self) -> Int8Dot | None:
-        """The CPU's u8 x s8 dot product on 256-bit vectors (`Int8Dot`), if it has one (AVX2 and up).
-
-        Quantized projections use it (`schedules/int8_matmul.py`). ARM's SDOT multiplies
-        signed by signed and would need its own offsets (not implemented); SSE4.2-only CPUs
-        keep the float path.
-        """
-        if self.is_gpu:
-            return None
-        target = self.target
-        for features, dot in _INT8_DOTS:
-            if codegen.target_has_features(list(features), target):
-                return dot
-        return None
+        """The CPU's integer dot product that quantized projections use (`targets/int8_dot.py`), if any."""
+        return None if self.is_gpu else int8_dot_of(self.target)
 
     @property
     def foreign_architecture(self) -> str | None:

@@ -1,0 +1,54 @@
+"""The integer dot product a CPU target's quantized projections are built on, chosen in one place.
+
+`schedules/int8_matmul.py` emits whichever instruction sequence `int8_dot_of` picks from the
+target's LLVM features; every other module asks `TargetSpec.int8_dot`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target, codegen
+
+
+@dataclass(frozen=True)
+class Int8Dot:
+    """A CPU's dot product of unsigned by signed bytes on 256-bit registers, as the int8 matmul emits it.
+
+    VNNI levels have one instruction that adds four u8 x s8 products into each int32 lane
+    (`vpdpbusd`). Without VNNI, `vpmaddubsw` adds two products into a saturating int16
+    and `vpmaddwd` with ones sums those pairs into int32, as llama.cpp's AVX2 kernels do;
+    `sign` (`vpsignb`) moves a sign from one operand onto the other so that the unsigned
+    operand can be a magnitude (see `schedules/int8_matmul.py` for why no sum saturates).
+    """
+
+    level: str  # the ISA level, as reports name it: "avx512vnni", "avxvnni", "avx512", "avx2"
+    multiply: str  # LLVM intrinsic: u8 x s8 -> int32 sums of 4 (vpdpbusd), or int16 sums of 2 (vpmaddubsw)
+    widen: str = ""  # LLVM intrinsic: int16 pairs -> int32 (vpmaddwd); empty when `multiply` gives int32
+    sign: str = ""  # LLVM intrinsic: a byte negated where another is negative, zeroed where it is zero
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether `multiply` adds into an int32 accumulator itself (VNNI)."""
+        return not self.widen
+
+
+_VNNI = {"multiply": "llvm.x86.avx512.vpdpbusd.256"}  # LLVM picks EVEX or, for AVX-VNNI, VEX by the features
+_PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd.wd", "sign": "llvm.x86.avx2.psign.b"}
+# The first level whose CPU features a target has is its int8 dot product. AVX-512 without
+# VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a larger tile):
+# a 512-bit form would need blocks of 16 rows in the weight layout for the same shuffle-free loads.
+_INT8_DOTS = (
+    (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", **_VNNI)),
+    (("avxvnni",), Int8Dot("avxvnni", **_VNNI)),
+    (("avx512bw", "avx512vl"), Int8Dot("avx512", **_PAIRS)),
+    (("avx2",), Int8Dot("avx2", **_PAIRS)),
+)
+
+
+def int8_dot_of(target: Target) -> Int8Dot | None:
+    """The first level in `_INT8_DOTS` whose features `target` has (None: the float path)."""
+    for features, dot in _INT8_DOTS:
+        if codegen.target_has_features(list(features), target):
+            return dot
+    return None
