@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tvm import s_tir, tirx
+from tvm.tirx import IndexMap
 from tvm.runtime import DataType
 from tvm.s_tir.dlight.analysis import SBlockInfo
 from tvm.s_tir.schedule import ExprRV
@@ -101,20 +102,28 @@ class NTMatmul(CPURule):
             for prologue in prologues:
                 sch.compute_inline(prologue)
             prologues = []
-        vector = reduction_lanes(k_extent, vector_bits, dtype)
-        if n_extent is None or vector is None:
+        if n_extent is None:
             return None
-        # A GEMV streams one weight row at a time: a single linear read per core keeps the
-        # hardware prefetcher ahead, where interleaving several rows' reads runs at about
-        # half the DRAM bandwidth (float and int8 weights alike; measured on a 98 MB lm_head).
-        rows = next(r for r in (1 if gemv else self.rows, 2, 1) if n_extent % r == 0)
-        rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0], rows)
+        if not gemv and (reduction_lanes(n_extent, vector_bits, dtype) or 0) >= 4:
+            return self._schedule_gemm(sch, block, prologues, epilogues, m_loops, n, n_extent, dtype)
+        vector = reduction_lanes(k_extent, vector_bits, dtype)
+        if vector is None:
+            return None
+        # Float weights in a GEMV: 8 rows x one vector of k, eight independent FMA chains that
+        # share each activation load, so a batch (m = 2..8) is bound by FMAs rather than by
+        # loads and FMA latency (Zen 3: 1.5-1.9x at m = 8, 1.1x at m = 1 on a 98 MB lm_head).
+        # Weights unpacked in registers stream one row at a time: on Zen 4, interleaving
+        # several rows' reads ran at about half the DRAM bandwidth.
+        tile = (1, 2) if unpack_inline else (8, 1) if gemv else (4, 1)
+        rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0],
+                           next(r for r in (tile[0], 4, 2, 1) if n_extent % r == 0))
         # The k split: one or more vectors per row, each its own accumulator (hides FMA latency).
         widths = [w for w in (vector // 2, vector, 2 * vector, 4 * vector) if w >= 4 and k_extent % w == 0] or [vector]
-        lanes = self.choose("lanes", widths, 2 * vector if gemv and 2 * vector in widths else vector)
+        lanes = self.choose("lanes", widths, tile[1] * vector if tile[1] * vector in widths else vector)
+        # A GEMM whose weight rows do not fill a vector (an odd vocabulary): m_tile activation rows share each weight load.
         m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 4, 8], 1)
 
-        m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
+        m = _fused(sch, block, m_loops)
         n_o, n_i = sch.split(n, [None, rows])
         k_o, k_i = sch.split(k, [None, lanes])
         sch.reorder(n_o, m, k_o, n_i, k_i)
@@ -124,7 +133,6 @@ class NTMatmul(CPURule):
         # tree's depth depends on it, so tuning times plain sums and replays add the tree.
         halvings = tree_sum(sch, block) if isinstance(lanes, int) else []
         rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
-        # m_tile activation rows share each weight vector load (m_tile = 1: the loop is a unit loop).
         rf_m, rf_m_i = sch.split(rf_m, [None, m_tile])
         sch.reorder(rf_m, rf_k_o, rf_m_i, rf_n_i, rf_k_i)
         # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
@@ -146,6 +154,49 @@ class NTMatmul(CPURule):
             self._unpack_rows(sch, prologue, rf_n_o)
         return sch
 
+    def _schedule_gemm(self, sch: s_tir.Schedule, block: s_tir.SBlockRV, prologues: list[s_tir.SBlockRV],
+                       epilogues: list[s_tir.SBlockRV], m_loops: list[s_tir.LoopRV], n: s_tir.LoopRV,
+                       n_extent: int, dtype: str) -> s_tir.Schedule | None:
+        """Many activation rows: an m_tile x (rows weight rows) outer-product tile over a transposed
+        copy of each block of weight rows (see the module docstring)."""
+        vector = reduction_lanes(n_extent, self.vector_bits, dtype)
+        if vector is None or vector < 4:
+            return None
+        widths = [vector * v for v in (1, 2, 3, 4) if n_extent % (vector * v) == 0]
+        rows = self.choose("rows", widths, 2 * vector if 2 * vector in widths else widths[-1])
+        lanes = self.choose("lanes", [vector], vector)
+        m_tile = self.choose("m_tile", [2, 4, 6, 8], 4)
+        weight = _weight_read(sch, block)
+        m = _fused(sch, block, m_loops)
+        *_, k = sch.get_loops(block)
+        n_o, n_i = sch.split(n, [None, rows])
+        m_o, m_i = sch.split(m, [None, m_tile])
+        sch.reorder(n_o, m_o, k, m_i, n_i)
+        # The block of weight rows, k-major: a vector load reads `lanes` rows' values at one k.
+        packed = sch.cache_read(block, weight, "global")
+        sch.compute_at(packed, n_o)
+        ndim = len(sch.get(packed).writes[0].region)
+        sch.transform_layout(packed, ("write", 0), IndexMap.from_func(
+            lambda *index: (*index[:-2], index[-1], index[-2]), ndim=ndim))
+        for prologue in prologues:
+            self._unpack_rows(sch, prologue, n_o)
+        # The m_tile x rows sums stay in registers through the k loop; written back once.
+        accumulator = sch.cache_write(block, 0, "global")
+        # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
+        # tiles run without a bounds check around every FMA.
+        sch.annotate(m_o, "pragma_loop_partition_hint", 1)
+        sch.parallel(n_o)
+        for consumer in (accumulator, *epilogues):
+            sch.reverse_compute_at(consumer, m_o)
+            _vectorize_inner(sch, consumer, lanes)
+        n_a, n_v = sch.split(n_i, [None, lanes])
+        sch.vectorize(n_v)
+        sch.unroll(n_a)
+        sch.unroll(m_i)
+        init = sch.decompose_reduction(block, k)
+        _vectorize_inner(sch, init, lanes)
+        return sch
+
     def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
         """A GEMM's weight computed in the kernel (unpacked from integers): `rows` rows at a time,
         into cache, then reused by every row of the activation."""
@@ -157,6 +208,31 @@ class NTMatmul(CPURule):
         lanes = reduction_lanes(extent, self.vector_bits, dtype)
         if lanes is not None and lanes > 1:
             sch.vectorize(sch.split(inner, [None, lanes])[1])
+
+
+def _fused(sch: s_tir.Schedule, block: s_tir.SBlockRV, m_loops: list[s_tir.LoopRV]) -> s_tir.LoopRV:
+    """The activation rows as one loop (batch x sequence), a unit loop if there are none."""
+    return sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
+
+
+def _weight_read(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> int:
+    """Index among the block's reads of the weight: the input indexed by the output's last axis (n)."""
+    stmt = sch.get(block)
+    n_var = stmt.iter_vars[-2].var
+    return next(i for i, region in enumerate(stmt.reads)
+                if len(region.region) >= 2 and isinstance(region.region[-2].min, tirx.Var)
+                and region.region[-2].min.same_as(n_var))
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block: s_tir.SBlockRV, lanes: int) -> None:
+    """Vectorize the block's innermost loop in vectors of `lanes` (unrolled if longer)."""
+    inner = sch.get_loops(block)[-1]
+    extent = const_extent(sch, inner)
+    if extent is None or extent % lanes:
+        return
+    outer, inner = sch.split(inner, [None, lanes])
+    sch.vectorize(inner)
+    sch.unroll(outer)
 
 
 def _is_nt_access(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> bool:

@@ -1,0 +1,78 @@
+"""The float matmul rule (`schedules/matmul.py`) against numpy, on each of its paths.
+
+Prefill shapes take the packed-weight GEMM (full and partial m tiles, an epilogue, a
+prologue that computes the weight, weight rows that fill no vector: the fallback);
+decode shapes the GEMV, with a symbolic batch of 1 to FEW_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+
+from ember.schedules.matmul import FEW_ROWS, NTMatmul
+from ember.targets.registry import resolve_target
+
+TARGET = resolve_target("cpu")
+
+
+def _i64(*values: int) -> list[tirx.IntImm]:
+    return [tirx.IntImm("int64", value) for value in values]
+
+
+def _build(n: int, k: int, prefill: bool, residual: bool, scaled: bool):
+    """C = A @ W^T (+ R), W optionally computed as int8 rows times a scale; the symbolic rows bounded."""
+    size = tirx.Var("seq_len" if prefill else "batch_size", "int64")
+    one, n_, k_ = _i64(1, n, k)
+    shape = (one, size, k_) if prefill else (size, one, k_)
+    a = te.placeholder(shape, name="A")
+    inputs = [a]
+    if scaled:
+        quantized, scale = te.placeholder((n_, k_), "int8", name="Q"), te.placeholder((n_,), name="S")
+        w = te.compute((n_, k_), lambda j, r: quantized[j, r].astype("float32") * scale[j], name="dequantize")
+        inputs += [quantized, scale]
+    else:
+        w = te.placeholder((n_, k_), name="W")
+        inputs.append(w)
+    r = te.reduce_axis((0, k_), name="k")
+    c = te.compute((*shape[:2], n_), lambda b, i, j: te.sum(a[b, i, r] * w[j, r], axis=r), name="NT_matmul")
+    if residual:
+        res = te.placeholder((*shape[:2], n_), name="R")
+        c = te.compute(c.shape, lambda b, i, j: c[b, i, j] + res[b, i, j], name="add")
+        inputs.append(res)
+    func = te.create_prim_func([*inputs, c]).with_attr("tir_var_upper_bound", {size.name: 64 if prefill else FEW_ROWS})
+    sch = NTMatmul(TARGET.vector_bits).apply(func, TARGET.target, False)
+    assert sch is not None
+    return tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=TARGET.target)["main"]
+
+
+@pytest.mark.parametrize("n,k,prefill,residual,scaled,row_counts", [
+    (48, 64, True, False, False, [1, 7, 13, 64]),  # GEMM: one partial m tile, full and partial ones
+    (40, 96, True, True, True, [9]),  # GEMM with a computed weight and a residual add
+    (37, 32, True, False, False, [5, 12]),  # weight rows that fill no vector: the dot-product fallback
+    (64, 96, False, True, False, [1, 3, FEW_ROWS]),  # GEMV, a decode batch
+])
+def test_matches_numpy(n, k, prefill, residual, scaled, row_counts):
+    kernel = _build(n, k, prefill, residual, scaled)
+    rng = np.random.default_rng(n * k)
+    if scaled:
+        quantized = rng.integers(-127, 128, (n, k), dtype=np.int8)
+        scale = rng.random(n, dtype=np.float32)
+        weights, weight = [quantized, scale], quantized.astype(np.float32) * scale[:, None]
+    else:
+        weight = rng.standard_normal((n, k), dtype=np.float32)
+        weights = [weight]
+    for rows in row_counts:
+        shape = (1, rows) if prefill else (rows, 1)
+        a = rng.standard_normal((*shape, k), dtype=np.float32)
+        expected = a.astype(np.float64) @ weight.T.astype(np.float64)
+        extra = []
+        if residual:
+            extra = [rng.standard_normal((*shape, n), dtype=np.float32)]
+            expected += extra[0]
+        out = tvm.runtime.tensor(np.zeros((*shape, n), np.float32))
+        kernel(*(tvm.runtime.tensor(x) for x in (a, *weights, *extra)), out)
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(weight).max() * np.sqrt(k),
+                                   err_msg=f"{rows} rows")
