@@ -36,6 +36,8 @@ from helpers import q8_0_activations, run_ember
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
 MAX_BATCH = 4
 CLI_COMPILED = ("llama",)
+LONG_CONTEXT = 1024  # the long-context tiny llama's: serving tests send prompts of up to 400 tokens
+LONG_MAX_BATCH = 8
 
 
 @dataclass
@@ -206,6 +208,22 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def tiny_llama(tiny_models) -> TinyModel:
     """The plain tiny llama (GQA, untied embeddings), for tests that need any model."""
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tmp_path_factory) -> TinyModel:
+    """The plain tiny llama's shapes with a context of LONG_CONTEXT tokens, compiled with max_batch
+    LONG_MAX_BATCH, for serving tests whose prompts and outputs need more than 256 tokens."""
+    from ember.compiler import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("tiny-long")
+    model_type, overrides = models.TINY_MODELS["llama"]
+    config = models.make_config(model_type, **overrides, max_position_embeddings=LONG_CONTEXT)
+    model_dir = models.write_model(models.random_model(config), root / "checkpoint")
+    artifact_dir = root / "llama-long"
+    compile_model(model_dir, artifact_dir, CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=LONG_MAX_BATCH,
+                                                          show_progress=False))
+    return TinyModel("llama-long", model_dir, artifact_dir)
 
 
 @pytest.fixture

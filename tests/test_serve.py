@@ -177,22 +177,32 @@ def test_demo_stop_logprobs_and_penalties(demo, demo_reference):
     assert repeated.choices[0].text != _reference(demo_reference, prompt, 40)[0]
 
 
-def test_concurrent_streams_match_their_solo_runs(demo, demo_reference):
-    """24 streaming clients at once, prompts of 1..200 tokens and max_tokens 1..48: each gets
-    exactly its solo greedy run, and /metrics agrees with what the clients counted."""
+@pytest.fixture(scope="module")
+def long_served(tiny_llama_long):
+    served = Served(tiny_llama_long.artifact_dir)
+    yield served
+    served.close()
+
+
+def test_concurrent_streams_match_their_solo_runs(long_served, tiny_llama_long):
+    """32 streaming clients at once, prompts of 1..400 tokens and max_tokens 1..200 (the tiny llama
+    with a 1024-token context, max_batch 8): each gets exactly its solo greedy run, whole, and
+    /metrics agrees with what the clients counted."""
+    served, artifact = long_served, tiny_llama_long.artifact
     rng = np.random.default_rng(1)
-    vocab = demo_reference.manifest.model["vocab_size"]
+    vocab = artifact.manifest.model["vocab_size"]
     jobs = []
-    for i in range(24):
-        length, max_tokens = int(rng.integers(1, 201)), int(rng.integers(1, 49))
-        ids = [1] + rng.integers(4, vocab, length - 1).tolist()
-        jobs.append((ids, max_tokens, _reference(demo_reference, ids, max_tokens)[0]))
-    before = demo.metrics()
+    for _ in range(32):
+        length, max_tokens = int(rng.integers(1, 401)), int(rng.integers(1, 201))
+        ids = [1] + rng.integers(3, vocab, length - 1).tolist()
+        text, generation = _reference(artifact, ids, max_tokens)
+        jobs.append((ids, max_tokens, (text, len(generation.token_ids), generation.stats.finish_reason)))
+    before = served.metrics()
 
     async def one(client, ids, max_tokens):
         pieces, usage, finish = [], None, None
-        stream = await client.completions.create(model=demo.name, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(model=served.name, prompt=ids, max_tokens=max_tokens,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             if chunk.choices:
                 pieces.append(chunk.choices[0].text)
@@ -201,11 +211,12 @@ def test_concurrent_streams_match_their_solo_runs(demo, demo_reference):
                 usage = chunk.usage
         return "".join(pieces), usage, finish
 
-    results = demo.concurrently(one, jobs)
+    results = served.concurrently(one, jobs)
     for (ids, max_tokens, expected), (text, usage, finish) in zip(jobs, results):
-        assert text == expected, f"prompt of {len(ids)} tokens, max_tokens {max_tokens}"
-        assert usage.prompt_tokens == len(ids) and finish in ("stop", "length")
-    after = demo.metrics()
+        assert (text, usage.completion_tokens, finish) == expected, \
+            f"prompt of {len(ids)} tokens, max_tokens {max_tokens}"
+        assert usage.prompt_tokens == len(ids)
+    after = served.metrics()
     assert after["ember_prompt_tokens_total"] - before["ember_prompt_tokens_total"] == sum(len(j[0]) for j in jobs)
     assert after["ember_generation_tokens_total"] - before["ember_generation_tokens_total"] == \
         sum(r[1].completion_tokens for r in results)

@@ -1,5 +1,6 @@
 """`ember serve`'s prefix cache and constrained JSON output, on the tiny llama (context 256, pages of
-16 tokens, max_batch 4, random weights).
+16 tokens, max_batch 4, random weights; the served cache hit on a 300-token system prompt runs on its
+1024-token-context twin, `tiny_llama_long`).
 
 The prefix cache forks TVM's paged KV sequences: the first tests hold TVM's fork to what the
 cache relies on (a fork at any position, mid-page or at the parent's end, while the parent
@@ -19,12 +20,13 @@ import pytest
 from ember.runtime import Engine, SamplingParams, Scheduler, generate
 from ember.runtime.prefix_cache import PrefixCache
 from helpers import prompt_ids
-from test_serve import TIMEOUT, Served, _reference
+from test_serve import TIMEOUT, Served, _reference, long_served  # noqa: F401 (a fixture)
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 SYSTEM = prompt_ids(150, seed=3)  # a shared "system prompt" of 150 tokens (the context is 256)
+LONG_SYSTEM = prompt_ids(300, seed=3)  # the served one's, on the tiny llama with a 1024-token context
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -157,26 +159,27 @@ def _stream_ttft(served, ids, max_tokens):
     return "".join(pieces), first
 
 
-def test_served_prefix_cache_hit_has_the_solo_output_and_shows_in_metrics(served, tiny_llama, capsys):
-    first, second = SYSTEM + prompt_ids(40, seed=6)[1:], SYSTEM + prompt_ids(40, seed=7)[1:]
+def test_served_prefix_cache_hit_has_the_solo_output_and_shows_in_metrics(long_served, tiny_llama_long, capsys):
+    served, artifact = long_served, tiny_llama_long.artifact
+    first, second = LONG_SYSTEM + prompt_ids(40, seed=6)[1:], LONG_SYSTEM + prompt_ids(40, seed=7)[1:]
     before = served.metrics()
     text_first, ttft_first = _stream_ttft(served, first, 24)
     text_second, ttft_second = _stream_ttft(served, second, 24)
     after = served.metrics()
-    assert text_first == _reference(tiny_llama.artifact, first, 24)[0]
-    assert text_second == _reference(tiny_llama.artifact, second, 24)[0]
+    assert text_first == _reference(artifact, first, 24)[0]
+    assert text_second == _reference(artifact, second, 24)[0]
 
     def delta(name):
         return after[name] - before.get(name, 0)
 
     assert delta("ember_prefix_cache_hits_total") == 1
-    assert delta("ember_prefix_cache_hit_tokens_total") == len(SYSTEM)
-    assert delta("ember_prefill_tokens_total") == len(first) + len(second) - len(SYSTEM)
+    assert delta("ember_prefix_cache_hit_tokens_total") == len(LONG_SYSTEM)
+    assert delta("ember_prefill_tokens_total") == len(first) + len(second) - len(LONG_SYSTEM)
     assert after["ember_prefix_cache_sequences"] >= 1 and after["ember_prefix_cache_tokens"] > 0
     assert after["ember_running_sequences"] == 0 and after["ember_kv_cache_tokens_used"] == 0
     with capsys.disabled():  # a figure for the log, never an assertion
         print(f"\n  TTFT, tiny llama, {len(first)}-token prompts: miss {ttft_first * 1e3:.2f} ms, "
-              f"hit on {len(SYSTEM)} tokens {ttft_second * 1e3:.2f} ms")
+              f"hit on {len(LONG_SYSTEM)} tokens {ttft_second * 1e3:.2f} ms")
 
 
 def test_concurrent_streams_sharing_prefixes_match_their_solo_runs(served, tiny_llama):
