@@ -1,0 +1,378 @@
+"""Import a GGUF file (llama.cpp's format): config, weights and tokenizer from one file.
+
+The file is read with the `gguf` package (maintained with llama.cpp), memory-mapped:
+tensors are read one at a time, so a file larger than RAM is never read whole. Its
+reader raises bare errors on bad input, so the header is checked here first (magic,
+version) and every tensor's type, shape and byte range before the reader slices it;
+each failure is one line naming the file and the tensor or metadata key.
+
+Metadata becomes a Hugging Face style config dict checked by `parse_model_config`,
+tensor names become Hugging Face names, and llama.cpp's row permutation of the
+Llama q/k projections (its RoPE pairs adjacent channels) is undone, so the rest of
+ember sees the checkpoint it would have read from the original directory.
+
+Weights of a type ember stores natively are kept as stored: Q8_0, Q4_0 and Q4_1
+blocks hand their integer levels, scales and minimums to `q8*`, `q4*` and `q4*_zp`
+unchanged (`stored_quantization`). Every other type (F16, BF16, the K-quants
+Q4_K/Q5_K/Q6_K/Q2_K/Q3_K) is dequantized to float and re-quantized by the `--quant`
+format, which costs accuracy for K-quants: `conversion_error` measures it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+
+from ember.errors import ModelError
+from ember.frontend.config import ModelConfig, parse_model_config
+from ember.frontend.files import short_repr
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_STORED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # types whose blocks ember's formats hold as they are
+_CONVERTED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q8_1")
+SUPPORTED_TENSOR_TYPES = _FLOAT_TYPES + tuple(_STORED_TYPES) + _CONVERTED_TYPES
+# The --quant a file's dominant weight type maps onto.
+_DEFAULT_QUANT = {"F32": "q0f32", "F16": "q0f16", "BF16": "q0f32", "Q8_0": "q8f32", "Q4_0": "q4f32",
+                  "Q4_1": "q4f32_zp", "Q4_K": "q4f32_zp", "Q5_K": "q8f32", "Q6_K": "q8f32", "Q2_K": "q4f32_zp",
+                  "Q3_K": "q4f32_zp", "Q5_0": "q8f32", "Q5_1": "q8f32", "Q8_1": "q8f32"}
+_BLOCK_PREFIX = "blk."
+# GGUF tensor name (the part after `blk.N.` for layers) -> Hugging Face name.
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic (or is named *.gguf)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _reader_class():
+    """A `gguf.GGUFReader` that checks each tensor's header entry before the reader slices the file."""
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            _check_tensor_fields(Path(self.data.filename), len(self.data), start_offs, fields)
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _check_tensor_fields(path: Path, file_size: int, data_start: int, fields: list) -> None:
+    import gguf
+
+    spans = []
+    for field in fields:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        code = int(raw_type[0])
+        try:
+            qtype = gguf.GGMLQuantizationType(code)
+        except ValueError:
+            raise ModelError(f"{path}: tensor {name!r} has unknown tensor type code {code}") from None
+        if qtype.name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelError(f"{path}: tensor {name!r} has type {qtype.name}, which ember does not read; "
+                             f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = [int(d) for d in dims]
+        if not shape or shape[0] % block:
+            raise ModelError(f"{path}: tensor {name!r} of type {qtype.name} has shape {shape}: its first dimension "
+                             f"must be a multiple of the type's block of {block}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
+        begin = data_start + int(offset[0])
+        if begin + nbytes > file_size:
+            raise ModelError(f"{path}: truncated or corrupt file: tensor {name!r} ({qtype.name}, shape {shape}) "
+                             f"spans bytes {begin}..{begin + nbytes}, past the end of the file ({file_size} bytes)")
+        spans.append((begin, nbytes, name))
+    end, previous = 0, ""
+    for begin, nbytes, name in sorted(spans):
+        if nbytes and begin < end:
+            raise ModelError(f"{path}: tensor {name!r} overlaps the bytes of tensor {previous!r}")
+        if nbytes:
+            end, previous = begin + nbytes, name
+
+
+def open_gguf(path: Path):
+    """The checked `gguf.GGUFReader` of `path`, or a one-line `ModelError` naming what is wrong."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        raise ModelError(f"{path}: cannot read: {err.strerror}") from None
+    if len(head) < 8:
+        raise ModelError(f"{path}: truncated GGUF file ({len(head)} bytes, no header)")
+    if head[:4] != GGUF_MAGIC:
+        raise ModelError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r})")
+    (version,) = struct.unpack("<I", head[4:])
+    if version not in SUPPORTED_VERSIONS:
+        raise ModelError(f"{path}: GGUF version {version} is not supported (ember reads versions "
+                         f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+    try:
+        return _reader_class()(path)
+    except ModelError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as err:
+        # The reader walks the metadata with numpy views: a truncated or corrupt header ends in one of these.
+        reason = str(err).strip().splitlines() or [type(err).__name__]
+        raise ModelError(f"{path}: truncated or corrupt GGUF header: {reason[0]}") from None
+
+
+class Metadata:
+    """Typed access to a GGUF file's metadata; errors name the key."""
+
+    def __init__(self, reader, path: Path) -> None:
+        self.fields, self.path = reader.fields, path
+
+    def get(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
+        """The value of `key`, checked to be of `kind` (int, float, str, bool, list); `default` if absent."""
+        field = self.fields.get(key)
+        if field is None:
+            if required:
+                raise ModelError(f"{self.path}: metadata {key!r} is missing")
+            return default
+        import gguf
+
+        scalar_kinds = {
+            int: {gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT16,
+                  gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+                  gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64},
+            float: {gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64},
+            str: {gguf.GGUFValueType.STRING},
+            bool: {gguf.GGUFValueType.BOOL},
+            list: {gguf.GGUFValueType.ARRAY},
+        }
+        kind_names = {int: "an integer", float: "a float", str: "a string", bool: "a boolean", list: "an array"}
+        found = field.types[0]
+        if found not in scalar_kinds[kind] and not (kind is float and found in scalar_kinds[int]):
+            raise ModelError(f"{self.path}: metadata {key!r} must be {kind_names[kind]}, "
+                             f"got {found.name.lower()}")
+        value = field.contents()
+        return float(value) if kind is float else value
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file under its Hugging Face name: its type, and its shape as ember reads it."""
+
+    name: str
+    gguf_name: str
+    type_name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    path: Path
+
+
+class GGUFWeights:
+    """The tensors of a GGUF file under Hugging Face names, read lazily (as `CheckpointWeights`)."""
+
+    def __init__(self, path: Path, reader, config: ModelConfig) -> None:
+        self.path, self.model_dir = Path(path), Path(path)
+        self._reader, self._config = reader, config
+        self._tensors = {}
+        self.records: dict[str, GGUFTensor] = {}
+        for tensor in reader.tensors:
+            hf_name = _hf_name(tensor.name)
+            if hf_name is None:
+                continue  # rope_freqs and other tensors ember computes itself
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            dtype = np.dtype(np.float16 if tensor.tensor_type.name == "F16" else np.float32)
+            self._tensors[hf_name] = tensor
+            self.records[hf_name] = GGUFTensor(hf_name, tensor.name, tensor.tensor_type.name, shape, dtype, self.path)
+
+    def record(self, name: str) -> GGUFTensor:
+        """The tensor `name`, or a `ModelError` that names it."""
+        if name not in self.records:
+            raise ModelError(f"{self.path}: tensor {name!r} (GGUF {_gguf_name(name)!r}) is missing from the file")
+        return self.records[name]
+
+    def load(self, name: str) -> np.ndarray:
+        """Tensor `name` as float (dequantized if stored quantized), in Hugging Face layout."""
+        import gguf
+
+        tensor = self._tensors[self.record(name).name]
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        return self._unpermute(name, np.asarray(values).reshape(self.records[name].shape))
+
+    def stored_quantization(self, name: str, bits: int, zero_point: bool) -> dict[str, np.ndarray] | None:
+        """The stored levels, scales (and minimums) of `name` if it is held in a block type ember's format
+        (`bits`, `zero_point`) stores as is, else None: {"levels": [N, K] signed (unsigned for zero point)
+        integers, "scale": [N, K/32] float32, "min": [N, K/32] float32}."""
+        record = self.record(name)
+        if _STORED_TYPES.get(record.type_name) != bits or (record.type_name == "Q4_1") != zero_point:
+            return None
+        blocks = np.asarray(self._tensors[name].data).reshape(record.shape[0], -1)
+        n, groups = record.shape[0], record.shape[1] // 32
+        blocks = blocks.reshape(n, groups, -1)
+        scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        parts = {"scale": scale}
+        if record.type_name == "Q8_0":
+            levels = blocks[..., 2:].copy().view(np.int8).astype(np.int32)
+        else:
+            start = 4 if zero_point else 2
+            nibbles = blocks[..., start:]
+            levels = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.int32)
+            if zero_point:
+                parts["min"] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            else:
+                levels -= 8
+        parts["levels"] = levels.reshape(n, -1)
+        return {key: self._unpermute(name, value) for key, value in parts.items()}
+
+    def conversion_error(self, name: str, requantized: np.ndarray) -> float:
+        """Relative RMS difference between the file's values of `name` and `requantized`."""
+        original = self.load(name)
+        return float(np.sqrt(np.mean((original - requantized) ** 2) / max(np.mean(original**2), 1e-30)))
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each GGUF type the model reads."""
+        return dict(Counter(r.type_name for r in self.records.values()))
+
+    def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's Llama q/k row order (pairs of RoPE channels adjacent) on row-indexed `rows`."""
+        config = self._config
+        if config.model_type != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return rows
+        heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        shape = rows.shape
+        return np.ascontiguousarray(rows.reshape(heads, -1, 2, *shape[1:]).swapaxes(1, 2).reshape(shape))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith(_BLOCK_PREFIX):
+        layer, _, rest = gguf_name[len(_BLOCK_PREFIX):].partition(".")
+        if layer.isdigit() and rest in _LAYER_NAMES:
+            return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def _gguf_name(hf_name: str) -> str:
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    layer, _, rest = hf_name.removeprefix("model.layers.").partition(".")
+    return next((f"blk.{layer}.{g}" for g, h in _LAYER_NAMES.items() if h == rest), hf_name)
+
+
+def gguf_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """The model config of the file, and the Hugging Face style config dict it was validated as."""
+    meta = Metadata(reader, path)
+    arch = meta.get("general.architecture", str, required=True)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"{path}: general.architecture {short_repr(arch)} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    tokens = meta.get("tokenizer.ggml.tokens", list)
+    heads = meta.get(f"{arch}.attention.head_count", int, required=True)
+    hidden = meta.get(f"{arch}.embedding_length", int, required=True)
+    names = {t.name for t in reader.tensors}
+    raw = {
+        "model_type": arch,
+        "vocab_size": meta.get(f"{arch}.vocab_size", int) or (len(tokens) if tokens is not None else None),
+        "hidden_size": hidden,
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length", int, required=True),
+        "num_hidden_layers": meta.get(f"{arch}.block_count", int, required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", int, heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length", int),
+        "max_position_embeddings": meta.get(f"{arch}.context_length", int, required=True),
+        "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", float, 10000.0),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", int),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id", int),
+    }
+    if raw["vocab_size"] is None:
+        raw["vocab_size"] = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
+    rope_dims = meta.get(f"{arch}.rope.dimension_count", int)
+    if rope_dims is not None and rope_dims != (raw["head_dim"] or hidden // heads):
+        raise ModelError(f"{path}: metadata '{arch}.rope.dimension_count' is {rope_dims}; ember rotates whole "
+                         "heads only (partial RoPE is not supported)")
+    sliding_window = meta.get(f"{arch}.attention.sliding_window", int)
+    if sliding_window:
+        raw["sliding_window"] = sliding_window
+        raw["use_sliding_window"] = True
+    scaling = meta.get(f"{arch}.rope.scaling.type", str)
+    if scaling not in (None, "none"):
+        raise ModelError(f"{path}: metadata '{arch}.rope.scaling.type' {short_repr(scaling)} is not supported")
+    if "rope_freqs.weight" in names:
+        raise ModelError(f"{path}: Llama 3 rope scaling stored as the 'rope_freqs.weight' tensor is not supported "
+                         "yet (convert the Hugging Face checkpoint instead)")
+    return parse_model_config(raw, f"{path} (metadata)"), raw
+
+
+def default_quantization(path: Path) -> str:
+    """The `--quant` matching the file's dominant weight type (by bytes), as a GGUF file's default."""
+    reader = open_gguf(path)
+    sizes = Counter()
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 2:
+            sizes[tensor.tensor_type.name] += int(tensor.n_bytes)
+    dominant = sizes.most_common(1)[0][0] if sizes else "F32"
+    return _DEFAULT_QUANT[dominant]
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of the file, read in chunks (for the manifest's record of the source)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32", workdir: Path | None = None):
+    """Build the Relax IRModule for the GGUF file at `path` (tokenizer files written under `workdir`)."""
+    import tempfile
+
+    from ember.frontend.gguf_tokenizer import write_tokenizer_files
+    from ember.frontend.hf import ImportedModel, _check_tensor, _check_tokenizer_files, build_module
+
+    path = Path(path)
+    reader = open_gguf(path)
+    config, _ = gguf_config(reader, path)
+    weights = GGUFWeights(path, reader, config)
+    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ember-gguf-"))
+    tokenizer_files = write_tokenizer_files(Metadata(reader, path), workdir)
+    _check_tokenizer_files(tokenizer_files, config)
+    mod, shapes = build_module(config, target, model_dtype)
+    for name, shape in shapes.items():
+        _check_tensor(weights, name, shape)
+    return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
+
+
+def source_record(weights: GGUFWeights) -> dict[str, Any]:
+    """What the manifest should record of a GGUF source: file, hash, and each tensor's stored type."""
+    return {"format": "gguf", "file": weights.path.name, "sha256": file_sha256(weights.path),
+            "tensor_types": {name: r.type_name for name, r in sorted(weights.records.items())}}
+
+
+__all__ = ["GGUFWeights", "Metadata", "default_quantization", "gguf_config", "import_gguf_model", "is_gguf_file",
+           "open_gguf", "source_record"]
