@@ -4,37 +4,53 @@ Matches a PrimFunc with exactly one reduction block whose two inputs are both
 indexed last by the reduction variable (a row-major weight read along its rows,
 as `FuseTransposeMatmul` produces for every projection), any number of leading
 spatial axes folded into m (batch x sequence), and optional elementwise epilogues
-(bias, residual add). Decode (m = batch) makes it a GEMV, prefill (m = tokens) a GEMM.
+(bias, residual add). Decode (m = batch, at most FEW_ROWS) makes it a GEMV, prefill
+(m = tokens) a GEMM.
 
-Schedule, per block of `rows` weight rows (1 in a GEMV, 4 in a GEMM):
+GEMM, per block of `rows` weight rows (two vectors' worth):
 
-    parallel n_o                    # weight row blocks across cores
-      for m                         # every token/sequence reuses the rows from L1
-        acc[rows, lanes] = 0        # rfactor of k by `lanes`: register tile
+    parallel n_o                        # weight row blocks across cores
+      Wt[k, n_i] = W[n, k]              # the block transposed once (k-major, in L1/L2)
+      for m_o                           # every tile of m_tile tokens reuses it
+        acc[m_tile, rows] = 0           # registers
+        for k
+          unroll m_i in m_tile
+            vectors n_i in rows:        acc[m_i, n_i] += broadcast(A[m, k]) * Wt[k, n_i]   (FMA)
+        C[m, n] = acc (+ epilogue)      # whole vectors along n, once per tile
+
+Why: both inputs are contiguous along k, so a tile that vectorizes n needs the weight
+transposed; done per row block inside the kernel (once per block, reused by all m
+tokens, about 1/m of the FMA work), it turns the inner loop into one vector load per
+`lanes` outputs, m_tile broadcasts and m_tile x rows/lanes independent FMAs, with no
+horizontal sums (1.35-1.5x the former k-vectorized tile on Zen 3 at m = 128).
+
+GEMV, per block of `rows` weight rows (and a GEMM whose n fills no vector):
+
+    parallel n_o
+      for m                             # every sequence reuses the rows from L1
+        acc[rows, lanes] = 0            # rfactor of k by `lanes`: register tile
         for k_o
           unroll n_i in rows
-            unroll vectors in lanes   # `lanes` may span several vectors: independent chains
-              vector k_i:           acc[n_i, k_i] += A[m, k] * W[n, k]   (FMA)
-        C[m, n] = tree_sum(acc[n_i, :])   # halving vector adds, then the epilogue, in cache
+            unroll vectors in lanes     # `lanes` may span several vectors: independent chains
+              vector k_i:               acc[n_i, k_i] += A[m, k] * W[n, k]   (FMA)
+        C[m, n] = tree_sum(acc[n_i, :]) # halving vector adds, then the epilogue, in cache
 
 Why: the weight is the large operand and streams from memory exactly once per call
 (the rows stay in L1 while all m reuse them); the inner loop is contiguous vector
-loads and FMAs on independent accumulators, which hides FMA latency. A GEMV reads
-one row at a time, so each core streams one linear range of memory: interleaving
-reads from several rows halves the achieved DRAM bandwidth on a 98 MB lm_head.
+loads and FMAs on independent accumulators, which hides FMA latency.
 
 Quantized weights arrive as an unpacking block (the prologue) that computes W from
-packed integers (see `ir_passes/quantize_weights.py`). In a GEMV (m bounded by
-FEW_ROWS) it is inlined into the FMA loop: each value is unpacked in registers
-and used once, with vectors as wide as the values sharing a packed word (8 for
-int4: one broadcast word, eight shifts). In a GEMM it is computed `rows` rows at
-a time into a local tile under n_o, so unpacking is paid once, not once per token.
+packed integers (see `ir_passes/quantize_weights.py`). In a GEMV it is inlined into
+the FMA loop: each value is unpacked in registers and used once, with vectors as
+wide as the values sharing a packed word (8 for int4: one broadcast word, eight
+shifts). In a GEMM it is computed `rows` rows at a time into a local tile under n_o
+(then transposed), so unpacking is paid once, not once per token.
 
 Three sizes are knobs (`MATMUL_KNOBS`): `rows` (weight rows per register tile),
-`lanes` (the k split, up to four vectors) and `m_tile` (activation rows sharing each
-weight load in a GEMM: the register tile becomes m_tile x rows accumulators, which
-turns prefill from load-bound into FMA-bound). The rule picks defaults; tuning
-(`schedules/tuning.py`) samples them with meta_schedule and replays the best.
+`lanes` (the vector: along k in a GEMV, where up to four vectors split k; along n,
+one vector, in a GEMM) and `m_tile` (activation rows per register tile in a GEMM).
+The rule picks defaults; tuning (`schedules/tuning.py`) samples them with
+meta_schedule and replays the best.
 """
 
 from __future__ import annotations
@@ -104,8 +120,9 @@ class NTMatmul(CPURule):
             prologues = []
         if n_extent is None:
             return None
-        if not gemv and (reduction_lanes(n_extent, vector_bits, dtype) or 0) >= 4:
-            return self._schedule_gemm(sch, block, prologues, epilogues, m_loops, n, n_extent, dtype)
+        n_vector = reduction_lanes(n_extent, vector_bits, dtype)
+        if not gemv and n_vector is not None and n_vector >= 4:
+            return self._schedule_gemm(sch, block, prologues, epilogues, m_loops, n, n_extent, n_vector)
         vector = reduction_lanes(k_extent, vector_bits, dtype)
         if vector is None:
             return None
@@ -120,7 +137,7 @@ class NTMatmul(CPURule):
         # The k split: one or more vectors per row, each its own accumulator (hides FMA latency).
         widths = [w for w in (vector // 2, vector, 2 * vector, 4 * vector) if w >= 4 and k_extent % w == 0] or [vector]
         lanes = self.choose("lanes", widths, tile[1] * vector if tile[1] * vector in widths else vector)
-        # A GEMM whose weight rows do not fill a vector (an odd vocabulary): m_tile activation rows share each weight load.
+        # A GEMM whose n fills no vector (an odd vocabulary): m_tile activation rows share each weight load.
         m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 4, 8], 1)
 
         m = _fused(sch, block, m_loops)
@@ -156,23 +173,20 @@ class NTMatmul(CPURule):
 
     def _schedule_gemm(self, sch: s_tir.Schedule, block: s_tir.SBlockRV, prologues: list[s_tir.SBlockRV],
                        epilogues: list[s_tir.SBlockRV], m_loops: list[s_tir.LoopRV], n: s_tir.LoopRV,
-                       n_extent: int, dtype: str) -> s_tir.Schedule | None:
+                       n_extent: int, vector: int) -> s_tir.Schedule:
         """Many activation rows: an m_tile x (rows weight rows) outer-product tile over a transposed
-        copy of each block of weight rows (see the module docstring)."""
-        vector = reduction_lanes(n_extent, self.vector_bits, dtype)
-        if vector is None or vector < 4:
-            return None
+        copy of each block of weight rows (see the module docstring); `vector` divides n."""
         widths = [vector * v for v in (1, 2, 3, 4) if n_extent % (vector * v) == 0]
         rows = self.choose("rows", widths, 2 * vector if 2 * vector in widths else widths[-1])
-        lanes = self.choose("lanes", [vector], vector)
-        m_tile = self.choose("m_tile", [2, 4, 6, 8], 4)
+        lanes = self.choose("lanes", [vector], vector)  # one candidate, so it equals `vector` when sampled
+        m_tile = self.choose("m_tile", [2, 3, 4, 5, 6, 8], 4)
         weight = _weight_read(sch, block)
         m = _fused(sch, block, m_loops)
         *_, k = sch.get_loops(block)
         n_o, n_i = sch.split(n, [None, rows])
         m_o, m_i = sch.split(m, [None, m_tile])
         sch.reorder(n_o, m_o, k, m_i, n_i)
-        # The block of weight rows, k-major: a vector load reads `lanes` rows' values at one k.
+        # The block of weight rows, k-major: a vector load reads `vector` rows' values at one k.
         packed = sch.cache_read(block, weight, "global")
         sch.compute_at(packed, n_o)
         ndim = len(sch.get(packed).writes[0].region)
@@ -188,13 +202,13 @@ class NTMatmul(CPURule):
         sch.parallel(n_o)
         for consumer in (accumulator, *epilogues):
             sch.reverse_compute_at(consumer, m_o)
-            _vectorize_inner(sch, consumer, lanes)
+            _vectorize_inner(sch, consumer, vector)
         n_a, n_v = sch.split(n_i, [None, lanes])
         sch.vectorize(n_v)
         sch.unroll(n_a)
         sch.unroll(m_i)
         init = sch.decompose_reduction(block, k)
-        _vectorize_inner(sch, init, lanes)
+        _vectorize_inner(sch, init, vector)
         return sch
 
     def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
