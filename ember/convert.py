@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ember.frontend.weights import CheckpointWeights
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 
 
 class RecipeEvaluator:
@@ -45,9 +45,30 @@ class RecipeEvaluator:
             key = json.dumps([recipe["format"], layout, recipe["input"]], sort_keys=True)
             if self._last_packed is None or self._last_packed[0] != key:
                 self._last_packed = None  # free the previous weight's parts first
-                self._last_packed = (key, FORMATS[recipe["format"]].quantize(self(recipe["input"]), layout))
+                self._last_packed = (key, self._quantized(FORMATS[recipe["format"]], recipe["input"], layout))
             return self._last_packed[1][recipe["part"]]
         raise ValueError(f"unknown weight recipe op {op!r}")
+
+    def _quantized(self, fmt: QuantFormat, source: dict[str, Any], layout: str) -> dict[str, np.ndarray]:
+        """`source` in `fmt`: the file's own levels and scales where it stores them in this format (a GGUF
+        Q8_0/Q4_0/Q4_1 tensor, kept bit for bit), else quantized from its float values."""
+        stored = self._stored_levels(fmt, source)
+        if stored is not None:
+            return fmt.pack(stored["levels"], stored["scale"], stored.get("min"), layout)
+        return fmt.quantize(self(source), layout)
+
+    def _stored_levels(self, fmt: QuantFormat, source: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """The stored levels, scales (and minimums) of `source` (a tensor, or rows of tensors concatenated)."""
+        stored = getattr(self.weights, "stored_quantization", None)
+        if stored is None:
+            return None
+        if source["op"] == "load":
+            return stored(source["name"], fmt.bits, fmt.zero_point)
+        if source["op"] == "concat" and source["axis"] == 0:
+            members = [self._stored_levels(fmt, member) for member in source["inputs"]]
+            if all(member is not None for member in members):
+                return {key: np.concatenate([m[key] for m in members]) for key in members[0]}
+        return None
 
 
 def write_params(

@@ -132,7 +132,26 @@ class QuantFormat:
         """Pack an [N, K] float weight into this format's parts, in `layout`."""
         if weight.ndim != 2:
             raise ValueError(f"{self.name} quantizes 2-D weights; got shape {weight.shape}")
-        n, k = weight.shape
+        return self._pack_blocks(weight.shape, layout,
+                                 lambda rows: self._pack_rows(*self._levels(weight[rows]), layout))
+
+    def pack(self, levels: np.ndarray, scale: np.ndarray, low: np.ndarray | None = None,
+             layout: str = ROWS) -> dict[str, np.ndarray]:
+        """The parts of a weight quantized elsewhere (a GGUF file's Q8_0/Q4_0/Q4_1 blocks), its values unchanged:
+        integer `levels` [N, K] (signed; 0..15 with a zero point), `scale` and `low` (the minimums) [N, K / 32]."""
+        n, k = levels.shape
+        if k % self.group_size or scale.shape != (n, k // self.group_size) or (low is None) == self.zero_point:
+            raise ValueError(f"{self.name} cannot pack levels {levels.shape} with scales {scale.shape}")
+
+        def rows_of(rows: slice):
+            return (levels[rows], scale[rows].astype(self.dtype),
+                    None if low is None else low[rows].astype(self.dtype))
+
+        return self._pack_blocks(levels.shape, layout, lambda rows: self._pack_rows(*rows_of(rows), layout))
+
+    def _pack_blocks(self, shape: tuple[int, int], layout: str, pack_rows) -> dict[str, np.ndarray]:
+        """The parts of an [N, K] weight, `pack_rows(slice)` giving those of a block of its rows."""
+        n, k = shape
         # A block of rows at a time: the float temporaries stay a few MB even for a
         # 128k-token embedding table, so conversion memory is the packed weight's.
         parts = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.part_shapes(n, k, layout).items()}
@@ -141,15 +160,17 @@ class QuantFormat:
             block = -(-block // INTERLEAVED_ROWS) * INTERLEAVED_ROWS
         stored_rows = INTERLEAVED_ROWS if layout == INTERLEAVED else 1  # weight rows per first-axis index
         for start in range(0, n, block):
-            for name, values in self._quantize_rows(weight[start: start + block], layout).items():
+            for name, values in pack_rows(slice(start, start + block)).items():
                 parts[name][start // stored_rows: start // stored_rows + len(values)] = values
         return parts
 
-    def _quantize_rows(self, weight: np.ndarray, layout: str) -> dict[str, np.ndarray]:
+    def _levels(self, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Integer levels [n, padded K], scales (and minimums) [n, groups] of a block of float rows."""
         n, k = weight.shape
         groups = np.zeros((n, self.padded(k)), np.float32)
         groups[:, :k] = weight
         groups = groups.reshape(n, -1, self.group_size)
+        low = None
         if self.zero_point:
             scale, low = _fit_scale_and_min(groups, 2**self.bits - 1)
             scale, low = scale.astype(self.dtype), low.astype(self.dtype)
@@ -168,7 +189,10 @@ class QuantFormat:
         stored_scale = scale.astype(np.float32)[..., None]
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(stored_scale != 0, (groups - offset) / stored_scale, 0.0)
-        values = np.clip(np.rint(values), *levels).reshape(n, -1)
+        return np.clip(np.rint(values), *levels).reshape(n, -1), scale, low
+
+    def _pack_rows(self, values: np.ndarray, scale: np.ndarray, low: np.ndarray | None,
+                   layout: str) -> dict[str, np.ndarray]:
         if layout == INTERLEAVED:
             return self._pack_interleaved(values, scale)
         parts = {"packed": self._pack(values), "scale": scale}
