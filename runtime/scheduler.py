@@ -3,7 +3,13 @@
 Requests join and leave between steps. Each step prefills at most one chunk of the
 oldest prompt still being read, then decodes every request that has a token to feed
 in ONE batched `Engine.decode` call, so a long prompt holds running streams back by
-one chunk at most. A request is admitted (given a sequence) only while the KV cache
+one chunk at most. While other requests decode, that chunk is cut to what the engine
+prefills in `max_decode_stall` seconds (at its measured speed, in whole KV pages, at
+least one page): prefill costs about the same per token in any chunk of a page or more,
+so a 2,000-token prompt arriving mid-stream delays each step of the running streams by
+that bound instead of a whole compiled chunk, and its own first token comes a few
+decode steps later. With nothing decoding, prompts are read in whole compiled chunks.
+A request is admitted (given a sequence) only while the KV cache
 can hold every admitted request's prompt plus its `max_new_tokens`: the cache can
 never fill up under a running request, and the others wait in the queue, first in
 first out. A cancelled request (a client gone) leaves at the next step and its pages
@@ -18,10 +24,11 @@ wait; admission counts their pages as the engine does. When only the matched ent
 in the way, the request takes that entry's sequence over (truncated to the shared prefix).
 
 Sampling, stop tokens and stop strings are `generate.Decoding`'s, the same as a single
-`generate()`: a greedy request's text does not depend on what else runs beside it. A fork
-is the exception within float rounding: attention over shared pages is computed in a
-separate pass and merged, so a forked sequence's logits (and those of the sequence it
-was forked from, whose pages are split) can differ from a solo run's in the last bits.
+`generate()`: a greedy request's text does not depend on what else runs beside it, within
+float rounding. Two things change the last bits of logits, never more: a fork (attention
+over shared pages is computed in a separate pass and merged, for the forked sequence and
+for the one it was forked from, whose pages are split) and a prompt read in shorter chunks
+while others decode (attention over its earlier chunks is merged the same way).
 `submit` (async) and `submit_sync` hand out the events of one request.
 """
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,6 +56,8 @@ from ember.runtime.sampling import SamplingParams, TokenLogprob
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 256
+# Seconds a prompt's prefill may hold back the running streams' next decode step.
+DEFAULT_MAX_DECODE_STALL = 0.05
 # Seconds; Prometheus-style upper bounds, the last one +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -135,12 +145,16 @@ class Scheduler:
     """Serves many generation requests over one engine with continuous batching (a background thread)."""
 
     def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, max_decode_stall: float = DEFAULT_MAX_DECODE_STALL) -> None:
         if max_queue < 1:
             raise GenerationError(f"max_queue must be at least 1, got {max_queue}")
+        if not max_decode_stall >= 0:
+            raise GenerationError(f"max_decode_stall must be a number of seconds >= 0, got {max_decode_stall}")
         self.engine = engine
         self.max_queue = max_queue
         self.prefill_chunk = min(prefill_chunk or engine.prefill_chunk, engine.prefill_chunk)
+        self.max_decode_stall = max_decode_stall
+        self._prefill_seconds_per_token: float | None = None  # measured on the chunks read so far
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # oldest first; only the engine thread changes it
@@ -353,12 +367,15 @@ class Scheduler:
         reading = [request for request in live if request.prefilled < len(request.prompt_ids)]
         if reading:
             request = reading[0]
-            chunk = request.prompt_ids[request.prefilled: request.prefilled + self.prefill_chunk]
+            size = self._chunk_size(decoding=any(other.pending is not None for other in live))
+            chunk = request.prompt_ids[request.prefilled: request.prefilled + size]
+            start = time.perf_counter()
             try:
                 logits = self.engine.prefill(request.seq_id, chunk)
             except Exception as err:
                 self._end(request, "error", err)
             else:
+                self._measure_prefill(len(chunk), time.perf_counter() - start)
                 with self._cond:
                     self._prefill_tokens += len(chunk)
                     if self._prefix:
@@ -375,6 +392,27 @@ class Scheduler:
                     self._prefix.extend(request.seq_id, [token])
             for request, row in zip(batch, rows):
                 self._advance(request, row)
+
+    def _chunk_size(self, decoding: bool) -> int:
+        """Prompt tokens to prefill this step: a whole compiled chunk, or while other requests decode,
+        the whole KV pages the engine reads in `max_decode_stall` seconds (one page until it is timed)."""
+        if not decoding:
+            return self.prefill_chunk
+        page = self.engine.page_size
+        rate = self._prefill_seconds_per_token
+        if rate is None:  # not timed yet: a page, unless the stall is unbounded
+            tokens = self.prefill_chunk if math.isinf(self.max_decode_stall) else page
+        else:
+            tokens = min(self.max_decode_stall / rate, self.prefill_chunk)
+        return min(max(int(tokens) // page, 1) * page, self.prefill_chunk)
+
+    def _measure_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold one chunk's prefill time into the running seconds-per-token figure (chunks shorter than a
+        page, mostly fixed cost, would overstate it)."""
+        if tokens < self.engine.page_size:
+            return
+        rate, previous = seconds / tokens, self._prefill_seconds_per_token
+        self._prefill_seconds_per_token = rate if previous is None else (previous + rate) / 2
 
     def _advance(self, request: _Request, logits: np.ndarray) -> None:
         """Sample a request's next token from `logits` and hand out what it produced."""

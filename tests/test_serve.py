@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -423,16 +424,19 @@ def _recording_engine(artifact):
     return engine, calls
 
 
-def test_scheduler_interleaves_prefill_chunks_with_batched_decode(tiny_llama):
+@pytest.mark.parametrize("max_decode_stall", [0.0, math.inf])
+def test_scheduler_interleaves_prefill_chunks_with_batched_decode(tiny_llama, max_decode_stall):
+    """A long prompt arriving while a stream decodes is read a chunk per decode step: one KV page
+    per step when no stall is allowed, whole compiled chunks when any is."""
     engine, calls = _recording_engine(tiny_llama.artifact)
     short, long = prompt_ids(10, seed=1), prompt_ids(200, seed=2)
-    with Scheduler(engine) as scheduler:
+    with Scheduler(engine, max_decode_stall=max_decode_stall) as scheduler:
         first = scheduler.submit_sync(short, _greedy(60, stop_token_ids=()))
         events = [next(first)]  # the short request is decoding when the long one arrives
         second = scheduler.submit_sync(long, _greedy(20, stop_token_ids=()))
         events += list(first)
         tail = list(second)
-    chunk = engine.prefill_chunk
+    chunk = engine.prefill_chunk if max_decode_stall else engine.page_size
     long_chunks = [n for kind, n in calls if kind == "prefill"][1:]
     assert long_chunks == [chunk] * (200 // chunk) + [200 % chunk]
     assert not any(a[0] == b[0] == "prefill" for a, b in zip(calls, calls[1:])), calls  # decode never waits two
