@@ -4,6 +4,11 @@
 `export_library` links them into one `.so` that embeds the device modules as a
 serialized blob (`__tvm_ffi__library_bin`).
 
+A CPU target of another architecture (`--target raspberry-pi-5`, an aarch64 triple) is
+cross-linked by the GNU cross compiler for its triple (Debian's g++-aarch64-linux-gnu):
+it brings the target's C runtime and libc to link a shared library against, which
+LLVM's linker alone would need a separate sysroot for.
+
 CUDA needs one more step. The pip wheel's TVM compiler is built without the CUDA
 runtime, so its codegen keeps each CUDA module as C++ *source*, and a GPU machine
 would have to compile that when loading the library, through TVM's Python nvcc/NVRTC
@@ -20,12 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import struct
 from pathlib import Path
 
 import tvm
 from tvm.support import nvcc
 
+from ember.errors import TargetError
 from ember.targets.registry import TargetSpec
 
 log = logging.getLogger("ember")
@@ -39,11 +46,28 @@ _OCTAL = [f"\\{byte:03o}" for byte in range(256)]
 
 def build_library(mod: tvm.IRModule, target: TargetSpec, path: Path) -> None:
     """Generate code for `target` and write the loadable library to `path`."""
+    linker = cross_linker(target)
     executable = tvm.compile(mod, target.target, relax_pipeline=None)
     if target.name == "cuda":
         executable.export_library(str(path), fpack_imports=functools.partial(_pack_compiled_cuda, target=target))
+    elif linker:
+        executable.export_library(str(path), cc=linker)
     else:
         executable.export_library(str(path))
+
+
+def cross_linker(target: TargetSpec) -> str | None:
+    """The cross compiler that links a library for a CPU of another architecture (None: the host's),
+    refused with the Debian package to install when it is not on PATH."""
+    triple = target.foreign_architecture
+    if triple is None:
+        return None
+    machine = triple.split("-")[0]
+    linker = f"{machine}-linux-gnu-g++"
+    if shutil.which(linker) is None:
+        raise TargetError(f"--target: linking a library for {machine} needs the cross compiler {linker} on PATH; "
+                          f"install Debian's g++-{machine}-linux-gnu (apt-get install g++-{machine}-linux-gnu)")
+    return linker
 
 
 def _pack_compiled_cuda(module: tvm.runtime.Module, is_system_lib: bool, symbol_prefix: str, workspace_dir: str,

@@ -22,7 +22,7 @@ import tvm
 
 import ember
 from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
-from ember.codegen import build_library
+from ember.codegen import build_library, cross_linker
 from ember.convert import write_params
 from ember.errors import EmberError
 from ember.frontend.hf import import_hf_model
@@ -81,9 +81,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     target = resolve_target(options.target)
     options = _with_target_defaults(options, target)
-    if target.foreign_architecture:
-        raise EmberError(f"--target: {target.foreign_architecture} is another CPU architecture than this machine's; "
-                         "ember cannot link a library for it yet: run `ember compile` on such a machine")
+    cross_linker(target)  # a missing cross toolchain is refused before any work
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if not 1 <= options.prefill_chunk <= MAX_PREFILL_CHUNK:

@@ -6,6 +6,7 @@ import json
 import math
 import mmap
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from ember.runtime.tokenizer import Tokenizer
 # TVM wraps host memory without a copy only at this alignment.
 TENSOR_ALIGNMENT = 64
 HUGE_PAGE = 2 * 2**20
+# platform.machine() spellings of the names LLVM triples use.
+_MACHINE_NAMES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
 @dataclass
@@ -45,6 +48,7 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
     """
     path = Path(path)
     manifest = read_manifest(path)
+    _check_machine(path, manifest)
     if manifest.tvm_version != tvm.__version__:
         raise ArtifactError(
             f"{path}: compiled with TVM {manifest.tvm_version}, this runtime has TVM {tvm.__version__}; "
@@ -59,6 +63,15 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
     params = _load_params(path / PARAMS_DIR, manifest, dev)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)
+
+
+def _check_machine(path: Path, manifest: Manifest) -> None:
+    """Refuse a CPU artifact linked for another architecture before dlopen would fail on it."""
+    compiled_for = manifest.target.get("arch", "") if manifest.target["name"] == "cpu" else ""
+    here = _MACHINE_NAMES.get(platform.machine().lower(), platform.machine().lower())
+    if compiled_for and compiled_for != here:
+        raise ArtifactError(f"{path}: compiled for {compiled_for}, this machine is {here}; recompile with "
+                            f"`ember compile {manifest.source} --target cpu` here, or run it on a {compiled_for} machine")
 
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:

@@ -46,6 +46,7 @@ class Hardware:
     one GPU SM, L2 of one CPU core): it sets the tile sizes of fused kernels.
     `arch` is the GPU's code-generation architecture (`sm_90a`, `gfx942`) and
     `compute_units` its SM (NVIDIA) or CU (AMD) count; both are empty where not given.
+    `llvm_target` is the TVM target a CPU board's code is compiled for (`--target NAME`), empty for the rest.
     """
 
     name: str
@@ -59,6 +60,7 @@ class Hardware:
     notes: str = ""
     arch: str = ""
     compute_units: int = 0
+    llvm_target: dict[str, Any] = dataclasses.field(default_factory=dict)  # a CPU board's `--target` (TVM JSON)
 
     def compute_dtype(self, dtype: str) -> str:
         """The data type that `dtype` work runs as here (itself, or its fallback)."""
@@ -87,12 +89,26 @@ class Hardware:
             "source": self.source,
             "notes": self.notes,
             **({"arch": self.arch, "compute_units": self.compute_units} if self.arch else {}),
+            **({"llvm_target": self.llvm_target} if self.llvm_target else {}),
         }
 
 
 def hardware_presets() -> list[str]:
     """Names of the shipped hardware presets, sorted."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def board_presets() -> dict[str, Hardware]:
+    """The CPU presets `--target` compiles for (those with an `llvm_target`), by name."""
+    boards = (_read_preset(PRESET_DIR / f"{name}.json") for name in hardware_presets())
+    return {hw.name: hw for hw in boards if hw.llvm_target}
+
+
+def board_preset(name: str) -> Hardware | None:
+    """The board preset called `name`, with or without its vendor prefix (`rk3588`), if any."""
+    boards = board_presets()
+    matches = [hw for preset, hw in boards.items() if name in (preset, preset.split("-", 1)[-1])]
+    return matches[0] if len(matches) == 1 else None
 
 
 def load_hardware(name: str) -> Hardware:
@@ -161,7 +177,15 @@ def _from_json(data: Any, origin: str) -> Hardware:
         notes=str(data.get("notes", "")),
         arch=str(data.get("arch", "")),
         compute_units=int(number("compute_units", data["compute_units"])) if "compute_units" in data else 0,
+        llvm_target=_llvm_target(data, origin),
     )
+
+
+def _llvm_target(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    target = data.get("llvm_target", {})
+    if not isinstance(target, dict) or (target and (data["kind"] != "cpu" or target.get("kind") != "llvm")):
+        raise TargetError(f"{origin}: 'llvm_target' must be a TVM target object of kind 'llvm' on a 'cpu' preset")
+    return target
 
 
 BANDWIDTH_METHOD = "threaded numpy dot of two 256 MiB float32 streams"

@@ -1,6 +1,9 @@
 """Resolve a user's `--target` string into a `TargetSpec`.
 
     cpu | host | llvm               this machine's CPU
+    raspberry-pi-5 | rk3588 | ...    an aarch64 Linux board's CPU (a preset in targets/hardware/ with an
+                                     `llvm_target`); `aarch64` is any ARMv8.2-A CPU with dotprod.
+                                     Cross-compiled: the library is linked by aarch64-linux-gnu-g++
     '{"kind": "llvm", ...}' | F.json another CPU, as a TVM target JSON (inline or a file)
     cuda                             this machine's CUDA GPU, its architecture detected
     cuda:sm_80 | cuda:sm_90a | ...   a CUDA architecture; compiles without a GPU (needs nvcc)
@@ -13,6 +16,7 @@ ROCm, Metal, WebGPU and Vulkan are refused with what is missing to build or run 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -27,7 +31,7 @@ import tvm
 from tvm.target import Target, codegen
 
 from ember.errors import TargetError
-from ember.targets.hardware import Hardware, hardware_presets, host_cores, load_hardware
+from ember.targets.hardware import Hardware, board_preset, board_presets, hardware_presets, host_cores, load_hardware
 from ember.targets.int8_dot import Int8Dot, int8_dot_of
 
 # The rest of a GPU's memory is left to the driver context, the KV cache's page
@@ -40,6 +44,9 @@ _CUDA_LIMITS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_
                 "max_shared_memory_per_block": 48 * 1024, "registers_per_block": 65536}
 # Generic host code: the machine driving the GPU is not this one.
 _HOST = {"kind": "llvm"}
+# `--target aarch64`: the oldest ARM CPUs with an int8 dot product (Cortex-A55/A75 and later), sized for 4 cores.
+GENERIC_AARCH64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic",
+                   "mattr": ["+v8.2a", "+neon", "+dotprod"], "num-cores": 4}
 TVM_FROM_SOURCE = "https://tvm.apache.org/docs/install/from_source.html"
 
 
@@ -51,8 +58,8 @@ class TargetSpec:
     tvm_target: dict[str, Any]
     num_cores: int  # CPU cores, or the GPU's SMs / compute units (0: unknown)
     vector_bits: int  # CPU SIMD width; 0 for GPUs
-    arch: str = ""  # GPU architecture, e.g. "sm_90a"
-    hardware: str = ""  # the GPU the target is sized for: a preset name or the detected device
+    arch: str = ""  # GPU architecture, e.g. "sm_90a"; a CPU's machine name ("x86_64", "aarch64")
+    hardware: str = ""  # the device the target is sized for: a preset name or the detected GPU
     memory_bytes: int = 0  # that GPU's memory (0: unknown)
 
     @property
@@ -112,6 +119,10 @@ def resolve_target(spec: str) -> TargetSpec:
     spec = spec.strip()
     if spec in ("cpu", "host", "llvm"):
         return _cpu_target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})
+    if spec == "aarch64":
+        return _cpu_target(GENERIC_AARCH64)
+    if (board := board_preset(spec)) is not None:
+        return dataclasses.replace(_cpu_target(board.llvm_target), hardware=board.name)
     if spec.startswith("{"):
         return _from_dict(_parse_json(spec, "--target"), "--target")
     if spec.endswith(".json"):
@@ -126,9 +137,10 @@ def resolve_target(spec: str) -> TargetSpec:
         return TargetSpec("opencl", {"kind": "opencl", "host": _HOST}, 0, 0)
     if kind in _REFUSALS:
         raise TargetError(f"--target {spec}: {_REFUSALS[kind]()}")
+    boards = ", ".join([*board_presets(), "aarch64"])
     raise TargetError(
-        f"--target {spec!r} is not known; use 'cpu' (this machine), 'cuda:ARCH' (e.g. cuda:sm_90a), 'cuda' "
-        "(this machine's GPU), 'opencl', or a TVM target JSON such as "
+        f"--target {spec!r} is not known; use 'cpu' (this machine), an aarch64 board ({boards}; vendor prefix "
+        "optional), 'cuda:ARCH' (e.g. cuda:sm_90a), 'cuda' (this machine's GPU), 'opencl', or a TVM target JSON such as "
         '\'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\''
     )
 
@@ -155,7 +167,8 @@ def _cpu_target(data: dict[str, Any]) -> TargetSpec:
         target = Target(data)
     except Exception as err:  # TVM raises several internal types for a bad dict
         raise TargetError(f"invalid TVM target {json.dumps(data)}: {err}") from None
-    return TargetSpec("cpu", data, int(data["num-cores"]), _vector_bits(target))
+    machine = str(target.attrs.get("mtriple") or codegen.llvm_get_system_triple()).split("-")[0]
+    return TargetSpec("cpu", data, int(data["num-cores"]), _vector_bits(target), arch=machine)
 
 
 def _vector_bits(target: Target) -> int:
@@ -163,7 +176,7 @@ def _vector_bits(target: Target) -> int:
 
     (`codegen.llvm_get_vector_width` answers for the host on x86: 512 for a Haswell
     target compiled on an AVX-512 machine.)"""
-    for features, bits in ((["avx512f"], 512), (["avx"], 256), (["sse2"], 128)):
+    for features, bits in ((["avx512f"], 512), (["avx"], 256), (["sse2"], 128), (["neon"], 128)):
         if codegen.target_has_features(features, target):
             return bits
     return int(codegen.llvm_get_vector_width(target))
