@@ -9,11 +9,11 @@ least one page): prefill costs about the same per token in any chunk of a page o
 so a 2,000-token prompt arriving mid-stream delays each step of the running streams by
 that bound instead of a whole compiled chunk, and its own first token comes a few
 decode steps later. With nothing decoding, prompts are read in whole compiled chunks.
-A request is admitted (given a sequence) only while the KV cache
-can hold every admitted request's prompt plus its `max_new_tokens`: the cache can
-never fill up under a running request, and the others wait in the queue, first in
-first out. A cancelled request (a client gone) leaves at the next step and its pages
-are freed.
+
+A request is admitted (given a sequence) only while the KV cache can hold every
+admitted request's prompt plus its `max_new_tokens`: the cache can never fill up under
+a running request, and the others wait in the queue, first in first out. A cancelled
+request (a client gone) leaves at the next step and its pages are freed.
 
 With the prefix cache (`runtime/prefix_cache.py`, on unless the model has a sliding
 window, which TVM cannot fork), a request that ended keeps its sequence as a cache entry,
