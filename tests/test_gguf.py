@@ -17,6 +17,7 @@ Until `ember.compiler` dispatches on the source itself, the fixture points
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import gguf
@@ -139,3 +140,58 @@ def test_gpt2_tokenizer_matches_llama_cpp(demo_gguf, tmp_path) -> None:
     mismatches = [(text, ours.encode(text), ids) for text, ids in zip(texts, gguf_files.tokenize(path, texts))
                   if ours.encode(text) != ids]
     assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, first: {mismatches[0]}"
+
+
+def _edit_tensor(name: str, part: int, value: object):
+    def edit(reader) -> None:
+        field = next(t.field for t in reader.tensors if t.name == name)
+        field.parts[part][...] = value
+    return edit
+
+
+def _edit_field(key: str, part: int, value: object):
+    def edit(reader) -> None:
+        reader.fields[key].parts[part][...] = value
+    return edit
+
+
+def _last_tensor_offset_past_end(reader) -> None:
+    reader.tensors[-1].field.parts[5][...] = 10**9
+
+
+# name -> (edit of the file: bytes -> bytes, or a function of a writable GGUFReader; what the error says)
+BAD_FILES = {
+    "truncated": (lambda data: data[: len(data) // 2], "past the end of the file"),
+    "truncated_header": (lambda data: data[:1000], "truncated or corrupt GGUF header"),
+    "wrong_magic": (lambda data: b"GGUX" + data[4:], "not a GGUF file"),
+    "unsupported_version": (lambda data: data[:4] + (7).to_bytes(4, "little") + data[8:], "GGUF version 7"),
+    "size_mismatch": (_edit_tensor("token_embd.weight", 3, [256, 4097]), "overlaps the bytes of tensor"),
+    "offset_past_end": (_last_tensor_offset_past_end, "past the end of the file"),
+    "unsupported_architecture": (_edit_field("general.architecture", 4, list(b"bloom")),
+                                 "general.architecture 'bloom' is not supported; supported: llama, qwen2"),
+    "unsupported_tensor_type": (_edit_tensor("blk.0.ffn_up.weight", 4, gguf.GGMLQuantizationType.IQ2_XXS.value),
+                                "type IQ2_XXS, which ember does not read; supported: F32"),
+    "wrong_metadata_type": (_edit_field("llama.block_count", 2, gguf.GGUFValueType.FLOAT32.value),
+                            "metadata 'llama.block_count' must be an integer, got float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_fails_with_one_line_and_writes_nothing(demo_gguf, tmp_path, case) -> None:
+    edit, expected = BAD_FILES[case]
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(demo_gguf["f32"], path)
+    if edit.__code__.co_varnames[:1] == ("data",):
+        path.write_bytes(edit(path.read_bytes()))
+    else:
+        reader = gguf.GGUFReader(path, "r+")
+        edit(reader)
+        reader.data.flush()
+        del reader
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(ModelError) as err:
+        patch.setattr(ember.compiler, "import_hf_model", import_model)
+        compile_model(path, out, CompileOptions(show_progress=False))
+    message = str(err.value)
+    assert message.startswith(str(path)) and "\n" not in message and expected in message, message
+    assert not out.exists()
