@@ -9,8 +9,8 @@ the way llama.cpp's tokenizer does for that model:
     llama                  BPE, merges ordered by the merged       "▁" for spaces (and before the text when
                            token's score, <0xXX> byte fallback     add_space_prefix), no splitting
 
-Tokens of type CONTROL become special added tokens (matched in text with
-`special=True`, as llama.cpp does), USER_DEFINED ones plain added tokens. BOS (EOS)
+Tokens of type CONTROL and UNKNOWN become special added tokens (llama.cpp matches
+both in text with `special=True`), USER_DEFINED ones plain added tokens. BOS (EOS)
 is added by the post-processor iff `tokenizer.ggml.add_bos_token` (`add_eos_token`).
 """
 
@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from ember.errors import ModelError
 
-CONTROL, USER_DEFINED, BYTE = 3, 4, 6  # llama.cpp's token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4  # llama.cpp's token types
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the regex llama.cpp splits with before byte-level BPE (None: GPT-2's own).
@@ -94,8 +94,8 @@ def build_tokenizer(meta, model: str) -> Tokenizer:
     else:
         raise ModelError(f"{path}: metadata 'tokenizer.ggml.model' {model!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}")
-    tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
-                          for i in range(count) if types[i] in (CONTROL, USER_DEFINED)])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] != USER_DEFINED, normalized=False)
+                          for i in range(count) if types[i] in (UNKNOWN, CONTROL, USER_DEFINED)])
     post_processor = _post_processor(meta, tokens)
     if post_processor is not None:
         tokenizer.post_processor = post_processor
@@ -107,7 +107,7 @@ def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = []
     for index, token in enumerate(tokens):
-        if types[index] not in (1, 0) or len(token) < 2:
+        if types[index] != NORMAL or len(token) < 2:
             continue
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]

@@ -159,3 +159,25 @@ llm = Llama({str(path)!r}, vocab_only=True, verbose=False)
 # add_bos=True lets llama.cpp add the special tokens its vocabulary asks for (add_bos_token / add_eos_token).
 print(json.dumps([llm.tokenize(t.encode(), add_bos=True, special=True) for t in {texts!r}]))
 """))
+
+
+def sentencepiece_model(model_type: str, vocab_size: int = 1000) -> Path:
+    """A random tiny `model_type` checkpoint whose tokenizer is a SentencePiece BPE model (byte fallback)
+    trained on the demo model's validation text, converted by llama.cpp (tokenizer.ggml.model "llama")."""
+    import sentencepiece
+
+    import models
+    from ember import DEMO_MODEL_DIR
+
+    model_dir = CACHE / f"sentencepiece-{model_type}-{vocab_size}"
+    if not (model_dir / "tokenizer.model").exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        config = models.make_config(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
+        model = models.random_model(config)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(Path(DEMO_MODEL_DIR) / "validation.txt"), model_prefix=str(model_dir / "partial"),
+            model_type="bpe", vocab_size=vocab_size, byte_fallback=True, character_coverage=1.0,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        os.replace(model_dir / "partial.model", model_dir / "tokenizer.model")
+    return convert(model_dir, "f32")

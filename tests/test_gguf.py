@@ -132,14 +132,37 @@ def tokenizer_texts(special: list[str]) -> list[str]:
     return texts
 
 
-def test_gpt2_tokenizer_matches_llama_cpp(demo_gguf, tmp_path) -> None:
-    path = demo_gguf["f32"]
+@pytest.fixture(scope="module")
+def sentencepiece_gguf() -> dict[str, Path]:
+    """Random tiny llama and qwen2 models with a SentencePiece tokenizer, converted by llama.cpp."""
+    return {model_type: gguf_files.sentencepiece_model(model_type) for model_type in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("tokenizer_model", ["gpt2", "llama"])
+def test_tokenizer_matches_llama_cpp(demo_gguf, sentencepiece_gguf, tmp_path, tokenizer_model) -> None:
+    """200 strings tokenize as llama.cpp tokenizes them: byte-level BPE (demo) and SentencePiece BPE."""
+    path = demo_gguf["f32"] if tokenizer_model == "gpt2" else sentencepiece_gguf["llama"]
     write_tokenizer_files(Metadata(open_gguf(path), path), tmp_path)
     ours = Tokenizer.from_dir(tmp_path)
     texts = tokenizer_texts(["<s>", "</s>", "<unk>", "<pad>"])
     mismatches = [(text, ours.encode(text), ids) for text, ids in zip(texts, gguf_files.tokenize(path, texts))
                   if ours.encode(text) != ids]
     assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, first: {mismatches[0]}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_random_model_logits_match_llama_cpp(sentencepiece_gguf, tmp_path, model_type) -> None:
+    """GQA q/k un-permutation (llama) and biased q/k/v (qwen2) on random weights, F32."""
+    path = sentencepiece_gguf[model_type]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ember.compiler, "import_hf_model", import_model)
+        compile_model(path, tmp_path / "out", CompileOptions(quantization="q0f32", max_batch=1, show_progress=False))
+    engine = Engine(load_artifact(tmp_path / "out"))
+    ids = [1] + np.random.default_rng(0).integers(3, 1000, 31).tolist()
+    ours = engine.prefill(engine.add_sequence(), ids, all_logits=True)
+    theirs = gguf_files.logits(path, ids)
+    error = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    assert error <= 1e-3, f"{model_type}: relative logit error {error:.3g}"
 
 
 def _edit_tensor(name: str, part: int, value: object):
