@@ -33,6 +33,8 @@ examples:
   ember chat demo-cpu
   ember compile path/to/hf-llama -o llama-cpu --target cpu --memory-budget 8GB
   ember compile path/to/hf-llama -o llama-h100 --target cuda:sm_90a   (no GPU needed here)
+  ember compile demo -o demo-pi5 --target raspberry-pi-5   (aarch64, needs g++-aarch64-linux-gnu)
+  ember package demo-pi5 -o demo-pi5-board      what to copy to the board (see README)
   ember inspect llama-cpu
   ember compile demo --quant q4f32 -o demo-q4    4-bit weights (see `ember compile --help`)
   ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-cpu
@@ -102,7 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("model", help="checkpoint directory, or `demo` for the bundled demo model")
     compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     compile_.add_argument("--target", default="cpu",
-                          help="`cpu` (this machine, default), a TVM target JSON object or file for another CPU, "
+                          help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
+                               "jetson-orin-cpu, graviton3, or `aarch64` for any ARMv8.2-A CPU with dotprod; "
+                               "cross-linked with aarch64-linux-gnu-g++), a TVM target JSON object or file for another CPU, "
                                'e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\', '
                                "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
                                "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
@@ -184,6 +188,15 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true", help="print the raw manifest")
     inspect.set_defaults(run=_run_inspect)
+
+    package = commands.add_parser(
+        "package", help="gather an artifact and the runtime to copy to a device",
+        description="Write DIR with the artifact (DIR/artifact), ember's runtime package (DIR/ember) and "
+                    "requirements-runtime.txt: on the device, pip install -r DIR/requirements-runtime.txt and run "
+                    "with PYTHONPATH=DIR TVM_USE_RUNTIME_LIB=1 (no compiler, torch or transformers needed).")
+    package.add_argument("artifact", type=Path)
+    package.add_argument("-o", "--output", required=True, type=Path, help="new directory to write")
+    package.set_defaults(run=_run_package)
 
     for name, helptext in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
         sub = commands.add_parser(name, help=helptext)
@@ -291,6 +304,13 @@ def _run_tune(args: argparse.Namespace) -> int:
                           max_batch=args.max_batch, float_activations=args.float_activations)
     report = tune_model(model, options)
     print(f"tuned {len(report)} kernels into {args.db}")
+    return 0
+
+
+def _run_package(args: argparse.Namespace) -> int:
+    from ember.package import package_artifact
+
+    print(f"packaged {args.artifact} -> {package_artifact(args.artifact, args.output)}")
     return 0
 
 

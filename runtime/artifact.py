@@ -71,7 +71,7 @@ def _check_machine(path: Path, manifest: Manifest) -> None:
     here = _MACHINE_NAMES.get(platform.machine().lower(), platform.machine().lower())
     if compiled_for and compiled_for != here:
         raise ArtifactError(f"{path}: compiled for {compiled_for}, this machine is {here}; recompile with "
-                            f"`ember compile {manifest.source} --target cpu` here, or run it on a {compiled_for} machine")
+                            f"`ember compile {manifest.source} --target cpu` here, or run it on the {compiled_for} device")
 
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:

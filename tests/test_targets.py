@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import tvm
+from tvm.target import codegen
 
 from ember.errors import TargetError
 from ember.targets import registry
@@ -61,7 +62,7 @@ def test_cpu_and_opencl_defaults():
 def test_every_nvidia_preset_has_an_arch_and_sm_count():
     for name in hardware_presets():
         hardware = load_hardware(name)
-        if name.startswith("nvidia-"):
+        if name.startswith("nvidia-") and hardware.kind == "gpu":
             assert hardware.arch.startswith("sm_") and hardware.compute_units > 0, name
             assert load_hardware(name).to_json()["arch"] == hardware.arch
 
@@ -106,15 +107,45 @@ def test_bad_targets_are_refused_with_the_reason(spec: str, message: str) -> Non
         resolve_target(spec)
 
 
-def test_compile_refuses_another_architecture_before_any_work(tmp_path) -> None:
-    """The README's aarch64 target JSON ended in a traceback from the host linker; until ember
-    cross-links, it is one line naming the triple, before the model is read (the path is bogus)."""
+def test_cross_compile_without_the_toolchain_names_the_package(tmp_path, monkeypatch) -> None:
+    """An aarch64 target links with aarch64-linux-gnu-g++; without it on PATH, compile says which Debian
+    package to install, before the model is read (the path is bogus) and without writing anything."""
     from ember.compiler import CompileOptions, compile_model
-    from ember.errors import EmberError
 
+    monkeypatch.setenv("PATH", str(tmp_path))
     target = '{"kind": "llvm", "mcpu": "cortex-a76", "mtriple": "aarch64-linux-gnu"}'
-    with pytest.raises(EmberError, match=r"^--target: aarch64-linux-gnu is another CPU architecture"):
+    with pytest.raises(TargetError, match=r"aarch64-linux-gnu-g\+\+ on PATH; install Debian's g\+\+-aarch64-linux-gnu"):
         compile_model(tmp_path / "no-model", tmp_path / "out", CompileOptions(target=target))
     assert list(tmp_path.iterdir()) == []
     assert resolve_target(target).foreign_architecture == "aarch64-linux-gnu"
     assert resolve_target("cpu").foreign_architecture is None
+
+
+BOARDS = {"raspberry-pi-5": ("cortex-a76", {"+neon", "+dotprod"}, 4),
+          "rk3588": ("cortex-a76", {"+neon", "+dotprod"}, 4),
+          "jetson-orin-cpu": ("cortex-a78ae", {"+neon", "+dotprod"}, 12),
+          "graviton3": ("neoverse-v1", {"+neon", "+dotprod", "+sve", "+i8mm", "+bf16"}, 64),
+          "aarch64": ("generic", {"+v8.2a", "+neon", "+dotprod"}, 4)}
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_board_presets_target_their_aarch64_cpu(name) -> None:
+    mcpu, mattr, cores = BOARDS[name]
+    spec = resolve_target(name)
+    assert spec.tvm_target["mtriple"] == "aarch64-linux-gnu" and spec.tvm_target["mcpu"] == mcpu
+    assert set(spec.tvm_target["mattr"]) == mattr and spec.num_cores == cores
+    assert spec.arch == "aarch64" and spec.vector_bits == 128  # NEON width: TVM emits fixed-width vectors
+    assert codegen.target_has_features(["dotprod"], spec.target)
+
+
+@pytest.mark.parametrize("name", [n for n in BOARDS if n != "aarch64"])
+def test_board_presets_feed_analyze(name) -> None:
+    hardware = load_hardware(name)
+    assert hardware.kind == "cpu" and hardware.source.startswith("https://")
+    assert hardware.peak("int8") == 4 * hardware.peak("fp32")  # SDOT: four int8 products per fp32 lane
+    assert resolve_target(name).hardware == hardware.name
+
+
+def test_unknown_board_lists_the_presets() -> None:
+    with pytest.raises(TargetError, match=r"'raspberry-pi-9' is not known.*raspberry-pi-5.*rockchip-rk3588.*aarch64"):
+        resolve_target("raspberry-pi-9")
