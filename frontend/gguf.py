@@ -244,10 +244,23 @@ class GGUFWeights:
         parts["levels"] = levels.reshape(n, -1)
         return {key: self._unpermute(name, value) for key, value in parts.items()}
 
-    def conversion_error(self, name: str, requantized: np.ndarray) -> float:
-        """Relative RMS difference between the file's values of `name` and `requantized`."""
-        original = self.load(name)
-        return float(np.sqrt(np.mean((original - requantized) ** 2) / max(np.mean(original**2), 1e-30)))
+    def conversion_report(self, fmt, quantized_names: set[str]) -> dict[str, dict[str, Any]]:
+        """Per tensor: its GGUF type and what ember stores (`fmt` for `quantized_names`, else float), with
+        "kept" (the file's values unchanged) or "converted" and the relative RMS weight error of re-quantizing.
+        For the manifest and the compile-time print of what a K-quant file loses."""
+        report = {}
+        for name, record in sorted(self.records.items()):
+            entry = {"gguf_type": record.type_name, "stored_as": fmt.name if name in quantized_names else "float"}
+            if name not in quantized_names or self.stored_quantization(name, fmt.bits, fmt.zero_point) is not None:
+                entry["conversion"] = "kept"
+            else:
+                original = self.load(name)
+                shape = original.reshape(original.shape[0], -1)
+                requantized = fmt.dequantize(fmt.quantize(shape), shape.shape[1]).astype(np.float32)
+                error = np.sqrt(np.mean((requantized - shape) ** 2) / max(float(np.mean(shape**2)), 1e-30))
+                entry.update(conversion="converted", relative_rms_error=float(error))
+            report[name] = entry
+        return report
 
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each GGUF type the model reads."""
@@ -348,8 +361,15 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32", workdir: Path | None = None):
-    """Build the Relax IRModule for the GGUF file at `path` (tokenizer files written under `workdir`)."""
+def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32",
+                      workdir: Path | None = None):
+    """Build the Relax IRModule for the GGUF file at `path`.
+
+    Its tokenizer files are written into `workdir` (the compile's staging directory); without one,
+    into a temporary directory removed when the process exits.
+    """
+    import atexit
+    import shutil
     import tempfile
 
     from ember.frontend.gguf_tokenizer import write_tokenizer_files
@@ -359,7 +379,9 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
     reader = open_gguf(path)
     config, _ = gguf_config(reader, path)
     weights = GGUFWeights(path, reader, config)
-    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ember-gguf-"))
+    if workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
+        atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     tokenizer_files = write_tokenizer_files(Metadata(reader, path), workdir)
     _check_tokenizer_files(tokenizer_files, config)
     mod, shapes = build_module(config, target, model_dtype)

@@ -38,7 +38,7 @@ from ember.runtime.tokenizer import Tokenizer
 
 PROMPT_LEN, NEW_TOKENS = 64, 32
 # file type -> (ember --quant, relative logit tolerance); see the module docstring.
-CASES = {"f32": ("q0f32", 1e-3), "Q8_0": ("q8f32", 1e-2), "Q4_0": ("q4f32", 1e-2), "Q4_1": ("q4f32_zp", 2e-2),
+CASES = {"f32": ("q0f32", 1e-3), "f16": ("q0f32", 1e-3), "Q8_0": ("q8f32", 1e-2), "Q4_0": ("q4f32", 1e-2), "Q4_1": ("q4f32_zp", 2e-2),
          "Q4_K_M": ("q4f32_zp", 5e-2)}
 STORED = {"Q8_0": "q8f32", "Q4_0": "q4f32", "Q4_1": "q4f32_zp"}
 
@@ -46,8 +46,8 @@ STORED = {"Q8_0": "q8f32", "Q4_0": "q4f32", "Q4_1": "q4f32_zp"}
 @pytest.fixture(scope="module")
 def demo_gguf() -> dict[str, Path]:
     """The demo model as llama.cpp writes it (F32), and quantized by llama.cpp."""
-    f32 = gguf_files.convert(Path(DEMO_MODEL_DIR), "f32", pre="gpt-2")
-    return {"f32": f32, **{t: gguf_files.quantize(f32, t) for t in CASES if t != "f32"}}
+    f32, f16 = (gguf_files.convert(Path(DEMO_MODEL_DIR), outtype, pre="gpt-2") for outtype in ("f32", "f16"))
+    return {"f32": f32, "f16": f16, **{t: gguf_files.quantize(f32, t) for t in CASES if t not in ("f32", "f16")}}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_logits_match_llama_cpp(demo_gguf, compiled, file_type) -> None:
     assert error <= CASES[file_type][1], f"{file_type}: relative logit error {error:.3g}"
 
 
-@pytest.mark.parametrize("file_type", ["f32", "Q8_0"])
+@pytest.mark.parametrize("file_type", ["f32", "f16", "Q8_0"])
 def test_greedy_continuation_matches_llama_cpp(demo_gguf, compiled, file_type) -> None:
     engine = compiled(file_type)
     ids = prompt()[:16]
@@ -115,6 +115,19 @@ def test_stored_blocks_are_kept_bit_for_bit(demo_gguf, file_type) -> None:
         np.testing.assert_array_equal(fmt.dequantize(parts, record.shape[1]), weights.load(name), err_msg=name)
         checked += 1
     assert checked >= 42
+
+
+def test_k_quant_conversion_is_measured(demo_gguf) -> None:
+    """Q4_K_M: its Q8_0 tensors are kept under q8f32, the K-quants converted with their weight error measured."""
+    path = demo_gguf["Q4_K_M"]
+    reader = open_gguf(path)
+    weights = GGUFWeights(path, reader, gguf_config(reader, path)[0])
+    matrices = {name for name, record in weights.records.items() if len(record.shape) == 2}
+    report = weights.conversion_report(FORMATS["q8f32"], matrices)
+    kinds = {(entry["gguf_type"], entry["conversion"]) for entry in report.values()}
+    assert {("Q8_0", "kept"), ("Q4_K", "converted"), ("Q6_K", "converted"), ("F32", "kept")} <= kinds
+    errors = [entry["relative_rms_error"] for entry in report.values() if entry["conversion"] == "converted"]
+    assert 0 < max(errors) < 0.02  # int8 re-quantization of 4-6 bit values: measured 0.55%
 
 
 def tokenizer_texts(special: list[str]) -> list[str]:
