@@ -4,53 +4,43 @@ Matches a PrimFunc with exactly one reduction block whose two inputs are both
 indexed last by the reduction variable (a row-major weight read along its rows,
 as `FuseTransposeMatmul` produces for every projection), any number of leading
 spatial axes folded into m (batch x sequence), and optional elementwise epilogues
-(bias, residual add). Decode (m = batch, at most FEW_ROWS) makes it a GEMV, prefill
-(m = tokens) a GEMM.
+(bias, residual add). Decode (m = batch) makes it a GEMV, prefill (m = tokens) a GEMM.
 
-GEMM, per block of `rows` weight rows (two vectors' worth):
+Schedule, per block of `rows` weight rows (8, or 4 where 8 rows overflow L1; 1 for
+weights unpacked in a GEMV):
 
-    parallel n_o                        # weight row blocks across cores
-      Wt[k, n_i] = W[n, k]              # the block transposed once (k-major, in L1/L2)
-      for m_o                           # every tile of m_tile tokens reuses it
-        acc[m_tile, rows] = 0           # registers
-        for k
-          unroll m_i in m_tile
-            vectors n_i in rows:        acc[m_i, n_i] += broadcast(A[m, k]) * Wt[k, n_i]   (FMA)
-        C[m, n] = acc (+ epilogue)      # whole vectors along n, once per tile
-
-Why: both inputs are contiguous along k, so a tile that vectorizes n needs the weight
-transposed; done per row block inside the kernel (once per block, reused by all m
-tokens, about 1/m of the FMA work), it turns the inner loop into one vector load per
-`lanes` outputs, m_tile broadcasts and m_tile x rows/lanes independent FMAs, with no
-horizontal sums (1.35-1.5x the former k-vectorized tile on Zen 3 at m = 128).
-
-GEMV, per block of `rows` weight rows (and a GEMM whose n fills no vector):
-
-    parallel n_o
-      for m                             # every sequence reuses the rows from L1
-        acc[rows, lanes] = 0            # rfactor of k by `lanes`: register tile
+    parallel n_o                    # weight row blocks across cores
+      for m                         # every token/sequence reuses the rows from L1
+        acc[rows, lanes] = 0        # rfactor of k by `lanes`: register tile
         for k_o
           unroll n_i in rows
-            unroll vectors in lanes     # `lanes` may span several vectors: independent chains
-              vector k_i:               acc[n_i, k_i] += A[m, k] * W[n, k]   (FMA)
-        C[m, n] = tree_sum(acc[n_i, :]) # halving vector adds, then the epilogue, in cache
+            unroll vectors in lanes   # `lanes` may span several vectors: independent chains
+              vector k_i:           acc[n_i, k_i] += A[m, k] * W[n, k]   (FMA)
+        C[m, n] = tree_sum(acc[n_i, :])   # halving vector adds, then the epilogue, in cache
 
 Why: the weight is the large operand and streams from memory exactly once per call
 (the rows stay in L1 while all m reuse them); the inner loop is contiguous vector
-loads and FMAs on independent accumulators, which hides FMA latency.
+loads and FMAs on independent accumulators, which hides FMA latency. The tile aims
+at CHAINS (8) such chains that share every activation load: 8 rows x one vector,
+or 4 rows x two vectors of k (GEMV) / two activation rows (GEMM, `m_tile`). That
+makes a decode batch (m = 2..8) and a prefill FMA-bound instead of load- and
+latency-bound. A GEMM over a transposed copy of each row block (outer-product tile,
+no horizontal sums) was about as fast at m = 128 on Zen 3 but copies the whole
+weight on every call, however few rows m has at run time (a prefill's one logits
+row: 4x slower than this); it needs the weight transposed at compile time to pay.
 
 Quantized weights arrive as an unpacking block (the prologue) that computes W from
-packed integers (see `ir_passes/quantize_weights.py`). In a GEMV it is inlined into
-the FMA loop: each value is unpacked in registers and used once, with vectors as
-wide as the values sharing a packed word (8 for int4: one broadcast word, eight
-shifts). In a GEMM it is computed `rows` rows at a time into a local tile under n_o
-(then transposed), so unpacking is paid once, not once per token.
+packed integers (see `ir_passes/quantize_weights.py`). In a GEMV (m bounded by
+FEW_ROWS) it is inlined into the FMA loop: each value is unpacked in registers
+and used once, with vectors as wide as the values sharing a packed word (8 for
+int4: one broadcast word, eight shifts). In a GEMM it is computed `rows` rows at
+a time into a local tile under n_o, so unpacking is paid once, not once per token.
 
 Three sizes are knobs (`MATMUL_KNOBS`): `rows` (weight rows per register tile),
-`lanes` (the vector: along k in a GEMV, where up to four vectors split k; along n,
-one vector, in a GEMM) and `m_tile` (activation rows per register tile in a GEMM).
-The rule picks defaults; tuning (`schedules/tuning.py`) samples them with
-meta_schedule and replays the best.
+`lanes` (the k split, up to four vectors) and `m_tile` (activation rows sharing each
+weight load in a GEMM: the register tile becomes m_tile x rows accumulators, which
+turns prefill from load-bound into FMA-bound). The rule picks defaults; tuning
+(`schedules/tuning.py`) samples them with meta_schedule and replays the best.
 """
 
 from __future__ import annotations
@@ -58,7 +48,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tvm import s_tir, tirx
-from tvm.tirx import IndexMap
 from tvm.runtime import DataType
 from tvm.s_tir.dlight.analysis import SBlockInfo
 from tvm.s_tir.schedule import ExprRV
@@ -68,6 +57,10 @@ from ember.schedules.common import CPURule, const_extent, extent_bound, reductio
 
 # Activations with at most this many rows (decode batches) count as a GEMV.
 FEW_ROWS = 8
+# Independent FMA chains a register tile aims for: FMA latency (4 cycles) x 2 FMA units.
+CHAINS = 8
+# Weight rows of a tile stay in L1 while every activation row reuses them (32 KiB on x86 cores).
+L1_BYTES = 32 * 1024
 
 
 # A knob's value: a Python int (rules, replayed records) or a sampled variable (tuning).
@@ -85,9 +78,8 @@ def default_knobs(_name: str, _candidates: Sequence[int], default: int) -> Knob:
 class NTMatmul(CPURule):
     """GEMV/GEMM with a row-major [N, K] weight, vectorized along K."""
 
-    def __init__(self, vector_bits: int, rows: int = 4, choose: KnobChooser = default_knobs) -> None:
+    def __init__(self, vector_bits: int, choose: KnobChooser = default_knobs) -> None:
         super().__init__(vector_bits)
-        self.rows = rows
         self.choose = choose
 
     def schedule(self, sch: s_tir.Schedule, infos: list[SBlockInfo], bounds: dict[str, int]) -> s_tir.Schedule | None:
@@ -118,29 +110,26 @@ class NTMatmul(CPURule):
             for prologue in prologues:
                 sch.compute_inline(prologue)
             prologues = []
-        if n_extent is None:
-            return None
-        n_vector = reduction_lanes(n_extent, vector_bits, dtype)
-        if not gemv and n_vector is not None and n_vector >= 4:
-            return self._schedule_gemm(sch, block, prologues, epilogues, m_loops, n, n_extent, n_vector)
         vector = reduction_lanes(k_extent, vector_bits, dtype)
-        if vector is None:
+        if n_extent is None or vector is None:
             return None
-        # Float weights in a GEMV: 8 rows x one vector of k, eight independent FMA chains that
-        # share each activation load, so a batch (m = 2..8) is bound by FMAs rather than by
-        # loads and FMA latency (Zen 3: 1.5-1.9x at m = 8, 1.1x at m = 1 on a 98 MB lm_head).
-        # Weights unpacked in registers stream one row at a time: on Zen 4, interleaving
-        # several rows' reads ran at about half the DRAM bandwidth.
-        tile = (1, 2) if unpack_inline else (8, 1) if gemv else (4, 1)
+        # Float weights: CHAINS independent FMA chains sharing each activation load (see the
+        # module docstring). Rows longer than L1 holds eight of (k = 2048) take four, and two
+        # vectors of k (GEMV) or two activation rows per weight load (GEMM) for the other four.
+        # Weights unpacked in registers (a quantized GEMV) stream one row at a time: on Zen 4,
+        # interleaving rows' reads ran at about half the DRAM bandwidth.
+        fits_l1 = [r for r in (8, 4) if r * k_extent * DataType(dtype).bits // 8 <= L1_BYTES] or [4]
+        rows = 1 if unpack_inline else fits_l1[0]
         rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0],
-                           next(r for r in (tile[0], 4, 2, 1) if n_extent % r == 0))
+                           next(r for r in (rows, 4, 2, 1) if n_extent % r == 0))
+        chains = 2 if unpack_inline else max(1, CHAINS // rows) if isinstance(rows, int) else 1
         # The k split: one or more vectors per row, each its own accumulator (hides FMA latency).
         widths = [w for w in (vector // 2, vector, 2 * vector, 4 * vector) if w >= 4 and k_extent % w == 0] or [vector]
-        lanes = self.choose("lanes", widths, tile[1] * vector if tile[1] * vector in widths else vector)
-        # A GEMM whose n fills no vector (an odd vocabulary): m_tile activation rows share each weight load.
-        m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 4, 8], 1)
+        vectors = chains if gemv else 1
+        lanes = self.choose("lanes", widths, vectors * vector if vectors * vector in widths else vector)
+        m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 4, 8], 1 if gemv else chains)
 
-        m = _fused(sch, block, m_loops)
+        m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
         n_o, n_i = sch.split(n, [None, rows])
         k_o, k_i = sch.split(k, [None, lanes])
         sch.reorder(n_o, m, k_o, n_i, k_i)
@@ -150,6 +139,7 @@ class NTMatmul(CPURule):
         # tree's depth depends on it, so tuning times plain sums and replays add the tree.
         halvings = tree_sum(sch, block) if isinstance(lanes, int) else []
         rf_n_o, rf_m, rf_k_o, rf_n_i, rf_k_i = sch.get_loops(accumulate)
+        # m_tile activation rows share each weight vector load (m_tile = 1: the loop is a unit loop).
         rf_m, rf_m_i = sch.split(rf_m, [None, m_tile])
         sch.reorder(rf_m, rf_k_o, rf_m_i, rf_n_i, rf_k_i)
         # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
@@ -171,46 +161,6 @@ class NTMatmul(CPURule):
             self._unpack_rows(sch, prologue, rf_n_o)
         return sch
 
-    def _schedule_gemm(self, sch: s_tir.Schedule, block: s_tir.SBlockRV, prologues: list[s_tir.SBlockRV],
-                       epilogues: list[s_tir.SBlockRV], m_loops: list[s_tir.LoopRV], n: s_tir.LoopRV,
-                       n_extent: int, vector: int) -> s_tir.Schedule:
-        """Many activation rows: an m_tile x (rows weight rows) outer-product tile over a transposed
-        copy of each block of weight rows (see the module docstring); `vector` divides n."""
-        widths = [vector * v for v in (1, 2, 3, 4) if n_extent % (vector * v) == 0]
-        rows = self.choose("rows", widths, 2 * vector if 2 * vector in widths else widths[-1])
-        lanes = self.choose("lanes", [vector], vector)  # one candidate, so it equals `vector` when sampled
-        m_tile = self.choose("m_tile", [2, 3, 4, 5, 6, 8], 4)
-        weight = _weight_read(sch, block)
-        m = _fused(sch, block, m_loops)
-        *_, k = sch.get_loops(block)
-        n_o, n_i = sch.split(n, [None, rows])
-        m_o, m_i = sch.split(m, [None, m_tile])
-        sch.reorder(n_o, m_o, k, m_i, n_i)
-        # The block of weight rows, k-major: a vector load reads `vector` rows' values at one k.
-        packed = sch.cache_read(block, weight, "global")
-        sch.compute_at(packed, n_o)
-        ndim = len(sch.get(packed).writes[0].region)
-        sch.transform_layout(packed, ("write", 0), IndexMap.from_func(
-            lambda *index: (*index[:-2], index[-1], index[-2]), ndim=ndim))
-        for prologue in prologues:
-            self._unpack_rows(sch, prologue, n_o)
-        # The m_tile x rows sums stay in registers through the k loop; written back once.
-        accumulator = sch.cache_write(block, 0, "global")
-        # With a symbolic m, the last tile is partial: LoopPartition peels it off, so the full
-        # tiles run without a bounds check around every FMA.
-        sch.annotate(m_o, "pragma_loop_partition_hint", 1)
-        sch.parallel(n_o)
-        for consumer in (accumulator, *epilogues):
-            sch.reverse_compute_at(consumer, m_o)
-            _vectorize_inner(sch, consumer, vector)
-        n_a, n_v = sch.split(n_i, [None, lanes])
-        sch.vectorize(n_v)
-        sch.unroll(n_a)
-        sch.unroll(m_i)
-        init = sch.decompose_reduction(block, k)
-        _vectorize_inner(sch, init, vector)
-        return sch
-
     def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
         """A GEMM's weight computed in the kernel (unpacked from integers): `rows` rows at a time,
         into cache, then reused by every row of the activation."""
@@ -222,31 +172,6 @@ class NTMatmul(CPURule):
         lanes = reduction_lanes(extent, self.vector_bits, dtype)
         if lanes is not None and lanes > 1:
             sch.vectorize(sch.split(inner, [None, lanes])[1])
-
-
-def _fused(sch: s_tir.Schedule, block: s_tir.SBlockRV, m_loops: list[s_tir.LoopRV]) -> s_tir.LoopRV:
-    """The activation rows as one loop (batch x sequence), a unit loop if there are none."""
-    return sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
-
-
-def _weight_read(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> int:
-    """Index among the block's reads of the weight: the input indexed by the output's last axis (n)."""
-    stmt = sch.get(block)
-    n_var = stmt.iter_vars[-2].var
-    return next(i for i, region in enumerate(stmt.reads)
-                if len(region.region) >= 2 and isinstance(region.region[-2].min, tirx.Var)
-                and region.region[-2].min.same_as(n_var))
-
-
-def _vectorize_inner(sch: s_tir.Schedule, block: s_tir.SBlockRV, lanes: int) -> None:
-    """Vectorize the block's innermost loop in vectors of `lanes` (unrolled if longer)."""
-    inner = sch.get_loops(block)[-1]
-    extent = const_extent(sch, inner)
-    if extent is None or extent % lanes:
-        return
-    outer, inner = sch.split(inner, [None, lanes])
-    sch.vectorize(inner)
-    sch.unroll(outer)
 
 
 def _is_nt_access(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> bool:

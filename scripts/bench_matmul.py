@@ -24,7 +24,9 @@ from tvm import te, tirx
 from ember.schedules.matmul import NTMatmul
 from ember.targets.registry import resolve_target
 
-PREFILL = [(128, 768, 768), (128, 2048, 768), (128, 768, 2048), (128, 2048, 2048), (128, 5632, 2048)]
+# Projections of a 128-token prompt (110M and 1B Llama shapes), and its one row of logits
+# (a kernel whose bound is the prefill chunk, run with m = 1).
+PREFILL = [(128, 768, 768), (128, 2048, 768), (128, 768, 2048), (128, 2048, 2048), (128, 5632, 2048), (1, 32000, 768)]
 DECODE = [(m, n, 768) for n in (768, 32000) for m in (1, 2, 4, 8)]
 
 
