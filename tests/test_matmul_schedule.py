@@ -1,8 +1,8 @@
 """The float matmul rule (`schedules/matmul.py`) against numpy, on each of its paths.
 
-Prefill shapes take the packed-weight GEMM (full and partial m tiles, an epilogue, a
-prologue that computes the weight, weight rows that fill no vector: the fallback);
-decode shapes the GEMV, with a symbolic batch of 1 to FEW_ROWS rows.
+Prefill shapes take the GEMM tile (full and partial m tiles, an epilogue, a prologue
+that computes the weight, a weight whose rows no 8- or 4-row tile divides); decode
+shapes the GEMV, with a symbolic batch of 1 to FEW_ROWS rows.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _build(n: int, k: int, prefill: bool, residual: bool, scaled: bool):
 @pytest.mark.parametrize("n,k,prefill,residual,scaled,row_counts", [
     (48, 64, True, False, False, [1, 7, 13, 64]),  # GEMM: one partial m tile, full and partial ones
     (40, 96, True, True, True, [9]),  # GEMM with a computed weight and a residual add
-    (37, 32, True, False, False, [5, 12]),  # weight rows that fill no vector: the dot-product fallback
+    (37, 32, True, False, False, [5, 12]),  # an odd number of weight rows: one-row tiles
     (64, 96, False, True, False, [1, 3, FEW_ROWS]),  # GEMV, a decode batch
 ])
 def test_matches_numpy(n, k, prefill, residual, scaled, row_counts):
