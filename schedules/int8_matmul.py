@@ -43,9 +43,9 @@ sum(q) = sum(v * q), exact in integers. A partial last tile of activation rows
 recomputes the last row instead of branching (the stores write the same values).
 
 Knobs (`INT8_KNOBS`): `tokens`, `row_blocks` and `unroll` (the word loop unrolled, or a
-loop). The best tuple depends on the level, the CPU and the shape: haswell code on this
-Zen 4 runs a 128-token q4f32 2048 x 768 projection 1.35x faster with a 2 x 1 tile unrolled
-than with the rule's 2 x 2 loop, while AVX512-VNNI code is within 3% of the rule.
+loop). The best tuple depends on the level, the CPU and the shape: AVX512-VNNI code on
+Zen 4 is within 3% of the rule, and AVX2's rule (`register_tile`) is the tile that does
+not spill on Zen 3.
 The kernel is a whole PrimFunc built from its knobs, not a schedule of a generic one, so
 `knob_space` lists every tuple it takes (tiles within a quarter of the level's vector
 registers, as each tile entry holds an int32 and a float32 accumulator and, for int4
@@ -92,35 +92,44 @@ def supports(fmt: QuantFormat, n: int, k: int) -> bool:
     return fmt.quantizes and fmt.dtype == "float32" and fmt.interleaves(n, k)
 
 
-def register_tile(vector_bits: int, many_tokens: bool) -> tuple[int, int]:
+def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) -> tuple[int, int]:
     """(activation rows, weight row blocks) of one register tile.
 
     Prefill: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (measured on
-    Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI and AVX2 have 16, so 2 x 2.
+    Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI has 16, so 2 x 2.
+    AVX2's steps hold more temporaries (the sign trick's |v| and signed q, int4's masked
+    nibbles and int16 sums): its 2 x 2 tile spilled (haswell and znver3 code: 84 stack
+    references in the q8 inner loop, 54 in q4's), so int8 takes 2 x 1 (5) and int4 1 x 4
+    (3, the masked nibbles shared by 4 blocks). Measured on Zen 3, 128 tokens, znver3 code:
+    1.7x to 1.9x 2 x 2's speed for q8, 1.6x to 2.4x for q4, on the ~110M and 1B shapes.
     Decode: one row block, streamed once."""
     if not many_tokens:
         return 1, 1
-    return (4, 2) if vector_bits >= 512 else (2, 2)
+    if vector_bits >= 512:
+        return 4, 2
+    if dot.accumulates:
+        return 2, 2
+    return (2, 1) if bits == 8 else (1, 4)
 
 
-def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int) -> list[int]:
-    """The knobs (`INT8_KNOBS`) the rule picks: `register_tile`, one row block where the blocks
-    do not divide evenly, and the word loop unrolled on VNNI only."""
-    tokens, row_blocks = register_tile(vector_bits, many_tokens)
-    if (n // INTERLEAVED_ROWS) % row_blocks:
-        row_blocks = 1
+def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[int]:
+    """The knobs (`INT8_KNOBS`) for `bits`-bit weights the rule picks: `register_tile`, with
+    the row blocks halved until they divide the weight's, and the word loop unrolled on VNNI only."""
+    tokens, row_blocks = register_tile(vector_bits, many_tokens, dot, bits)
+    while (n // INTERLEAVED_ROWS) % row_blocks:
+        row_blocks //= 2
     return [tokens, row_blocks, int(dot.accumulates)]
 
 
-def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int) -> list[list[int]]:
-    """Every knob tuple the kernel of an [n, k] weight takes, the rule's first.
+def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[list[int]]:
+    """Every knob tuple the kernel of an [n, k] weight of `bits`-bit values takes, the rule's first.
 
     Decode keeps one activation row per tile: it is tuned, and mostly run, with one sequence."""
     budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries: see the module docstring
     space = [[tokens, row_blocks, unroll] for tokens in ((1, 2, 4) if many_tokens else (1,))
              for row_blocks in (1, 2, 4) if tokens * row_blocks <= budget and (n // INTERLEAVED_ROWS) % row_blocks == 0
              for unroll in (0, 1)]
-    rule = rule_knobs(n, dot, many_tokens, vector_bits)
+    rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
     return [rule, *(knobs for knobs in space if knobs != rule)]
 
 
@@ -136,7 +145,8 @@ def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
 def kernel_knob_space(func: tirx.PrimFunc, dot: Int8Dot, vector_bits: int) -> list[list[int]] | None:
     """`knob_space` of a kernel `int8_dot_matmul` built (None for any other PrimFunc)."""
     built = built_as(func)
-    return None if built is None else knob_space(built["n"], dot, built["many_tokens"], vector_bits)
+    return None if built is None else knob_space(built["n"], dot, built["many_tokens"], vector_bits,
+                                                FORMATS[built["format"]].bits)
 
 
 def rebuild(func: tirx.PrimFunc, dot: Int8Dot, vector_bits: int, knobs: Sequence[int]) -> tirx.PrimFunc:
@@ -157,7 +167,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     rule's). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
-    space = knob_space(n, dot, many_tokens, vector_bits)
+    space = knob_space(n, dot, many_tokens, vector_bits, fmt.bits)
     knobs = space[0] if knobs is None else [int(knob) for knob in knobs]
     if knobs not in space:
         raise ValueError(f"int8 matmul knobs {dict(zip(INT8_KNOBS, knobs))} are not among {space}")

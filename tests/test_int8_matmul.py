@@ -161,8 +161,9 @@ def test_each_level_compiles_to_its_instructions(level, name):
     """Compiled, not run (any host): the assembly has the level's dot product; without VNNI, int8
     weights take the sign trick (vpsignb) and int4 groups widen once (a vpmaddwd per 8 vpmaddubsw)."""
     target = resolve_target(f'{{"kind": "llvm", "mcpu": "{LEVELS[level][0]}"}}')
-    assert int8_matmul.register_tile(target.vector_bits, many_tokens=True) == (
-        (4, 2) if level.startswith("avx512") else (2, 2))
+    bits = FORMATS[name].bits
+    assert int8_matmul.register_tile(target.vector_bits, True, target.int8_dot, bits) == (
+        (4, 2) if level.startswith("avx512") else (2, 2) if level == "avxvnni" else (2, 1) if bits == 8 else (1, 4))
     func = int8_matmul.int8_dot_matmul(FORMATS[name], 8, 128, target.int8_dot, False, target.vector_bits)
     asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
     used, unused = INSTRUCTIONS[level]
@@ -249,8 +250,8 @@ def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (3, 1))):
         x = rng.standard_normal((batch, seq, k)).astype(np.float32)
         expected[many_tokens] = (x, q8_0_activations(x) @ fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64).T)
-        space = int8_matmul.knob_space(n, target.int8_dot, many_tokens, target.vector_bits)
-        assert space[0] == int8_matmul.rule_knobs(n, target.int8_dot, many_tokens, target.vector_bits)
+        space = int8_matmul.knob_space(n, target.int8_dot, many_tokens, target.vector_bits, fmt.bits)
+        assert space[0] == int8_matmul.rule_knobs(n, target.int8_dot, many_tokens, target.vector_bits, fmt.bits)
         assert len(space) == len({tuple(knobs) for knobs in space}) >= (12 if many_tokens else 6)
         for knobs in space:
             func = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, many_tokens, target.vector_bits, knobs)
