@@ -61,12 +61,12 @@ _LAYER_NAMES = {
 
 
 def is_gguf_file(path: Path) -> bool:
-    """Whether `path` is a file that starts with the GGUF magic (or is named *.gguf)."""
+    """Whether `path` is named *.gguf (and is not a directory) or is a file that starts with the GGUF magic."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return True
     if not path.is_file():
         return False
-    if path.suffix.lower() == ".gguf":
-        return True
     with path.open("rb") as f:
         return f.read(4) == GGUF_MAGIC
 
@@ -120,6 +120,8 @@ def _check_tensor_fields(path: Path, file_size: int, data_start: int, fields: li
 def open_gguf(path: Path):
     """The checked `gguf.GGUFReader` of `path`, or a one-line `ModelError` naming what is wrong."""
     path = Path(path)
+    if not path.is_file():  # never open a FIFO or a device: a FIFO blocks open() forever
+        raise ModelError(f"{path}: not a regular file (expected a GGUF file)")
     try:
         with path.open("rb") as f:
             head = f.read(8)
