@@ -71,6 +71,17 @@ class RecipeEvaluator:
         return None
 
 
+def quantized_sources(recipes: dict[str, dict[str, Any]]) -> set[str]:
+    """Names of the checkpoint tensors that `recipes` quantize (for a GGUF file's conversion report)."""
+    def loads(recipe: dict[str, Any]) -> Iterator[str]:
+        if recipe["op"] == "load":
+            yield recipe["name"]
+        for child in recipe.get("inputs", [recipe["input"]] if "input" in recipe else []):
+            yield from loads(child)
+
+    return {name for recipe in recipes.values() if recipe["op"] == "quantize" for name in loads(recipe["input"])}
+
+
 def write_params(
     params: list[tuple[str, str]],
     recipes: dict[str, dict[str, Any]],
