@@ -264,10 +264,6 @@ class GGUFWeights:
             report[name] = entry
         return report
 
-    def type_counts(self) -> dict[str, int]:
-        """How many tensors of each GGUF type the model reads."""
-        return dict(Counter(r.type_name for r in self.records.values()))
-
     def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Llama q/k row order (pairs of RoPE channels adjacent) on row-indexed `rows`."""
         config = self._config
@@ -296,8 +292,8 @@ def _gguf_name(hf_name: str) -> str:
     return next((f"blk.{layer}.{g}" for g, h in _LAYER_NAMES.items() if h == rest), hf_name)
 
 
-def gguf_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """The model config of the file, and the Hugging Face style config dict it was validated as."""
+def gguf_config(reader, path: Path) -> ModelConfig:
+    """The model config of the file's metadata, validated as a Hugging Face config.json would be."""
     meta = Metadata(reader, path)
     arch = meta.get("general.architecture", str, required=True)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -340,7 +336,7 @@ def gguf_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
     if "rope_freqs.weight" in names:
         raise ModelError(f"{path}: Llama 3 rope scaling stored as the 'rope_freqs.weight' tensor is not supported "
                          "yet (convert the Hugging Face checkpoint instead)")
-    return parse_model_config(raw, f"{path} (metadata)"), raw
+    return parse_model_config(raw, f"{path} (metadata)")
 
 
 def default_quantization(path: Path) -> str:
@@ -379,7 +375,7 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
 
     path = Path(path)
     reader = open_gguf(path)
-    config, _ = gguf_config(reader, path)
+    config = gguf_config(reader, path)
     weights = GGUFWeights(path, reader, config)
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
@@ -397,6 +393,3 @@ def source_record(weights: GGUFWeights) -> dict[str, Any]:
     return {"format": "gguf", "file": weights.path.name, "sha256": file_sha256(weights.path),
             "tensor_types": {name: r.type_name for name, r in sorted(weights.records.items())}}
 
-
-__all__ = ["GGUFWeights", "Metadata", "default_quantization", "gguf_config", "import_gguf_model", "is_gguf_file",
-           "open_gguf", "source_record"]

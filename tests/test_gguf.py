@@ -104,7 +104,7 @@ def test_stored_blocks_are_kept_bit_for_bit(demo_gguf, file_type) -> None:
     unpacking gives exactly gguf's own dequantization of the file."""
     path = demo_gguf[file_type]
     reader = open_gguf(path)
-    weights = GGUFWeights(path, reader, gguf_config(reader, path)[0])
+    weights = GGUFWeights(path, reader, gguf_config(reader, path))
     fmt = FORMATS[STORED[file_type]]
     checked = 0
     for name, record in weights.records.items():
@@ -122,7 +122,7 @@ def test_k_quant_conversion_is_measured(demo_gguf) -> None:
     """Q4_K_M: its Q8_0 tensors are kept under q8f32, the K-quants converted with their weight error measured."""
     path = demo_gguf["Q4_K_M"]
     reader = open_gguf(path)
-    weights = GGUFWeights(path, reader, gguf_config(reader, path)[0])
+    weights = GGUFWeights(path, reader, gguf_config(reader, path))
     matrices = {name for name, record in weights.records.items() if len(record.shape) == 2}
     report = weights.conversion_report(FORMATS["q8f32"], matrices)
     kinds = {(entry["gguf_type"], entry["conversion"]) for entry in report.values()}
