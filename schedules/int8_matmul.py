@@ -1,4 +1,4 @@
-"""ember's matmul for int8/int4 weights on x86 CPUs with AVX2 and up, in integer dot products.
+"""ember's matmul for int8/int4 weights in integer dot products (x86 from AVX2, aarch64 with dotprod).
 
 The float path (`matmul.py`) unpacks every weight value to float32 and multiplies it
 with a float FMA: a shift, a mask, a convert and an FMA per value, so decode is
@@ -13,7 +13,13 @@ the one place a level is chosen):
                           lane, vpmaddwd with ones sums pairs of those into int32
                           (AVX-512 without VNNI runs the AVX2 sequence, with a larger tile)
 
-SSE4.2-only CPUs have no int8 path: the float path computes their projections.
+    i8mm (aarch64)        usdot: vpdpbusd's u8 x s8 into int32, on 128-bit registers
+    dotprod (aarch64)     sdot: s8 x s8 into int32 (int8 weights made signed again: v = stored xor 0x80)
+
+On aarch64 a block's 8 rows are two 128-bit registers of 4 rows (`Int8Dot.lanes`): the
+same weight bytes as x86, two loads and two dot products where x86 has one.
+SSE4.2-only CPUs and aarch64 without dotprod have no int8 path: the float path computes
+their projections.
 
 Weights are stored `interleaved` (see `ir_passes/quant_formats.py`): one 256-bit load
 holds 4 bytes of each of 8 weight rows. Broadcasting 4 activation bytes against it
@@ -176,20 +182,26 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     groups = k // fmt.group_size
     words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
     int4 = fmt.bits == 4
-    # int8 weights on vpmaddubsw are made signed again (the sign trick below): no offset to take out.
-    offset = 0 if fmt.bits == 8 and not dot.accumulates else 2 ** (fmt.bits - 1)
+    # int8 weights on vpmaddubsw (the sign trick below) and on sdot are made signed again: no offset to take out.
+    offset = 0 if fmt.bits == 8 and (dot.signed_weights or not dot.accumulates) else 2 ** (fmt.bits - 1)
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     quantize_loop = T.parallel if many_tokens else T.serial
     word_loop = T.unroll if unroll else T.serial
     vec = tirx.Ramp(0, 1, lanes)
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
+    # One `multiply` covers `dot.lanes` rows: a block's 8 rows are one 256-bit x86 register, two NEON ones.
+    halves = lanes // dot.lanes
+    int32s, bytes_ = f"int32x{dot.lanes}", f"int8x{4 * dot.lanes}"
+
+    def half_of(h):
+        return tirx.Ramp(h * dot.lanes, 1, dot.lanes)
 
     def u32(value):
-        return tirx.Broadcast(tirx.const(value, "uint32"), lanes)
+        return tirx.Broadcast(tirx.const(value, "uint32"), dot.lanes)
 
     def activations(xq_word):
-        return T.reinterpret("int8x32", tirx.Broadcast(xq_word, lanes))
+        return T.reinterpret(bytes_, tirx.Broadcast(xq_word, dot.lanes))
 
     def pairs(unsigned, signed):
         """int16 x 16: sums of two u8 x s8 products (vpmaddubsw)."""
@@ -202,17 +214,19 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
     int16_sums = int4 and not dot.accumulates
 
-    def word_dot(acc, packed, xq, block, m, g, w):
-        """`acc` plus the products of the group's weight word w for each of the block's 8 rows:
-        int32 x 8, or int16 x 16 pairs where `int16_sums`."""
-        word = packed[block, g * words + w, vec]
+    def word_dot(acc, packed, xq, block, m, g, w, h=0):
+        """`acc` plus the products of the group's weight word w for each of the block's rows in
+        half h: int32 x `dot.lanes`, or int16 x 16 pairs where `int16_sums`."""
+        word = packed[block, g * words + w, half_of(h)]
         steps = [(word, xq[m, g * 8 + w])]  # (weight bytes, activation word): 4 products per row
         if int4:
             steps = [(tirx.bitwise_and(word, u32(0x0F0F0F0F)), xq[m, g * 8 + w]),  # values 4w..4w+3
                      (tirx.bitwise_and(tirx.shift_right(word, u32(4)), u32(0x0F0F0F0F)), xq[m, g * 8 + 4 + w])]
         for weight, xq_word in steps:
             if dot.accumulates:
-                acc = T.call_llvm_pure_intrin("int32x8", dot.multiply, acc, T.reinterpret("int8x32", weight),
+                if dot.signed_weights and not int4:  # stored v + 128, xor 0x80: v
+                    weight = tirx.bitwise_xor(weight, u32(0x80808080))
+                acc = T.call_llvm_pure_intrin(int32s, dot.multiply, acc, T.reinterpret(bytes_, weight),
                                               activations(xq_word))
             elif int4:
                 # Nibbles 0..15 times |q| <= 127: each int16 lane sums 16 products a group, at most
@@ -288,9 +302,10 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                                                 sums[t, b, wide], packed, xq, tile_n * row_blocks + b,
                                                 T.min(tile_m * tokens + t, batch * seq - 1), g, w)
                                         else:
-                                            dots[t, b, vec] = word_dot(
-                                                dots[t, b, vec], packed, xq, tile_n * row_blocks + b,
-                                                T.min(tile_m * tokens + t, batch * seq - 1), g, w)
+                                            for h in T.unroll(halves):
+                                                dots[t, b, half_of(h)] = word_dot(
+                                                    dots[t, b, half_of(h)], packed, xq, tile_n * row_blocks + b,
+                                                    T.min(tile_m * tokens + t, batch * seq - 1), g, w, h)
                             for t in T.unroll(tokens):
                                 for b in T.unroll(row_blocks):
                                     if int16_sums:

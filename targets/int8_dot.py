@@ -1,5 +1,8 @@
 """The integer dot product a CPU target's quantized projections are built on, chosen in one place.
 
+x86 from AVX2 up and aarch64 with the dot-product extension have one (see `_INT8_DOTS`);
+other CPUs take the float path.
+
 `schedules/int8_matmul.py` emits whichever instruction sequence `int8_dot_of` picks from the
 target's LLVM features; every other module asks `TargetSpec.int8_dot`.
 """
@@ -13,23 +16,27 @@ from tvm.target import Target, codegen
 
 @dataclass(frozen=True)
 class Int8Dot:
-    """A CPU's dot product of unsigned by signed bytes on 256-bit registers, as the int8 matmul emits it.
+    """A CPU's dot product of bytes, 4 products into each int32 lane, as the int8 matmul emits it.
 
     VNNI levels have one instruction that adds four u8 x s8 products into each int32 lane
     (`vpdpbusd`). Without VNNI, `vpmaddubsw` adds two products into a saturating int16
     and `vpmaddwd` with ones sums those pairs into int32, as llama.cpp's AVX2 kernels do;
     `sign` (`vpsignb`) moves a sign from one operand onto the other so that the unsigned
     operand can be a magnitude (see `schedules/int8_matmul.py` for why no sum saturates).
+    aarch64's `sdot` (dotprod) multiplies s8 x s8, `usdot` (i8mm) u8 x s8 as `vpdpbusd`
+    does, on 128-bit registers: half of an interleaved 8-row block each.
     """
 
-    level: str  # the ISA level, as reports name it: "avx512vnni", "avxvnni", "avx512", "avx2"
-    multiply: str  # LLVM intrinsic: u8 x s8 -> int32 sums of 4 (vpdpbusd), or int16 sums of 2 (vpmaddubsw)
+    level: str  # the ISA level, as reports name it: "avx512vnni", "avxvnni", "avx512", "avx2", "i8mm", "dotprod"
+    multiply: str  # LLVM intrinsic: byte products -> int32 sums of 4 (vpdpbusd, sdot), or int16 sums of 2 (vpmaddubsw)
     widen: str = ""  # LLVM intrinsic: int16 pairs -> int32 (vpmaddwd); empty when `multiply` gives int32
     sign: str = ""  # LLVM intrinsic: a byte negated where another is negative, zeroed where it is zero
+    lanes: int = 8  # int32 lanes of one `multiply`: 8 on 256-bit x86 registers, 4 on 128-bit NEON ones
+    signed_weights: bool = False  # `multiply` takes the weight bytes signed (sdot: s8 x s8)
 
     @property
     def accumulates(self) -> bool:
-        """Whether `multiply` adds into an int32 accumulator itself (VNNI)."""
+        """Whether `multiply` adds into an int32 accumulator itself (VNNI, sdot, usdot)."""
         return not self.widen
 
 
@@ -38,11 +45,15 @@ _PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd
 # The first level whose CPU features a target has is its int8 dot product. AVX-512 without
 # VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a larger tile):
 # a 512-bit form would need blocks of 16 rows in the weight layout for the same shuffle-free loads.
+# On aarch64, i8mm's usdot is vpdpbusd's u8 x s8 (the same offsets); dotprod's sdot needs int8
+# weights made signed again. Both read the same interleaved bytes as x86, 4 rows per register.
 _INT8_DOTS = (
     (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", **_VNNI)),
     (("avxvnni",), Int8Dot("avxvnni", **_VNNI)),
     (("avx512bw", "avx512vl"), Int8Dot("avx512", **_PAIRS)),
     (("avx2",), Int8Dot("avx2", **_PAIRS)),
+    (("i8mm",), Int8Dot("i8mm", multiply="llvm.aarch64.neon.usdot", lanes=4)),
+    (("dotprod",), Int8Dot("dotprod", multiply="llvm.aarch64.neon.sdot", lanes=4, signed_weights=True)),
 )
 
 
