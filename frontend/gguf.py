@@ -194,7 +194,7 @@ class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, read lazily (as `CheckpointWeights`)."""
 
     def __init__(self, path: Path, reader, config: ModelConfig) -> None:
-        self.path, self.model_dir = Path(path), Path(path)
+        self.path = Path(path)
         self._reader, self._config = reader, config
         self._tensors = {}
         self.records: dict[str, GGUFTensor] = {}
