@@ -1,0 +1,143 @@
+"""Edge deployment (issue #18): the demo model cross-compiled on this x86 machine for aarch64 boards runs under
+emulation with ember's runtime alone, and computes what the x86 artifact of the same format computes.
+
+scripts/setup_arm64.sh builds (once, cached) an arm64 Debian Python with the runtime's aarch64 wheels, run by
+`qemu-aarch64-static -cpu max` (every ARMv8/v9 feature, dotprod and i8mm included); the tests skip when it
+cannot be set up here (exit 3). Each artifact is compiled once, and one emulated process runs all of them
+(importing TVM under emulation takes ~20 s), from the directory `ember package` writes, with
+TVM_USE_RUNTIME_LIB=1 and no ember compiler, torch or transformers on its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import ember
+from ember.compiler import CompileOptions, compile_model
+from ember.errors import ArtifactError
+from ember.manifest import LIBRARY_NAME, read_manifest
+from ember.package import package_artifact
+from ember.runtime import load_artifact
+from ember.targets.registry import resolve_target
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).with_name("edge_run.py")
+PROMPT_TOKENS, NEW_TOKENS = 64, 32
+LOGITS_TOLERANCE = 1e-4  # absolute (logits reach ~17): same arithmetic on both machines, only the order of sums differs
+# With int8 activations (each row rounded per group of 32, as llama.cpp's Q8_0) a float-order difference in a
+# group's scale can move one activation across a rounding step: a larger, rare difference. Not yet measured
+# (the ARM int8 kernels are still to come), so set loosely; greedy tokens must still be identical.
+INT8_ACTIVATION_LOGITS_TOLERANCE = 1e-2
+ELF_MACHINE_AARCH64 = 183
+# (name, --target, --quant): the aarch64 builds, each checked against the x86 build of its format.
+ARM_BUILDS = [("aarch64-q0f32", "aarch64", "q0f32"), ("pi5-q0f32", "raspberry-pi-5", "q0f32"),
+              ("pi5-q8f32", "raspberry-pi-5", "q8f32"), ("pi5-q4f32", "raspberry-pi-5", "q4f32")]
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="cross-compiles from x86_64")
+
+
+@pytest.fixture(scope="module")
+def arm64_python() -> list[str]:
+    """The command prefix that runs the emulated aarch64 Python (setting it up the first time)."""
+    setup = subprocess.run(["bash", str(REPO / "scripts" / "setup_arm64.sh")], capture_output=True, text=True)
+    if setup.returncode == 3:
+        pytest.skip(setup.stderr.strip())
+    assert setup.returncode == 0, setup.stderr
+    return setup.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    """64 tokens of the demo model's validation text, tokenized by Hugging Face's tokenizers."""
+    tokenizer = Tokenizer.from_file(str(ember.DEMO_MODEL_DIR / "tokenizer.json"))
+    ids = tokenizer.encode((ember.DEMO_MODEL_DIR / "validation.txt").read_text(encoding="utf-8")).ids
+    return ids[:PROMPT_TOKENS]
+
+
+def _x86_twin(quant: str, activations: str) -> str:
+    return f"x86-{quant}-{activations}"
+
+
+@pytest.fixture(scope="module")
+def builds(arm64_python, tmp_path_factory) -> dict[str, Path]:
+    """Every artifact: the ARM builds, and an x86 build of each of their formats with the same activations
+    (int8 where the ARM target has an int8 dot-product kernel, float where it does not)."""
+    root = tmp_path_factory.mktemp("edge")
+    built = {}
+    for name, target, quant in ARM_BUILDS:
+        built[name] = compile_model(ember.DEMO_MODEL_DIR, root / name, CompileOptions(
+            target=target, quantization=quant, show_progress=False)).manifest.activations
+    for quant, activations in sorted({(quant, built[name]) for name, _, quant in ARM_BUILDS}):
+        compile_model(ember.DEMO_MODEL_DIR, root / _x86_twin(quant, activations), CompileOptions(
+            quantization=quant, float_activations=activations == "float", show_progress=False))
+    return {path.name: path for path in root.iterdir()}
+
+
+def _run(python: list[str], env: dict[str, str], prompt: list[int], artifacts: list[Path], out: Path) -> dict:
+    out.mkdir()
+    subprocess.run([*python, str(RUNNER), json.dumps(prompt), str(NEW_TOKENS), str(out), *map(str, artifacts)],
+                   env={**os.environ, **env}, check=True, timeout=900)
+    return {a.name: (np.load(out / f"{a.name}.npy"), json.loads((out / f"{a.name}.json").read_text()))
+            for a in artifacts}
+
+
+@pytest.fixture(scope="module")
+def results(arm64_python, builds, prompt, tmp_path_factory) -> dict[str, tuple[np.ndarray, dict]]:
+    """Logits and greedy tokens of every build: the ARM ones under qemu from a package, the x86 ones here."""
+    root = tmp_path_factory.mktemp("edge-run")
+    first, *others = [name for name, _, _ in ARM_BUILDS]
+    board = package_artifact(builds[first], root / "board")
+    arm = _run(arm64_python, {"PYTHONPATH": str(board), "TVM_USE_RUNTIME_LIB": "1"}, prompt,
+               [board / "artifact", *(builds[name] for name in others)], root / "arm")
+    arm[first] = arm.pop("artifact")
+    x86 = _run([sys.executable], {}, prompt, [p for n, p in sorted(builds.items()) if n.startswith("x86-")], root / "x86")
+    return {**arm, **x86}
+
+
+def test_arm_library_is_aarch64_and_recorded(builds) -> None:
+    for name, _, _ in ARM_BUILDS:
+        header = (builds[name] / LIBRARY_NAME).read_bytes()[:20]
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == ELF_MACHINE_AARCH64, name
+        assert json.loads((builds[name] / "manifest.json").read_text())["target"]["arch"] == "aarch64"
+
+
+def test_runtime_alone_runs_on_the_emulated_board(results) -> None:
+    for name, _, _ in ARM_BUILDS:
+        ran = results[name][1]
+        assert ran["machine"] == "aarch64"
+        assert ran["heavy_modules"] == [] and not ran["compiler_library_loaded"], ran
+
+
+@pytest.mark.parametrize(("name", "target", "quant"), ARM_BUILDS, ids=[b[0] for b in ARM_BUILDS])
+def test_arm_build_matches_x86(builds, results, name, target, quant) -> None:
+    activations = read_manifest(builds[name]).activations
+    logits, ran = results[name]
+    x86_logits, x86 = results[_x86_twin(quant, activations)]
+    tolerance = INT8_ACTIVATION_LOGITS_TOLERANCE if activations == "int8" else LOGITS_TOLERANCE
+    assert logits.shape == x86_logits.shape == (PROMPT_TOKENS, logits.shape[1])
+    difference = float(np.abs(logits - x86_logits).max())
+    same_tokens = ran["tokens"] == x86["tokens"]
+    assert same_tokens and difference <= tolerance, \
+        f"{activations} activations: greedy tokens {'equal' if same_tokens else 'differ'}, max |logit difference| {difference:.3g}"
+
+
+@pytest.mark.parametrize(("name", "target"), [(name, target) for name, target, quant in ARM_BUILDS if quant != "q0f32"])
+def test_quantized_arm_builds_use_the_targets_int8_dot(builds, name, target) -> None:
+    """q8f32/q4f32 round activations to int8 on an ARM target with an int8 dot product (dotprod, i8mm:
+    `targets/int8_dot.py`), and keep them in float on one without."""
+    expected = "float" if resolve_target(target).int8_dot is None else "int8"
+    assert read_manifest(builds[name]).activations == expected
+
+
+def test_aarch64_artifact_is_refused_on_x86_before_dlopen(builds) -> None:
+    with pytest.raises(ArtifactError, match=r"compiled for aarch64, this machine is x86_64"):
+        load_artifact(builds["aarch64-q0f32"])
