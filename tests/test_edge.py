@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).with_name("edge_run.py")
 PROMPT_TOKENS, NEW_TOKENS = 64, 32
 LOGITS_TOLERANCE = 1e-4  # absolute (logits reach ~17): same arithmetic on both machines, only the order of sums differs
-# With int8 activations (each row rounded per group of 32, as llama.cpp's Q8_0) a float-order difference in a
-# group's scale can move one activation across a rounding step: a larger, rare difference. Not yet measured
-# (the ARM int8 kernels are still to come), so set loosely; greedy tokens must still be identical.
-INT8_ACTIVATION_LOGITS_TOLERANCE = 1e-2
+# With int8 activations (each row rounded per group of 32, as llama.cpp's Q8_0) the first prompt row matches
+# exactly, but attention's float sums, summed in another order, move some activation of a later row across a
+# rounding step, and the next layer amplifies that: measured max |logit difference| 0.105 (q8f32) and 0.065
+# (q4f32) on logits up to ~17, greedy tokens identical. The bound leaves about 2x margin; tokens must match.
+INT8_ACTIVATION_LOGITS_TOLERANCE = 0.25
 ELF_MACHINE_AARCH64 = 183
 # (name, --target, --quant): the aarch64 builds, each checked against the x86 build of its format.
 ARM_BUILDS = [("aarch64-q0f32", "aarch64", "q0f32"), ("pi5-q0f32", "raspberry-pi-5", "q0f32"),
