@@ -99,9 +99,12 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     compile_ = commands.add_parser("compile", help="compile a model into an artifact directory",
-                                   description="Compile a Hugging Face checkpoint into a deployable artifact.",
+                                   description="Compile a Hugging Face checkpoint or a GGUF file (llama.cpp's format) "
+                                               "into a deployable artifact.",
                                    epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    compile_.add_argument("model", help="checkpoint directory, or `demo` for the bundled demo model")
+    compile_.add_argument("model", help="checkpoint directory, a .gguf file (Q8_0/Q4_0/Q4_1 weights are kept as "
+                                        "stored; K-quants are re-quantized and the error printed), or `demo` for "
+                                        "the bundled demo model")
     compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     compile_.add_argument("--target", default="cpu",
                           help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
@@ -111,7 +114,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
                                "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
     compile_.add_argument("--quant", default=None, metavar="FORMAT",
-                          help="weight format (default q0f32 on CPUs, q0f16 on GPUs): " + ", ".join(
+                          help="weight format (default: a GGUF file's own, else q0f32 on CPUs, q0f16 on GPUs): "
+                               + ", ".join(
                               f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
     compile_.add_argument("--keep-embedding", action="store_true",
                           help="leave the token embedding in the compute dtype (quantized formats only)")
@@ -119,10 +123,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           help="leave the output projection in the compute dtype (quantized formats only); "
                                "a tied embedding is kept if either flag is given")
     compile_.add_argument("--float-activations", action="store_true",
-                          help="q8f32/q4f32: keep the projections' activations in float. By default, on CPUs with an "
-                               "int8 dot product (AVX512-VNNI, AVX-VNNI), each activation row is rounded to int8 "
-                               "per group of 32, as llama.cpp does for Q8_0/Q4_0, and multiplied in integers "
-                               "(decode projections 1.2-2x, prefill projections ~4x faster than float)")
+                          help="q8f32/q4f32: keep the projections' activations in float. By default, on CPUs with "
+                               "an int8 dot product (AVX512-VNNI, AVX-VNNI, AVX2, ARM dotprod/i8mm), each activation "
+                               "row is rounded to int8 per group of 32, as llama.cpp does for Q8_0/Q4_0, and "
+                               "multiplied in integers (decode projections 1.2-2x, prefill projections ~4x faster "
+                               "than float)")
     compile_.add_argument("--prefill-chunk", type=int, default=256,
                           help="largest number of prompt tokens per prefill call (default 256)")
     compile_.add_argument("--max-batch", type=int, default=8,
@@ -326,6 +331,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         ("artifact", f"{args.artifact} (format {manifest.format_version}, ember {manifest.ember_version}, "
                      f"TVM {manifest.tvm_version})"),
         ("source", manifest.source),
+        *_source_weight_rows(manifest.source_weights),
         ("model", f"{model['model_type']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                   f"{model['num_attention_heads']} heads / {model['num_key_value_heads']} KV heads, "
                   f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}"),
@@ -347,6 +353,17 @@ def _run_inspect(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:>{width}}  {value}")
     return 0
+
+
+def _source_weight_rows(record: dict) -> list[tuple[str, str]]:
+    """`inspect` rows for a GGUF source: its hash, and what each group of its tensors became."""
+    if record["format"] != "gguf":
+        return []
+    from ember.frontend.gguf import conversion_summary
+
+    lines = conversion_summary(record.get("conversion", {}))
+    return [("GGUF file", f"{record.get('file')} (sha256 {str(record.get('sha256'))[:12]})"),
+            *(("GGUF weights" if i == 0 else "", line) for i, line in enumerate(lines))]
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -513,23 +530,24 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_dir(argument: str) -> Path:
-    """MODEL as given to compile or tune: `demo`, or a directory; a hub id or a GGUF file is told what to do."""
+    """MODEL as given to compile or tune: `demo`, a checkpoint directory or a GGUF file; a hub id is told what to do."""
+    from ember.frontend.gguf import is_gguf_file
+
     if argument == "demo":
         return DEMO_MODEL_DIR
     path = Path(argument)
-    if path.is_dir():
+    if path.is_dir() or is_gguf_file(path):
         return path
-    if path.suffix.lower() == ".gguf" and path.exists():
-        raise EmberError(f"{argument}: ember cannot read GGUF files yet; compile the model's Hugging Face "
-                         "checkpoint (a directory with config.json and safetensors weights)")
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", argument):
         local = argument.rsplit("/", 1)[1]
         raise EmberError(f"{argument}: no such directory; ember compiles a checkpoint on disk and never downloads: "
                          f"`hf download {argument} --local-dir {local}` (huggingface_hub's CLI; "
                          f"`huggingface-cli download` in older versions), then `ember compile {local} ...`")
     if not path.exists():
-        raise EmberError(f"{argument}: no such directory (expected a Hugging Face checkpoint directory, or `demo`)")
-    raise EmberError(f"{argument}: not a directory (expected a Hugging Face checkpoint directory)")
+        raise EmberError(f"{argument}: no such directory (expected a Hugging Face checkpoint directory, a GGUF "
+                         "file, or `demo`)")
+    raise EmberError(f"{argument}: not a directory or a GGUF file (expected a Hugging Face checkpoint directory "
+                     "or a .gguf file)")
 
 
 def _parse_bytes(text: str) -> int:

@@ -23,9 +23,10 @@ import tvm
 import ember
 from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.codegen import build_library, cross_linker
-from ember.convert import write_params
+from ember.convert import quantized_sources, write_params
 from ember.errors import EmberError
-from ember.frontend.hf import import_hf_model
+from ember.frontend import source as model_source
+from ember.frontend.gguf import conversion_summary
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
@@ -76,11 +77,11 @@ class CompileResult:
 
 
 def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
-    """Compile the Hugging Face checkpoint in `model_dir` into an artifact at `output_dir`."""
+    """Compile `model_dir`, a Hugging Face checkpoint directory or a GGUF file, into an artifact at `output_dir`."""
     start = time.perf_counter()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     target = resolve_target(options.target)
-    options = _with_target_defaults(options, target)
+    options = _with_defaults(options, target, model_dir)
     cross_linker(target)  # a missing cross toolchain is refused before any work
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
@@ -96,7 +97,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     with staging_dir(output_dir) as staging:
         stage = _stage_printer(options.show_progress, start)
         stage(f"importing {model_dir}")
-        imported = import_hf_model(model_dir, target.target, model_dtype)
+        imported = model_source.import_model(model_dir, target.target, model_dtype)
         config = imported.config
         prefill_chunk = min(options.prefill_chunk, config.context_window)
 
@@ -107,6 +108,9 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         with tvm_warnings_hidden():
             lowered = pipeline.lower(imported.mod, target, lower_options)
         schedules = schedule_sources(lowered)
+        source = model_source.source_record(imported, quantization, quantized_sources(get_recipes(lowered)))
+        for line in conversion_summary(source.get("conversion", {})):  # shown even with --no-progress
+            (stage if options.show_progress else log.warning)(f"GGUF weights: {line}")
         kv_bytes_per_token = (
             2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
             * tvm.runtime.DataType(model_dtype).bits // 8
@@ -129,7 +133,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
-        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir,
+        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, source,
                              activations(lowered))
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
@@ -166,11 +170,12 @@ def _memory_budget(options: CompileOptions, target: TargetSpec, memory: MemoryRe
     return budget
 
 
-def _with_target_defaults(options: CompileOptions, target: TargetSpec) -> CompileOptions:
-    """`options` with what was left to the target filled in: quantization and memory budget."""
+def _with_defaults(options: CompileOptions, target: TargetSpec, model: Path) -> CompileOptions:
+    """`options` with what was left open filled in: the quantization (a GGUF file's own, else the
+    target's) and the target's memory budget."""
     return dataclasses.replace(
         options,
-        quantization=options.quantization or target.default_quantization,
+        quantization=options.quantization or model_source.default_quantization(model, target.default_quantization),
         memory_budget=options.memory_budget or target.default_memory_budget,
     )
 
@@ -181,7 +186,7 @@ def activations(lowered: tvm.IRModule) -> str:
     return "int8" if int8_matmul.__name__ in sources else "float"
 
 
-def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, activations) -> Manifest:
+def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, source, activations) -> Manifest:
     config = imported.config
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
     # The runtime allocates the whole KV cache up front: max_batch full contexts, or
@@ -224,4 +229,5 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
         params=[name for name, _ in params],
         memory=memory.to_json(),
         source=str(model_dir.resolve()),
+        source_weights=source,
     )

@@ -38,7 +38,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ember.errors import TuningError
-from ember.frontend.hf import import_hf_model
+from ember.frontend import source as model_source
 from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS
 from ember.manifest import MANIFEST_NAME, read_manifest
@@ -106,7 +106,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     if target.is_gpu or target.tvm_target != resolve_target("cpu").tvm_target:
         raise TuningError(f"--target {options.target}: `ember tune` measures kernels on this machine, so it "
                           "tunes only for this CPU (--target cpu)")
-    quantization = options.quantization or target.default_quantization
+    quantization = options.quantization or model_source.default_quantization(model, target.default_quantization)
     if quantization not in FORMATS:
         raise TuningError(f"--quant {quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
@@ -120,7 +120,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     use_cpu_threads()
 
     fmt = FORMATS[quantization]
-    imported = import_hf_model(model, target.target, fmt.dtype)
+    imported = model_source.import_model(model, target.target, fmt.dtype)
     _progress(f"extracting kernels of {model}")
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
@@ -276,12 +276,12 @@ def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: 
 
 
 def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions]:
-    """An artifact stands for its source checkpoint, compiled with the artifact's options."""
+    """An artifact stands for its source checkpoint (directory or GGUF file), compiled with the artifact's options."""
     if not (model / MANIFEST_NAME).exists():
         return model, options
     manifest = read_manifest(model)
     source = Path(manifest.source)
-    if not source.is_dir():
+    if not (source.is_dir() or source.is_file()):
         raise TuningError(f"{model}: the artifact's source checkpoint {source} is gone; tune the checkpoint instead")
     return source, dataclasses.replace(
         options, quantization=manifest.quantization, prefill_chunk=manifest.kv_cache["prefill_chunk"],

@@ -25,14 +25,16 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tvm
 
 from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import short_repr
+
+if TYPE_CHECKING:
+    import tvm
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -386,6 +388,25 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
+
+
+def conversion_summary(report: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per (GGUF type, what ember stores, kept or converted) group of a `conversion_report`,
+    with the relative RMS weight error of converted groups: what compile prints and `inspect` shows."""
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for entry in report.values():
+        key = (entry["gguf_type"], entry["stored_as"], entry["conversion"])
+        groups.setdefault(key, []).append(entry.get("relative_rms_error", 0.0))
+    lines = []
+    for (gguf_type, stored_as, conversion), errors in sorted(groups.items()):
+        count = f"{len(errors)} tensor{'s' if len(errors) > 1 else ''}"
+        if conversion == "kept":
+            how = "kept as stored" if stored_as != "float" or gguf_type in _FLOAT_TYPES else "dequantized to float"
+            lines.append(f"{count} {gguf_type} -> {stored_as}: {how}")
+        else:
+            lines.append(f"{count} {gguf_type} -> {stored_as}: re-quantized, relative RMS weight error "
+                         f"mean {100 * np.mean(errors):.2f}%, max {100 * max(errors):.2f}%")
+    return lines
 
 
 def source_record(weights: GGUFWeights) -> dict[str, Any]:

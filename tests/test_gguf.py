@@ -11,13 +11,11 @@ Q4_K_M 5e-2 (2e-2): its Q4_K/Q5_0 tensors are re-quantized to ember's q4f32_zp
 (a conversion, not the file's bits). llama.cpp's quantizer stores the tied
 embedding/output head as Q6_K in all these files; ember has no 6-bit format, so it
 is kept float here (`keep_embedding`) with its exact dequantized values.
-
-Until `ember.compiler` dispatches on the source itself, the fixture points
-`compile_model` at `ember.frontend.source.import_model`.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -25,17 +23,16 @@ import gguf
 import numpy as np
 import pytest
 
-import ember.compiler
 import gguf_files
 from ember import DEMO_MODEL_DIR
 from ember.compiler import CompileOptions, compile_model
 from ember.errors import ModelError
 from ember.frontend.gguf import GGUFWeights, Metadata, gguf_config, open_gguf
 from ember.frontend.gguf_tokenizer import write_tokenizer_files
-from ember.frontend.source import import_model
 from ember.ir_passes.quant_formats import FORMATS
 from ember.runtime import Engine, load_artifact
 from ember.runtime.tokenizer import Tokenizer
+from helpers import run_ember
 
 PROMPT_LEN, NEW_TOKENS = 64, 32
 # file type -> (ember --quant, relative logit tolerance); see the module docstring.
@@ -61,9 +58,7 @@ def compiled(demo_gguf, tmp_path_factory):
             out = tmp_path_factory.mktemp("gguf") / file_type
             options = CompileOptions(quantization=CASES[file_type][0], keep_embedding=True, keep_lm_head=True,
                                      max_batch=1, show_progress=False)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(ember.compiler, "import_hf_model", import_model)
-                compile_model(demo_gguf[file_type], out, options)
+            compile_model(demo_gguf[file_type], out, options)
             artifacts[file_type] = load_artifact(out)
         return Engine(artifacts[file_type])
 
@@ -168,9 +163,7 @@ def test_tokenizer_matches_llama_cpp(demo_gguf, sentencepiece_gguf, tmp_path, to
 def test_random_model_logits_match_llama_cpp(sentencepiece_gguf, tmp_path, model_type) -> None:
     """GQA q/k un-permutation (llama) and biased q/k/v (qwen2) on random weights, F32."""
     path = sentencepiece_gguf[model_type]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ember.compiler, "import_hf_model", import_model)
-        compile_model(path, tmp_path / "out", CompileOptions(quantization="q0f32", max_batch=1, show_progress=False))
+    compile_model(path, tmp_path / "out", CompileOptions(quantization="q0f32", max_batch=1, show_progress=False))
     engine = Engine(load_artifact(tmp_path / "out"))
     ids = [1] + np.random.default_rng(0).integers(3, 1000, 31).tolist()
     ours = engine.prefill(engine.add_sequence(), ids, all_logits=True)
@@ -226,9 +219,35 @@ def test_bad_file_fails_with_one_line_and_writes_nothing(demo_gguf, tmp_path, ca
         reader.data.flush()
         del reader
     out = tmp_path / "out"
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(ModelError) as err:
-        patch.setattr(ember.compiler, "import_hf_model", import_model)
+    with pytest.raises(ModelError) as err:
         compile_model(path, out, CompileOptions(show_progress=False))
     message = str(err.value)
     assert message.startswith(str(path)) and "\n" not in message and expected in message, message
     assert not out.exists()
+
+
+def test_cli_compiles_inspects_and_analyzes_a_gguf_file(demo_gguf, tmp_path) -> None:
+    """`ember compile FILE.gguf` with no --quant takes the file's own format (Q4_K_M: mostly Q4_K, so
+    q4f32_zp), prints what each group of tensors became with the re-quantization error, and records it
+    for `ember inspect`; `ember analyze` reads the file's metadata."""
+    path = tmp_path / "demo-Q4_K_M.gguf"
+    path.symlink_to(demo_gguf["Q4_K_M"])
+    out = tmp_path / "out"
+    result = run_ember("compile", str(path), "-o", str(out), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    report = [line for line in result.stderr.splitlines() if "GGUF weights:" in line]
+    assert any("Q8_0 -> q4f32_zp: re-quantized" in line for line in report), result.stderr
+    assert any(re.search(r"Q4_K -> q4f32_zp: re-quantized, relative RMS weight error mean \d", line)
+               for line in report), result.stderr
+    assert any("F32 -> float: kept as stored" in line for line in report), result.stderr
+
+    shown = run_ember("inspect", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"quantization\s+q4f32_zp", shown.stdout), shown.stdout
+    assert re.search(rf"GGUF file\s+{path.name} \(sha256 [0-9a-f]{{12}}\)", shown.stdout), shown.stdout
+    assert "Q4_K -> q4f32_zp: re-quantized" in shown.stdout
+
+    analyzed = run_ember("analyze", str(path), "--hardware", "raspberry-pi-5", "--wbits", "4", "--prompt-len", "128",
+                         "--gen-len", "128")
+    assert analyzed.returncode == 0, analyzed.stderr
+    assert "demo-Q4_K_M" in analyzed.stdout

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
     parser.add_argument("model", metavar="MODEL",
-                        help="an HF checkpoint directory, a config.json, or a preset name (see below); "
+                        help="an HF checkpoint directory, a config.json, a GGUF file, or a preset name (see below); "
                              "with --measure, an artifact directory")
     parser.add_argument("--hardware", metavar="NAME",
                         help="a device preset (a unique part of its name is enough, e.g. a6000), "

@@ -37,6 +37,7 @@ from pathlib import Path
 from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import read_json_object
+from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf
 
 PRESET_DIR = Path(__file__).with_name("presets")
 VECTOR_DTYPE = "fp32"  # elementwise work runs on vector units, accumulating in fp32
@@ -401,8 +402,10 @@ def model_presets() -> list[str]:
 
 
 def load_architecture(spec: str) -> Architecture:
-    """A model from an HF checkpoint directory, a config.json path, or a preset name."""
+    """A model from an HF checkpoint directory, a config.json path, a GGUF file, or a preset name."""
     path = Path(spec)
+    if is_gguf_file(path):
+        return Architecture(path.stem, gguf_config(open_gguf(path), path))
     if path.is_dir():
         path = path / "config.json"
         name = path.resolve().parent.name
