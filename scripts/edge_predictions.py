@@ -81,8 +81,9 @@ PUBLISHED = (
               "https://justine.lol/matmul/"),
     Published("raspberry-pi-5", "8B", "q4f32", 2.05, "Llama-3-8B Q4_0_4_4/Q4_0_4_8, llama.cpp b3891 (IQ4_XS: ~2.5)",
               "https://github.com/ggml-org/llama.cpp/issues/9774"),
-    Published("raspberry-pi-5", "8B", "q4f32", 2.17, "Llama-3.1-8B Q4_K_M (Ollama's default tag, llama.cpp inside), "
-              "Pi 5 16 GB", "https://github.com/geerlingguy/ai-benchmarks/issues/7"),
+    Published("raspberry-pi-5", "8B", "q4f32", 2.17,
+              "Llama-3.1-8B via Ollama (llama.cpp inside; weight type not stated), Pi 5 16 GB",
+              "https://github.com/geerlingguy/ai-benchmarks/issues/7"),
     Published("aws-graviton3", "8B", "q4f32", 31.55, "Llama-2-7B Q4_0, llama.cpp 2024-03, 64 threads, r7g.16xlarge",
               "https://github.com/ggml-org/llama.cpp/pull/5780"),
     Published("aws-graviton3", "8B", "q4f32", 17.6, "Llama-3.1-8B Q4_K_M, llama-bench pp1 (one-token steps), "
