@@ -36,13 +36,11 @@ a board of your own.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import NamedTuple
 
 from ember import DEMO_MODEL_DIR
-from ember.analyze.operators import Architecture, Precision, architecture_from_config, load_architecture
+from ember.analyze.operators import Architecture, FormatPrecision, architecture_from_config, load_architecture
 from ember.analyze.roofline import Workload, analyze, kv_cache_bytes, weight_bytes
-from ember.ir_passes.quant_formats import FORMATS
 from ember.targets.hardware import Hardware, board_presets, load_hardware
 
 FORMAT_NAMES = ("q8f32", "q4f32")
@@ -91,23 +89,6 @@ PUBLISHED = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class FormatPrecision(Precision):
-    """ember's q8f32/q4f32 as the roofline sees them: the linear layers (the only matmuls whose
-    operand widths are (wbits, abits)) multiply in int8; attention's matmuls stay float."""
-
-    def matmul_dtype(self, *bits: float) -> str:
-        """int8 for the projections, the base rule for the rest."""
-        return "int8" if bits == (self.wbits, self.abits) else super().matmul_dtype(*bits)
-
-
-def format_precision(name: str) -> FormatPrecision:
-    """Weights at the format's stored bits per weight, float activations and KV cache."""
-    fmt = FORMATS[name]
-    float_bits = 32 if fmt.dtype == "float32" else 16
-    return FormatPrecision(fmt.bits_per_weight, float_bits, float_bits)
-
-
 def models() -> dict[str, Architecture]:
     """The demo model and the two reference Llama shapes, by the name shown in the table."""
     archs = {"demo": load_architecture(str(DEMO_MODEL_DIR))}
@@ -122,7 +103,7 @@ def size_class(arch: Architecture) -> str | None:
 
 def predict(arch: Architecture, hw: Hardware, fmt: str, args: argparse.Namespace) -> tuple[float, float, float, int]:
     """Decode tok/s, prefill tok/s, memory (bytes) and the KV context it assumes."""
-    prec = format_precision(fmt)
+    prec = FormatPrecision.of(fmt)
     window = arch.config.context_window
     gen = min(args.gen_len, window // 2)
     work = Workload(1, min(args.prompt_len, window - gen), gen)

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ember.analyze.operators import Precision, load_architecture, model_presets
+from ember.analyze.operators import FormatPrecision, Precision, load_architecture, model_presets
 from ember.analyze.report import (
     format_measurement,
     format_text,
@@ -20,6 +20,7 @@ from ember.analyze.report import (
 )
 from ember.analyze.roofline import Workload, analyze
 from ember.errors import EmberError
+from ember.ir_passes.quant_formats import FORMATS
 from ember.targets.hardware import hardware_presets, load_hardware
 
 DESCRIPTION = """\
@@ -44,7 +45,7 @@ kernel's operations, bytes, measured time and the share of its roofline it reach
 the measured `host` roofline, next to analyze's prediction for the same model."""
 
 # Options that describe a hypothetical deployment: an artifact fixes them itself.
-_NOT_MEASURED = ("wbits", "abits", "kvbits", "gen_len", "context", "flash_attention")
+_NOT_MEASURED = ("quant", "wbits", "abits", "kvbits", "gen_len", "context", "flash_attention")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     # --hardware is required without --measure and refused with it: say so in the usage line.
     parser.usage = ("%(prog)s MODEL --hardware NAME [--batch B] [--prompt-len S] [--gen-len G] [--context C]\n"
-                    "       [--wbits BITS] [--abits BITS] [--kvbits BITS] [--flash-attention] [--json] [--plot DIR]\n"
+                    "       [--quant FORMAT | --wbits BITS --abits BITS --kvbits BITS] [--flash-attention] [--json]\n"
+                    "       [--plot DIR]\n"
                     "       %(prog)s ARTIFACT --measure [--batch B] [--prompt-len S] [--json] [--wide] [--plot DIR]")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
@@ -71,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens generated per sequence (default: 256)")
     parser.add_argument("--context", type=_positive_int, metavar="C",
                         help="the decode step shown in detail attends to C tokens (default: the prompt length)")
+    parser.add_argument("--quant", choices=tuple(FORMATS), metavar="FORMAT",
+                        help="an ember --quant format instead of --wbits/--abits/--kvbits: weights at its stored "
+                             "bits per weight (scales included), float activations and KV cache, int8 projections "
+                             "for q8f32/q4f32 (" + ", ".join(FORMATS) + ")")
     parser.add_argument("--wbits", type=float, choices=(2, 3, 4, 8, 16, 32),
                         help="weight bits of the linear layers and embeddings (default: 16)")
     parser.add_argument("--abits", type=float, choices=(4, 8, 16, 32),
@@ -102,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     float16 = "bf16" if arch.config.weight_dtype == "bfloat16" else "fp16"
     abits = 16 if args.abits is None else args.abits
     precision = Precision(16 if args.wbits is None else args.wbits, abits, args.kvbits or abits, float16)
+    if args.quant:
+        if (args.wbits, args.abits, args.kvbits) != (None, None, None):
+            raise EmberError("--quant sets the weight, activation and KV-cache bits: give it without "
+                             "--wbits/--abits/--kvbits")
+        precision = FormatPrecision.of(args.quant)
     workload = Workload(args.batch, args.prompt_len or 1024, args.gen_len or 256, args.context, args.flash_attention)
     window = arch.config.context_window
     if workload.prompt_len + workload.gen_len > window or (args.context or 0) > window:

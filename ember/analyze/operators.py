@@ -34,10 +34,12 @@ import difflib
 import math
 from pathlib import Path
 
+from ember import DEMO_MODEL_DIR
 from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import read_json_object
 from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf
+from ember.ir_passes.quant_formats import FORMATS
 
 PRESET_DIR = Path(__file__).with_name("presets")
 VECTOR_DTYPE = "fp32"  # elementwise work runs on vector units, accumulating in fp32
@@ -97,6 +99,33 @@ class Precision:
     def label(self) -> str:
         """Short form, e.g. "W4A16 KV8"."""
         return f"W{self.wbits:g}A{self.abits:g} KV{self.kvbits:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatPrecision(Precision):
+    """An ember `--quant` format as the roofline sees it: weights at the format's stored bits per
+    weight (scales included), activations and KV cache in its float compute dtype, and with
+    `int8_projections` the linear layers (the matmuls whose operands are (wbits, abits)) multiplying
+    in int8 as `schedules/int8_matmul.py` does, while attention stays float."""
+
+    int8_projections: bool = False
+
+    @classmethod
+    def of(cls, name: str) -> FormatPrecision:
+        """The precision of the format `name` (q0f32, q8f32, q4f32, ...)."""
+        fmt = FORMATS[name]
+        float_bits = 32 if fmt.dtype == "float32" else 16
+        int8 = fmt.quantizes and fmt.dtype == "float32" and not fmt.zero_point
+        return cls(fmt.bits_per_weight, float_bits, float_bits, int8_projections=int8)
+
+    def matmul_dtype(self, *bits: float) -> str:
+        """int8 for the projections of an int8-activation format, else the base rule."""
+        if self.int8_projections and bits == (self.wbits, self.abits):
+            return "int8"
+        return super().matmul_dtype(*bits)
+
+    def label(self) -> str:
+        return f"W{self.wbits:g}A{self.abits:g} KV{self.kvbits:g}" + (" int8 matmuls" if self.int8_projections else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +431,9 @@ def model_presets() -> list[str]:
 
 
 def load_architecture(spec: str) -> Architecture:
-    """A model from an HF checkpoint directory, a config.json path, a GGUF file, or a preset name."""
-    path = Path(spec)
+    """A model from an HF checkpoint directory, a config.json path, a GGUF file, a preset name, or
+    `demo` (the bundled demo model, as for `ember compile`)."""
+    path = DEMO_MODEL_DIR if spec == "demo" else Path(spec)
     if is_gguf_file(path):
         return Architecture(path.stem, gguf_config(open_gguf(path), path))
     if path.is_dir():
