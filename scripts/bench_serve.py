@@ -3,9 +3,9 @@
 For each model (the ~110M Llama shape with random weights, made by `peers.make_random_llama`
 if missing, and the demo model) and each `--quant` format, ember compiles the checkpoint
 (`--max-batch` = the highest concurrency) and `peers.write_gguf` writes the same weights as the
-matching GGUF type (q8f32 -> Q8_0, q4f32 -> Q4_0); llama.cpp is the `native` build of
-`build_llama_cpp.py` (cached under ~/.cache/ember/llama-cpp/, put on PYTHONPATH). Each server
-runs alone in its own process on `--threads` threads, and serves the same requests: random
+matching GGUF type (q8f32 -> Q8_0, q4f32 -> Q4_0); llama.cpp is the `--llama-cpp-level`
+build (default `native`) of `build_llama_cpp.py` (cached under ~/.cache/ember/llama-cpp/, put
+on PYTHONPATH). Each server runs alone in its own process on `--threads` threads, and serves the same requests: random
 prompt and output lengths drawn once from `--seed`, greedy, streamed through the official
 `openai` client, at each `--concurrency` (that many clients, each sending its next request
 when the previous one ends). Per server and concurrency: total output tok/s (tokens over the
@@ -277,6 +277,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="ember,llama.cpp")
+    parser.add_argument("--llama-cpp-level", default="native", choices=tuple(build_llama_cpp.LEVELS),
+                        help="the llama.cpp build (scripts/build_llama_cpp.py's ISA levels; default native, "
+                             "-march=native, built on first use in ~10 minutes)")
     parser.add_argument("--quiet-wait", type=float, default=60,
                         help="seconds to wait for an idle machine before each level (then it runs anyway)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/ember-bench-serve"),
@@ -295,7 +298,7 @@ def main() -> None:
         if missing:
             sys.exit(f"llama_cpp.server needs {', '.join(missing)}: pip install sse-starlette starlette-context "
                      "pydantic-settings fastapi uvicorn (or --servers ember)")
-        package = build_llama_cpp.ensure_built(build_llama_cpp.LEVELS["native"])
+        package = build_llama_cpp.ensure_built(build_llama_cpp.LEVELS[args.llama_cpp_level])
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
     from ember.compiler import CompileOptions, compile_model
