@@ -31,7 +31,7 @@ shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vect
       d = max|x| / 127,  q = round(x / d)
       xq[m, 8g:8g+8] = q as 8 words of 4 bytes;  x_scale[m, g] = d;  x_bias[m, g] = -offset * sum(q)
     parallel over blocks of `row_blocks` x 8 weight rows:
-      for each tile of `tokens` activation rows:
+      for each tile of `tokens` activation rows, then each of the last rows as a tile of one:
         acc[tokens, row_blocks] = 0                           # float32 x 8, one lane per weight row
         for g:
           dot[t, b] = broadcast(x_bias[m_t, g])               # int32 x 8
@@ -43,10 +43,11 @@ shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vect
 The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
 AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
-decode's (1 x 1) streams the weight once, linearly. Values are stored unsigned
-(`v + offset`); `x_bias` takes the offset back out: sum((v + offset) * q) - offset *
-sum(q) = sum(v * q), exact in integers. A partial last tile of activation rows
-recomputes the last row instead of branching (the stores write the same values).
+decode's (2 sequences x 1 block) streams the weight once, linearly, and transforms each
+word once for 2 sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the
+offset back out: sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
+Rows past the last whole tile (the only row of a 1-sequence decode) take a 1-row tile,
+a second copy of the loop nest: each row is computed once, whatever the batch.
 
 Knobs (`INT8_KNOBS`): `tokens`, `row_blocks` and `unroll` (the word loop unrolled, or a
 loop). The best tuple depends on the level, the CPU and the shape: AVX512-VNNI code on
@@ -91,6 +92,7 @@ _LEVELS = 127.0
 INT8_KNOBS = ("tokens", "row_blocks", "unroll")
 # On each kernel: {"format", "n", "k", "many_tokens"}, the arguments of `int8_dot_matmul` but the target's and the knobs.
 BUILD_ATTR = "ember.int8_matmul"
+DECODE_TOKENS = 2  # sequences in a decode register tile (`register_tile`)
 
 
 def supports(fmt: QuantFormat, n: int, k: int) -> bool:
@@ -108,9 +110,15 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     references in the q8 inner loop, 54 in q4's), so int8 takes 2 x 1 (5) and int4 1 x 4
     (3, the masked nibbles shared by 4 blocks). Measured on Zen 3, 128 tokens, znver3 code:
     1.7x to 1.9x 2 x 2's speed for q8, 1.6x to 2.4x for q4, on the ~110M and 1B shapes.
-    Decode: one row block, streamed once."""
+    Decode: one row block, streamed once, and the sequences of a batch in pairs: each weight
+    word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for 2 sequences;
+    one sequence, or the odd last one, takes a 1-row tile. Measured on Zen 3, znver3 code, the
+    ~110M shapes at 2 to 8 sequences: 1.1x to 1.3x 1 x 1's speed, the same at 1 sequence; 4 x 1
+    spilled registers and was slower than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1.
+    (The dot products themselves, per sequence, are most of AVX2's work: pairs cannot halve it.)
+    The other levels are not measured: they take the same tile."""
     if not many_tokens:
-        return 1, 1
+        return DECODE_TOKENS, 1
     if vector_bits >= 512:
         return 4, 2
     if dot.accumulates:
@@ -130,12 +138,17 @@ def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
 def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[list[int]]:
     """Every knob tuple the kernel of an [n, k] weight of `bits`-bit values takes, the rule's first.
 
-    Decode keeps one activation row per tile: it is tuned, and mostly run, with one sequence."""
+    Decode is tuned, and mostly run, with one sequence, which only the 1-row tile computes:
+    its row blocks and word loop are searched, and its token tile is the rule's, or the
+    largest beside the row blocks that the register budget holds."""
     budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries: see the module docstring
-    space = [[tokens, row_blocks, unroll] for tokens in ((1, 2, 4) if many_tokens else (1,))
-             for row_blocks in (1, 2, 4) if tokens * row_blocks <= budget and (n // INTERLEAVED_ROWS) % row_blocks == 0
-             for unroll in (0, 1)]
     rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
+    row_blocks = [blocks for blocks in (1, 2, 4) if (n // INTERLEAVED_ROWS) % blocks == 0]
+    if many_tokens:
+        tiles = [(tokens, blocks) for tokens in (1, 2, 4) for blocks in row_blocks if tokens * blocks <= budget]
+    else:
+        tiles = [(min(rule[0], budget // blocks), blocks) for blocks in row_blocks]
+    space = [[tokens, blocks, unroll] for tokens, blocks in tiles for unroll in (0, 1)]
     return [rule, *(knobs for knobs in space if knobs != rule)]
 
 
@@ -242,6 +255,47 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                 acc = widen(acc, pairs(T.abs(signed_weight), signed_x))
         return acc
 
+    @T.macro
+    def tile(first, count, tile_n, seq, packed, scale, xq, x_scale, x_bias, y):
+        # y for activation rows first .. first + count - 1 and the tile_n-th `row_blocks` blocks of weight rows.
+        with T.sblock("tile"):
+            T.reads()
+            T.writes()
+            dots = T.sblock_alloc_buffer((count, row_blocks, lanes), "int32")
+            sums = T.sblock_alloc_buffer((count, row_blocks, 2 * lanes), "int16")  # if int16_sums
+            acc = T.sblock_alloc_buffer((count, row_blocks, lanes), "float32")
+            for t, b in T.grid(count, row_blocks):
+                acc[t, b, vec] = T.Broadcast(T.float32(0), lanes)
+            for g in T.serial(groups):
+                for t in T.unroll(count):
+                    for b in T.unroll(row_blocks):
+                        dots[t, b, vec] = T.Broadcast(x_bias[first + t, g], lanes)
+                        if int16_sums:
+                            sums[t, b, wide] = T.Broadcast(T.int16(0), 2 * lanes)
+                # Word by word over the tile: each weight word is loaded (and transformed) once per
+                # tile. Without VNNI a step is several instructions, and a group unrolled spilled
+                # registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower), so the rule
+                # unrolls only on VNNI.
+                for w in word_loop(words):
+                    for t in T.unroll(count):
+                        for b in T.unroll(row_blocks):
+                            if int16_sums:
+                                sums[t, b, wide] = word_dot(sums[t, b, wide], packed, xq, tile_n * row_blocks + b,
+                                                            first + t, g, w)
+                            else:
+                                for h in T.unroll(halves):
+                                    dots[t, b, half_of(h)] = word_dot(dots[t, b, half_of(h)], packed, xq,
+                                                                      tile_n * row_blocks + b, first + t, g, w, h)
+                for t in T.unroll(count):
+                    for b in T.unroll(row_blocks):
+                        if int16_sums:
+                            dots[t, b, vec] = widen(dots[t, b, vec], sums[t, b, wide])
+                        acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
+                            T.Broadcast(x_scale[first + t, g], lanes) * scale[tile_n * row_blocks + b, g, vec])
+            for t, b in T.grid(count, row_blocks):
+                y[(first + t) // seq, (first + t) % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = (
+                    acc[t, b, vec])
+
     @T.prim_func(s_tir=True)
     def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
                     scale: T.Buffer(scale_shape, "float32"), y_handle: T.handle):
@@ -274,47 +328,10 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                                                            q[T.Ramp(0, 1, 32)]) * (-offset)
                     xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
             for tile_n in T.parallel(n // (lanes * row_blocks)):
-                with T.sblock("tile"):
-                    T.reads()
-                    T.writes()
-                    dots = T.sblock_alloc_buffer((tokens, row_blocks, lanes), "int32")
-                    sums = T.sblock_alloc_buffer((tokens, row_blocks, 2 * lanes), "int16")  # if int16_sums
-                    acc = T.sblock_alloc_buffer((tokens, row_blocks, lanes), "float32")
-                    for tile_m in T.serial((batch * seq + tokens - 1) // tokens):
-                        for t, b in T.grid(tokens, row_blocks):
-                            acc[t, b, vec] = T.Broadcast(T.float32(0), lanes)
-                        for g in T.serial(groups):
-                            for t in T.unroll(tokens):
-                                for b in T.unroll(row_blocks):
-                                    dots[t, b, vec] = T.Broadcast(
-                                        x_bias[T.min(tile_m * tokens + t, batch * seq - 1), g], lanes)
-                                    if int16_sums:
-                                        sums[t, b, wide] = T.Broadcast(T.int16(0), 2 * lanes)
-                            # Word by word over the tile: each weight word is loaded (and transformed) once
-                            # per tile. Without VNNI a step is several instructions, and a group unrolled
-                            # spilled registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower),
-                            # so the rule unrolls only on VNNI.
-                            for w in word_loop(words):
-                                for t in T.unroll(tokens):
-                                    for b in T.unroll(row_blocks):
-                                        if int16_sums:
-                                            sums[t, b, wide] = word_dot(
-                                                sums[t, b, wide], packed, xq, tile_n * row_blocks + b,
-                                                T.min(tile_m * tokens + t, batch * seq - 1), g, w)
-                                        else:
-                                            for h in T.unroll(halves):
-                                                dots[t, b, half_of(h)] = word_dot(
-                                                    dots[t, b, half_of(h)], packed, xq, tile_n * row_blocks + b,
-                                                    T.min(tile_m * tokens + t, batch * seq - 1), g, w, h)
-                            for t in T.unroll(tokens):
-                                for b in T.unroll(row_blocks):
-                                    if int16_sums:
-                                        dots[t, b, vec] = widen(dots[t, b, vec], sums[t, b, wide])
-                                    acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
-                                        T.Broadcast(x_scale[T.min(tile_m * tokens + t, batch * seq - 1), g], lanes)
-                                        * scale[tile_n * row_blocks + b, g, vec])
-                        for t, b in T.grid(tokens, row_blocks):
-                            m: T.let[T.int64] = T.min(tile_m * tokens + t, batch * seq - 1)
-                            y[m // seq, m % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = acc[t, b, vec]
+                for tile_m in T.serial(batch * seq // tokens):
+                    tile(tile_m * tokens, tokens, tile_n, seq, packed, scale, xq, x_scale, x_bias, y)
+                if tokens > 1:  # the last rows, fewer than a tile: one at a time, each computed once
+                    for m in T.serial(batch * seq // tokens * tokens, batch * seq):
+                        tile(m, 1, tile_n, seq, packed, scale, xq, x_scale, x_bias, y)
 
     return int8_matmul.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})

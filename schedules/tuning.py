@@ -30,7 +30,7 @@ trace is what makes a static-shape record apply to a symbolic kernel.
 
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
 on the same random inputs at a size that exercises the symbolic tails (37 tokens,
-3 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
+5 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
 stays. So does a record whose knobs are the rule's own (`ember tune` records them
 when the search does not beat the rule). Tuned kernels carry
 `ember.schedule_source = "tuning"` so the compile report can count them.
@@ -59,8 +59,9 @@ log = logging.getLogger("ember")
 
 SCHEDULE_SOURCE_ATTR = "ember.schedule_source"
 TUNE_SEQ_LEN = 128  # prefill kernels are tuned at this many tokens (or their bound, if smaller)
-# Sizes the numerical check runs symbolic kernels at: not multiples of any tile.
-_CHECK_SIZES = {"seq_len": 37, "num_logits": 37, "batch_size": 3}
+# Sizes the numerical check runs symbolic kernels at: not multiples of any tile (and for the
+# int8 matmul's decode, a whole tile of sequences and a tail).
+_CHECK_SIZES = {"seq_len": 37, "num_logits": 37, "batch_size": 5}
 _TUNE_SIZES = {"seq_len": TUNE_SEQ_LEN, "num_logits": TUNE_SEQ_LEN, "batch_size": 1}
 RTOL = 1e-4
 

@@ -53,14 +53,28 @@ def level_target(level):
 INT8_LEVELS = [level for level in LEVELS if level]
 
 
-def _run(target, fmt, parts, x, n, many_tokens, batch=1):
-    """y [rows, n] from the kernel compiled for `target`, with x [rows, k] as `batch` sequences."""
-    rows, k = x.shape
+def _compile(target, fmt, n, k, many_tokens):
     func = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, many_tokens, target.vector_bits)
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=target.target)
+    return tvm.compile(tvm.IRModule({"main": func}), target=target.target)
+
+
+def _call(lib, fmt, parts, x, n, batch=1):
+    """y [rows, n] from a compiled kernel, with x [rows, k] as `batch` sequences."""
+    rows, k = x.shape
     y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
     lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
     return y.numpy().reshape(rows, n)
+
+
+def _run(target, fmt, parts, x, n, many_tokens, batch=1):
+    """y [rows, n] from the kernel compiled for `target`, with x [rows, k] as `batch` sequences."""
+    return _call(_compile(target, fmt, n, x.shape[1], many_tokens), fmt, parts, x, n, batch)
+
+
+def _llama_cpp_reference(fmt, parts, x, k):
+    """llama.cpp's result (Q8_0-rounded activations times the weight) and the exact one, in float64."""
+    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
+    return q8_0_activations(x) @ dequantized.T, x.astype(np.float64) @ dequantized.T
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
@@ -83,11 +97,27 @@ def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens
     x[0, :32] = 0  # a group of zeros: scale 0, no division by it
     parts = fmt.quantize(weight, INTERLEAVED)
     actual = _run(target, fmt, parts, x, n, many_tokens, batch)
-    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
-    expected = q8_0_activations(x) @ dequantized.T
+    expected, exact = _llama_cpp_reference(fmt, parts, x, k)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    exact = x.astype(np.float64) @ dequantized.T
     assert np.abs(actual - exact).max() > 1e-4 * np.abs(exact).max()  # the rounding is really there
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS)
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
+    """One decode kernel run with 1 to 8 sequences: whole tiles of sequences, a tail of fewer
+    than a tile (each row computed once, by the 1-row tile), or both."""
+    target = level_target(level)
+    fmt = FORMATS[name]
+    n, k = 40, 160  # 5 row blocks, 5 groups
+    rng = np.random.default_rng(k)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    lib = _compile(target, fmt, n, k, many_tokens=False)
+    for batch in (1, 2, 3, 4, 5, 8):
+        x = rng.standard_normal((batch, k)).astype(np.float32) * rng.uniform(0.1, 10, (batch, 1)).astype(np.float32)
+        expected, _exact = _llama_cpp_reference(fmt, parts, x, k)
+        np.testing.assert_allclose(_call(lib, fmt, parts, x, n, batch), expected, rtol=0,
+                                   atol=1e-5 * np.abs(expected).max(), err_msg=f"{batch} sequences")
 
 
 def _integer_weight(fmt, values):
@@ -98,10 +128,11 @@ def _integer_weight(fmt, values):
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
-@pytest.mark.parametrize("rows,many_tokens", [(1, False), (5, True)])
+@pytest.mark.parametrize("rows,many_tokens", [(1, False), (5, False), (5, True)])
 def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
     """Integer weights (scale 1) and activations whose every group holds a +-127 (scale 1): the
-    kernel's output is its integer dot products, equal to numpy's bit for bit."""
+    kernel's output is its integer dot products, equal to numpy's bit for bit (decode: one
+    sequence, and 5 in tiles and a tail)."""
     target = level_target(level)
     fmt = FORMATS[name]
     n, k = 24, 160
@@ -110,7 +141,8 @@ def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
     values = rng.integers(low, high + 1, (n, k))
     x = rng.integers(-127, 128, (rows, k))
     x[:, ::32] = rng.choice([-127, 127], (rows, k // 32))
-    actual = _run(target, fmt, _integer_weight(fmt, values), x.astype(np.float32), n, many_tokens)
+    actual = _run(target, fmt, _integer_weight(fmt, values), x.astype(np.float32), n, many_tokens,
+                  batch=1 if many_tokens else rows)
     np.testing.assert_array_equal(actual, x @ values.T)
 
 
@@ -159,19 +191,28 @@ INSTRUCTIONS = {"avx512vnni": ({"vpdpbusd"}, {"vpmaddubsw"}), "avxvnni": ({"vpdp
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_each_level_compiles_to_its_instructions(level, name):
     """Compiled, not run (any host): the assembly has the level's dot product; without VNNI, int8
-    weights take the sign trick (vpsignb) and int4 groups widen once (a vpmaddwd per 8 vpmaddubsw)."""
+    weights take the sign trick (vpsignb) and int4 groups widen once (a vpmaddwd per 8 vpmaddubsw).
+    Decode's tile of sequences transforms each weight word once for all of them: fewer nibble
+    shifts (int4) and |v| (the sign trick) than the dot products and signed activations they feed,
+    which a 1-sequence tile (the batch's last row) has one for one."""
     target = resolve_target(f'{{"kind": "llvm", "mcpu": "{LEVELS[level][0]}"}}')
     bits = FORMATS[name].bits
     assert int8_matmul.register_tile(target.vector_bits, True, target.int8_dot, bits) == (
         (4, 2) if level.startswith("avx512") else (2, 2) if level == "avxvnni" else (2, 1) if bits == 8 else (1, 4))
+    assert int8_matmul.register_tile(target.vector_bits, False, target.int8_dot, bits) == (2, 1)
     func = int8_matmul.int8_dot_matmul(FORMATS[name], 8, 128, target.int8_dot, False, target.vector_bits)
     asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
     used, unused = INSTRUCTIONS[level]
     mnemonics = set(asm.split())
     assert used <= mnemonics and not unused & mnemonics
+    multiply = "vpmaddubsw" if "vpmaddubsw" in used else "vpdpbusd"
     if "vpmaddubsw" in used:
         assert ("vpsignb" in mnemonics) == (name == "q8f32")
         assert asm.count("vpmaddubsw") == asm.count("vpmaddwd") * (1 if name == "q8f32" else 8)
+    if name == "q4f32":  # a shift per word (its high nibbles), two dot products per word and sequence
+        assert 0 < asm.count("vpsrld") < asm.count(multiply) / 2
+    elif multiply == "vpmaddubsw":
+        assert 0 < asm.count("vpabsb") < asm.count("vpsignb")
 
 
 @pytest.mark.parametrize("cpu", [None, "haswell", "nehalem"])
@@ -239,7 +280,7 @@ def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, 
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     """Each knob tuple `ember tune` may choose (register tile, row blocks, word loop unrolled or not),
-    prefill at 7 tokens (partial tiles) and decode at 3 sequences, equals the numpy reference."""
+    prefill at 7 tokens (partial tiles) and decode at 7 sequences (tiles and a tail), equals the numpy reference."""
     target = level_target(level)
     fmt = FORMATS[name]
     n, k = 32, 96  # 4 row blocks, 3 groups
@@ -247,7 +288,7 @@ def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
     expected = {}
     kernels = {}
-    for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (3, 1))):
+    for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (7, 1))):
         x = rng.standard_normal((batch, seq, k)).astype(np.float32)
         expected[many_tokens] = (x, q8_0_activations(x) @ fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64).T)
         space = int8_matmul.knob_space(n, target.int8_dot, many_tokens, target.vector_bits, fmt.bits)
@@ -267,9 +308,11 @@ def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
 
 
 def test_knobs_outside_the_space_are_refused():
-    """A tile over the register budget, or row blocks that do not divide the weight's, is no kernel."""
+    """A tile over the register budget, or row blocks that do not divide the weight's, is no kernel; nor is
+    a decode tile of other than the rule's sequences (decode is tuned with one sequence, which never sees it)."""
     target = resolve_target('{"kind": "llvm", "mcpu": "haswell"}')
     fmt = FORMATS["q4f32"]
-    for knobs in ([4, 4, 0], [4, 2, 1], [1, 4, 0], [2, 1, 0]):  # over 4 tile entries; 4 blocks of 6; decode: 2 rows
+    decode = [int8_matmul.DECODE_TOKENS * 2, 1, 0]
+    for knobs in ([4, 4, 0], [4, 2, 1], [1, 4, 0], decode):  # over 4 tile entries; 4 blocks of 6; decode: 4 rows
         with pytest.raises(ValueError, match="not among"):
-            int8_matmul.int8_dot_matmul(fmt, 48, 64, target.int8_dot, knobs != [2, 1, 0], target.vector_bits, knobs)
+            int8_matmul.int8_dot_matmul(fmt, 48, 64, target.int8_dot, knobs != decode, target.vector_bits, knobs)
