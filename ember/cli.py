@@ -164,6 +164,32 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="as for compile: q8f32/q4f32 projections stay float kernels, which tuning can search")
     tune.set_defaults(run=_run_tune)
 
+    bench = commands.add_parser(
+        "bench", help="time an artifact's prefill and decode, here or on a device of an RPC tracker",
+        description="Prefill a prompt and decode greedily a few times, on this machine or, with --rpc-tracker, on "
+                    "a free device of --device-key (the artifact is uploaded there; the device runs `python -m "
+                    "ember.runtime.rpc_device`). Reports tok/s, peak memory, the greedy tokens and decode's share "
+                    "of the device's memory-bandwidth roofline.",
+        epilog="example:\n  ember bench demo-cpu\n"
+               "  python -m tvm.exec.rpc_tracker --host 127.0.0.1 --port 9190 &\n"
+               "  python -m ember.runtime.rpc_device --tracker 127.0.0.1:9190 --key pi5 &   (on the device)\n"
+               "  ember bench demo-pi5 --rpc-tracker 127.0.0.1:9190 --device-key pi5",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("artifact", type=Path)
+    _add_farm_arguments(bench)
+    bench.add_argument("--prompt-tokens", type=_positive_int, default=128, metavar="N",
+                       help="prompt length (default %(default)s)")
+    bench.add_argument("--new-tokens", type=_positive_int, default=128, metavar="N",
+                       help="decode steps after the prompt (default %(default)s)")
+    bench.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                       help="timed runs after a warm-up; the median is reported (default %(default)s)")
+    bench.add_argument("--hardware", metavar="PRESET",
+                       help="the device's hardware preset for the roofline (default: the artifact's board preset, "
+                            "else this machine, measured, when the device has this machine's CPU)")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_threads_argument(bench)
+    bench.set_defaults(run=_run_bench)
+
     from ember.analyze import cli as analyze_cli
 
     analyze = commands.add_parser("analyze", help="roofline analysis of a model on a hardware preset")
@@ -257,6 +283,36 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                          help="log each stage; show tracebacks")
     return parser
+
+
+def _add_farm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rpc-tracker", metavar="HOST:PORT",
+                        help="a TVM RPC tracker (`python -m tvm.exec.rpc_tracker`): run on its devices of --device-key")
+    parser.add_argument("--device-key", metavar="KEY", help="the kind of device to use, as registered with the tracker")
+    parser.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                        help="with --rpc-tracker: how long to wait for a device of the key to register or be free "
+                             "(default %(default)g)")
+
+
+def _farm(args: argparse.Namespace):
+    """The `Farm` of --rpc-tracker/--device-key, or None without a tracker."""
+    if args.rpc_tracker is None:
+        if args.device_key is not None:
+            raise EmberError("--device-key needs --rpc-tracker HOST:PORT (the tracker the device registered with)")
+        return None
+    from ember.farm import Farm
+
+    return Farm.parse(args.rpc_tracker, args.device_key, args.wait)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from ember.bench import bench, format_report
+    from ember.runtime.bench import BenchOptions
+
+    options = BenchOptions(args.prompt_tokens, args.new_tokens, args.repeats, args.threads)
+    report = bench(args.artifact, options, _farm(args), args.hardware)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0
 
 
 def _add_threads_argument(parser: argparse.ArgumentParser) -> None:

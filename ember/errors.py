@@ -29,3 +29,8 @@ class GenerationError(EmberError):
 
 class TuningError(EmberError):
     """A tuning database cannot be used or written (wrong machine for tuning, damaged files)."""
+
+
+class FarmError(EmberError):
+    """A device farm cannot be used: its tracker is unreachable, no device of a key registers or frees up,
+    or a device fails a request."""

@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import TargetError
+from ember.machine import cpu_fingerprint, cpu_model, host_cores
 
 PRESET_DIR = Path(__file__).with_name("hardware")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -247,7 +247,7 @@ def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats
     l2 = _sysconf("SC_LEVEL2_CACHE_SIZE") or _KIB * _KIB
     return Hardware(
         name="host",
-        description=f"this machine ({_cpu_model()}, {threads} cores)",
+        description=f"this machine ({cpu_model()}, {threads} cores)",
         kind="cpu",
         peak_flops={"fp32": fp32},
         memory_bandwidth=bandwidth,
@@ -269,50 +269,14 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-# ISA extensions that change which code a tuned kernel should be (vector width, FMA, dot products).
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-              "asimd", "sve", "sve2", "i8mm", "bf16")
-
-
-def cpu_fingerprint() -> dict[str, Any]:
-    """What a kernel's speed on this CPU depends on: architecture, model, ISA extensions, cores."""
-    return {"machine": platform.machine(), "cpu": _cpu_model(), "isa": _isa_flags(), "cores": host_cores()}
-
-
-def _isa_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in _ISA_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
-
-
 def _host_fingerprint() -> dict[str, Any]:
     return {**cpu_fingerprint(), "memory": host_memory_bytes(),
             "method": BANDWIDTH_METHOD}
 
 
-def host_cores() -> int:
-    """Logical CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def host_memory_bytes() -> int:
     """This machine's physical memory (0: unknown)."""
     return _sysconf("SC_PHYS_PAGES") * _sysconf("SC_PAGE_SIZE")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _sysconf(name: str) -> int:

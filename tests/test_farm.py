@@ -1,0 +1,197 @@
+"""A device farm on loopback: a TVM RPC tracker and ember devices (`python -m ember.runtime.rpc_device`) on
+127.0.0.1, used by `ember bench --rpc-tracker` and `ember tune --rpc-tracker`.
+
+Every process a test starts listens on 127.0.0.1 only and is killed (by its process id) when the test
+module ends; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from ember.errors import FarmError
+from ember.farm import Farm
+from helpers import REPO_ROOT, assert_one_line_error, run_ember
+
+KEY = "loopback"
+START_SECONDS = 60  # for a tracker or a device to come up (TVM's import takes seconds on a busy machine)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LoopbackFarm:
+    """A tracker on 127.0.0.1 and the device processes started against it, all killed by `close`."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.processes: list[subprocess.Popen] = []
+        self.tracker = self._start("tracker", "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                                   "--port", str(self.port), "--port-end", str(self.port + 1))
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                Farm("127.0.0.1", self.port, KEY).summary()
+                return
+            except FarmError:
+                time.sleep(0.5)
+        raise AssertionError(f"the tracker did not start: {self.log('tracker')}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start_device(self, key: str = KEY, bare: bool = False) -> subprocess.Popen:
+        """An ember device of `key` (or TVM's bare rpc_server), once the tracker lists it."""
+        before = Farm("127.0.0.1", self.port, key).devices()
+        module = "tvm.exec.rpc_server" if bare else "ember.runtime.rpc_device"
+        port = free_port()
+        device = self._start(f"device-{len(self.processes)}", "-m", module, "--tracker", self.address, "--key", key,
+                             "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 50))
+        deadline = time.monotonic() + START_SECONDS
+        while Farm("127.0.0.1", self.port, key).devices() <= before:
+            assert time.monotonic() < deadline and device.poll() is None, "the device did not register"
+            time.sleep(0.5)
+        return device
+
+    def stop(self, process: subprocess.Popen) -> None:
+        """Kill a process this farm started and its children (SIGKILL: as a device that loses power). TVM's
+        tracker and stock rpc_server serve from a worker process of their own, in the process group the
+        farm gave each (its id is the process's)."""
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=30)
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            self.stop(process)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        process = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        self.processes.append(process)
+        return process
+
+
+@contextmanager
+def loopback_farm(log_dir: Path) -> Iterator[LoopbackFarm]:
+    farm = LoopbackFarm(log_dir)
+    try:
+        yield farm
+    finally:
+        farm.close()
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory) -> Iterator[LoopbackFarm]:
+    """A tracker with one ember device of `KEY`."""
+    with loopback_farm(tmp_path_factory.mktemp("farm")) as farm:
+        farm.start_device()
+        yield farm
+
+
+def bench_json(*args: str) -> dict:
+    result = run_ember("bench", *args, "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_bench_on_a_device_matches_this_machine(farm, tiny_models):
+    """The same greedy tokens through the tracker as here, and tok/s of the same order: one machine, so only
+    noise and the session process differ. One thread and runs alternated, best of two each, so that other
+    work on a shared 2-core machine slows both sides alike."""
+    artifact = str(tiny_models["llama"].artifact_dir)
+    options = ("--prompt-tokens", "64", "--new-tokens", "32", "--repeats", "3", "--threads", "1")
+    remote = ("--rpc-tracker", farm.address, "--device-key", KEY)
+    here, there = zip(*[(bench_json(artifact, *options), bench_json(artifact, *options, *remote)) for _ in range(2)])
+    assert here[0]["where"] == "this machine" and there[0]["where"] == f"device {KEY!r} via tracker {farm.address}"
+    assert all(run["tokens"] == here[0]["tokens"] and run["tokens_repeat"] for run in here + there)
+    assert len(here[0]["tokens"]) == 33 and there[0]["fingerprint"] == here[0]["fingerprint"]
+    for phase in ("prefill", "decode"):
+        ratio = max(run[f"{phase}_tokens_per_s"] for run in there) / max(run[f"{phase}_tokens_per_s"] for run in here)
+        assert 1 / 3 < ratio < 3, (phase, ratio)
+    assert there[0]["upload_seconds"] is not None and there[0]["peak_memory_bytes"] > 0
+    assert there[0]["threads"] == 1
+    # Same CPU as this machine: its measured bandwidth is the roofline.
+    assert there[0]["hardware"] == "host" and there[0]["decode_roofline_share"] > 0
+
+
+def test_bench_text_report(farm, tiny_models):
+    result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--prompt-tokens", "16", "--new-tokens",
+                       "8", "--repeats", "1", "--rpc-tracker", farm.address, "--device-key", KEY)
+    assert result.returncode == 0, result.stderr
+    assert f"on device {KEY!r} via tracker {farm.address}" in result.stdout
+    for text in ("uploaded", "prefill", "decode", "tok/s", "of the bandwidth roofline", "peak memory",
+                 "greedy tokens"):
+        assert text in result.stdout, result.stdout
+
+
+def test_bench_refuses_a_key_without_devices_in_bounded_time(farm, tiny_models):
+    start = time.monotonic()
+    result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--rpc-tracker", farm.address,
+                       "--device-key", "nobody", "--wait", "2")
+    assert time.monotonic() - start < 60
+    assert_one_line_error(result, "no device of key 'nobody' registered with tracker", "within 2 s",
+                          f"keys registered: {KEY}", "python -m ember.runtime.rpc_device")
+
+
+def test_unreachable_tracker_names_the_address(tiny_models):
+    address = f"127.0.0.1:{free_port()}"
+    result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--rpc-tracker", address,
+                       "--device-key", KEY)
+    assert_one_line_error(result, f"--rpc-tracker {address}: cannot reach the tracker", "python -m tvm.exec.rpc_tracker")
+
+
+def test_a_bare_tvm_rpc_server_is_named(farm, tiny_models):
+    """TVM's stock rpc_server measures kernels but serves no ember functions: the error says what to run instead."""
+    device = farm.start_device("bare", bare=True)
+    try:
+        result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--rpc-tracker", farm.address,
+                           "--device-key", "bare", "--wait", "10")
+        assert_one_line_error(result, "serves no ember functions", "python -m ember.runtime.rpc_device")
+    finally:
+        farm.stop(device)
+
+
+def test_farm_options_are_checked():
+    assert_one_line_error(run_ember("bench", "x", "--device-key", KEY), "--device-key needs --rpc-tracker")
+    with pytest.raises(FarmError, match="expected HOST:PORT"):
+        Farm.parse("localhost", KEY)
+    with pytest.raises(FarmError, match="--device-key is needed"):
+        Farm.parse("127.0.0.1:9190", None)
+
+
+def test_device_writes_stay_in_the_session_directory(tmp_path, monkeypatch):
+    import tvm_ffi
+
+    from ember.runtime import rpc_device
+
+    tvm_ffi.register_global_func("tvm.rpc.server.workpath", lambda path: str(tmp_path / path), override=True)
+    rpc_device._write("artifact/params/a.bin", 0, bytearray(b"abc"))
+    rpc_device._write("artifact/params/a.bin", 3, bytearray(b"def"))
+    assert (tmp_path / "artifact/params/a.bin").read_bytes() == b"abcdef"
+    for path in ("../escape", "/etc/passwd", "a/../../b", ""):
+        with pytest.raises(ValueError, match="not a relative path"):
+            rpc_device._write(path, 0, bytearray(b"x"))
+    assert json.loads(rpc_device._fingerprint())["fingerprint"]["cores"] >= 1
