@@ -143,14 +143,18 @@ def _build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser(
         "tune", help="autotune a model's hottest kernels into a tuning database",
         description="Extract a model's kernels, weight them by how often prefill and decode call them, and "
-                    "search the schedules of the hottest with meta_schedule on this machine. Rerunning with the "
-                    "same --db continues where a job stopped.",
+                    "search the schedules of the hottest with meta_schedule on this machine, or with "
+                    "--rpc-tracker on the devices of a key (built here, timed there; the database is keyed by "
+                    "the devices' own fingerprint). Rerunning with the same --db continues where a job stopped.",
         epilog="example:\n  ember tune demo --db tuning --trials 64 --budget 5\n"
-               "  ember compile demo -o demo-tuned --tuning-db tuning",
+               "  ember compile demo -o demo-tuned --tuning-db tuning\n"
+               "  ember tune demo --target raspberry-pi-5 --rpc-tracker 127.0.0.1:9190 --device-key pi5 --db pi5-db",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     tune.add_argument("model", help="checkpoint directory, an artifact (tuned as it was compiled), or `demo`")
     tune.add_argument("--db", required=True, type=Path, metavar="DIR", help="tuning database directory")
-    tune.add_argument("--target", default="cpu", help="`cpu` (this machine; tuning measures here)")
+    tune.add_argument("--target", default="cpu",
+                      help="`cpu` (this machine; tuning measures here), or with --rpc-tracker the devices' CPU: a "
+                           "board preset (raspberry-pi-5, ...) or a TVM target JSON, as for compile")
     tune.add_argument("--quant", default=None, metavar="FORMAT", help="weight format, as for compile")
     tune.add_argument("--trials", type=int, default=64,
                       help="measured trials in all, shared by the kernels (default 64)")
@@ -162,6 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-batch", type=int, default=8, help="as for compile (default 8)")
     tune.add_argument("--float-activations", action="store_true",
                       help="as for compile: q8f32/q4f32 projections stay float kernels, which tuning can search")
+    _add_farm_arguments(tune)
     tune.set_defaults(run=_run_tune)
 
     bench = commands.add_parser(
@@ -362,7 +367,7 @@ def _run_tune(args: argparse.Namespace) -> int:
 
     options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
                           budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
-                          max_batch=args.max_batch, float_activations=args.float_activations)
+                          max_batch=args.max_batch, float_activations=args.float_activations, farm=_farm(args))
     report = tune_model(model, options)
     print(f"tuned {len(report)} kernels into {args.db}")
     return 0

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import tvm
 from tvm import rpc
 from tvm.rpc import base as rpc_base
 
@@ -138,6 +140,33 @@ class Farm:
         held at once, so the tracker hands out a different device each time)."""
         sessions = [self.session(session_timeout) for _ in range(self.wait_for_devices())]
         return [self.fingerprint(session)["fingerprint"] for session in sessions]
+
+
+def runner_session(wait_seconds: float, config: Any) -> rpc.RPCSession:
+    """meta_schedule `RPCRunner`'s `f_create_session`: its session, with a bounded wait for a free device (the
+    runner's own waits without end when none is registered, hanging the tuning job)."""
+    farm = Farm(config.tracker_host, config.tracker_port, config.tracker_key, wait_seconds)
+    return farm.session(config.session_timeout_sec)
+
+
+def runner_arguments(_session: rpc.RPCSession, device: Any, args_info: list, alloc_repeat: int) -> list[list[Any]]:
+    """meta_schedule `RPCRunner`'s `f_alloc_argument`: random arguments made here and copied to the device
+    (the runner's own fills them there with a function that TVM's runtime-only library lacks)."""
+    rng = np.random.default_rng(0)
+
+    def tensor(dtype: str, shape: list[int]) -> Any:
+        kind = np.dtype(dtype)
+        if kind.kind == "f":
+            array = rng.uniform(-1, 1, shape).astype(kind)
+        else:
+            info = np.iinfo(kind)
+            array = rng.integers(max(info.min, -128), min(info.max, 127), shape, dtype=kind, endpoint=True)
+        return tvm.runtime.tensor(array, device)
+
+    for info in args_info:
+        if info[0] != "TENSOR":
+            raise NotImplementedError(f"argument {info}: only tensors are measured")
+    return [[tensor(dtype, shape) for _kind, dtype, shape in args_info] for _ in range(alloc_repeat)]
 
 
 def _last_line(err: BaseException) -> str:

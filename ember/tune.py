@@ -24,11 +24,18 @@ database's best is never slower than the rule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import functools
+import itertools
 import logging
 import math
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +44,9 @@ from tvm import relax, s_tir
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from ember.codegen import cross_linker
 from ember.errors import TuningError
+from ember.farm import Farm, runner_arguments, runner_session
 from ember.frontend import source as model_source
 from ember.ir_passes import pipeline
 from ember.ir_passes.quant_formats import FORMATS
@@ -45,10 +54,11 @@ from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.runtime.device import use_cpu_threads
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import (
-    BUILD_FUNCTION, Comparison, compare, enumerated_space, is_tunable, record_knobs, register_build_function,
-    knobs_record, schedule_with, space_size, tuning_space, workload,
+    BUILD_FUNCTION, EXPORT_FUNCTION, Comparison, KernelLoader, compare, enumerated_space, is_tunable, load_here,
+    record_knobs, register_build_function, knobs_record, schedule_with, space_size, tuning_space, workload,
 )
-from ember.schedules.tuning_db import TuningDatabase, check_for_tuning
+from ember.schedules.tuning_db import TuningDatabase, check_for_tuning, describe
+from ember.machine import cpu_fingerprint
 from ember.tvm_log import tvm_warnings_hidden
 from ember.targets.registry import TargetSpec, resolve_target
 
@@ -76,6 +86,7 @@ class TuneOptions:
     keep_embedding: bool = False
     keep_lm_head: bool = False
     float_activations: bool = False  # as for compile: projections stay float kernels (and tunable)
+    farm: Farm | None = None  # measure on the devices of a tracker's key (--rpc-tracker/--device-key), not here
 
 
 @dataclass
@@ -103,21 +114,29 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     """Tune the hottest kernels of `model` (a checkpoint or an artifact) into `options.db`."""
     model, options = _resolve_model(Path(model), options)
     target = resolve_target(options.target)
-    if target.is_gpu or target.tvm_target != resolve_target("cpu").tvm_target:
+    if options.farm is None and (target.is_gpu or target.tvm_target != resolve_target("cpu").tvm_target):
         raise TuningError(f"--target {options.target}: `ember tune` measures kernels on this machine, so it "
-                          "tunes only for this CPU (--target cpu)")
+                          "tunes only for this CPU (--target cpu); tune for another CPU on devices of it with "
+                          "--rpc-tracker HOST:PORT --device-key KEY")
+    if target.is_gpu:
+        raise TuningError(f"--target {options.target}: `ember tune` tunes CPU kernels only")
     quantization = options.quantization or model_source.default_quantization(model, target.default_quantization)
     if quantization not in FORMATS:
         raise TuningError(f"--quant {quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
         raise TuningError("--trials, --kernels and --budget must be positive")
-    # meta_schedule logs every trial to the console unless its logger is told otherwise (`-v` keeps it).
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
-        logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
     deadline = time.monotonic() + 60 * options.budget_minutes
-    check_for_tuning(options.db)
-    # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
-    use_cpu_threads()
+    if options.farm is None:
+        fingerprint = cpu_fingerprint()
+        check_for_tuning(options.db, fingerprint)
+        # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
+        use_cpu_threads()
+        measurer = Measurer.here()
+    else:
+        cross_linker(target)  # a missing cross toolchain is refused before any work
+        fingerprint, devices = _devices_fingerprint(options.farm, target, options.target)
+        check_for_tuning(options.db, fingerprint)
+        measurer = Measurer.on(options.farm, devices, target)
 
     fmt = FORMATS[quantization]
     imported = model_source.import_model(model, target.target, fmt.dtype)
@@ -130,7 +149,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     if not kernels:
         raise TuningError(f"{model} at --quant {quantization} has no tunable kernels (matmuls) for this CPU")
     # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
-    database = TuningDatabase.for_tuning(options.db)
+    database = TuningDatabase.for_tuning(options.db, fingerprint)
     total_weight = sum(kernel.weight for kernel in kernels)
     trials_left, weight_left = options.trials, total_weight
     results = []
@@ -143,13 +162,86 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         trials_left, weight_left = max(trials_left - wanted, 0), weight_left - kernel.weight
         _progress(f"[{index}/{len(kernels)}] {kernel.name} ({kernel.phases}, {kernel.calls} calls, "
                   f"{kernel.weight / total_weight:.0%} of the tuned work): {wanted} trials")
-        done = tune_kernel(kernel, wanted, database, target, deadline)
-        results.append(_evaluate(kernel, done, database, target))
+        done = tune_kernel(kernel, wanted, database, target, deadline, measurer)
+        results.append(_evaluate(kernel, done, database, target, measurer))
         if time.monotonic() > deadline and index < len(kernels):
             _progress(f"budget of {options.budget_minutes:g} minutes spent; {len(kernels) - index} kernels left "
                       "(rerun to continue)")
             break
     return results
+
+
+@dataclass
+class Measurer:
+    """Where kernels are timed: meta_schedule's builder and runner, how a kernel library is run for the
+    check against the rule, and how many devices serve (for the progress lines)."""
+
+    builder: ms.builder.Builder
+    runner: ms.runner.Runner
+    kernels: Callable[[], contextlib.AbstractContextManager[KernelLoader]]
+    serving: Callable[[], str] = lambda: ""
+
+    @classmethod
+    def here(cls) -> Measurer:
+        """This machine: meta_schedule's local builder and runner."""
+        # One worker, a long timeout: LLVM is slow on small machines.
+        builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=BUILD_SECONDS, f_build=BUILD_FUNCTION,
+                                          initializer=register_build_function)
+        return cls(builder, ms.runner.LocalRunner(timeout_sec=RUN_SECONDS, evaluator_config=_EVALUATOR),
+                   lambda: contextlib.nullcontext(load_here))
+
+    @classmethod
+    def on(cls, farm: Farm, devices: int, target: TargetSpec) -> Measurer:
+        """The devices of `farm`: kernels built and linked here for `target`, timed by meta_schedule's RPC runner
+        on as many devices at once as are registered now."""
+        builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=BUILD_SECONDS, f_build=BUILD_FUNCTION,
+                                          f_export=EXPORT_FUNCTION,
+                                          initializer=functools.partial(register_build_function, cross_linker(target)))
+        config = ms.runner.RPCConfig(farm.host, farm.port, farm.key, session_priority=1,
+                                     session_timeout_sec=RUN_SECONDS)
+        runner = ms.runner.RPCRunner(config, _EVALUATOR, max_workers=devices,
+                                     f_create_session=functools.partial(runner_session, farm.wait_seconds),
+                                     f_alloc_argument=runner_arguments)
+
+        def serving() -> str:
+            count = farm.devices()
+            return f" ({count} device{'s' if count != 1 else ''} of {farm.key!r} serving)"
+
+        return cls(builder, runner, functools.partial(_kernels_on, farm, cross_linker(target)), serving)
+
+
+@contextlib.contextmanager
+def _kernels_on(farm: Farm, linker: str | None) -> Iterator[KernelLoader]:
+    """Kernel libraries linked here and run on one device of `farm`, held for the whole comparison."""
+    session = farm.session(RUN_SECONDS * 10)
+    names = itertools.count()
+
+    def load(library: tvm.runtime.Executable) -> tuple[tvm.runtime.Module, tvm.runtime.Device]:
+        name = f"check{next(names)}.so"
+        with tempfile.TemporaryDirectory(prefix="ember-check-") as temp:
+            library.export_library(os.path.join(temp, name), **({"cc": linker} if linker else {}))
+            session.upload(os.path.join(temp, name), name)
+        return session.load_module(name), session.cpu()
+
+    yield load
+
+
+def _devices_fingerprint(farm: Farm, target: TargetSpec, target_option: str) -> tuple[dict, int]:
+    """The fingerprint the devices of `farm` report (all alike, and of `target`'s architecture) and their count."""
+    fingerprints = farm.fingerprints()
+    distinct = [dict(item) for item in {json.dumps(fp, sort_keys=True): fp for fp in fingerprints}.values()]
+    if len(distinct) > 1:
+        raise TuningError(f"the {len(fingerprints)} devices of key {farm.key!r} are not alike ("
+                          f"{'; '.join(map(describe, distinct))}): timings of one kind of CPU only make a database; "
+                          "register each kind under a key of its own")
+    fingerprint = fingerprints[0]
+    machine = str(fingerprint.get("machine", ""))
+    if target.arch and machine and target.arch != machine:
+        raise TuningError(f"--target {target_option} is for {target.arch}; the devices of key {farm.key!r} are "
+                          f"{machine} ({describe(fingerprint)}): give the --target they run")
+    _progress(f"{len(fingerprints)} device{'s' if len(fingerprints) > 1 else ''} of key {farm.key!r}: "
+              f"{describe(fingerprint)}")
+    return fingerprint, len(fingerprints)
 
 
 def hot_kernels(mod: tvm.IRModule, target: TargetSpec) -> list[HotKernel]:
@@ -172,24 +264,31 @@ def hot_kernels(mod: tvm.IRModule, target: TargetSpec) -> list[HotKernel]:
 
 
 def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target: TargetSpec,
-                 deadline: float) -> int:
+                deadline: float, measurer: Measurer | None = None) -> int:
     """Rounds until `wanted` trials of `kernel` are on disk or the deadline passes; the trials on disk.
 
-    A float matmul's rounds are meta_schedule searches; an int8 matmul's, its next untried knob tuples."""
+    A float matmul's rounds are meta_schedule searches; an int8 matmul's, its next untried knob tuples.
+    Timed by `measurer` (default: here)."""
+    measurer = measurer or Measurer.here()
     done = database.trials(kernel.workload)
     enumerated = enumerated_space(kernel.workload["main"], target) is not None
     while done < wanted and time.monotonic() < deadline:
+        progress = _Progress(done, wanted, measurer.serving)
         if enumerated:
             if not _measure_next_knobs(kernel, min(TRIALS_PER_COMMIT, wanted - done), database, target,
-                                       _Progress(done, wanted)):
+                                       measurer, progress):
                 break  # every knob tuple is on disk
         else:
+            # meta_schedule logs every trial to the console (stdout) unless its logger is told otherwise (`-v`
+            # keeps it); each tune_tir leaves the logger at DEBUG, so it is told again before each round.
+            logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
+                logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
             ms.tune_tir(
                 kernel.workload, target.target, work_dir=str(database.path / "logs"),
                 max_trials_global=min(TRIALS_PER_ROUND, wanted - done), num_trials_per_iter=TRIALS_PER_COMMIT,
-                builder=_builder(), runner=_runner(), database=database.records, cost_model="random",
+                builder=measurer.builder, runner=measurer.runner, database=database.records, cost_model="random",
                 task_scheduler="round-robin", measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"),
-                                                                 _Progress(done, wanted)],
+                                                                 progress],
                 space=tuning_space(target), strategy="replay-trace", num_tuning_cores=max(target.num_cores, 1),
             )
         done = database.trials(kernel.workload)
@@ -197,7 +296,7 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
 
 
 def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase, target: TargetSpec,
-                        progress: _Progress) -> bool:
+                        measurer: Measurer, progress: _Progress) -> bool:
     """Build, time and record the next `count` knob tuples of an int8 matmul not on disk; False if none is left."""
     func = kernel.workload["main"]
     entry = database.records.commit_workload(kernel.workload)
@@ -207,11 +306,11 @@ def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase,
     if not todo:
         return False
     candidates = [workload(schedule_with(func, knobs, target)) for knobs in todo]
-    builds = _builder().build([ms.builder.BuilderInput(candidate, target.target) for candidate in candidates])
+    builds = measurer.builder.build([ms.builder.BuilderInput(candidate, target.target) for candidate in candidates])
     built = [(build, candidate) for build, candidate in zip(builds, candidates) if not build.error_msg]
-    futures = iter(_runner().run([ms.runner.RunnerInput(build.artifact_path, target.name,
-                                                        ms.arg_info.ArgInfo.from_prim_func(candidate["main"]))
-                                  for build, candidate in built]))
+    futures = iter(measurer.runner.run([ms.runner.RunnerInput(build.artifact_path, target.name,
+                                                              ms.arg_info.ArgInfo.from_prim_func(candidate["main"]))
+                                        for build, candidate in built]))
     runs = [ms.runner.RunnerResult(None, build.error_msg) if build.error_msg else next(futures).result()
             for build in builds]
     for knobs, build, run in zip(todo, builds, runs):
@@ -223,23 +322,17 @@ def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase,
     return True
 
 
-def _builder() -> ms.builder.LocalBuilder:
-    # One worker, a long timeout: LLVM is slow on small machines.
-    return ms.builder.LocalBuilder(max_workers=1, timeout_sec=120.0, f_build=BUILD_FUNCTION,
-                                   initializer=register_build_function)
-
-
-def _runner() -> ms.runner.LocalRunner:
-    return ms.runner.LocalRunner(timeout_sec=60.0, evaluator_config=ms.runner.EvaluatorConfig(
-        number=5, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False))
+BUILD_SECONDS = 120.0
+RUN_SECONDS = 60.0
+_EVALUATOR = ms.runner.EvaluatorConfig(number=5, repeat=3, min_repeat_ms=20, enable_cpu_cache_flush=False)
 
 
 @derived_object
 class _Progress(ms.measure_callback.PyMeasureCallback):
     """Prints the trial count and the best time after each batch of measurements."""
 
-    def __init__(self, done: int, wanted: int) -> None:
-        self.done, self.wanted, self.best = done, wanted, math.inf
+    def __init__(self, done: int, wanted: int, serving: Callable[[], str] = lambda: "") -> None:
+        self.done, self.wanted, self.best, self.serving = done, wanted, math.inf, serving
 
     def apply(self, _scheduler, _task_id, _candidates, _builds, runs) -> None:
         self.count(runs)
@@ -250,16 +343,18 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         times = [sum(map(float, run.run_secs)) / len(run.run_secs) for run in runs if run.run_secs]
         self.best = min([self.best, *times])
         best = f", best {_ms(self.best)}" if self.best < math.inf else ""
-        _progress(f"    {self.done}/{self.wanted} trials{best}")
+        _progress(f"    {self.done}/{self.wanted} trials{best}{self.serving()}")
 
 
-def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: TargetSpec) -> TunedKernel:
-    """The best record against the rule, both run here on the same inputs."""
+def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: TargetSpec,
+              measurer: Measurer) -> TunedKernel:
+    """The best record against the rule, both run where the trials ran (here, or one device) on the same inputs."""
     best = database.best(kernel.workload, target.target)
     if best is None:
         return TunedKernel(kernel, trials, None, None)
     knobs = record_knobs(best)
-    comparison = compare(kernel.workload["main"], knobs, target, timed=True)
+    with measurer.kernels() as load:
+        comparison = compare(kernel.workload["main"], knobs, target, timed=True, load=load)
     if comparison is None or not comparison.agrees:
         _progress(f"    best record {knobs} is unusable (compile will use the rule)")
         return TunedKernel(kernel, trials, knobs, comparison)

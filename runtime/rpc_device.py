@@ -38,6 +38,7 @@ import ember
 from ember.errors import EmberError
 from ember.machine import cpu_fingerprint
 from ember.runtime.bench import BenchOptions, run_benchmark
+from ember.runtime.device import use_cpu_threads
 
 FINGERPRINT_FUNCTION = "ember.device.fingerprint"
 WRITE_FUNCTION = "ember.device.write"
@@ -84,6 +85,7 @@ def serve(tracker: tuple[str, int], key: str, host: str = "127.0.0.1", port: int
     """Serve RPC sessions on `host` (the first free port in [port, port_end)), registered with `tracker` as
     a device of kind `key`, until killed."""
     register_functions()
+    use_cpu_threads()  # sessions (forked from here) run kernels on one thread per physical core, as artifacts do
     # What `rpc.Server` runs in a worker process of its own, run in this one: the device is one process
     # to start and to stop, and needs no cloudpickle. Sessions are forked from it, functions included.
     state = rpc_server.PopenRPCServerState(host, port, port_end, tracker_addr=tracker, key=key)

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,14 +122,18 @@ def rule_knobs(func: tirx.PrimFunc, target: TargetSpec) -> list[int]:
 
 
 BUILD_FUNCTION = "ember.tuning.build"
+EXPORT_FUNCTION = "ember.tuning.export"
 
 
-def register_build_function() -> None:
-    """Runs in each of meta_schedule's build workers: registers `BUILD_FUNCTION`.
+def register_build_function(linker: str | None = None) -> None:
+    """Runs in each of meta_schedule's build workers: registers `BUILD_FUNCTION`, and `EXPORT_FUNCTION`,
+    which writes a shared library linked by `linker` (None: the host's compiler).
 
     meta_schedule's default build function first imports its tensor intrinsics (parsing
     hundreds of TVMScript functions, ~20 s on 2 busy cores), and the builder starts fresh
-    workers for every batch; ember's kernels use no tensor intrinsics.
+    workers for every batch; ember's kernels use no tensor intrinsics. Its default export
+    writes a tar of object files, which the machine running them must link: a device of the
+    farm may have no compiler, so kernels measured over RPC go as a library linked here.
     """
 
     from tvm.driver import build as tvm_build  # what meta_schedule's default build calls, minus the import
@@ -135,7 +141,22 @@ def register_build_function() -> None:
     def build(mod: tvm.IRModule, target: tvm.target.Target, _params: object) -> tvm.runtime.Module:
         return tvm_build(mod, target=target)
 
+    def export(mod: tvm.runtime.Module) -> str:
+        path = os.path.join(tempfile.mkdtemp(prefix="ember-kernel-"), "kernel.so")
+        mod.export_library(path, **({"cc": linker} if linker else {}))
+        return path
+
     tvm.register_global_func(BUILD_FUNCTION, build, override=True)
+    tvm.register_global_func(EXPORT_FUNCTION, export, override=True)
+
+
+# Loads a built kernel library where it is to run: its module and the device it runs on.
+KernelLoader = Callable[[tvm.runtime.Executable], tuple[tvm.runtime.Module, tvm.runtime.Device]]
+
+
+def load_here(library: tvm.runtime.Executable) -> tuple[tvm.runtime.Module, tvm.runtime.Device]:
+    """A kernel library run in this process, on this machine's CPU."""
+    return library.mod, tvm.cpu()
 
 
 def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: TargetSpec,
@@ -195,21 +216,23 @@ class Comparison:
         return self.max_error <= RTOL * self.scale
 
 
-def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bool = False) -> Comparison | None:
-    """Run `func` scheduled by the rule and with `knobs` on the same random inputs (None: knobs unusable)."""
+def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bool = False,
+            load: KernelLoader = load_here) -> Comparison | None:
+    """Run `func` scheduled by the rule and with `knobs` on the same random inputs (None: knobs unusable),
+    where `load` puts them: here by default, on a device of the farm for `ember tune --rpc-tracker`."""
     sizes = _sizes(func, _CHECK_SIZES)
     tuned = schedule_with(func, knobs, target)
     rule = schedule_with(func, None, target)
     if sizes is None or tuned is None or rule is None:
         return None
-    device = tvm.cpu()
     inputs = _random_arguments(func, sizes)
     runs = []
     for scheduled in (rule, tuned):
-        library = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target.target)
+        module, device = load(tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                                          target.target))
         arguments = [tvm.runtime.tensor(array, device) for array in inputs]
-        library["main"](*arguments)
-        runs.append((library.mod.time_evaluator("main", device, number=10, repeat=1, min_repeat_ms=50), arguments))
+        module["main"](*arguments)
+        runs.append((module.time_evaluator("main", device, number=10, repeat=1, min_repeat_ms=50), arguments))
     results = [[argument.numpy() for argument in arguments] for _timer, arguments in runs]
     seconds = [math.inf, math.inf]
     # Alternated, best of three each: a machine whose memory bandwidth drifts (shared hosts)

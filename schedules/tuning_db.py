@@ -3,7 +3,8 @@
 Layout of DIR:
 
     fingerprint.json              the machine the records were measured on (`cpu_fingerprint()`:
-                                  architecture, CPU model, ISA extensions, cores)
+                                  architecture, CPU model, ISA extensions, cores), as that machine
+                                  reports it: this one, or a farm device (`ember tune --rpc-tracker`)
     database_workload.json        meta_schedule's JSONDatabase: one line per workload (a kernel
     database_tuning_record.json   at its tuning shape) and one line per measured trial, appended
                                   as each trial finishes, so a job killed with kill -9 loses only
@@ -46,13 +47,15 @@ class TuningDatabase:
     records: ms.database.Database
 
     @classmethod
-    def for_tuning(cls, path: Path) -> TuningDatabase:
-        """Open (or create) `path` to add records measured on this machine."""
+    def for_tuning(cls, path: Path, fingerprint: dict[str, Any] | None = None) -> TuningDatabase:
+        """Open (or create) `path` to add records measured on the CPU of `fingerprint` (default: this machine's;
+        a farm device's as it reports it over RPC)."""
         path = Path(path)
-        if check_for_tuning(path) is None:
+        fingerprint = fingerprint or cpu_fingerprint()
+        if check_for_tuning(path, fingerprint) is None:
             try:
                 path.mkdir(parents=True, exist_ok=True)
-                (path / FINGERPRINT_NAME).write_text(json.dumps(cpu_fingerprint(), indent=2))
+                (path / FINGERPRINT_NAME).write_text(json.dumps(fingerprint, indent=2))
             except OSError as err:
                 raise TuningError(f"--db {path}: cannot write the tuning database ({err})") from None
         for name in _TABLES:
@@ -104,13 +107,15 @@ class TuningDatabase:
         return self.records.query_tuning_record(workload, target, "main")
 
 
-def check_for_tuning(path: Path) -> dict[str, Any] | None:
-    """Refuse a `--db` that is no tuning database directory or was made on another machine (before
-    minutes of work); its fingerprint, or None where there is no database yet."""
+def check_for_tuning(path: Path, fingerprint: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Refuse a `--db` that is no tuning database directory or was made on another CPU than the one of
+    `fingerprint` (default: this machine's), before minutes of work; its fingerprint, or None where there
+    is no database yet."""
     theirs = _read_fingerprint(Path(path), "--db")
-    here = cpu_fingerprint()
+    here = fingerprint or cpu_fingerprint()
     if theirs is not None and theirs != here:
-        raise TuningError(f"--db {path} was made on {describe(theirs)}, not this machine ({describe(here)}); "
+        whose = "this machine" if fingerprint is None else "the devices measuring"
+        raise TuningError(f"--db {path} was made on {describe(theirs)}, not {whose} ({describe(here)}); "
                           "tune into another directory")
     return theirs
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -105,8 +106,9 @@ def loopback_farm(log_dir: Path) -> Iterator[LoopbackFarm]:
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory) -> Iterator[LoopbackFarm]:
-    """A tracker with one ember device of `KEY`."""
+    """A tracker with two ember devices of `KEY`."""
     with loopback_farm(tmp_path_factory.mktemp("farm")) as farm:
+        farm.start_device()
         farm.start_device()
         yield farm
 
@@ -195,3 +197,101 @@ def test_device_writes_stay_in_the_session_directory(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="not a relative path"):
             rpc_device._write(path, 0, bytearray(b"x"))
     assert json.loads(rpc_device._fingerprint())["fingerprint"]["cores"] >= 1
+
+
+RECORDS = "database_tuning_record.json"
+
+
+def tune_command(farm: LoopbackFarm, checkpoint: Path, db: Path, trials: int, kernels: int = 1,
+                 key: str = KEY) -> list[str]:
+    return [sys.executable, "-m", "ember", "tune", str(checkpoint), "--db", str(db), "--trials", str(trials),
+            "--kernels", str(kernels), "--prefill-chunk", "64", "--rpc-tracker", farm.address, "--device-key", key]
+
+
+def record_lines(db: Path) -> int:
+    return len((db / RECORDS).read_text().splitlines()) if (db / RECORDS).exists() else 0
+
+
+def start_job(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_records(db: Path, job: subprocess.Popen, count: int = 1, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while record_lines(db) < count and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert record_lines(db) >= count, job.communicate(timeout=60)
+
+
+def compile_applies(tiny_models, db: Path, out: Path, kernels: int) -> None:
+    """`ember compile --tuning-db` takes the database: each tuned kernel is scheduled by its record, or
+    by the rule where the rule measured fastest."""
+    compiled = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(out), "--tuning-db", str(db),
+                         "--prefill-chunk", "64", "--no-progress", timeout=300)
+    assert compiled.returncode == 0, compiled.stderr
+    applied = re.search(r"(\d+) kernels from the tuning database, (\d+) where the rule's schedule won", compiled.stdout)
+    assert applied and int(applied[1]) + int(applied[2]) == kernels, compiled.stdout + compiled.stderr
+
+
+@pytest.mark.slow
+def test_tune_on_two_devices_keys_the_database_by_their_fingerprint(farm, tiny_models, tmp_path):
+    db = tmp_path / "db"
+    job = subprocess.run(tune_command(farm, tiny_models.checkpoint("llama"), db, trials=8, kernels=2),
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert job.returncode == 0, job.stderr
+    assert f"2 devices of key {KEY!r}:" in job.stderr, job.stderr
+    assert f"(2 devices of {KEY!r} serving)" in job.stderr, job.stderr
+    assert job.stdout == f"tuned 2 kernels into {db}\n", job.stdout
+    reported = Farm("127.0.0.1", farm.port, KEY).fingerprints()
+    assert len(reported) == 2 and all(fp == json.loads((db / "fingerprint.json").read_text()) for fp in reported)
+    assert record_lines(db) >= 8
+    compile_applies(tiny_models, db, tmp_path / "artifact", kernels=2)
+
+
+def test_tune_against_a_key_without_devices_fails_in_bounded_time(farm, tiny_models, tmp_path):
+    start = time.monotonic()
+    result = run_ember("tune", str(tiny_models.checkpoint("llama")), "--db", str(tmp_path / "db"),
+                       "--rpc-tracker", farm.address, "--device-key", "nobody", "--wait", "3")
+    assert time.monotonic() - start < 90
+    assert_one_line_error(result, "no device of key 'nobody' registered with tracker", "within 3 s")
+    assert not (tmp_path / "db").exists()
+
+
+@pytest.mark.slow
+def test_tuning_goes_on_when_a_device_dies(tiny_models, tmp_path):
+    """Two devices; one is killed (SIGKILL, as a device losing power) once the first trials are recorded: the
+    measurement in flight there is recorded as failed, and the job finishes on the other device."""
+    db = tmp_path / "db"
+    with loopback_farm(tmp_path) as flaky:
+        devices = [flaky.start_device("flaky"), flaky.start_device("flaky")]
+        job = start_job(tune_command(flaky, tiny_models.checkpoint("llama"), db, trials=12, key="flaky"))
+        try:
+            wait_for_records(db, job)
+            flaky.stop(devices[0])
+            _, stderr = job.communicate(timeout=900)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr
+    assert "12/12 trials" in stderr and "(1 device of 'flaky' serving)" in stderr, stderr
+    assert record_lines(db) >= 12
+
+
+@pytest.mark.slow
+def test_killed_tuning_job_over_rpc_resumes(farm, tiny_models, tmp_path):
+    """kill -9 of the tuning job (and its builder and runner workers) after the first records; a rerun keeps
+    them, adds more, and compile applies them."""
+    db, checkpoint = tmp_path / "db", tiny_models.checkpoint("llama")
+    job = start_job(tune_command(farm, checkpoint, db, trials=64))
+    try:
+        wait_for_records(db, job)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    before = record_lines(db)
+    resumed = subprocess.run(tune_command(farm, checkpoint, db, trials=before + 2), cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{before + 2}/{before + 2} trials" in resumed.stderr and record_lines(db) in (before + 2, before + 3)
+    compile_applies(tiny_models, db, tmp_path / "artifact", kernels=1)
