@@ -19,7 +19,15 @@ tuples already on disk. After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
 times and flags a record that disagrees numerically (compile would reject it), and
 if the rule is faster, a record of the rule's own knobs is added so that the
-database's best is never slower than the rule.
+database's best is never slower than the rule. Each check is noted in the database
+(`checks.json`), for compiles that cannot run the kernels themselves.
+
+With `--rpc-tracker HOST:PORT --device-key KEY` the same happens on a device farm
+(`ember/farm.py`): kernels are built here for `--target` (a board's, cross-linked as
+compile links it) and timed on the key's devices by meta_schedule's `RPCRunner`, as many
+at once as devices are registered; the check against the rule runs on one of them. The
+database is keyed by the fingerprint the devices report about themselves, which must
+agree: one database, one kind of CPU.
 """
 
 from __future__ import annotations
@@ -355,6 +363,8 @@ def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: 
     knobs = record_knobs(best)
     with measurer.kernels() as load:
         comparison = compare(kernel.workload["main"], knobs, target, timed=True, load=load)
+    database.record_check(kernel.workload, knobs, comparison is not None and comparison.agrees,
+                          math.inf if comparison is None else comparison.max_error)
     if comparison is None or not comparison.agrees:
         _progress(f"    best record {knobs} is unusable (compile will use the rule)")
         return TunedKernel(kernel, trials, knobs, comparison)

@@ -54,7 +54,7 @@ from tvm.s_tir import meta_schedule as ms
 from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
 from ember.schedules import int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
-from ember.schedules.tuning_db import TuningDatabase
+from ember.schedules.tuning_db import TuningDatabase, describe
 from ember.targets.registry import TargetSpec
 
 log = logging.getLogger("ember")
@@ -251,23 +251,39 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
 
     @tvm.transform.module_pass(opt_level=0, name="ApplyTuningDatabase")
     def _apply(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        # A device's database (another architecture, tuned over RPC): its kernels cannot run here, so its
+        # records apply to compiles for its target only, and only where the device checked them.
+        device = not database.measured_here
+        if device and database.fingerprint.get("machine") != target.arch:
+            log.warning("tuning database %s was made on %s, not a %s CPU; ignoring it", database.path,
+                        describe(database.fingerprint), target.arch)
+            return mod
         updates = {}
         for gv, func in _tunable_kernels(mod):
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
-            if record is None:
+            if record is None or (device and record.target.export() != target.target.export()):
                 continue
             knobs = record_knobs(record)
             if knobs == rule_knobs(func, target):
                 # The rule won the search: it schedules this kernel itself.
                 updates[gv.name_hint] = func.with_attr(SCHEDULE_SOURCE_ATTR, "rule-won-tuning")
                 continue
-            check = compare(func, knobs, target)
-            if check is None or not check.agrees:
+            if device:
+                checked = database.checked(tuned_as, knobs)
+                if not checked:
+                    why = "was never checked against the rule" if checked is None else "differed from the rule"
+                    log.warning("tuning record for %s (%s) %s on the device; using the rule", gv.name_hint, knobs,
+                                why)
+                    continue
+            elif (check := compare(func, knobs, target)) is None or not check.agrees:
                 why = "does not fit" if check is None else f"differs from the rule by {check.max_error:.3g}"
                 log.warning("tuning record for %s (%s) %s; using the rule", gv.name_hint, knobs, why)
                 continue
             scheduled = schedule_with(func, knobs, target)
+            if scheduled is None:  # checked on the device, but not here: a record from another ember version
+                log.warning("tuning record for %s (%s) does not fit; using the rule", gv.name_hint, knobs)
+                continue
             updates[gv.name_hint] = scheduled.with_attr(SCHEDULE_SOURCE_ATTR, "tuning")
         return replace_functions(mod, updates)
 

@@ -9,11 +9,16 @@ Layout of DIR:
     database_tuning_record.json   at its tuning shape) and one line per measured trial, appended
                                   as each trial finishes, so a job killed with kill -9 loses only
                                   the trials in flight and a rerun continues from the count on disk
+    checks.json                   one line per best record checked against the rule (on the CPU that
+                                  measured it): whether it agreed, by workload hash and knobs
     logs/                         meta_schedule's per-task logs
 
 Timings are only meaningful on the CPU that took them. Tuning into a directory made on
 another machine is refused (mixing machines would corrupt the ranking); compiling with
-one is not an error but a notice, and the rules schedule everything.
+one of this machine's architecture is not an error but a notice, and the rules schedule
+everything. A database a device of another architecture measured (`ember tune
+--rpc-tracker`) applies to compiles for that device's target, and since its kernels cannot
+run here, only the records checked against the rule on the device (`checks.json`) are used.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
@@ -35,16 +41,41 @@ from ember.targets.hardware import cpu_fingerprint
 log = logging.getLogger("ember")
 
 FINGERPRINT_NAME = "fingerprint.json"
+CHECKS_NAME = "checks.json"
 _TABLES = ("database_workload.json", "database_tuning_record.json")
 
 
 @dataclass
 class TuningDatabase:
-    """meta_schedule's records of the database at `path`, measured on this machine: the JSONDatabase
-    itself when tuning, an in-memory copy when compiling."""
+    """meta_schedule's records of the database at `path`, measured on the CPU of `fingerprint`: the
+    JSONDatabase itself when tuning, an in-memory copy when compiling."""
 
     path: Path
     records: ms.database.Database
+    fingerprint: dict[str, Any] = field(default_factory=cpu_fingerprint)
+    # (structural hash of a workload, knobs) -> whether that record agreed with the rule where it was measured
+    checks: dict[tuple[int, tuple[int, ...]], bool] = field(default_factory=dict)
+
+    @property
+    def measured_here(self) -> bool:
+        """Whether this machine measured the records (else a device of another architecture did, over RPC)."""
+        return self.fingerprint == cpu_fingerprint()
+
+    def record_check(self, workload: tvm.IRModule, knobs: list[int], agrees: bool, max_error: float) -> None:
+        """Note that the record of `knobs` did (or did not) agree with the rule on the CPU that measured it:
+        what a compile for a device of another architecture, which cannot run the kernels, goes by."""
+        key = (tvm_ffi.structural_hash(workload), tuple(knobs))
+        self.checks[key] = agrees
+        line = {"workload": key[0], "knobs": list(knobs), "agrees": agrees, "max_error": max_error}
+        try:
+            with open(self.path / CHECKS_NAME, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as err:
+            raise TuningError(f"--db {self.path}: cannot write the tuning database ({err})") from None
+
+    def checked(self, workload: tvm.IRModule, knobs: list[int]) -> bool | None:
+        """Whether the record of `knobs` agreed with the rule where it was measured (None: never checked)."""
+        return self.checks.get((tvm_ffi.structural_hash(workload), tuple(knobs)))
 
     @classmethod
     def for_tuning(cls, path: Path, fingerprint: dict[str, Any] | None = None) -> TuningDatabase:
@@ -60,7 +91,7 @@ class TuningDatabase:
                 raise TuningError(f"--db {path}: cannot write the tuning database ({err})") from None
         for name in _TABLES:
             _drop_torn_line(path / name)
-        return cls(path, _json_database(path, "--db"))
+        return cls(path, _json_database(path, "--db"), fingerprint, _read_checks(path))
 
     @classmethod
     def for_compiling(cls, path: Path) -> TuningDatabase | None:
@@ -71,9 +102,10 @@ class TuningDatabase:
             raise TuningError(f"--tuning-db {path}: not a tuning database (no {FINGERPRINT_NAME}); "
                               "make one with `ember tune --db`")
         here = cpu_fingerprint()
-        if theirs != here:
+        if theirs != here and theirs.get("machine") == here["machine"]:
             log.warning("tuning database %s was made on %s; ignoring it", path, describe(theirs))
             return None
+        # A device of another architecture (tuned with --rpc-tracker): its records apply to compiles for it.
         # meta_schedule's JSONDatabase opens its tables for appending: load a private copy of their whole
         # lines into memory, so a read-only (or shared) database stays untouched.
         with tempfile.TemporaryDirectory(prefix="ember-tuning-db-") as copy:
@@ -91,7 +123,7 @@ class TuningDatabase:
             entry = in_memory.commit_workload(record.workload.mod)
             in_memory.commit_tuning_record(ms.database.TuningRecord(
                 record.trace, entry, record.run_secs, record.target, record.args_info))
-        return cls(path, in_memory)
+        return cls(path, in_memory, theirs, _read_checks(path))
 
     def trials(self, workload: tvm.IRModule) -> int:
         """How many trials of `workload` are on disk (failed builds and runs included)."""
@@ -141,6 +173,25 @@ def _read_fingerprint(path: Path, option: str) -> dict[str, Any] | None:
     if data is not None and not isinstance(data, dict):
         raise TuningError(f"{option} {fingerprint}: not a JSON object; tune into a new directory")
     return data
+
+
+def _read_checks(path: Path) -> dict[tuple[int, tuple[int, ...]], bool]:
+    """The checks of records against the rule in `path` (`record_check`), the last of each kept; a torn or
+    damaged line is skipped (its record then counts as unchecked)."""
+    checks = {}
+    try:
+        lines = (path / CHECKS_NAME).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return checks
+    except (OSError, UnicodeDecodeError) as err:
+        raise TuningError(f"{path / CHECKS_NAME}: unreadable ({err})") from None
+    for line in lines:
+        try:
+            check = json.loads(line)
+            checks[(int(check["workload"]), tuple(int(k) for k in check["knobs"]))] = bool(check["agrees"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return checks
 
 
 def _json_database(path: Path, option: str, shown: Path | None = None) -> ms.database.JSONDatabase:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import signal
 import socket
@@ -57,16 +58,18 @@ class LoopbackFarm:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start_device(self, key: str = KEY, bare: bool = False) -> subprocess.Popen:
-        """An ember device of `key` (or TVM's bare rpc_server), once the tracker lists it."""
+    def start_device(self, key: str = KEY, bare: bool = False, python: tuple[str, ...] = (sys.executable,),
+                     env: dict[str, str] | None = None, seconds: float = START_SECONDS) -> subprocess.Popen:
+        """An ember device of `key` (or TVM's bare rpc_server) run by `python`, once the tracker lists it."""
         before = Farm("127.0.0.1", self.port, key).devices()
         module = "tvm.exec.rpc_server" if bare else "ember.runtime.rpc_device"
         port = free_port()
-        device = self._start(f"device-{len(self.processes)}", "-m", module, "--tracker", self.address, "--key", key,
-                             "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 50))
-        deadline = time.monotonic() + START_SECONDS
+        name = f"device-{len(self.processes)}"
+        device = self._start(name, "-m", module, "--tracker", self.address, "--key", key, "--host", "127.0.0.1",
+                             "--port", str(port), "--port-end", str(port + 50), python=python, env=env)
+        deadline = time.monotonic() + seconds
         while Farm("127.0.0.1", self.port, key).devices() <= before:
-            assert time.monotonic() < deadline and device.poll() is None, "the device did not register"
+            assert time.monotonic() < deadline and device.poll() is None, f"the device did not register: {self.log(name)}"
             time.sleep(0.5)
         return device
 
@@ -87,10 +90,11 @@ class LoopbackFarm:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
-    def _start(self, name: str, *args: str) -> subprocess.Popen:
+    def _start(self, name: str, *args: str, python: tuple[str, ...] = (sys.executable,),
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        process = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen([*python, *args], cwd=self.log_dir, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env={**os.environ, **(env or {})})
         self.processes.append(process)
         return process
 
@@ -295,3 +299,88 @@ def test_killed_tuning_job_over_rpc_resumes(farm, tiny_models, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"{before + 2}/{before + 2} trials" in resumed.stderr and record_lines(db) in (before + 2, before + 3)
     compile_applies(tiny_models, db, tmp_path / "artifact", kernels=1)
+
+
+def test_a_device_database_applies_to_compiles_for_its_architecture(tmp_path, caplog):
+    """A database an aarch64 device measured: a compile for that target takes the records the device checked
+    against the rule (their kernels cannot run here to be checked again), and a compile for this CPU none."""
+    import logging
+
+    import tvm
+
+    from ember.schedules.tuning import SCHEDULE_SOURCE_ATTR, apply_tuning_database, knobs_record, rule_knobs, workload
+    from ember.schedules.tuning_db import TuningDatabase
+    from ember.targets.registry import resolve_target
+    from test_tuning import nt_matmul
+
+    board, func = resolve_target("raspberry-pi-5"), nt_matmul()
+    device = {"machine": "aarch64", "cpu": "Cortex-A76", "isa": ["asimd"], "cores": 4}
+    tuning = TuningDatabase.for_tuning(tmp_path / "db", device)
+    knobs = [2, 8, 2] if rule_knobs(func, board) != [2, 8, 2] else [1, 16, 4]
+    tuning.records.commit_tuning_record(knobs_record(workload(func), tuning, board, 1e-10, knobs))
+
+    def source(target) -> str | None:
+        database = TuningDatabase.for_compiling(tmp_path / "db")
+        assert database is not None and not database.measured_here
+        with target.target:
+            applied = apply_tuning_database(database, target)(tvm.IRModule({"nt": func}))
+        return (applied["nt"].attrs or {}).get(SCHEDULE_SOURCE_ATTR)
+
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        assert source(board) is None
+    assert "was never checked against the rule on the device" in caplog.text
+    tuning.record_check(workload(func), knobs, False, 0.5)
+    assert source(board) is None and "differed from the rule on the device" in caplog.text
+    tuning.record_check(workload(func), knobs, True, 0.0)
+    assert source(board) == "tuning"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        assert source(resolve_target("cpu")) is None
+    assert "made on Cortex-A76 (aarch64" in caplog.text and "ignoring it" in caplog.text
+
+
+@pytest.mark.slow
+def test_bench_on_an_emulated_aarch64_device(farm, tmp_path):
+    """An aarch64 device under qemu-aarch64 (scripts/setup_arm64.sh), with ember's runtime package and TVM's runtime
+    library only, joins the tracker; `ember bench` of the demo compiled for raspberry-pi-5 runs there and gives the
+    greedy tokens of the x86 build (correctness only: emulated speed means nothing). The aarch64 artifact is
+    refused by the x86 devices before any upload."""
+    if platform.machine() != "x86_64":
+        pytest.skip("cross-compiles from x86_64")
+    setup = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup_arm64.sh")], capture_output=True, text=True)
+    if setup.returncode == 3:
+        pytest.skip(setup.stderr.strip())
+    assert setup.returncode == 0, setup.stderr
+    board, x86 = tmp_path / "demo-pi5", tmp_path / "demo-x86"
+    for target, out in (("raspberry-pi-5", board), ("cpu", x86)):
+        compiled = run_ember("compile", "demo", "--target", target, "-o", str(out), "--no-progress", timeout=600)
+        assert compiled.returncode == 0, compiled.stderr
+    package = tmp_path / "package"
+    assert run_ember("package", str(board), "-o", str(package)).returncode == 0
+    # ember's runtime from the package alone: the device has no ember checkout, compiler or torch.
+    device = farm.start_device("arm64", python=tuple(setup.stdout.split()), seconds=300,
+                               env={"PYTHONPATH": str(package), "TVM_USE_RUNTIME_LIB": "1"})
+    try:
+        options = ("--prompt-tokens", "32", "--new-tokens", "16", "--repeats", "1")
+        there = bench_json(str(board), *options, "--rpc-tracker", farm.address, "--device-key", "arm64")
+        here = bench_json(str(x86), *options)
+        assert there["fingerprint"]["machine"] == "aarch64" and there["tokens"] == here["tokens"]
+        assert there["hardware"] == "raspberry-pi-5" and there["decode_roofline_share"] > 0
+        refused = run_ember("bench", str(board), "--rpc-tracker", farm.address, "--device-key", KEY)
+        assert_one_line_error(refused, "was compiled for aarch64", f"device {KEY!r} via tracker", "is x86_64")
+
+        # Tuning for the board on it: kernels cross-linked here, timed and checked there; compile applies them.
+        db = tmp_path / "db"
+        tuned = run_ember("tune", "demo", "--target", "raspberry-pi-5", "--db", str(db), "--trials", "3",
+                          "--kernels", "1", "--rpc-tracker", farm.address, "--device-key", "arm64", timeout=900)
+        assert tuned.returncode == 0, tuned.stderr
+        assert json.loads((db / "fingerprint.json").read_text())["machine"] == "aarch64"
+        assert len((db / "checks.json").read_text().splitlines()) == 1
+        compiled = run_ember("compile", "demo", "--target", "raspberry-pi-5", "-o", str(tmp_path / "tuned"),
+                             "--tuning-db", str(db), "--no-progress", timeout=600)
+        assert compiled.returncode == 0, compiled.stderr
+        applied = re.search(r"(\d+) kernels from the tuning database, (\d+) where the rule's schedule won",
+                            compiled.stdout)
+        assert applied and int(applied[1]) + int(applied[2]) == 1, compiled.stdout + compiled.stderr
+    finally:
+        farm.stop(device)
