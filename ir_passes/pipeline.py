@@ -12,7 +12,8 @@ frontend and `tvm.compile`'s code generation:
    CPUs, exp and sigmoid become polynomials that vectorize.
 4. dataflow lowering and memory planning: static buffers sized by the bounds;
    on CUDA, decode's kernel runs captured as CUDA graphs.
-5. finalization: VM-level lowering.
+5. finalization: VM-level lowering; on CPUs every kernel marked `noalias` (TVM's LLVM
+   code generation reads it from one function for the whole module).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.polynomial_exp import polynomial_exp
 from ember.ir_passes.quant_formats import QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
@@ -122,7 +124,7 @@ def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
         relax.transform.ComputePrimValue(),
         relax.transform.VMShapeLower(),
         relax.transform.AttachGlobalSymbol(),
-    ]
+    ] + ([] if target.is_gpu else [noalias_kernels])  # after VMShapeLower, which adds shape functions
 
 
 def to_kernels(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:

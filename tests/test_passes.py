@@ -196,3 +196,36 @@ def test_polynomial_exp_vectorizes_exp_and_sigmoid_within_float_rounding() -> No
             assert abs(low) < 1e-35 and high == np.float32(100)
         else:
             assert low <= 2e-38 and np.isfinite(high) and high > 1e38
+
+
+def test_noalias_kernels_keeps_the_matmul_register_tile_beside_a_kernel_without_noalias() -> None:
+    """TVM 0.27 compiles every kernel of a module with the `tirx.noalias` of the one whose name sorts
+    last. Beside a copy kernel without it, ember's matmul loses its `noalias` compute function (and
+    stores its accumulators after every FMA); after `noalias_kernels` it keeps it."""
+    import re
+
+    from tvm import te
+
+    from ember.ir_passes.noalias_kernels import noalias_kernels
+    from ember.schedules.matmul import NTMatmul
+    from ember.targets.registry import resolve_target
+
+    target = resolve_target("cpu")
+    a, w = te.placeholder((64, 256), name="A"), te.placeholder((64, 256), name="W")
+    r = te.reduce_axis((0, 256), name="k")
+    c = te.compute((64, 64), lambda i, j: te.sum(a[i, r] * w[j, r], axis=r), name="NT_matmul")
+    matmul = NTMatmul(target.vector_bits).apply(te.create_prim_func([a, w, c]), target.target, False).mod["main"]
+    pages = te.placeholder((4, 256), name="pages")
+    copy = te.create_prim_func([pages, te.compute((4, 256), lambda i, j: pages[i, j], name="copy")])
+    mod = tvm.IRModule({"matmul": matmul.with_attr("global_symbol", "matmul"),
+                        "zz_copy": copy.with_attr("global_symbol", "zz_copy").without_attr("tirx.noalias")})
+
+    def compute_function(module: tvm.IRModule) -> str | None:
+        llvm_ir = tvm.compile(module, target=target.target).mod.inspect_source("ll")
+        found = re.search(r"define [^\n]*@matmul_compute_\([^\n]*", llvm_ir)
+        return found.group(0) if found else None
+
+    assert compute_function(mod) is None, "TVM no longer drops noalias module-wide: noalias_kernels can go"
+    marked = noalias_kernels(mod)
+    assert all(bool(func.attrs["tirx.noalias"]) for _, func in marked.functions_items())
+    assert "ptr noalias" in compute_function(marked)
