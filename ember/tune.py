@@ -53,7 +53,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ember.codegen import cross_linker
-from ember.errors import TuningError
+from ember.errors import FarmError, TuningError
 from ember.farm import Farm, runner_arguments, runner_session
 from ember.frontend import source as model_source
 from ember.ir_passes import pipeline
@@ -188,6 +188,7 @@ class Measurer:
     runner: ms.runner.Runner
     kernels: Callable[[], contextlib.AbstractContextManager[KernelLoader]]
     serving: Callable[[], str] = lambda: ""
+    ready: Callable[[], object] = lambda: None  # raises when there is nothing to measure on (no device left)
 
     @classmethod
     def here(cls) -> Measurer:
@@ -212,10 +213,14 @@ class Measurer:
                                      f_alloc_argument=runner_arguments)
 
         def serving() -> str:
-            count = farm.devices()
+            try:
+                count = farm.devices()
+            except FarmError:
+                return f" (tracker {farm.tracker} unreachable)"
             return f" ({count} device{'s' if count != 1 else ''} of {farm.key!r} serving)"
 
-        return cls(builder, runner, functools.partial(_kernels_on, farm, cross_linker(target)), serving)
+        return cls(builder, runner, functools.partial(_kernels_on, farm, cross_linker(target)), serving,
+                   farm.wait_for_devices)
 
 
 @contextlib.contextmanager
@@ -281,6 +286,9 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
     done = database.trials(kernel.workload)
     enumerated = enumerated_space(kernel.workload["main"], target) is not None
     while done < wanted and time.monotonic() < deadline:
+        # Between rounds: a farm whose devices are all gone ends the job (a rerun resumes), rather than
+        # recording every remaining trial as failed.
+        measurer.ready()
         progress = _Progress(done, wanted, measurer.serving)
         if enumerated:
             if not _measure_next_knobs(kernel, min(TRIALS_PER_COMMIT, wanted - done), database, target,

@@ -4,6 +4,8 @@ Imports only TVM's runtime, numpy, tokenizers and jinja2: never the compiler sid
 of ember (frontend, ir_passes, schedules) nor torch or transformers, so it runs on
 a device that has only TVM's runtime libraries (`TVM_USE_RUNTIME_LIB=1`). The HTTP
 server (`ember.runtime.server`) is the one module that needs more: FastAPI and uvicorn.
+A device joins a farm with `python -m ember.runtime.rpc_device` (TVM's RPC server with
+ember's device functions), which runs `ember.runtime.bench` for `ember bench`.
 """
 
 from ember.runtime.artifact import Artifact, load_artifact

@@ -384,3 +384,24 @@ def test_bench_on_an_emulated_aarch64_device(farm, tmp_path):
         assert applied and int(applied[1]) + int(applied[2]) == 1, compiled.stdout + compiled.stderr
     finally:
         farm.stop(device)
+
+
+@pytest.mark.slow
+def test_tuning_stops_when_no_device_is_left(tiny_models, tmp_path):
+    """The only device dies: the trials in flight fail, and before the next round the job ends in one line
+    (within --wait), keeping its records for a rerun."""
+    db = tmp_path / "db"
+    with loopback_farm(tmp_path) as lonely:
+        device = lonely.start_device("lonely")
+        job = start_job(tune_command(lonely, tiny_models.checkpoint("llama"), db, trials=64, key="lonely")
+                        + ["--wait", "3"])
+        try:
+            wait_for_records(db, job)
+            lonely.stop(device)
+            _, stderr = job.communicate(timeout=300)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, stderr
+    assert stderr.strip().splitlines()[-1].startswith("ember: error: no device of key 'lonely' registered"), stderr
+    assert "Traceback" not in stderr and record_lines(db) >= 1
