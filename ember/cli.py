@@ -592,12 +592,15 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _checkpoint_dir(argument: str) -> Path:
     """MODEL as given to compile or tune: `demo`, a checkpoint directory or a GGUF file; a hub id is told what to do."""
-    from ember.frontend.gguf import is_gguf_file
+    from ember.frontend.gguf import check_gguf_header, is_gguf_file
 
     if argument == "demo":
         return DEMO_MODEL_DIR
     path = Path(argument)
-    if path.is_dir() or is_gguf_file(path):
+    if path.is_dir():
+        return path
+    if is_gguf_file(path):
+        check_gguf_header(path)
         return path
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", argument):
         local = argument.rsplit("/", 1)[1]

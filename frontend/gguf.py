@@ -119,8 +119,11 @@ def _check_tensor_fields(path: Path, file_size: int, data_start: int, fields: li
             end, previous = begin + nbytes, name
 
 
-def open_gguf(path: Path):
-    """The checked `gguf.GGUFReader` of `path`, or a one-line `ModelError` naming what is wrong."""
+def check_gguf_header(path: Path) -> None:
+    """Refuse, in one line, a path that is not a regular file starting with a GGUF header ember reads.
+
+    Reads 8 bytes and needs neither TVM nor the `gguf` package: the CLI calls it before importing the compiler.
+    """
     path = Path(path)
     if not path.is_file():  # never open a FIFO or a device: a FIFO blocks open() forever
         raise ModelError(f"{path}: not a regular file (expected a GGUF file)")
@@ -137,6 +140,12 @@ def open_gguf(path: Path):
     if version not in SUPPORTED_VERSIONS:
         raise ModelError(f"{path}: GGUF version {version} is not supported (ember reads versions "
                          f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+
+
+def open_gguf(path: Path):
+    """The checked `gguf.GGUFReader` of `path`, or a one-line `ModelError` naming what is wrong."""
+    path = Path(path)
+    check_gguf_header(path)
     try:
         return _reader_class()(path)
     except ModelError:
@@ -176,8 +185,40 @@ class Metadata:
         if found not in scalar_kinds[kind] and not (kind is float and found in scalar_kinds[int]):
             raise ModelError(f"{self.path}: metadata {key!r} must be {kind_names[kind]}, "
                              f"got {found.name.lower()}")
-        value = field.contents()
+        try:
+            value = field.contents()
+        except UnicodeDecodeError:
+            raise ModelError(f"{self.path}: metadata {key!r} holds a string that is not UTF-8") from None
         return float(value) if kind is float else value
+
+    def strings(self, key: str, required: bool = False) -> list[str] | None:
+        """The array of strings at `key` (None if absent and not `required`); other item types are refused."""
+        values = self.get(key, list, required=required)
+        if values is not None and not all(isinstance(value, str) for value in values):
+            raise ModelError(f"{self.path}: metadata {key!r} must be an array of strings")
+        return values
+
+    def numbers(self, key: str, count: int, kind: type) -> list | None:
+        """The array of `count` numbers of `kind` (int or float) at `key`, None if absent."""
+        values = self.get(key, list)
+        if values is None:
+            return None
+        allowed = (int,) if kind is int else (int, float)
+        if not all(isinstance(value, allowed) and not isinstance(value, bool) for value in values):
+            raise ModelError(f"{self.path}: metadata {key!r} must be an array of "
+                             f"{'integers' if kind is int else 'numbers'}")
+        if len(values) != count:
+            raise ModelError(f"{self.path}: metadata {key!r} has {len(values)} entries, "
+                             f"'tokenizer.ggml.tokens' {count}")
+        return values
+
+    def token_id(self, key: str, tokens: list[str], default: int | None = None) -> int | None:
+        """The token id at `key` (`default` if absent), checked to index `tokens`."""
+        token_id = self.get(key, int, default)
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise ModelError(f"{self.path}: metadata {key!r} {token_id} is not a token id "
+                             f"(the vocabulary has {len(tokens)})")
+        return token_id
 
 
 @dataclass(frozen=True)
@@ -301,7 +342,7 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(f"{path}: general.architecture {short_repr(arch)} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    tokens = meta.get("tokenizer.ggml.tokens", list)
+    tokens = meta.strings("tokenizer.ggml.tokens")
     heads = meta.get(f"{arch}.attention.head_count", int, required=True)
     hidden = meta.get(f"{arch}.embedding_length", int, required=True)
     names = {t.name for t in reader.tensors}
@@ -323,11 +364,11 @@ def gguf_config(reader, path: Path) -> ModelConfig:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id", int),
     }
     if raw["vocab_size"] is None:
-        raw["vocab_size"] = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
-    rope_dims = meta.get(f"{arch}.rope.dimension_count", int)
-    if rope_dims is not None and rope_dims != (raw["head_dim"] or hidden // heads):
-        raise ModelError(f"{path}: metadata '{arch}.rope.dimension_count' is {rope_dims}; ember rotates whole "
-                         "heads only (partial RoPE is not supported)")
+        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None or len(embedding.shape) != 2:
+            raise ModelError(f"{path}: no vocabulary size: metadata '{arch}.vocab_size' and 'tokenizer.ggml.tokens' "
+                             "are missing and there is no 2-D 'token_embd.weight' tensor")
+        raw["vocab_size"] = int(embedding.shape[1])
     sliding_window = meta.get(f"{arch}.attention.sliding_window", int)
     if sliding_window:
         raw["sliding_window"] = sliding_window
@@ -338,7 +379,12 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     if "rope_freqs.weight" in names:
         raise ModelError(f"{path}: Llama 3 rope scaling stored as the 'rope_freqs.weight' tensor is not supported "
                          "yet (convert the Hugging Face checkpoint instead)")
-    return parse_model_config(raw, f"{path} (metadata)")
+    config = parse_model_config(raw, f"{path} (metadata)")
+    rope_dims = meta.get(f"{arch}.rope.dimension_count", int)
+    if rope_dims is not None and rope_dims != config.head_dim:
+        raise ModelError(f"{path}: metadata '{arch}.rope.dimension_count' is {rope_dims}; ember rotates whole "
+                         "heads only (partial RoPE is not supported)")
+    return config
 
 
 def default_quantization(path: Path) -> str:

@@ -45,10 +45,10 @@ def write_tokenizer_files(meta, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_path, config_path = out_dir / "tokenizer.json", out_dir / "tokenizer_config.json"
     tokenizer.save(str(tokenizer_path))
-    tokens = meta.get("tokenizer.ggml.tokens", list)
+    tokens = meta.strings("tokenizer.ggml.tokens", required=True)
     config = {"chat_template": meta.get("tokenizer.chat_template", str)}
     for key in ("bos", "eos"):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id", int)
+        token_id = meta.token_id(f"tokenizer.ggml.{key}_token_id", tokens)
         if token_id is not None:
             config[f"{key}_token"] = tokens[token_id]
     config_path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
@@ -58,15 +58,15 @@ def write_tokenizer_files(meta, out_dir: Path) -> list[Path]:
 def build_tokenizer(meta, model: str) -> Tokenizer:
     """The `tokenizers` Tokenizer of the file's `tokenizer.ggml.*` metadata."""
     path = meta.path
-    tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
+    tokens = meta.strings("tokenizer.ggml.tokens", required=True)
     count = len(tokens)
-    types = meta.get("tokenizer.ggml.token_type", list) or [1] * count
-    if len(types) != count:
-        raise ModelError(f"{path}: metadata 'tokenizer.ggml.token_type' has {len(types)} entries, "
-                         f"'tokenizer.ggml.tokens' {count}")
+    types = meta.numbers("tokenizer.ggml.token_type", count, int) or [NORMAL] * count
     vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != count:
+        duplicate = next(token for index, token in enumerate(tokens) if vocab[token] != index)
+        raise ModelError(f"{path}: metadata 'tokenizer.ggml.tokens' holds {duplicate!r} more than once")
     if model == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", list, required=True)]
+        merges = _checked_merges(meta, vocab)
         tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
         pre = meta.get("tokenizer.ggml.pre", str, "gpt-2")
         if pre not in PRE_TOKENIZER_REGEXES:
@@ -81,10 +81,12 @@ def build_tokenizer(meta, model: str) -> Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tokenizer.decoder = decoders.ByteLevel()
     elif model == "llama":
-        scores = meta.get("tokenizer.ggml.scores", list, required=True)
+        scores = meta.numbers("tokenizer.ggml.scores", count, float)
+        if scores is None:
+            raise ModelError(f"{path}: metadata 'tokenizer.ggml.scores' is missing (a 'llama' tokenizer needs it)")
+        unknown = meta.token_id("tokenizer.ggml.unknown_token_id", tokens, 0)
         tokenizer = Tokenizer(models.BPE(vocab, _merges_by_score(tokens, scores, types), byte_fallback=True,
-                                         unk_token=tokens[meta.get("tokenizer.ggml.unknown_token_id", int, 0)],
-                                         fuse_unk=True))
+                                         unk_token=tokens[unknown], fuse_unk=True))
         prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
         steps = [normalizers.Prepend("▁")] if prefix else []
         tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
@@ -100,6 +102,18 @@ def build_tokenizer(meta, model: str) -> Tokenizer:
     if post_processor is not None:
         tokenizer.post_processor = post_processor
     return tokenizer
+
+
+def _checked_merges(meta, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs, each "left right" of two tokens whose concatenation is a token too."""
+    merges = []
+    for merge in meta.strings("tokenizer.ggml.merges", required=True):
+        left, space, right = merge.partition(" ")
+        if not (space and left and right and left in vocab and right in vocab and left + right in vocab):
+            raise ModelError(f"{meta.path}: metadata 'tokenizer.ggml.merges' entry {merge[:40]!r} is not two "
+                             "tokens of the vocabulary, separated by a space, whose concatenation is a token")
+        merges.append((left, right))
+    return merges
 
 
 def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -120,12 +134,9 @@ def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -
 def _post_processor(meta, tokens: list[str]):
     single, special = ["$A"], []
     for key, at_start in (("bos", True), ("eos", False)):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id", int)
+        token_id = meta.token_id(f"tokenizer.ggml.{key}_token_id", tokens)
         if token_id is None or not meta.get(f"tokenizer.ggml.add_{key}_token", bool, key == "bos"):
             continue
-        if not 0 <= token_id < len(tokens):
-            raise ModelError(f"{meta.path}: metadata 'tokenizer.ggml.{key}_token_id' {token_id} is not a token id "
-                             f"(the vocabulary has {len(tokens)})")
         single = [tokens[token_id], *single] if at_start else [*single, tokens[token_id]]
         special.append((tokens[token_id], token_id))
     return processors.TemplateProcessing(single=single, special_tokens=special) if special else None

@@ -12,8 +12,10 @@ one fails the compile rather than the first generate. A checkpoint without
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tvm
 from tokenizers import Tokenizer
@@ -73,13 +75,25 @@ def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
                 reason = str(err).strip().splitlines() or [type(err).__name__]
                 raise ModelError(f"{path}: cannot load tokenizer: {reason[0]}") from None
             # Ids past the embedding's rows would be read out of bounds; a smaller vocabulary is common (Qwen2 pads).
-            top_id = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+            # The post-processor (BOS/EOS a template adds) names its ids itself, outside the vocabulary.
+            post_processor = json.loads(tokenizer.to_str()).get("post_processor")
+            top_id = max([*tokenizer.get_vocab(with_added_tokens=True).values(), *_token_ids_in(post_processor)],
+                         default=-1)
             if top_id >= config.vocab_size:
                 raise ModelError(f"{path}: has token id {top_id}, but config.json's vocab_size is {config.vocab_size}")
         elif path.name == "tokenizer_config.json":
             _check_tokenizer_config(read_json_object(path), path)
         elif path.name == "special_tokens_map.json":
             read_json_object(path)
+
+
+def _token_ids_in(node: Any) -> list[int]:
+    """Every integer of a tokenizer.json post-processor but its segment `type_id`s: the token ids it adds."""
+    if isinstance(node, dict):
+        return [i for key, value in node.items() if key != "type_id" for i in _token_ids_in(value)]
+    if isinstance(node, list):
+        return [i for value in node for i in _token_ids_in(value)]
+    return [node] if isinstance(node, int) and not isinstance(node, bool) else []
 
 
 def _check_tokenizer_config(data: dict, path: Path) -> None:

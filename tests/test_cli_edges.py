@@ -270,6 +270,48 @@ def test_cli_chat_keeps_the_session(tiny_llama):
     assert "earliest turns" in stderr
 
 
+def artifact_with_template(tiny_llama, copy_artifact, template: str) -> Path:
+    """A copy of the tiny llama's artifact whose chat template is `template`, sealed again as compile seals it."""
+    from ember.manifest import read_manifest, write_manifest
+
+    artifact = copy_artifact(tiny_llama)
+    path = artifact / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+    write_manifest(artifact, read_manifest(artifact))
+    return artifact
+
+
+def run_chat(artifact: Path, lines: list[str]) -> subprocess.CompletedProcess:
+    """`ember chat ARTIFACT` (greedy, 8 tokens a reply) given `lines` on stdin."""
+    return subprocess.run([sys.executable, "-m", "ember", "chat", str(artifact), "--temperature", "0",
+                           "--max-new-tokens", "8"], cwd=REPO_ROOT, input="\n".join(lines) + "\n",
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_chat_refuses_a_template_that_does_not_compile(tiny_llama, copy_artifact):
+    """Before the banner: exit 1 and one `ember: error:` line naming the template's file."""
+    artifact = artifact_with_template(tiny_llama, copy_artifact, "{% for m in messages %}{{ m.content }")
+    result = run_chat(artifact, ["hello", "/exit"])
+    assert_one_line_error(result, f"{artifact / 'tokenizer_config.json'}: chat template: ")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("case", ["huge_range", "string_repetition", "silent_loops", "macro_recursion"])
+def test_cli_chat_survives_a_hostile_template(tiny_llama, copy_artifact, case):
+    """A template that runs away on one message (a huge loop or string, 40 s of loops, recursion): that
+    message gets one line naming the template and the bound it hit, and the chat goes on to answer the next."""
+    template, expected = HOSTILE_TEMPLATES[case]
+    trigger = "{% if messages[-1]['content'] == 'boom' %}" + template + "{% endif %}"
+    artifact = artifact_with_template(tiny_llama, copy_artifact, trigger + models.CHAT_TEMPLATE)
+    result = run_chat(artifact, ["boom", "hello", "/exit"])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("ember: ")]
+    assert len(notes) == 1, result.stderr
+    assert notes[0].startswith(f"ember: {artifact / 'tokenizer_config.json'}: chat template") and expected in notes[0]
+    assert result.stderr.count(" tokens, ") == 1, "one reply: to the next message"
+
+
 # --- generation that fills the context window
 
 

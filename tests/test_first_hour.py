@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -22,9 +23,21 @@ def test_compile_shows_its_stages_without_tvm_warnings(tiny_models, tmp_path):
     result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(tmp_path / "out"),
                        "--prefill-chunk", "64", "--max-batch", "2")
     assert result.returncode == 0, result.stderr
-    stages = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[")]
-    assert [stage.split()[0] for stage in stages] == ["importing", "lowering", "generating", "converting"], stages
+    stages = [re.match(r"\[ *(\d+\.\d) s\] (\w+)", line) for line in result.stderr.splitlines() if line.startswith("[")]
+    assert all(stages) and [stage[2] for stage in stages] == ["importing", "lowering", "generating", "converting"], \
+        result.stderr
+    seconds = [float(stage[1]) for stage in stages]
+    assert seconds == sorted(seconds), seconds
     assert "Warning" not in result.stderr and "Fast mode" not in result.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_analyze_measure_shows_tvm_warnings_only_if_verbose(tiny_llama, verbose):
+    """`analyze --measure` rebuilds the artifact's kernels, which made TVM warn as compile did."""
+    result = run_ember("analyze", str(tiny_llama.artifact_dir), "--measure", "--prompt-len", "8",
+                       *(["-v"] if verbose else []))
+    assert result.returncode == 0, result.stderr
+    assert ("Fast mode segfaults" in result.stderr) == verbose, result.stderr
 
 
 @pytest.mark.parametrize("verbose", [False, True])
@@ -46,11 +59,12 @@ def test_tvm_warnings_are_held_back_unless_verbose(capfd, verbose):
 
 @pytest.mark.parametrize("model, expected", [
     ("meta-llama/Llama-3.2-1B", "`hf download meta-llama/Llama-3.2-1B --local-dir Llama-3.2-1B`"),
-    ("model.gguf", "ember cannot read GGUF files yet"),
-    ("no/such/dir/at/all", "no such directory (expected a Hugging Face checkpoint directory, or `demo`)"),
+    ("no/such/dir/at/all", "no such directory (expected a Hugging Face checkpoint directory, a GGUF file, or `demo`)"),
+    ("model.gguf", "truncated GGUF file (4 bytes, no header)"),
 ])
 def test_a_bad_model_path_is_refused_before_tvm_is_imported(tmp_path, model, expected):
-    """It used to take 7-9 s (TVM and the compiler imported first) to say the path was wrong."""
+    """It used to take 7-9 s (TVM and the compiler imported first) to say the path was wrong. A file
+    named *.gguf is read by the GGUF importer, whose header checks need no TVM either."""
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     code = ("import sys\nfrom ember.cli import main\n"
             f"code = main(['compile', {model!r}, '-o', 'out'])\n"

@@ -7,16 +7,19 @@ or `accepted` with a correct result, and never in a traceback, a crash, a hang p
 hypothesis from code (no stored blobs), derandomized so CI runs the same ones every time,
 and the run ends with a tally per parser (`pytest -rA` not needed: conftest prints it).
 
-Pure-Python parsers (safetensors headers, shard indexes, config.json, chat templates, the
-artifact manifest) run in this process; the CLI and the parsers backed by TVM's C++ (tuning
-databases) run in `hostile.Worker`, a separate process restarted after a crash or a hang.
+Pure-Python parsers (safetensors headers, shard indexes, config.json, tokenizer files, chat
+templates, the artifact manifest and the files it lists, GGUF files) run in this process; the
+CLI and the parsers backed by TVM's C++ (tuning databases) run in `hostile.Worker`, a separate
+process restarted after a crash or a hang.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -29,6 +32,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+import models
 from ember.errors import EmberError
 from hostile import HANG_SECONDS, TALLY, Result, Worker
 from helpers import tree_snapshot
@@ -220,6 +224,21 @@ EDGE_VALUES = st.sampled_from([-1, 0, 1, 3, 7, 2**24, 2**31, 10**12, 1e-30, 0.5,
                                {"rope_type": "llama3"}, {"rope_type": "yarn", "factor": 4}, None, True])
 
 
+def assert_sane_config(parsed) -> None:
+    """Every field of a `ModelConfig` has the type and range the compiler assumes."""
+    ints = [parsed.vocab_size, parsed.hidden_size, parsed.intermediate_size, parsed.num_hidden_layers,
+            parsed.num_attention_heads, parsed.num_key_value_heads, parsed.head_dim, parsed.context_window]
+    assert all(type(n) is int and 0 < n <= 2**24 for n in ints), ints
+    assert parsed.num_attention_heads % parsed.num_key_value_heads == 0
+    assert type(parsed.tie_word_embeddings) is bool and type(parsed.attention_bias) is bool
+    assert math.isfinite(parsed.rms_norm_eps) and 0 < parsed.rms_norm_eps < 1
+    assert math.isfinite(parsed.rope_theta) and parsed.rope_theta > 0
+    assert all(type(i) is int and 0 <= i < parsed.vocab_size for i in parsed.eos_token_ids)
+    bos = parsed.bos_token_id
+    assert bos is None or type(bos) is int and 0 <= bos < parsed.vocab_size
+    assert parsed.sliding_window is None or type(parsed.sliding_window) is int and parsed.sliding_window > 0
+
+
 @settings(max_examples=150, **SETTINGS)
 @given(edits=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), JSON_VALUES | EDGE_VALUES), min_size=1, max_size=3),
        special=st.sampled_from([None, "NaN", "Infinity", "deep", "not json", "bom"]))
@@ -249,20 +268,12 @@ def test_config_values(checkpoint, edits, special):
         def check() -> None:
             assert special in (None, "bom") or (special in ("NaN", "Infinity") and '"rms_norm_eps": 1e-06' not in
                                                 json.dumps(config)), f"accepted a config with {special}"
-            for key, value in edits:
-                if key in NUMBER_OR_FLAG_KEYS and isinstance(value, str):
-                    raise AssertionError(f"accepted {key}: {value!r}")
-            ints = [parsed.vocab_size, parsed.hidden_size, parsed.intermediate_size, parsed.num_hidden_layers,
-                    parsed.num_attention_heads, parsed.num_key_value_heads, parsed.head_dim, parsed.context_window]
-            assert all(type(n) is int and 0 < n <= 2**24 for n in ints), ints
-            assert parsed.num_attention_heads % parsed.num_key_value_heads == 0
-            assert type(parsed.tie_word_embeddings) is bool and type(parsed.attention_bias) is bool
+            for key in {key for key, _ in edits}:  # the value a key was left with (a later edit overrides)
+                if key in NUMBER_OR_FLAG_KEYS and isinstance(config[key], str):
+                    raise AssertionError(f"accepted {key}: {config[key]!r}")
+            assert_sane_config(parsed)
             if isinstance(config.get("tie_word_embeddings"), bool):
                 assert parsed.tie_word_embeddings == config["tie_word_embeddings"]
-            assert math.isfinite(parsed.rms_norm_eps) and 0 < parsed.rms_norm_eps < 1
-            assert math.isfinite(parsed.rope_theta) and parsed.rope_theta > 0
-            assert all(type(i) is int and 0 <= i < parsed.vocab_size for i in parsed.eos_token_ids)
-            assert parsed.sliding_window is None or type(parsed.sliding_window) is int and parsed.sliding_window > 0
 
         outcome("config.json", result, check)
         if result.outcome == "refused":
@@ -306,6 +317,87 @@ def test_chat_templates(artifact, pieces, message):
         outcome("chat template", result, check)
         if result.outcome == "refused":
             assert "chat template" in result.stderr or "not valid UTF-8" in result.stderr, result.stderr
+
+
+# --- tokenizer files --------------------------------------------------------------------------------
+
+TOKENIZER_EDITS = st.sampled_from([
+    ("model", "type", "Unigram"), ("model", "type", "nonsense"), ("model", "vocab", {"a": 10**6}),
+    ("model", "vocab", {"a": -1}), ("model", "vocab", []), ("model", "merges", [1, 2]), ("model", "merges", ["zz"]),
+    ("model", "unk_token", "missing"),
+    ("added_tokens", [{"id": 10**6, "content": "<big>", "single_word": False, "lstrip": False, "rstrip": False,
+                       "normalized": False, "special": True}]),
+    ("added_tokens", [{"id": -5, "content": "<neg>"}]), ("added_tokens", "x"),
+    ("pre_tokenizer", {"type": "Split", "pattern": {"Regex": "(("}, "behavior": "Isolated", "invert": False}),
+    ("normalizer", {"type": "Replace", "pattern": {"String": ""}, "content": "xx"}),
+    ("post_processor", {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                  {"Sequence": {"id": "A", "type_id": 0}}],
+                        "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [10**6], "tokens": ["<s>"]}}}),
+    ("decoder", {"type": "nonsense"}), ("version", 5),
+])
+TOKENIZER_CONFIG_KEYS = st.sampled_from(["bos_token", "eos_token", "unk_token", "chat_template", "added_tokens_decoder",
+                                         "model_max_length", "add_bos_token", "tokenizer_class"])
+
+
+def _set_path(data, path: tuple, value):
+    """`data` with the value at `path` (keys of nested objects, created as needed) set to `value`."""
+    if not isinstance(data, dict):
+        return data
+    if len(path) == 1:
+        data[path[0]] = value
+    else:
+        data[path[0]] = _set_path(data.get(path[0]) if isinstance(data.get(path[0]), dict) else {}, path[1:], value)
+    return data
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(edits=TOKENIZER_EDITS.map(lambda edit: [(edit[:-1], edit[-1])])
+       | st.lists(st.tuples(st.sampled_from([("model",), ("normalizer",), ("pre_tokenizer",), ("decoder",),
+                                            ("post_processor",), ("model", "vocab"), ("model", "merges")]),
+                            JSON_VALUES), max_size=2),
+       config_edits=st.dictionaries(TOKENIZER_CONFIG_KEYS, JSON_VALUES | TEXTS, max_size=2),
+       whole=st.sampled_from([None, None, None, None, "not json", "empty", "a list", "deep"]))
+def test_tokenizer_files(checkpoint, edits, config_edits, whole):
+    """What compile checks of tokenizer.json and tokenizer_config.json: refused naming the file, or
+    files the runtime loads, whose encoding of text holds only ids inside the model's vocabulary."""
+    from ember.frontend.config import load_model_config
+    from ember.frontend.files import optional_checkpoint_file
+    from ember.frontend.hf import TOKENIZER_FILES, _check_tokenizer_files
+    from ember.runtime.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp)
+        for name in ("config.json", "generation_config.json"):
+            shutil.copyfile(checkpoint / name, model / name)
+        data = json.loads((checkpoint / "tokenizer.json").read_text())
+        for path, value in edits:
+            data = _set_path(data, path, value)
+        text = json.dumps(data)
+        text = {"not json": text[: len(text) // 2], "empty": "", "a list": "[1, 2]",
+                "deep": "[" * 100_000 + "]" * 100_000}.get(whole, text)
+        (model / "tokenizer.json").write_text(text)
+        config = {**json.loads((checkpoint / "tokenizer_config.json").read_text()), **config_edits}
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        before = tree_snapshot(model)
+
+        def compile_checks():
+            model_config = load_model_config(model)
+            files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model, name))]
+            _check_tokenizer_files(files, model_config)
+            return model_config
+
+        result, model_config = in_process(compile_checks)
+
+        def check() -> None:
+            tokenizer = Tokenizer.from_dir(model)
+            ids = tokenizer.encode("hello world </s> <s> \n")
+            assert all(0 <= i < model_config.vocab_size for i in ids), ids
+            assert isinstance(tokenizer.decode(ids), str)
+
+        outcome("tokenizer files", result, check)
+        if result.outcome == "refused":
+            assert "tokenizer" in result.stderr, result.stderr
+        unchanged(before, model, "tokenizer files")
 
 
 # --- the artifact manifest --------------------------------------------------------------------------
@@ -359,6 +451,100 @@ def test_manifest_fields(artifact, manifest_paths, pick, value, reseal, whole):
         unchanged(before, copy, "manifest")
 
 
+# On disk: what a partial copy, an edit or a hostile archive leaves in an artifact. In the manifest: entries
+# naming paths that leave it, with the seal recomputed (a deliberate rewrite) so the path checks are reached.
+# At most one damage to a listed file, then at most one elsewhere (two to one file could block on its FIFO).
+ARTIFACT_DAMAGE = st.tuples(
+    st.none() | st.sampled_from(["listed_file_links_out", "listed_file_is_fifo", "listed_file_huge_sparse",
+                                 "byte_appended", "byte_flipped", "file_removed", "dir_replaces_file"]),
+    st.none() | st.sampled_from(["link_out", "link_in", "link_dev_zero", "fifo", "huge_sparse_file", "empty_dir",
+                                 "nested_dir", "params_dir_links_out"]),
+).map(lambda pair: [how for how in pair if how is not None])
+ARTIFACT_ENTRIES = st.sampled_from(["../outside.bin", "/etc/hostname", "/dev/zero", "params/../../outside.bin",
+                                    "./model.so", "params//params_shard_0.bin", "params\\..\\x", "", ".", "params",
+                                    "model.so/", "a\x00b", "~/.bashrc", "params/../model.so", "x" * 5000])
+
+
+def _damage_artifact(artifact: Path, outside: Path, how: str) -> None:
+    """Damage `artifact` as `how` says; `outside/copy.bin` is a copy of its first weight shard."""
+    listed = artifact / "params" / "params_shard_0.bin"
+    copy = outside / "copy.bin"
+    if how == "link_out":
+        (artifact / f"{how}.bin").symlink_to(copy)
+    elif how == "link_in":
+        (artifact / f"{how}.bin").symlink_to("model.so")
+    elif how == "link_dev_zero":
+        (artifact / f"{how}.bin").symlink_to("/dev/zero")
+    elif how == "listed_file_links_out":
+        listed.unlink()
+        listed.symlink_to(copy)
+    elif how == "listed_file_is_fifo":
+        listed.unlink()
+        os.mkfifo(listed)
+    elif how == "fifo":
+        os.mkfifo(artifact / "params" / "queue")
+    elif how in ("huge_sparse_file", "listed_file_huge_sparse"):
+        with (listed if how == "listed_file_huge_sparse" else artifact / "huge.bin").open("ab") as f:
+            f.truncate(2**36)  # sparse: no disk used; hashing it would take minutes
+    elif how == "empty_dir":
+        (artifact / "extra").mkdir()
+    elif how == "nested_dir":
+        (artifact / "params" / "a" / "b").mkdir(parents=True)
+        (artifact / "params" / "a" / "b" / "w.bin").write_bytes(b"x")
+    elif how == "file_removed":
+        (artifact / "tokenizer.json").unlink()
+    elif how == "byte_appended":
+        with listed.open("ab") as f:
+            f.write(b"\0")
+    elif how == "byte_flipped":
+        data = bytearray(listed.read_bytes())
+        data[len(data) // 2] ^= 1
+        listed.write_bytes(bytes(data))
+    elif how == "dir_replaces_file":
+        (artifact / "tokenizer.json").unlink()
+        (artifact / "tokenizer.json").mkdir()
+    elif how == "params_dir_links_out":
+        (artifact / "params").rename(outside / "params")  # moved, not copied: it may hold a sparse 64 GiB file
+        (artifact / "params").symlink_to(outside / "params")
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(damage=ARTIFACT_DAMAGE, entries=st.lists(ARTIFACT_ENTRIES, max_size=2),
+       reseal=st.booleans())
+def test_artifact_files(artifact, damage, entries, reseal):
+    """Any change to the files of an artifact, or a manifest entry naming a path that is not a plain
+    relative path inside it, is refused in one line within the bound (no file is followed out of the
+    artifact, opened if it is a FIFO or a device, or hashed if its size is wrong); the untouched
+    artifact is accepted."""
+    from ember.manifest import manifest_digest, read_manifest, verify_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(shutil.copytree(artifact, Path(tmp) / "artifact"))
+        outside = Path(tmp) / "outside"
+        outside.mkdir()
+        shutil.copyfile(copy / "params" / "params_shard_0.bin", outside / "copy.bin")  # before any damage
+        for how in damage:
+            _damage_artifact(copy, outside, how)
+        if entries:
+            data = json.loads((copy / "manifest.json").read_text())
+            for entry in entries:
+                data["files"][entry] = dict(data["files"]["model.so"])
+            if reseal:
+                data["manifest_sha256"] = manifest_digest(data)
+            (copy / "manifest.json").write_text(json.dumps(data))
+        before = None if any("huge" in how for how in damage) else tree_snapshot(copy)  # never read 64 GiB
+        result, _ = in_process(lambda: verify_files(copy, read_manifest(copy)))
+
+        def check() -> None:
+            assert not damage and not entries, f"accepted an artifact with {damage} and entries {entries}"
+
+        outcome("artifact files", result, check)
+        if result.outcome == "refused":
+            assert str(copy) in result.stderr, result.stderr
+        if before is not None:
+            unchanged(before, copy, "artifact files")
+
+
 # --- tuning databases (meta_schedule's JSON tables, parsed by TVM's C++) --------------------------------
 
 @settings(max_examples=25, **SETTINGS)
@@ -384,6 +570,321 @@ def test_tuning_database_files(worker, fingerprint, records, workloads):
         if result.outcome == "refused":
             assert str(db) in result.stderr
         unchanged(before, db, "tuning database")
+
+
+# --- GGUF files (llama.cpp's one-file format) ---------------------------------------------------------
+
+# The tiny llama as a GGUF file: metadata as llama.cpp's converter writes it, a gpt2 tokenizer, float norms
+# and embedding, projections in Q8_0, Q4_0, Q4_1 and F16. Each case changes some of it: metadata values of
+# any GGUF type (or left out), one tensor renamed, dropped, reshaped or stored in another type, bytes of
+# the header overwritten, the file cut short.
+GGUF_HIDDEN, GGUF_FFN, GGUF_LAYERS, GGUF_KV_ROWS = 64, 128, 2, 32
+GGUF_KEYS = ["general.architecture", "llama.block_count", "llama.context_length", "llama.embedding_length",
+             "llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv",
+             "llama.attention.key_length", "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon",
+             "llama.vocab_size", "llama.rope.dimension_count", "llama.attention.sliding_window",
+             "llama.rope.scaling.type", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+             "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+             "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+             "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.chat_template"]
+_INT_TYPES = {"UINT8": (0, 2**8 - 1), "INT8": (-2**7, 2**7 - 1), "UINT16": (0, 2**16 - 1),
+              "INT16": (-2**15, 2**15 - 1), "UINT32": (0, 2**32 - 1), "INT32": (-2**31, 2**31 - 1),
+              "UINT64": (0, 2**64 - 1), "INT64": (-2**63, 2**63 - 1)}
+_EDGE_INTS = [0, 1, 2, 3, 16, 32, 64, 255, 256, 257, 2**16, 2**24 + 1, 2**31 - 1, 2**63 - 1, -1, -2**31]
+_GGUF_STRINGS = st.sampled_from(["llama", "qwen2", "bloom", "gpt2", "gpt-2", "llama-bpe", "none", "linear", "",
+                                 "a b", "<s>", "{{ bos_token }}", "\x00", "日本"]) | st.text(max_size=6)
+
+
+@st.composite
+def gguf_values(draw):
+    """A metadata value as (value, GGUF type name[, item type name]), or None: the key left out."""
+    kind = draw(st.sampled_from(["absent", "int", "int", "float", "bool", "string", "ints", "strings", "floats"]))
+    if kind == "absent":
+        return None
+    if kind == "int":
+        name = draw(st.sampled_from(sorted(_INT_TYPES)))
+        low, high = _INT_TYPES[name]
+        value = draw(st.sampled_from([n for n in _EDGE_INTS if low <= n <= high]) | st.integers(low, high))
+        return value, name
+    if kind == "float":
+        return draw(st.sampled_from([0.0, 1e-6, 0.5, -1.0, 1e30, math.nan, math.inf, 1e4])), \
+            draw(st.sampled_from(["FLOAT32", "FLOAT64"]))
+    if kind == "bool":
+        return draw(st.booleans()), "BOOL"
+    if kind == "string":
+        return draw(_GGUF_STRINGS), "STRING"
+    items = {"ints": st.integers(-3, 300), "strings": _GGUF_STRINGS, "floats": st.floats(allow_nan=True)}[kind]
+    item_type = {"ints": "INT32", "strings": "STRING", "floats": "FLOAT32"}[kind]
+    # A list as long as the vocabulary now and then: a tokenizer array of the right length but wrong content.
+    size = draw(st.sampled_from([1, 2, 3, 256]))
+    return draw(st.lists(items, min_size=size, max_size=size)), "ARRAY", item_type
+
+
+_GGUF_TENSOR_NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
+    f"blk.{layer}.{part}.weight" for layer in range(GGUF_LAYERS)
+    for part in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                 "ffn_down")]
+
+
+@functools.cache
+def _gguf_base() -> tuple[dict, dict]:
+    """The tiny llama's metadata {key: (value, type[, item type])} and tensors {GGUF name: (float array, type)}."""
+    vocab = json.loads(models.build_tokenizer().to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    meta = {
+        "llama.block_count": (GGUF_LAYERS, "UINT32"), "llama.context_length": (256, "UINT32"),
+        "llama.embedding_length": (GGUF_HIDDEN, "UINT32"), "llama.feed_forward_length": (GGUF_FFN, "UINT32"),
+        "llama.attention.head_count": (4, "UINT32"), "llama.attention.head_count_kv": (2, "UINT32"),
+        "llama.attention.key_length": (16, "UINT32"), "llama.rope.dimension_count": (16, "UINT32"),
+        "llama.rope.freq_base": (10000.0, "FLOAT32"), "llama.attention.layer_norm_rms_epsilon": (1e-6, "FLOAT32"),
+        "llama.vocab_size": (len(tokens), "UINT32"), "tokenizer.ggml.model": ("gpt2", "STRING"),
+        "tokenizer.ggml.tokens": (tokens, "ARRAY", "STRING"),
+        "tokenizer.ggml.token_type": ([3 if t in models.SPECIAL_TOKENS else 1 for t in tokens], "ARRAY", "INT32"),
+        "tokenizer.ggml.merges": ([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]], "ARRAY",
+                                  "STRING"),
+        "tokenizer.ggml.bos_token_id": (models.BOS_ID, "UINT32"),
+        "tokenizer.ggml.eos_token_id": (models.EOS_ID, "UINT32"),
+    }
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": ((len(tokens), GGUF_HIDDEN), "F32"), "output_norm.weight": ((GGUF_HIDDEN,), "F32"),
+              "output.weight": ((len(tokens), GGUF_HIDDEN), "Q8_0")}
+    for layer in range(GGUF_LAYERS):
+        block = f"blk.{layer}."
+        shapes |= {block + "attn_norm.weight": ((GGUF_HIDDEN,), "F32"),
+                   block + "ffn_norm.weight": ((GGUF_HIDDEN,), "F32"),
+                   block + "attn_q.weight": ((GGUF_HIDDEN, GGUF_HIDDEN), "Q8_0"),
+                   block + "attn_k.weight": ((GGUF_KV_ROWS, GGUF_HIDDEN), "Q4_0"),
+                   block + "attn_v.weight": ((GGUF_KV_ROWS, GGUF_HIDDEN), "Q4_1"),
+                   block + "attn_output.weight": ((GGUF_HIDDEN, GGUF_HIDDEN), "Q8_0"),
+                   block + "ffn_gate.weight": ((GGUF_FFN, GGUF_HIDDEN), "Q8_0"),
+                   block + "ffn_up.weight": ((GGUF_FFN, GGUF_HIDDEN), "F16"),
+                   block + "ffn_down.weight": ((GGUF_HIDDEN, GGUF_FFN), "Q8_0")}
+    tensors = {name: (rng.normal(0, 0.5 if "norm" in name else 0.1, shape).astype(np.float32), kind)
+               for name, (shape, kind) in shapes.items()}
+    return meta, tensors
+
+
+GGUF_TENSOR_EDITS = st.sampled_from(["drop", "rename", "transpose", "flatten", "add_axis", "halve_rows", "F32", "F16",
+                                     "BF16", "Q8_0", "Q4_0", "Q4_1", "I32", "extra"])
+GGUF_RENAMES = st.sampled_from(["blk.7.attn_q.weight", "rope_freqs.weight", "blk.0.attn_q.bias", "x", "blk..weight",
+                                "blk.99999999999999999999.attn_norm.weight"])
+
+
+def write_gguf(path: Path, meta_edits: dict, tensor_edit: tuple[str, str, str] | None) -> None:
+    """The tiny llama GGUF with `meta_edits` ({key: value of `gguf_values`}) and `tensor_edit` (tensor, how,
+    new name) applied; hypothesis rejects an edit the gguf writer itself refuses."""
+    import gguf
+    from hypothesis import reject
+
+    meta, tensors = _gguf_base()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {**meta, **meta_edits}.items():
+        if value is None:
+            writer.kv_data[0].pop(key, None)
+        else:
+            value, kind, *item = value
+            writer.kv_data[0][key] = gguf.GGUFValue(value, gguf.GGUFValueType[kind],
+                                                    gguf.GGUFValueType[item[0]] if item else None)
+    try:
+        for name, (array, kind) in tensors.items():
+            if tensor_edit is not None and tensor_edit[0] == name:
+                _, how, new_name = tensor_edit
+                if how == "drop":
+                    continue
+                if how == "extra":
+                    writer.add_tensor(new_name, array)
+                name = new_name if how == "rename" else name
+                array = {"transpose": array.T, "flatten": array.reshape(-1), "add_axis": array[None],
+                         "halve_rows": array[: max(len(array) // 2, 1)]}.get(how, array)
+                kind = how if how in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "I32") else kind
+            if kind == "I32":
+                writer.add_tensor(name, np.ascontiguousarray(array).view(np.int32))
+            elif kind == "F32":
+                writer.add_tensor(name, np.ascontiguousarray(array))
+            elif kind == "F16":
+                writer.add_tensor(name, array.astype(np.float16))
+            else:
+                qtype = gguf.GGMLQuantizationType[kind]
+                writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except (ValueError, TypeError, OverflowError, struct.error, gguf.quants.QuantError, UnicodeEncodeError):
+        writer.close()
+        reject()  # not a file the writer makes; byte edits reach the reader with what it cannot write
+    writer.close()
+
+
+def gguf_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors (name: shape) a model of `config` loads, as `build_module` lists them."""
+    hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv, ffn = config.num_key_value_heads * config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for layer in range(min(config.num_hidden_layers, 64)):  # a missing layer's first tensor already refuses
+        prefix = f"model.layers.{layer}."
+        shapes |= {prefix + "input_layernorm.weight": (hidden,), prefix + "post_attention_layernorm.weight": (hidden,),
+                   prefix + "self_attn.q_proj.weight": (heads, hidden),
+                   prefix + "self_attn.k_proj.weight": (kv, hidden), prefix + "self_attn.v_proj.weight": (kv, hidden),
+                   prefix + "self_attn.o_proj.weight": (hidden, heads),
+                   prefix + "mlp.gate_proj.weight": (ffn, hidden), prefix + "mlp.up_proj.weight": (ffn, hidden),
+                   prefix + "mlp.down_proj.weight": (hidden, ffn)}
+        if config.attention_bias:
+            shapes |= {prefix + "self_attn.q_proj.bias": (heads,), prefix + "self_attn.k_proj.bias": (kv,),
+                       prefix + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def read_gguf(path: Path, workdir: Path):
+    """What `ember compile FILE.gguf` reads and checks before lowering (`import_gguf_model` without TVM's
+    module: its tensor shapes from `gguf_shapes`), then every tensor loaded: (config, tensors, default --quant)."""
+    from ember.frontend.gguf import GGUFWeights, Metadata, default_quantization, gguf_config, open_gguf
+    from ember.frontend.gguf_tokenizer import write_tokenizer_files
+    from ember.frontend.hf import _check_tensor, _check_tokenizer_files
+
+    quantization = default_quantization(path)
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    weights = GGUFWeights(path, reader, config)
+    _check_tokenizer_files(write_tokenizer_files(Metadata(reader, path), workdir), config)
+    shapes = gguf_shapes(config)
+    for name, shape in shapes.items():
+        _check_tensor(weights, name, shape)
+    return config, {name: weights.load(name) for name in shapes}, quantization
+
+
+# Values a stranger's file may hold where ember reads a number, a name or a tokenizer array: each drawn
+# alone or with generic edits. (The generic ones rarely hit a key and a value that matter together.)
+_NO_VOCABULARY = {"llama.vocab_size": None, "tokenizer.ggml.tokens": None, "tokenizer.ggml.model": None}
+_SENTENCEPIECE = {"tokenizer.ggml.model": ("llama", "STRING"),
+                  "tokenizer.ggml.scores": ([0.0] * models.VOCAB_SIZE, "ARRAY", "FLOAT32")}
+GGUF_PLAUSIBLE = st.sampled_from([
+    ({"llama.attention.head_count": (0, "UINT32"), "llama.attention.key_length": None}, None),
+    ({"llama.attention.head_count": (3, "UINT32")}, None),
+    ({"llama.attention.head_count_kv": (0, "UINT32")}, None),
+    ({"llama.attention.key_length": (15, "UINT32")}, None),
+    ({"llama.embedding_length": (0, "UINT32")}, None),
+    ({"llama.embedding_length": (63, "UINT32")}, None),
+    ({"llama.feed_forward_length": (0, "UINT32")}, None),
+    ({"llama.block_count": (0, "UINT32")}, None),
+    ({"llama.block_count": (10**6, "UINT32")}, None),
+    ({"llama.context_length": (0, "UINT32")}, None),
+    ({"llama.context_length": (2**40, "UINT64")}, None),
+    ({"llama.rope.dimension_count": (8, "UINT32")}, None),
+    ({"llama.rope.scaling.type": ("linear", "STRING")}, None),
+    ({"llama.rope.freq_base": (-1.0, "FLOAT32")}, None),
+    ({"llama.attention.layer_norm_rms_epsilon": (math.nan, "FLOAT32")}, None),
+    ({"llama.attention.sliding_window": (0, "UINT32")}, None),
+    ({"general.architecture": ("qwen2", "STRING")}, None),
+    ({"general.architecture": ("phi3", "STRING")}, None),
+    (_NO_VOCABULARY, None),
+    (_NO_VOCABULARY, ("token_embd.weight", "drop", "x")),
+    (_NO_VOCABULARY, ("token_embd.weight", "flatten", "x")),
+    ({"llama.vocab_size": (512, "UINT32"), "tokenizer.ggml.eos_token_id": (400, "UINT32")}, None),
+    ({"llama.vocab_size": (512, "UINT32"), "tokenizer.ggml.bos_token_id": (400, "UINT32")}, None),
+    ({"tokenizer.ggml.add_eos_token": (True, "BOOL"), "tokenizer.ggml.eos_token_id": (300, "UINT32")}, None),
+    ({"tokenizer.ggml.merges": (["ab"], "ARRAY", "STRING")}, None),
+    ({"tokenizer.ggml.merges": (["a b c", ""], "ARRAY", "STRING")}, None),
+    ({"tokenizer.ggml.merges": ([1, 2], "ARRAY", "INT32")}, None),
+    ({"tokenizer.ggml.tokens": (list(range(models.VOCAB_SIZE)), "ARRAY", "INT32")}, None),
+    ({"tokenizer.ggml.tokens": (["a"] * models.VOCAB_SIZE, "ARRAY", "STRING")}, None),
+    ({"tokenizer.ggml.tokens": (["a", "b"], "ARRAY", "STRING")}, None),
+    ({"tokenizer.ggml.token_type": (["1"] * models.VOCAB_SIZE, "ARRAY", "STRING")}, None),
+    ({"tokenizer.ggml.token_type": ([1, 1, 1], "ARRAY", "INT32")}, None),
+    ({"tokenizer.ggml.model": ("llama", "STRING")}, None),
+    (_SENTENCEPIECE, None),
+    ({**_SENTENCEPIECE, "tokenizer.ggml.scores": ([0.0] * 3, "ARRAY", "FLOAT32")}, None),
+    ({**_SENTENCEPIECE, "tokenizer.ggml.scores": (["x"] * models.VOCAB_SIZE, "ARRAY", "STRING")}, None),
+    ({**_SENTENCEPIECE, "tokenizer.ggml.unknown_token_id": (9999, "UINT32")}, None),
+    ({"tokenizer.ggml.pre": ("qwen2", "STRING")}, None),
+    ({"tokenizer.ggml.model": ("bert", "STRING")}, None),
+    ({"tokenizer.chat_template": ("{% for m in messages %}", "STRING")}, None),
+])
+
+
+@st.composite
+def gguf_cases(draw) -> tuple[dict, tuple[str, str, str] | None, list[tuple[int, bytes]], int | None]:
+    """(metadata edits, tensor edit, header bytes overwritten as (position, bytes), length to truncate to)."""
+    meta, tensor_edit = draw(GGUF_PLAUSIBLE | st.just(({}, None)))
+    generic = draw(st.dictionaries(st.sampled_from(GGUF_KEYS) | st.text(max_size=8), gguf_values(), max_size=2))
+    if not meta or draw(st.booleans()):
+        meta = {**meta, **generic}
+    if tensor_edit is None:
+        tensor_edit = draw(st.none() | st.tuples(st.sampled_from(_GGUF_TENSOR_NAMES), GGUF_TENSOR_EDITS, GGUF_RENAMES))
+    damage = st.tuples(st.integers(0, 2**20), st.binary(min_size=1, max_size=8))
+    overwrites = draw(st.just([]) | st.just([]) | st.just([]) | st.lists(damage, min_size=1, max_size=2))
+    truncate = draw(st.none() | st.none() | st.none() | st.integers(0, 2**20))
+    return meta, tensor_edit, overwrites, truncate
+
+
+def damaged_gguf(root: Path, case) -> Path:
+    """`root/model.gguf` written for `case` (see `gguf_cases`)."""
+    import gguf
+
+    meta, tensor_edit, overwrites, truncate = case
+    path = root / "model.gguf"
+    write_gguf(path, meta, tensor_edit)
+    if overwrites or truncate is not None:
+        data = bytearray(path.read_bytes())
+        header = gguf.GGUFReader(path).data_offset
+        for position, raw in overwrites:
+            data[position % header: position % header + len(raw)] = raw
+        if truncate is not None:
+            del data[truncate % len(data):]
+        path.write_bytes(bytes(data))
+    return path
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(case=gguf_cases())
+def test_gguf_files(case):
+    """Refused in one line naming the file, or a config of sane fields, a tokenizer the runtime loads with
+    ids inside the vocabulary, and every tensor of the shape the config implies."""
+    from ember.ir_passes.quant_formats import FORMATS
+    from ember.runtime.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as work:
+        path = damaged_gguf(Path(tmp), case)
+        before = tree_snapshot(Path(tmp))
+        result, value = in_process(lambda: read_gguf(path, Path(work)))
+
+        def check() -> None:
+            config, loaded, quantization = value
+            assert_sane_config(config)
+            assert quantization in FORMATS, quantization
+            shapes = gguf_shapes(config)
+            for name, array in loaded.items():
+                assert array.shape == shapes[name] and array.dtype.kind == "f", (name, array.shape)
+            if (Path(work) / "tokenizer.json").exists():
+                ids = Tokenizer.from_dir(Path(work)).encode("hello world </s>")
+                assert all(0 <= i < config.vocab_size for i in ids), ids
+
+        outcome("GGUF file", result, check)
+        if result.outcome == "refused":
+            assert str(path) in result.stderr, result.stderr
+        unchanged(before, Path(tmp), "GGUF file")
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(case=gguf_cases())
+def test_gguf_files_through_the_cli(worker, case):
+    """`ember analyze FILE.gguf` and `ember compile FILE.gguf` on a damaged file: refused in one line with
+    nothing left behind, or a report, and an artifact that verifies whole."""
+    from ember.manifest import read_manifest, verify_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = damaged_gguf(root, case)
+        before = tree_snapshot(root)
+        outcome("cli analyze GGUF", worker.run(["analyze", str(path), "--hardware", "raspberry-pi-5"]))
+        out = root / "out"
+        result = worker.run(["compile", str(path), "-o", str(out), "--no-progress", "--prefill-chunk", "32",
+                             "--max-batch", "2"], timeout=120)
+        outcome("cli compile GGUF", result, lambda: verify_files(out, read_manifest(out)))
+        if result.outcome == "accepted":
+            shutil.rmtree(out)
+        unchanged(before, root, "cli compile GGUF")
 
 
 # --- the command line: options at their edges --------------------------------------------------------
@@ -434,8 +935,38 @@ def test_runtime_options(worker, artifact, command, picks, numbers, texts, eval_
             argv += [option, text if option in TEXT_OPTIONS else number]
         before = tree_snapshot(root)
         result = worker.run(argv, stdin=chat_input if command == "chat" else "")
-        outcome(f"cli {command}", result)
+        outcome(f"cli {command}", result, lambda: _check_runtime_result(command, argv, result))
         unchanged(before, root, f"cli {command}")
+
+
+def _last(argv: list[str], option: str) -> str | None:
+    """The value `option` takes in `argv` (argparse keeps the last one given)."""
+    values = [value for flag, value in zip(argv, argv[1:]) if flag == option]
+    return values[-1] if values else None
+
+
+def _check_runtime_result(command: str, argv: list[str], result: Result) -> None:
+    """What an accepted run printed agrees with the options it was given: the prompt echoed and no more
+    tokens than --max-new-tokens, no --stop string in the continuation; a finite perplexity over at most
+    --max-tokens tokens in windows of --window."""
+    if command == "eval":
+        scored = re.search(r"perplexity (\S+) over (\d+) tokens \((\d+) windows of (\d+)\)", result.stdout)
+        assert scored and math.isfinite(float(scored[1])) and float(scored[1]) >= 1, result.stdout
+        max_tokens, window = _last(argv, "--max-tokens"), _last(argv, "--window")
+        assert max_tokens is None or int(scored[2]) <= int(max_tokens), (scored[0], max_tokens)
+        assert window is None or int(scored[4]) == int(window), (scored[0], window)
+        return
+    limit = int(_last(argv, "--max-new-tokens"))
+    if command == "chat":
+        replies = re.findall(r"^\[(\d+) tokens, ", result.stderr, re.M)
+        assert all(int(n) <= limit for n in replies), (replies, limit)
+        return
+    prompt, stop = _last(argv, "--prompt"), _last(argv, "--stop")
+    assert result.stdout.startswith(prompt), "the prompt was not printed first"
+    decoded = re.search(r"decode (\d+) tokens", result.stderr)
+    assert decoded and int(decoded[1]) <= limit, (result.stderr, limit)
+    continuation = result.stdout[len(prompt):].removesuffix("\n")  # generate ends its output with a newline
+    assert not stop or stop not in continuation, f"--stop {stop!r} is in the continuation"
 
 
 ANALYZE_MODELS = st.sampled_from(["Llama-3.2-1B", "Qwen2.5-0.5B", "checkpoint", "artifact", "nonsense", "/dev/zero"])
