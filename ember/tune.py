@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import functools
+import inspect
 import itertools
+import json
+import linecache
 import logging
 import math
 import os
@@ -299,6 +301,7 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
             # keeps it); each tune_tir leaves the logger at DEBUG, so it is told again before each round.
             logging.getLogger("tvm.s_tir.meta_schedule").setLevel(
                 logging.DEBUG if log.isEnabledFor(logging.INFO) else logging.WARNING)
+            _import_tensor_intrinsics()
             ms.tune_tir(
                 kernel.workload, target.target, work_dir=str(database.path / "logs"),
                 max_trials_global=min(TRIALS_PER_ROUND, wanted - done), num_trials_per_iter=TRIALS_PER_COMMIT,
@@ -309,6 +312,35 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
             )
         done = database.trials(kernel.workload)
     return done
+
+
+def _import_tensor_intrinsics() -> None:
+    """Import TVM's tensor intrinsics, which meta_schedule's `TuneContext` imports on first use, in ~1 s, not ~30.
+
+    The module defines ~250 TVMScript functions, and each decorator calls `inspect.stack()`. For every frame of
+    the import machinery on the stack (`<frozen importlib._bootstrap>`, which is no file) that scans all of
+    `sys.modules`: 30 s of every tune's start with TVM alone loaded, 37 s beside torch (measured here). The
+    parser reads each frame, its locals, and the source line of its caller's caller; `linecache` gives that
+    line as `inspect` would, so the stack is built from the frames directly while the module imports.
+    """
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+
+    def frames_with_their_line(context: int = 1) -> list[inspect.FrameInfo]:
+        frames, frame = [], sys._getframe(1)
+        while frame is not None:
+            filename, lineno = frame.f_code.co_filename, frame.f_lineno
+            line = linecache.getline(filename, lineno) if context > 0 else ""
+            frames.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name,
+                                            [line] if line else None, 0 if line else None))
+            frame = frame.f_back
+        return frames
+
+    stack, inspect.stack = inspect.stack, frames_with_their_line
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+    finally:
+        inspect.stack = stack
 
 
 def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase, target: TargetSpec,
