@@ -226,6 +226,46 @@ def tiny_llama_long(tmp_path_factory) -> TinyModel:
     return TinyModel("llama-long", model_dir, artifact_dir)
 
 
+class DemoBuilds:
+    """The bundled demo model compiled for a target, once per session: test_edge and test_farm share them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, target: str, quantization: str, float_activations: bool = False) -> Path:
+        """The artifact of the demo for `target` in `quantization` (float activations: q0f32 has no others)."""
+        import ember
+        from ember.compiler import CompileOptions, compile_model
+
+        float_activations = float_activations or quantization == "q0f32"
+        artifact = self.root / f"{target}-{quantization}-{'float' if float_activations else 'int8'}"
+        if not artifact.exists():
+            compile_model(ember.DEMO_MODEL_DIR, artifact, CompileOptions(
+                target=target, quantization=quantization, float_activations=float_activations, show_progress=False))
+        return artifact
+
+
+@pytest.fixture(scope="session")
+def demo_builds(tmp_path_factory) -> DemoBuilds:
+    return DemoBuilds(tmp_path_factory.mktemp("demo-builds"))
+
+
+@pytest.fixture(scope="session")
+def arm64_python() -> list[str]:
+    """The command prefix that runs an emulated aarch64 Python with the runtime's wheels
+    (scripts/setup_arm64.sh, once, cached); skips where it cannot be set up (exit 3) or off x86_64."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("cross-compiles from x86_64")
+    setup = subprocess.run(["bash", str(Path(__file__).resolve().parent.parent / "scripts" / "setup_arm64.sh")],
+                           capture_output=True, text=True)
+    if setup.returncode == 3:
+        pytest.skip(setup.stderr.strip())
+    assert setup.returncode == 0, setup.stderr
+    return setup.stdout.split()
+
+
 @pytest.fixture
 def copy_artifact(tmp_path):
     """Copy an artifact directory into this test's tmp dir, to tamper with."""

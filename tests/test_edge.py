@@ -22,14 +22,12 @@ import pytest
 from tokenizers import Tokenizer
 
 import ember
-from ember.compiler import CompileOptions, compile_model
 from ember.errors import ArtifactError
 from ember.manifest import LIBRARY_NAME, read_manifest
 from ember.package import package_artifact
 from ember.runtime import load_artifact
 from ember.targets.registry import resolve_target
 
-REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).with_name("edge_run.py")
 PROMPT_TOKENS, NEW_TOKENS = 64, 32
 LOGITS_TOLERANCE = 1e-4  # absolute (logits reach ~17): same arithmetic on both machines, only the order of sums differs
@@ -47,16 +45,6 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="cross-co
 
 
 @pytest.fixture(scope="module")
-def arm64_python() -> list[str]:
-    """The command prefix that runs the emulated aarch64 Python (setting it up the first time)."""
-    setup = subprocess.run(["bash", str(REPO / "scripts" / "setup_arm64.sh")], capture_output=True, text=True)
-    if setup.returncode == 3:
-        pytest.skip(setup.stderr.strip())
-    assert setup.returncode == 0, setup.stderr
-    return setup.stdout.split()
-
-
-@pytest.fixture(scope="module")
 def prompt() -> list[int]:
     """64 tokens of the demo model's validation text, tokenized by Hugging Face's tokenizers."""
     tokenizer = Tokenizer.from_file(str(ember.DEMO_MODEL_DIR / "tokenizer.json"))
@@ -69,26 +57,24 @@ def _x86_twin(quant: str, activations: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def builds(arm64_python, tmp_path_factory) -> dict[str, Path]:
+def builds(demo_builds) -> dict[str, Path]:
     """Every artifact: the ARM builds, and an x86 build of each of their formats with the same activations
     (int8 where the ARM target has an int8 dot-product kernel, float where it does not)."""
-    root = tmp_path_factory.mktemp("edge")
-    built = {}
-    for name, target, quant in ARM_BUILDS:
-        built[name] = compile_model(ember.DEMO_MODEL_DIR, root / name, CompileOptions(
-            target=target, quantization=quant, show_progress=False)).manifest.activations
-    for quant, activations in sorted({(quant, built[name]) for name, _, quant in ARM_BUILDS}):
-        compile_model(ember.DEMO_MODEL_DIR, root / _x86_twin(quant, activations), CompileOptions(
-            quantization=quant, float_activations=activations == "float", show_progress=False))
-    return {path.name: path for path in root.iterdir()}
+    built = {name: demo_builds.get(target, quant) for name, target, quant in ARM_BUILDS}
+    for name, _, quant in ARM_BUILDS:
+        activations = read_manifest(built[name]).activations
+        built[_x86_twin(quant, activations)] = demo_builds.get("cpu", quant, float_activations=activations == "float")
+    return built
 
 
-def _run(python: list[str], env: dict[str, str], prompt: list[int], artifacts: list[Path], out: Path) -> dict:
+def _run(python: list[str], env: dict[str, str], prompt: list[int], artifacts: dict[str, Path], out: Path) -> dict:
+    """{name: (logits, run facts)} of each artifact, run by one `python` process."""
     out.mkdir()
-    subprocess.run([*python, str(RUNNER), json.dumps(prompt), str(NEW_TOKENS), str(out), *map(str, artifacts)],
+    paths = list(artifacts.values())
+    subprocess.run([*python, str(RUNNER), json.dumps(prompt), str(NEW_TOKENS), str(out), *map(str, paths)],
                    env={**os.environ, **env}, check=True, timeout=900)
-    return {a.name: (np.load(out / f"{a.name}.npy"), json.loads((out / f"{a.name}.json").read_text()))
-            for a in artifacts}
+    return {name: (np.load(out / f"{path.name}.npy"), json.loads((out / f"{path.name}.json").read_text()))
+            for name, path in artifacts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +84,8 @@ def results(arm64_python, builds, prompt, tmp_path_factory) -> dict[str, tuple[n
     first, *others = [name for name, _, _ in ARM_BUILDS]
     board = package_artifact(builds[first], root / "board")
     arm = _run(arm64_python, {"PYTHONPATH": str(board), "TVM_USE_RUNTIME_LIB": "1"}, prompt,
-               [board / "artifact", *(builds[name] for name in others)], root / "arm")
-    arm[first] = arm.pop("artifact")
-    x86 = _run([sys.executable], {}, prompt, [p for n, p in sorted(builds.items()) if n.startswith("x86-")], root / "x86")
+               {first: board / "artifact", **{name: builds[name] for name in others}}, root / "arm")
+    x86 = _run([sys.executable], {}, prompt, {n: p for n, p in builds.items() if n.startswith("x86-")}, root / "x86")
     return {**arm, **x86}
 
 
