@@ -9,7 +9,9 @@ each failure is one line naming the file and the tensor or metadata key.
 Metadata becomes a Hugging Face style config dict checked by `parse_model_config`,
 tensor names become Hugging Face names, and llama.cpp's row permutation of the
 Llama q/k projections (its RoPE pairs adjacent channels) is undone, so the rest of
-ember sees the checkpoint it would have read from the original directory.
+ember sees the checkpoint it would have read from the original directory. Llama 3's
+RoPE scaling, which llama.cpp's converter stores as per-frequency divisors in the
+`rope_freqs.weight` tensor, becomes the `rope_scaling` it came from (`gguf_rope`).
 
 Weights of a type ember stores natively are kept as stored: Q8_0, Q4_0 and Q4_1
 blocks hand their integer levels, scales and minimums to `q8*`, `q4*` and `q4*_zp`
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ember.errors import ModelError
+from ember.frontend import gguf_rope
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import short_repr
 
@@ -376,10 +379,14 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     scaling = meta.get(f"{arch}.rope.scaling.type", str)
     if scaling not in (None, "none"):
         raise ModelError(f"{path}: metadata '{arch}.rope.scaling.type' {short_repr(scaling)} is not supported")
-    if "rope_freqs.weight" in names:
-        raise ModelError(f"{path}: Llama 3 rope scaling stored as the 'rope_freqs.weight' tensor is not supported "
-                         "yet (convert the Hugging Face checkpoint instead)")
     config = parse_model_config(raw, f"{path} (metadata)")
+    rope_freqs = next((t for t in reader.tensors if t.name == gguf_rope.TENSOR), None)
+    if rope_freqs is not None:
+        if rope_freqs.tensor_type.name != "F32":
+            raise ModelError(f"{path}: tensor {gguf_rope.TENSOR!r} is {rope_freqs.tensor_type.name}; llama.cpp "
+                             "writes it as F32")
+        raw["rope_scaling"] = gguf_rope.llama3_rope_scaling(rope_freqs.data, config.rope_theta, config.head_dim, path)
+        config = parse_model_config(raw, f"{path} (metadata and {gguf_rope.TENSOR!r})")
     rope_dims = meta.get(f"{arch}.rope.dimension_count", int)
     if rope_dims is not None and rope_dims != config.head_dim:
         raise ModelError(f"{path}: metadata '{arch}.rope.dimension_count' is {rope_dims}; ember rotates whole "

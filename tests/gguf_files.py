@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,33 @@ print(json.dumps(out))
 """))
 
 
+def perplexity(path: Path, windows: list[list[int]]) -> float:
+    """llama.cpp's perplexity over `windows`, scored as `runtime/evaluate.py` scores them: each window in a
+    fresh context, every token after its first predicted from the logits of the tokens before it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(windows, file)
+    try:
+        return float(_llama_cpp(f"""
+import json, math, numpy as np
+from llama_cpp import Llama
+windows = json.load(open({file.name!r}))
+longest = max(map(len, windows))
+llm = Llama({str(path)!r}, logits_all=True, n_ctx=longest + 8, n_batch=longest, n_threads=2, verbose=False)
+nll = tokens = 0
+for ids in windows:
+    llm.reset()
+    llm.eval(ids[:-1])
+    logits = np.array(llm.scores[:len(ids) - 1], dtype=np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    nll -= log_probs[np.arange(len(ids) - 1), ids[1:]].sum()
+    tokens += len(ids) - 1
+print(math.exp(nll / tokens))
+""", timeout=1800))
+    finally:
+        os.unlink(file.name)
+
+
 def tokenize(path: Path, texts: list[str]) -> list[list[int]]:
     """llama.cpp's token ids for each of `texts` (BOS/EOS as the file says, special tokens matched)."""
     return json.loads(_llama_cpp(f"""
@@ -161,18 +189,19 @@ print(json.dumps([llm.tokenize(t.encode(), add_bos=True, special=True) for t in 
 """))
 
 
-def sentencepiece_model(model_type: str, vocab_size: int = 1000) -> Path:
-    """A random tiny `model_type` checkpoint whose tokenizer is a SentencePiece BPE model (byte fallback)
-    trained on the demo model's validation text, converted by llama.cpp (tokenizer.ggml.model "llama")."""
+def sentencepiece_model(model_type: str, vocab_size: int = 1000, **overrides: object) -> Path:
+    """A random tiny `model_type` checkpoint (config `overrides`) whose tokenizer is a SentencePiece BPE model
+    (byte fallback) trained on the demo model's validation text, converted by llama.cpp (tokenizer.ggml.model
+    "llama")."""
     import sentencepiece
 
     import models
     from ember import DEMO_MODEL_DIR
 
-    model_dir = CACHE / f"sentencepiece-{model_type}-{vocab_size}"
+    model_dir = CACHE / f"sentencepiece-{model_type}-{vocab_size}{f'-{_key(overrides)}' if overrides else ''}"
     if not (model_dir / "tokenizer.model").exists():
         model_dir.mkdir(parents=True, exist_ok=True)
-        config = models.make_config(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
+        config = models.make_config(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, **overrides)
         model = models.random_model(config)
         model.save_pretrained(model_dir, safe_serialization=True)
         sentencepiece.SentencePieceTrainer.train(

@@ -172,6 +172,56 @@ def test_random_model_logits_match_llama_cpp(sentencepiece_gguf, tmp_path, model
     assert error <= 1e-3, f"{model_type}: relative logit error {error:.3g}"
 
 
+def test_llama3_rope_scaling_from_rope_freqs_matches_llama_cpp(tmp_path) -> None:
+    """llama.cpp's converter stores Llama 3 RoPE scaling only as the 'rope_freqs.weight' divisors; the scaling
+    recovered from them is the checkpoint's (factor, and low/high_freq_factor relative to the original context),
+    and the logits match llama.cpp's on the file. The tiny config puts its 8 frequencies in all three regions."""
+    import models
+
+    model_type, overrides = models.TINY_MODELS["llama3_rope"]
+    path = gguf_files.sentencepiece_model(model_type, **overrides)
+    assert "rope_freqs.weight" in {t.name for t in open_gguf(path).tensors}
+    scaling = gguf_config(open_gguf(path), path).rope_scaling
+    original = overrides["rope_parameters"]
+    context = scaling["original_max_position_embeddings"] / original["original_max_position_embeddings"]
+    assert scaling["factor"] == pytest.approx(original["factor"], rel=1e-6)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        assert scaling[key] / context == pytest.approx(original[key], rel=1e-4), key
+    compile_model(path, tmp_path / "out", CompileOptions(quantization="q0f32", max_batch=1, show_progress=False))
+    engine = Engine(load_artifact(tmp_path / "out"))
+    ids = [1] + np.random.default_rng(0).integers(3, 1000, 95).tolist()
+    ours = engine.prefill(engine.add_sequence(), ids, all_logits=True)
+    theirs = gguf_files.logits(path, ids)
+    error = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    assert error <= 1e-3, f"relative logit error {error:.3g}"
+
+
+def test_llama_3_1_rope_freqs_give_back_its_scaling(tmp_path) -> None:
+    """Llama 3.1's own RoPE parameters (head_dim 128, theta 500000): the divisors a converter stores are
+    transformers' unscaled over scaled frequencies; the recovered scaling gives transformers' frequencies
+    back. A tensor that is not Llama 3 scaling, of the wrong length, or of all ones is told apart."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ember.frontend.gguf_rope import llama3_divisors, llama3_rope_scaling
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, rope_parameters=rope)
+    scaled = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0].double().numpy()
+    plain = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
+    divisors = (plain / scaled).astype(np.float32)
+    scaling = llama3_rope_scaling(divisors, 500000.0, 128, tmp_path)
+    assert scaling is not None and scaling["factor"] == pytest.approx(8.0)
+    recovered = plain / llama3_divisors(plain, scaling)
+    assert np.allclose(recovered, scaled, rtol=1e-5, atol=0)
+    assert llama3_rope_scaling(np.ones(64, np.float32), 500000.0, 128, tmp_path) is None
+    with pytest.raises(ModelError, match=r"'rope_freqs.weight' is not Llama 3 RoPE scaling"):
+        llama3_rope_scaling(divisors[::-1].copy(), 500000.0, 128, tmp_path)
+    with pytest.raises(ModelError, match=r"'rope_freqs.weight' has 32 values; a head of 128 rotates 64"):
+        llama3_rope_scaling(divisors[:32], 500000.0, 128, tmp_path)
+
+
 def _edit_tensor(name: str, part: int, value: object):
     def edit(reader) -> None:
         field = next(t.field for t in reader.tensors if t.name == name)
