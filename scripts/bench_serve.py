@@ -23,6 +23,12 @@ between two tokens of the running stream while the long prompt is read, next to 
 gap before, and the long request's time to first token (for models whose context holds it).
 llama_cpp.server serves one request at a time, so there the long prompt waits for the stream.
 
+Prefix caching (`--shared-prefix`): one request at a time, prompts of one shared prefix (a system
+prompt) with distinct ends, timed against prompts of the same length that share nothing: the
+median TTFT after the first shared one, and for ember the share of the shared prompts' tokens its
+prefix cache served (`/metrics`). llama-cpp-python reuses the longest common prefix of the
+previous prompt, so it gains on this pattern too.
+
     python scripts/bench_serve.py --quant q4f32,q8f32 --threads 2            # the full run (minutes)
     python scripts/bench_serve.py --models demo --quant q4f32 --concurrency 1,2 --requests 4   # a smoke run
 """
@@ -232,6 +238,49 @@ def draw_prompts(tokenizer: Served | None, lengths: list[int], rng: np.random.Ge
     return [prompt_of_length(tokenizer, n, rng) for n in lengths]
 
 
+def prefix_prompts(tokenizer: Served | None, prefix_len: int, suffix_len: int, count: int,
+                   rng: np.random.Generator) -> tuple[list[tuple[str | None, list[int]]], list[tuple[str | None, list[int]]]]:
+    """`count` prompts of one shared `prefix_len`-token prefix and distinct `suffix_len`-token ends (as a system
+    prompt and its questions), and `count` prompts of the same length that share nothing."""
+    if tokenizer is None:
+        prefix = [1] + rng.integers(3, 259, prefix_len - 1).tolist()
+        shared = [(None, prefix + rng.integers(3, 259, suffix_len).tolist()) for _ in range(count)]
+        return shared, draw_prompts(None, [prefix_len + suffix_len] * count, rng)
+    prefix, _ = prompt_of_length(tokenizer, prefix_len, rng)
+    shared = []
+    for _ in range(count):
+        text = prefix + "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=suffix_len))
+        shared.append((text, tokenizer.post("/extras/tokenize", {"input": text})["tokens"]))
+    return shared, draw_prompts(tokenizer, [len(shared[0][1])] * count, rng)
+
+
+def metrics_of(served: Served) -> dict[str, float]:
+    """ember's /metrics counters without labels, by name."""
+    with urllib.request.urlopen(f"{served.base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, _, value in
+            (line.partition(" ") for line in text.splitlines() if line and not line.startswith("#") and "{" not in line)}
+
+
+async def measure_prefix_cache(served: Served, shared: list, unshared: list, max_tokens: int) -> dict[str, float]:
+    """One request at a time: the TTFT of prompts that share nothing, then of prompts sharing a prefix (the first
+    of which fills the cache), and for ember the share of the shared prompts' tokens its prefix cache served."""
+    client = client_of(served)
+    before = metrics_of(served) if served.name == "ember" else None
+    cold = [(await stream(client, served, prompt, max_tokens)).ttft for prompt in unshared]
+    middle = metrics_of(served) if before else None
+    warm = [(await stream(client, served, prompt, max_tokens)).ttft for prompt in shared]
+    await client.close()
+    result = {"cold_ttft": statistics.median(cold), "first_ttft": warm[0], "warm_ttft": statistics.median(warm[1:])}
+    if before:
+        after = metrics_of(served)
+        hits = after["ember_prefix_cache_hit_tokens_total"] - middle["ember_prefix_cache_hit_tokens_total"]
+        prompted = after["ember_prompt_tokens_total"] - middle["ember_prompt_tokens_total"]
+        result["hit_share"] = hits / prompted
+        result["cold_hits"] = middle["ember_prefix_cache_hit_tokens_total"] - before["ember_prefix_cache_hit_tokens_total"]
+    return result
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -274,6 +323,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", default="16,128", help="MIN,MAX prompt tokens (uniform, seeded)")
     parser.add_argument("--output-len", default="16,96", help="MIN,MAX max_tokens (uniform, seeded)")
     parser.add_argument("--stall-prompt", type=int, default=2000, help="tokens of the prompt that arrives mid-stream")
+    parser.add_argument("--shared-prefix", default="1024,32,8",
+                        help="PREFIX,SUFFIX,COUNT: COUNT prompts of one PREFIX-token prefix and SUFFIX distinct "
+                             "tokens, one at a time, timed against COUNT that share nothing (prefix caching); "
+                             "PREFIX is cut to fit the context")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="ember,llama.cpp")
@@ -288,6 +341,9 @@ def main() -> None:
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     concurrencies = sorted(int(c) for c in split(args.concurrency))
     lengths = {name: tuple(int(v) for v in getattr(args, name).split(",")) for name in ("prompt_len", "output_len")}
+    shared_prefix = tuple(int(v) for v in args.shared_prefix.split(","))
+    if len(shared_prefix) != 3 or min(shared_prefix) < 1 or shared_prefix[2] < 2:
+        parser.error(f"--shared-prefix {args.shared_prefix}: PREFIX,SUFFIX,COUNT, positive, COUNT at least 2")
     servers = split(args.servers)
     unknown = [q for q in split(args.quant) if q not in GGUF_TYPES]
     if unknown:
@@ -343,10 +399,12 @@ def main() -> None:
                 prompts = draw_prompts(tokenizer, [p for p, _ in shapes], prompt_rng)
                 stall_prompts = (draw_prompts(tokenizer, [16, args.stall_prompt], prompt_rng)
                                  if args.stall_prompt < context else None)
+                prefix_len = min(shared_prefix[0], context - shared_prefix[1] - 32)
+                shared, unshared = prefix_prompts(tokenizer, prefix_len, shared_prefix[1], shared_prefix[2], prompt_rng)
             finally:
                 if tokenizer:
                     tokenizer.stop()
-            rows, stalls, busy = {}, {}, 0
+            rows, stalls, prefixes, busy = {}, {}, {}, 0
             for server in servers:
                 served = (start_ember(artifact, args.threads, args.work_dir) if server == "ember" else
                           start_llama_cpp(gguf, package, context, args.threads, args.work_dir))
@@ -362,6 +420,9 @@ def main() -> None:
                     if stall_prompts:
                         short, long = (prompt[pick] for prompt in stall_prompts)
                         stalls[server] = asyncio.run(measure_stall(served, short, long, min(256, context - 16)))
+                    busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+                    prefixes[server] = asyncio.run(measure_prefix_cache(
+                        served, [p[pick] for p in shared], [p[pick] for p in unshared], 8))
                 finally:
                     served.stop()
             print_table(f"{model_name} {fmt} (llama.cpp {qtype}), {args.threads} threads", rows, concurrencies)
@@ -371,6 +432,13 @@ def main() -> None:
                 print(f"  {server}: a {args.stall_prompt}-token prompt arriving mid-stream: longest gap of the running "
                       f"stream {stall['stall'] * 1e3:.0f} ms (median gap before {stall['median_gap'] * 1e3:.0f} ms); "
                       f"its own TTFT {stall['long_ttft']:.2f} s")
+            for server, prefix in prefixes.items():
+                hits = (f"; prefix cache served {prefix['hit_share']:.0%} of the shared prompts' tokens"
+                        f" ({prefix['cold_hits']:.0f} tokens of the unshared ones)" if "hit_share" in prefix else "")
+                print(f"  {server}: {shared_prefix[2]} prompts of {len(shared[0][1])} tokens sharing {prefix_len}, one "
+                      f"at a time: TTFT median {prefix['warm_ttft'] * 1e3:.0f} ms after the first "
+                      f"({prefix['first_ttft'] * 1e3:.0f} ms), {prefix['cold_ttft'] * 1e3:.0f} ms for prompts sharing "
+                      f"nothing ({prefix['cold_ttft'] / prefix['warm_ttft']:.1f}x){hits}")
             if not stall_prompts:
                 print(f"  decode stall not measured: the context of {context} tokens cannot hold a "
                       f"{args.stall_prompt}-token prompt")

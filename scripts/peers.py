@@ -405,10 +405,18 @@ def measure_llama_cpp(
     path = Path(model_dir) / "gguf" / f"model-{qtype}.gguf"
     if not path.exists():
         _run_isolated("_write_gguf_worker", model_dir=str(model_dir), out_path=str(path), qtype=qtype)
+    return measure_llama_cpp_file(path, prompt_ids, new_tokens, threads, package_dir, name=f"llama.cpp {qtype}")
+
+
+def measure_llama_cpp_file(
+    path: str | os.PathLike, prompt_ids: list[int], new_tokens: int, threads: int,
+    package_dir: str | os.PathLike | None = None, name: str = "llama.cpp",
+) -> Measurement:
+    """Time llama.cpp on the GGUF file ``path`` in a fresh process (``package_dir`` as for `measure_llama_cpp`)."""
     result = _run_isolated("_llama_cpp_worker", gguf_path=str(path), prompt_ids=list(prompt_ids),
                            new_tokens=new_tokens, threads=threads,
                            package_dir=str(package_dir) if package_dir else None)
-    return Measurement(name=f"llama.cpp {qtype}", **result)
+    return Measurement(name=name, **result)
 
 
 def _write_gguf_worker(model_dir: str, out_path: str, qtype: str) -> dict[str, Any]:
