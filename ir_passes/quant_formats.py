@@ -30,14 +30,15 @@ quality for one more scalar per group.
 Each quantized weight is stored in one of two layouts:
 
     rows          packed [N, K / per_word], scale [N, K / 32]: row-major, the layout above
-    interleaved   packed [N / 8, K * bits / 32, 8] uint32, scale [N / 8, K / 32, 8]: blocks
-                  of 8 rows, word w of the 8 rows side by side
+    interleaved   packed [N / 8, K * bits / 32, 8] uint32, scale (and min) [N / 8, K / 32, 8]:
+                  blocks of 8 rows, word w of the 8 rows side by side
 
 `interleaved` is what the int8 dot-product kernels read (`schedules/int8_matmul.py`):
 one 256-bit load holds 4 bytes of each of 8 rows, so one `vpdpbusd` with a broadcast
 activation word computes 8 rows at once, each int32 lane one row, and a group's 8
-scales are one vector load. Values are stored unsigned, as the instruction multiplies
-them: int8 as `v + 128`, int4 as `v + 8`. An int8 word holds 4 consecutive values;
+scales are one vector load (and with a zero point, its 8 minimums another). Values are
+stored unsigned, as the instruction multiplies them: int8 as `v + 128`, int4 as `v + 8`,
+zero-point int4 as its level 0..15. An int8 word holds 4 consecutive values;
 the 4 int4 words of a group hold its values 0-15 in their low nibbles and 16-31 in
 the high ones (byte t of word j: values 4j + t and 16 + 4j + t), so masking and
 shifting a word gives two byte vectors that pair with consecutive activations.
@@ -110,9 +111,8 @@ class QuantFormat:
         return -(-k // self.group_size) * self.group_size
 
     def interleaves(self, n: int, k: int) -> bool:
-        """Whether an [n, k] weight can be stored `interleaved`: symmetric int8/int4, whole row blocks and groups."""
-        return (self.bits in (4, 8) and not self.zero_point and n % INTERLEAVED_ROWS == 0
-                and k % self.group_size == 0)
+        """Whether an [n, k] weight can be stored `interleaved`: int8/int4, whole row blocks and groups."""
+        return self.bits in (4, 8) and n % INTERLEAVED_ROWS == 0 and k % self.group_size == 0
 
     def part_shapes(self, n: int, k: int, layout: str = ROWS) -> dict[str, tuple[tuple[int, ...], str]]:
         """Shape and dtype of each stored part of an [n, k] weight."""
@@ -120,8 +120,11 @@ class QuantFormat:
         if layout == INTERLEAVED:
             self._check_interleaves(n, k)
             blocks = n // INTERLEAVED_ROWS
-            return {"packed": ((blocks, k * self.bits // WORD_BITS, INTERLEAVED_ROWS), "uint32"),
-                    "scale": ((blocks, groups, INTERLEAVED_ROWS), self.dtype)}
+            shapes = {"packed": ((blocks, k * self.bits // WORD_BITS, INTERLEAVED_ROWS), "uint32"),
+                      "scale": ((blocks, groups, INTERLEAVED_ROWS), self.dtype)}
+            if self.zero_point:
+                shapes["min"] = ((blocks, groups, INTERLEAVED_ROWS), self.dtype)
+            return shapes
         shapes = {"packed": ((n, self.padded(k) // self.per_word), self.storage_dtype),
                   "scale": ((n, groups), self.dtype)}
         if self.zero_point:
@@ -194,7 +197,7 @@ class QuantFormat:
     def _pack_rows(self, values: np.ndarray, scale: np.ndarray, low: np.ndarray | None,
                    layout: str) -> dict[str, np.ndarray]:
         if layout == INTERLEAVED:
-            return self._pack_interleaved(values, scale)
+            return self._pack_interleaved(values, scale, low)
         parts = {"packed": self._pack(values), "scale": scale}
         if self.zero_point:
             parts["min"] = low
@@ -225,8 +228,11 @@ class QuantFormat:
                 word = packed[block, col // self.group_size * 4 + col % 16 // 4, lane]
                 shift = col % 4 * 8 + col % self.group_size // 16 * 4
             value = (word >> shift.astype("uint32")) & tirx.const(2**self.bits - 1, "uint32")
-            value = value.astype("int32") - 2 ** (self.bits - 1)
-            return value.astype(self.dtype) * parts["scale"][block, col // self.group_size, lane]
+            value = value.astype("int32") - self.stored_offset
+            weight = value.astype(self.dtype) * parts["scale"][block, col // self.group_size, lane]
+            if self.zero_point:
+                weight = weight + parts["min"][block, col // self.group_size, lane]
+            return weight
         if self.bits == 8:
             value = packed[row, col]
         else:
@@ -248,9 +254,16 @@ class QuantFormat:
         shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
         return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
 
-    def _pack_interleaved(self, values: np.ndarray, scale: np.ndarray) -> dict[str, np.ndarray]:
-        """The `interleaved` parts of a block of rows (a multiple of 8): signed `values` [n, K], `scale` [n, groups]."""
-        unsigned = (values + 2 ** (self.bits - 1)).astype(np.uint8)
+    @property
+    def stored_offset(self) -> int:
+        """What is added to a level to store it unsigned: 2 ** (bits - 1) for signed levels, 0 with a zero point."""
+        return 0 if self.zero_point else 2 ** (self.bits - 1)
+
+    def _pack_interleaved(self, values: np.ndarray, scale: np.ndarray,
+                          low: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The `interleaved` parts of a block of rows (a multiple of 8): `values` [n, K] (signed, or 0..15 with
+        a zero point), `scale` and `low` (the minimums, with a zero point) [n, groups]."""
+        unsigned = (values + self.stored_offset).astype(np.uint8)
         n = unsigned.shape[0]
         if self.bits == 4:  # byte t of a group's word j: values 4j + t (low nibble) and 16 + 4j + t (high)
             halves = unsigned.reshape(n, -1, 2, 16)
@@ -260,7 +273,10 @@ class QuantFormat:
         def side_by_side(rows: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(rows.reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, -1).transpose(0, 2, 1))
 
-        return {"packed": side_by_side(words).astype(np.uint32), "scale": side_by_side(scale)}
+        parts = {"packed": side_by_side(words).astype(np.uint32), "scale": side_by_side(scale)}
+        if self.zero_point:
+            parts["min"] = side_by_side(low)
+        return parts
 
     def _deinterleave(self, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The `rows` parts of `interleaved` parts (the inverse of `_pack_interleaved`)."""
@@ -272,12 +288,15 @@ class QuantFormat:
         if self.bits == 4:
             groups = unsigned.reshape(unsigned.shape[0], -1, 16)
             unsigned = np.stack([groups & 0x0F, groups >> 4], axis=2).reshape(unsigned.shape[0], -1)
-        return {"packed": self._pack(unsigned - 2 ** (self.bits - 1)), "scale": row_major(parts["scale"])}
+        rows = {"packed": self._pack(unsigned - self.stored_offset), "scale": row_major(parts["scale"])}
+        if self.zero_point:
+            rows["min"] = row_major(parts["min"])
+        return rows
 
     def _check_interleaves(self, n: int, k: int) -> None:
         if not self.interleaves(n, k):
             raise ValueError(f"{self.name} cannot store a [{n}, {k}] weight interleaved "
-                             f"(symmetric int8/int4, rows a multiple of {INTERLEAVED_ROWS}, K of {self.group_size})")
+                             f"(int8/int4, rows a multiple of {INTERLEAVED_ROWS}, K of {self.group_size})")
 
     def _unpack(self, packed: np.ndarray) -> np.ndarray:
         if self.bits == 8:

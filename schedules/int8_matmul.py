@@ -38,6 +38,7 @@ shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vect
           for each weight word w of the group:
             dot[t, b] = vpdpbusd(dot[t, b], packed[b, w, 0:8], broadcast(xq[m_t, w]))  # VNNI; see below
           acc[t, b] += float(dot[t, b]) * x_scale[m_t, g] * scale[b, g, 0:8]
+          acc[t, b] += x_sum[m_t, g] * min[b, g, 0:8]           # zero-point formats only
         y[m_t, 8b:8b+8] = acc[t, b]                           # one vector store
 
 The register tile reuses each weight load for `tokens` activation rows and each
@@ -46,6 +47,10 @@ AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's s
 decode's (2 sequences x 1 block) streams the weight once, linearly, and transforms each
 word once for 2 sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the
 offset back out: sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
+A zero-point format (q4f32_zp, llama.cpp's Q4_1) stores levels 0..15 with no offset and a
+minimum per group: sum(x * (scale * v + min)) = x_scale * (scale * sum(q * v) + min * sum(q)),
+so the quantize step also keeps x_sum = x_scale * sum(q) (llama.cpp's Q8_1 `s`) and each group
+adds one FMA with the 8 rows' minimums.
 Rows past the last whole tile (the only row of a 1-sequence decode) take a 1-row tile,
 a second copy of the loop nest: each row is computed once, whatever the batch.
 
@@ -73,8 +78,8 @@ not depend on the ISA level:
     offset is not subtracted (`x_bias` is 0).
 
 Numerics: the weights are used exactly; the activations carry int8 rounding (at most
-half a step of max|x| / 127 per value), the same rounding llama.cpp applies to Q4_0
-and Q8_0 dot products. `ember compile --float-activations` keeps the float path.
+half a step of max|x| / 127 per value), the same rounding llama.cpp applies to Q4_0,
+Q4_1 and Q8_0 dot products. `ember compile --float-activations` keeps the float path.
 """
 
 from __future__ import annotations
@@ -196,7 +201,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
     int4 = fmt.bits == 4
     # int8 weights on vpmaddubsw (the sign trick below) and on sdot are made signed again: no offset to take out.
-    offset = 0 if fmt.bits == 8 and (dot.signed_weights or not dot.accumulates) else 2 ** (fmt.bits - 1)
+    offset = 0 if fmt.bits == 8 and (dot.signed_weights or not dot.accumulates) else fmt.stored_offset
+    zero_point = fmt.zero_point
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     quantize_loop = T.parallel if many_tokens else T.serial
@@ -256,7 +262,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         return acc
 
     @T.macro
-    def tile(first, count, tile_n, seq, packed, scale, xq, x_scale, x_bias, y):
+    def tile(first, count, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
         # y for activation rows first .. first + count - 1 and the tile_n-th `row_blocks` blocks of weight rows.
         with T.sblock("tile"):
             T.reads()
@@ -292,14 +298,15 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                             dots[t, b, vec] = widen(dots[t, b, vec], sums[t, b, wide])
                         acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
                             T.Broadcast(x_scale[first + t, g], lanes) * scale[tile_n * row_blocks + b, g, vec])
+                        if zero_point:  # + the group's minimum times its activations' sum
+                            acc[t, b, vec] = acc[t, b, vec] + T.Broadcast(x_sum[first + t, g], lanes) * low[
+                                tile_n * row_blocks + b, g, vec]
             for t, b in T.grid(count, row_blocks):
                 y[(first + t) // seq, (first + t) % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = (
                     acc[t, b, vec])
 
-    @T.prim_func(s_tir=True)
-    def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                    scale: T.Buffer(scale_shape, "float32"), y_handle: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+    @T.macro
+    def matmul(x_handle, packed, scale, low, y_handle):
         batch = T.int64()
         seq = T.int64()
         x = T.match_buffer(x_handle, (batch, seq, k), "float32")
@@ -310,6 +317,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
             xq = T.sblock_alloc_buffer((batch * seq, k // 4), "int32")  # 4 int8 activations per word
             x_scale = T.sblock_alloc_buffer((batch * seq, groups), "float32")
             x_bias = T.sblock_alloc_buffer((batch * seq, groups), "int32")
+            # With a zero point: x_scale * sum(q), what the group's minimum multiplies (llama.cpp's Q8_1 `s`).
+            x_sum = T.sblock_alloc_buffer((batch * seq, groups) if zero_point else (1, 1), "float32")
             for mg in quantize_loop(batch * seq * groups):
                 with T.sblock("quantize"):
                     T.reads()
@@ -323,15 +332,35 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                                                                T.float32(0))
                     q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
                         x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+                    total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
+                                                                    q[T.Ramp(0, 1, 32)])
                     x_scale[m, g] = top / T.float32(_LEVELS)
-                    x_bias[m, g] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
-                                                           q[T.Ramp(0, 1, 32)]) * (-offset)
+                    x_bias[m, g] = total * (-offset)
+                    if zero_point:
+                        x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
                     xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
             for tile_n in T.parallel(n // (lanes * row_blocks)):
                 for tile_m in T.serial(batch * seq // tokens):
-                    tile(tile_m * tokens, tokens, tile_n, seq, packed, scale, xq, x_scale, x_bias, y)
+                    tile(tile_m * tokens, tokens, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
                 if tokens > 1:  # the last rows, fewer than a tile: one at a time, each computed once
                     for m in T.serial(batch * seq // tokens * tokens, batch * seq):
-                        tile(m, 1, tile_n, seq, packed, scale, xq, x_scale, x_bias, y)
+                        tile(m, 1, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
 
-    return int8_matmul.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
+    if zero_point:
+        @T.prim_func(s_tir=True)
+        def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                                      scale: T.Buffer(scale_shape, "float32"), low: T.Buffer(scale_shape, "float32"),
+                                      y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, low, y_handle)
+
+        kernel = int8_matmul_with_minimums
+    else:
+        @T.prim_func(s_tir=True)
+        def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                        scale: T.Buffer(scale_shape, "float32"), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, None, y_handle)
+
+        kernel = int8_matmul
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})

@@ -6,8 +6,9 @@ computes F16 weights in float32, llama.cpp rounds activations to f16 for them). 
 (measured 5e-3) and Q4_0 1e-2 (6e-3): the weights are the file's bits on both sides,
 and both round activations to int8 per 32 values, but not at the same points (ember
 quantizes once per projection input, llama.cpp also the attention's inputs). Q4_1
-2e-2 (7e-3): ember multiplies it with float activations, llama.cpp with Q8_1 ones.
-Q4_K_M 5e-2 (2e-2): its Q4_K/Q5_0 tensors are re-quantized to ember's q4f32_zp
+2e-2 (7.7e-3): int8 activations on both sides too, with the minimum times the
+activations' sum (llama.cpp's Q8_1 keeps that sum in f16, ember in float32).
+Q4_K_M 5e-2 (2.2e-2): its Q4_K/Q5_0 tensors are re-quantized to ember's q4f32_zp
 (a conversion, not the file's bits). llama.cpp's quantizer stores the tied
 embedding/output head as Q6_K in all these files; ember has no 6-bit format, so it
 is kept float here (`keep_embedding`) with its exact dequantized values.

@@ -78,7 +78,7 @@ def _llama_cpp_reference(fmt, parts, x, k):
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
-@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 @pytest.mark.parametrize("n,k,batch,seq,many_tokens", [
     (96, 64, 1, 1, False), (40, 128, 3, 1, False),  # decode: one token per sequence, a batch of them
     (8, 2080, 1, 1, False),  # an odd number of groups (65), one row block
@@ -103,7 +103,7 @@ def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
-@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
     """One decode kernel run with 1 to 8 sequences: whole tiles of sequences, a tail of fewer
     than a tile (each row computed once, by the 1-row tile), or both."""
@@ -121,13 +121,19 @@ def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
 
 
 def _integer_weight(fmt, values):
-    """Interleaved parts storing the integers `values` [n, k] with scale 1 (any value of the format's range)."""
+    """Interleaved parts storing the integers `values` [n, k] with scale 1 (any value of the format's range) and,
+    with a zero point, minimum 0."""
     n, k = values.shape
-    return fmt._pack_interleaved(values, np.ones((n, k // fmt.group_size), np.float32))
+    groups = np.ones((n, k // fmt.group_size), np.float32)
+    return fmt._pack_interleaved(values, groups, groups * 0 if fmt.zero_point else None)
+
+
+def _integer_range(fmt) -> tuple[int, int]:
+    return (-127, 127) if fmt.bits == 8 else (0, 15) if fmt.zero_point else (-8, 7)
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
-@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 @pytest.mark.parametrize("rows,many_tokens", [(1, False), (5, False), (5, True)])
 def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
     """Integer weights (scale 1) and activations whose every group holds a +-127 (scale 1): the
@@ -136,7 +142,7 @@ def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
     target = level_target(level)
     fmt = FORMATS[name]
     n, k = 24, 160
-    low, high = (-127, 127) if fmt.bits == 8 else (-8, 7)
+    low, high = _integer_range(fmt)
     rng = np.random.default_rng(rows)
     values = rng.integers(low, high + 1, (n, k))
     x = rng.integers(-127, 128, (rows, k))
@@ -147,14 +153,14 @@ def test_integer_dot_products_are_exact(level, name, rows, many_tokens):
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
-@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 def test_extreme_values_do_not_saturate(level, name):
     """Every weight at the format's minimum or maximum times activations all +127 or all -127, and
     alternating signs: the largest sums each step and group can reach (vpmaddubsw's int16 pairs
     saturate at 32767; see the kernel's docstring for the bounds), computed exactly."""
     target = level_target(level)
     fmt = FORMATS[name]
-    low, high = (-127, 127) if fmt.bits == 8 else (-8, 7)
+    low, high = _integer_range(fmt)
     k = 64
     alternating = np.where(np.arange(k) % 2, low, high)
     values = np.stack([np.full(k, high)] * 4 + [np.full(k, low)] * 3 + [alternating])  # one row block
@@ -168,7 +174,8 @@ def test_formats_and_shapes_it_takes():
     assert int8_matmul.supports(FORMATS["q4f32"], 768, 768) and int8_matmul.supports(FORMATS["q8f32"], 8, 2080)
     assert not int8_matmul.supports(FORMATS["q4f32"], 100, 768)  # rows in whole blocks of 8
     assert not int8_matmul.supports(FORMATS["q8f32"], 64, 80)  # K in whole groups of 32
-    for name in ("q0f32", "q4f16", "q8f16", "q4f32_zp"):
+    assert int8_matmul.supports(FORMATS["q4f32_zp"], 768, 768)  # Q4_1: the minimum times the activations' sum
+    for name in ("q0f32", "q4f16", "q8f16", "q4f16_zp"):
         assert not int8_matmul.supports(FORMATS[name], 768, 768)
 
 

@@ -30,9 +30,10 @@ LEVELS = {"dotprod": ("cortex-a76", ["+neon", "+dotprod"], "sdot"),
           "i8mm": ("neoverse-v1", ["+neon", "+dotprod", "+i8mm"], "usdot")}
 VECTOR_BITS = 128
 # (format, n, k, batch, seq, many_tokens): decode of a batch (a tile of sequences and a tail), an odd
-# number of groups, prefill with a partial tile.
+# number of groups, prefill with a partial tile; q4f32_zp (Q4_1: a minimum per group) in decode and prefill.
 CASES = [("q8f32", 40, 128, 3, 1, False), ("q4f32", 40, 128, 5, 1, False),
-         ("q8f32", 8, 2080, 1, 1, False), ("q4f32", 64, 320, 1, 7, True), ("q8f32", 64, 320, 1, 7, True)]
+         ("q8f32", 8, 2080, 1, 1, False), ("q4f32", 64, 320, 1, 7, True), ("q8f32", 64, 320, 1, 7, True),
+         ("q4f32_zp", 40, 128, 3, 1, False), ("q4f32_zp", 64, 320, 1, 7, True)]
 RUNNER = """
 import sys, numpy as np, tvm
 lib = tvm.runtime.load_module(sys.argv[1])
