@@ -9,7 +9,8 @@ quantizes once per projection input, llama.cpp also the attention's inputs). Q4_
 2e-2 (7.7e-3): int8 activations on both sides too, with the minimum times the
 activations' sum (llama.cpp's Q8_1 keeps that sum in f16, ember in float32).
 Q4_K_M 5e-2 (2.2e-2): its Q4_K/Q5_0 tensors are re-quantized to ember's q4f32_zp
-(a conversion, not the file's bits). llama.cpp's quantizer stores the tied
+(a conversion, not the file's bits). Q5_K_M 3e-2 (1.2e-2) and Q6_K 2e-2 (8.2e-3): their
+5- and 6-bit tensors are re-quantized to q8f32, their default. llama.cpp's quantizer stores the tied
 embedding/output head as Q6_K in all these files; ember has no 6-bit format, so it
 is kept float here (`keep_embedding`) with its exact dequantized values.
 """
@@ -38,7 +39,8 @@ from helpers import run_ember
 PROMPT_LEN, NEW_TOKENS = 64, 32
 # file type -> (ember --quant, relative logit tolerance); see the module docstring.
 CASES = {"f32": ("q0f32", 1e-3), "f16": ("q0f32", 1e-3), "Q8_0": ("q8f32", 1e-2), "Q4_0": ("q4f32", 1e-2),
-         "Q4_1": ("q4f32_zp", 2e-2), "Q4_K_M": ("q4f32_zp", 5e-2)}
+         "Q4_1": ("q4f32_zp", 2e-2), "Q4_K_M": ("q4f32_zp", 5e-2), "Q5_K_M": ("q8f32", 3e-2),
+         "Q6_K": ("q8f32", 2e-2)}
 STORED = {"Q8_0": "q8f32", "Q4_0": "q4f32", "Q4_1": "q4f32_zp"}
 
 
