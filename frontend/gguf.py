@@ -17,7 +17,7 @@ Weights of a type ember stores natively are kept as stored: Q8_0, Q4_0 and Q4_1
 blocks hand their integer levels, scales and minimums to `q8*`, `q4*` and `q4*_zp`
 unchanged (`stored_quantization`). Every other type (F16, BF16, the K-quants
 Q4_K/Q5_K/Q6_K/Q2_K/Q3_K) is dequantized to float and re-quantized by the `--quant`
-format, which costs accuracy for K-quants: `conversion_error` measures it.
+format, which costs accuracy for K-quants: `GGUFWeights.conversion_report` measures it.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ SUPPORTED_TENSOR_TYPES = _FLOAT_TYPES + tuple(_STORED_TYPES) + _CONVERTED_TYPES
 _DEFAULT_QUANT = {"F32": "q0f32", "F16": "q0f16", "BF16": "q0f32", "Q8_0": "q8f32", "Q4_0": "q4f32",
                   "Q4_1": "q4f32_zp", "Q4_K": "q4f32_zp", "Q5_K": "q8f32", "Q6_K": "q8f32", "Q2_K": "q4f32_zp",
                   "Q3_K": "q4f32_zp", "Q5_0": "q8f32", "Q5_1": "q8f32", "Q8_1": "q8f32"}
+# The re-quantization error of a converted tensor is measured on this many of its rows (the error of a
+# 4-bit group is independent of where the row is: 1024 rows of >= 1024 values give it to ~0.1%), in blocks.
+ERROR_ROWS, ERROR_BLOCK_ROWS = 1024, 256
 _BLOCK_PREFIX = "blk."
 # GGUF tensor name (the part after `blk.N.` for layers) -> Hugging Face name.
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -302,13 +305,29 @@ class GGUFWeights:
             if name not in quantized_names or self.stored_quantization(name, fmt.bits, fmt.zero_point) is not None:
                 entry["conversion"] = "kept"
             else:
-                original = self.load(name)
-                shape = original.reshape(original.shape[0], -1)
-                requantized = fmt.dequantize(fmt.quantize(shape), shape.shape[1]).astype(np.float32)
-                error = np.sqrt(np.mean((requantized - shape) ** 2) / max(float(np.mean(shape**2)), 1e-30))
-                entry.update(conversion="converted", relative_rms_error=float(error))
+                entry.update(conversion="converted", relative_rms_error=self._conversion_error(name, fmt))
             report[name] = entry
         return report
+
+    def _conversion_error(self, name: str, fmt) -> float:
+        """Relative RMS error of `name` re-quantized to `fmt`, over at most ERROR_ROWS of its rows spread
+        evenly over it (all of a smaller tensor), dequantized from the file a few at a time: a 128k-token
+        vocabulary is neither held in float nor quantized twice (the conversion itself quantizes it)."""
+        import gguf
+
+        tensor = self._tensors[self.record(name).name]
+        data = np.asarray(tensor.data)
+        data = data.reshape(data.shape[0], -1)
+        rows = np.unique(np.linspace(0, data.shape[0] - 1, min(ERROR_ROWS, data.shape[0])).astype(np.int64))
+        squared_error = squared_norm = 0.0
+        for start in range(0, len(rows), ERROR_BLOCK_ROWS):
+            block = np.asarray(gguf.quants.dequantize(data[rows[start:start + ERROR_BLOCK_ROWS]], tensor.tensor_type),
+                               dtype=np.float32)
+            block = block.reshape(block.shape[0], -1)
+            requantized = fmt.dequantize(fmt.quantize(block), block.shape[1]).astype(np.float32)
+            squared_error += float(np.sum((requantized - block).astype(np.float64) ** 2))
+            squared_norm += float(np.sum(block.astype(np.float64) ** 2))
+        return float(np.sqrt(squared_error / max(squared_norm, 1e-30)))
 
     def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Llama q/k row order (pairs of RoPE channels adjacent) on row-indexed `rows`."""
