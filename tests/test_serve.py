@@ -556,3 +556,32 @@ def test_runtime_imports_without_the_serve_extra():
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "pip install 'ember[serve]'" in result.stdout
+
+
+def test_connections_send_each_chunk_at_once():
+    """The server's connections have Nagle's algorithm off (TCP_NODELAY), as asyncio sets it on sockets it
+    accepts from a TCP listener: with it on, every streamed token after a response's first write waited for
+    the client's delayed ACK on a kept-alive connection (~40 ms a token with the `openai` client)."""
+    from ember.runtime.server import _listen
+
+    async def accept_one() -> int:
+        listener = _listen("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                accepted.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                                  socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        try:
+            _reader, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return nodelay
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accept_one()) != 0
