@@ -154,12 +154,7 @@ def main() -> None:
                         help=f"llama.cpp GGUF types ({', '.join(peers.LLAMA_CPP_TYPES)}), comma-separated")
     parser.add_argument("--peers", default="pytorch,onnxruntime,onnxruntime-genai",
                         help="float32 peers: pytorch, onnxruntime, onnxruntime-genai")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quiet-wait", type=float, default=60,
-                        help="seconds to wait for an idle machine before each run (then it runs anyway)")
+    peers.add_run_options(parser)
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     unknown = [name for name in split(args.isa) if name not in build_llama_cpp.LEVELS]

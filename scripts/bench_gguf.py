@@ -140,12 +140,7 @@ def main() -> None:
                         help="ember's --target and llama.cpp's build for this ISA level")
     parser.add_argument("--perplexity", action=argparse.BooleanOptionalAction, default=True,
                         help="score the demo model's GGUF files (default: on)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quiet-wait", type=float, default=60,
-                        help="seconds to wait for an idle machine before each run (then it runs anyway)")
+    peers.add_run_options(parser)
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     shapes, types = split(args.shape), split(args.types)

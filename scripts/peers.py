@@ -176,6 +176,16 @@ def _check_greedy_tokens(name: str, tokens: list[int], model_dir: str | os.PathL
                            f"PyTorch eager's {reference['token_ids'][:checked]}")
 
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every timing benchmark takes: prompt and output lengths, threads, repeats, quiet wait."""
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-wait", type=float, default=60,
+                        help="seconds to wait for an idle machine before each run (then it runs anyway)")
+
+
 def wait_for_quiet_machine(max_load: float = 0.3, timeout_s: float = 60) -> bool:
     """Wait until the machine is mostly idle; return whether it got there in time.
 

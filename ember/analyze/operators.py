@@ -115,7 +115,7 @@ class FormatPrecision(Precision):
         """The precision of the format `name` (q0f32, q8f32, q4f32, ...)."""
         fmt = FORMATS[name]
         float_bits = 32 if fmt.dtype == "float32" else 16
-        int8 = fmt.quantizes and fmt.dtype == "float32" and not fmt.zero_point
+        int8 = fmt.quantizes and fmt.dtype == "float32"
         return cls(fmt.bits_per_weight, float_bits, float_bits, int8_projections=int8)
 
     def matmul_dtype(self, *bits: float) -> str:
