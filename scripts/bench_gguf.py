@@ -57,7 +57,7 @@ def quantization_of(artifact: Path) -> str:
     return json.loads((artifact / "manifest.json").read_text())["quantization"]
 
 
-def compile_table(model: Path, files: dict[str, Path], level) -> dict[str, Path]:
+def compile_table(model: Path, files: dict[str, Path], level: build_llama_cpp.Level) -> dict[str, Path]:
     """Compile every GGUF file and the HF directory in each format they became, for the ISA `level`; print the
     table; the artifacts."""
     target = level.ember_target
@@ -76,7 +76,7 @@ def compile_table(model: Path, files: dict[str, Path], level) -> dict[str, Path]
     return artifacts
 
 
-def speed_table(artifacts: dict[str, Path], files: dict[str, Path], package: Path, args) -> None:
+def speed_table(artifacts: dict[str, Path], files: dict[str, Path], package: Path, args: argparse.Namespace) -> None:
     """ember's artifact of each file next to llama.cpp on the same file, round-robin, median of --repeats."""
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
     runners = {}
@@ -101,12 +101,13 @@ def speed_table(artifacts: dict[str, Path], files: dict[str, Path], package: Pat
     for type_name in files:
         ours, theirs = summary[f"ember from {type_name}"], summary[f"llama.cpp {type_name}"]
         same = ours.token_ids[:16] == theirs.token_ids[:16]
-        print(f"  {type_name}: ember / llama.cpp prefill {ours.prefill_tokens_per_s / theirs.prefill_tokens_per_s:.2f}x,"
-              f" decode {ours.decode_tokens_per_s / theirs.decode_tokens_per_s:.2f}x; first 16 greedy tokens "
+        prefill = ours.prefill_tokens_per_s / theirs.prefill_tokens_per_s
+        decode = ours.decode_tokens_per_s / theirs.decode_tokens_per_s
+        print(f"  {type_name}: ember / llama.cpp prefill {prefill:.2f}x, decode {decode:.2f}x; first 16 greedy tokens "
               f"{'equal' if same else 'differ'}")
 
 
-def perplexity_table(types: list[str], level, work: Path) -> None:
+def perplexity_table(types: list[str], level: build_llama_cpp.Level, work: Path) -> None:
     """The demo's GGUF files (llama.cpp's converter and quantizer): perplexity through ember and llama.cpp."""
     import ember
     from ember.runtime import Engine, load_artifact

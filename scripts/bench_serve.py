@@ -230,8 +230,10 @@ async def measure_stall(served: Served, short: str | list[int], long: str | list
             "long_ttft": long_reply.ttft}
 
 
-def draw_prompts(tokenizer: Served | None, lengths: list[int], rng: np.random.Generator
-                 ) -> list[tuple[str | None, list[int]]]:
+Prompt = tuple[str | None, list[int]]  # its text (None without llama.cpp's tokenizer) and its token ids
+
+
+def draw_prompts(tokenizer: Served | None, lengths: list[int], rng: np.random.Generator) -> list[Prompt]:
     """(text, token ids) of prompts of `lengths` tokens; without llama.cpp's tokenizer, random byte tokens only."""
     if tokenizer is None:
         return [(None, [1] + rng.integers(3, 259, n - 1).tolist()) for n in lengths]
@@ -239,7 +241,7 @@ def draw_prompts(tokenizer: Served | None, lengths: list[int], rng: np.random.Ge
 
 
 def prefix_prompts(tokenizer: Served | None, prefix_len: int, suffix_len: int, count: int,
-                   rng: np.random.Generator) -> tuple[list[tuple[str | None, list[int]]], list[tuple[str | None, list[int]]]]:
+                   rng: np.random.Generator) -> tuple[list[Prompt], list[Prompt]]:
     """`count` prompts of one shared `prefix_len`-token prefix and distinct `suffix_len`-token ends (as a system
     prompt and its questions), and `count` prompts of the same length that share nothing."""
     if tokenizer is None:
@@ -258,8 +260,8 @@ def metrics_of(served: Served) -> dict[str, float]:
     """ember's /metrics counters without labels, by name."""
     with urllib.request.urlopen(f"{served.base}/metrics", timeout=30) as response:
         text = response.read().decode()
-    return {name: float(value) for name, _, value in
-            (line.partition(" ") for line in text.splitlines() if line and not line.startswith("#") and "{" not in line)}
+    samples = [line for line in text.splitlines() if line and not line.startswith("#") and "{" not in line]
+    return {name: float(value) for name, _, value in (line.partition(" ") for line in samples)}
 
 
 async def measure_prefix_cache(served: Served, shared: list, unshared: list, max_tokens: int) -> dict[str, float]:
@@ -274,10 +276,10 @@ async def measure_prefix_cache(served: Served, shared: list, unshared: list, max
     result = {"cold_ttft": statistics.median(cold), "first_ttft": warm[0], "warm_ttft": statistics.median(warm[1:])}
     if before:
         after = metrics_of(served)
-        hits = after["ember_prefix_cache_hit_tokens_total"] - middle["ember_prefix_cache_hit_tokens_total"]
+        hit_tokens = "ember_prefix_cache_hit_tokens_total"
         prompted = after["ember_prompt_tokens_total"] - middle["ember_prompt_tokens_total"]
-        result["hit_share"] = hits / prompted
-        result["cold_hits"] = middle["ember_prefix_cache_hit_tokens_total"] - before["ember_prefix_cache_hit_tokens_total"]
+        result["hit_share"] = (after[hit_tokens] - middle[hit_tokens]) / prompted
+        result["cold_hits"] = middle[hit_tokens] - before[hit_tokens]
     return result
 
 
