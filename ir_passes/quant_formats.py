@@ -239,8 +239,8 @@ class QuantFormat:
             word = packed[row, col // self.per_word]
             shift = (col % self.per_word * self.bits).astype("uint32")
             value = (word >> shift) & tirx.const(2**self.bits - 1, "uint32")
-            if not self.zero_point:
-                value = value.astype("int32") - 2 ** (self.bits - 1)
+            if self.stored_offset:
+                value = value.astype("int32") - self.stored_offset
         weight = value.astype(self.dtype) * parts["scale"][row, col // self.group_size]
         if self.zero_point:
             weight = weight + parts["min"][row, col // self.group_size]
@@ -249,7 +249,7 @@ class QuantFormat:
     def _pack(self, values: np.ndarray) -> np.ndarray:
         if self.bits == 8:
             return values.astype(np.int8)
-        unsigned = (values if self.zero_point else values + 2 ** (self.bits - 1)).astype(np.uint32)
+        unsigned = (values + self.stored_offset).astype(np.uint32)
         lanes = unsigned.reshape(unsigned.shape[0], -1, self.per_word)
         shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
         return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
@@ -304,7 +304,7 @@ class QuantFormat:
         shifts = np.arange(self.per_word, dtype=np.uint32) * self.bits
         values = (packed[..., None] >> shifts) & np.uint32(2**self.bits - 1)
         values = values.reshape(packed.shape[0], -1).astype(np.int32)
-        return values if self.zero_point else values - 2 ** (self.bits - 1)
+        return values - self.stored_offset
 
 
 def _fit_scale_and_min(groups: np.ndarray, top: int, rounds: int = 4) -> tuple[np.ndarray, np.ndarray]:

@@ -147,9 +147,13 @@ def start_llama_cpp(gguf: Path, package: Path, context: int, threads: int, log_d
     return Served("llama.cpp", command, env, port, gguf.stem, log_dir / f"llama-cpp-{gguf.stem}.log")
 
 
+def random_letters(count: int, rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=count))
+
+
 def prompt_of_length(server: Served, length: int, rng: np.random.Generator) -> tuple[str, list[int]]:
     """Random letters that llama.cpp's server reads as exactly `length` tokens, and those token ids."""
-    letters = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=length))
+    letters = random_letters(length, rng)
     count = length
     for _ in range(4):  # the placeholder vocabulary falls back to one byte token per letter, plus BOS and a prefix
         ids = server.post("/extras/tokenize", {"input": letters[:count]})["tokens"]
@@ -251,7 +255,7 @@ def prefix_prompts(tokenizer: Served | None, prefix_len: int, suffix_len: int, c
     prefix, _ = prompt_of_length(tokenizer, prefix_len, rng)
     shared = []
     for _ in range(count):
-        text = prefix + "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=suffix_len))
+        text = prefix + random_letters(suffix_len, rng)
         shared.append((text, tokenizer.post("/extras/tokenize", {"input": text})["tokens"]))
     return shared, draw_prompts(tokenizer, [len(shared[0][1])] * count, rng)
 
@@ -429,7 +433,7 @@ def main() -> None:
                     served.stop()
             print_table(f"{model_name} {fmt} (llama.cpp {qtype}), {args.threads} threads", rows, concurrencies)
             if busy:
-                print(f"  warning: {busy} of {len(rows)} levels started on a busy machine")
+                print(f"  warning: {busy} of {len(rows) + len(prefixes)} measurements started on a busy machine")
             for server, stall in stalls.items():
                 print(f"  {server}: a {args.stall_prompt}-token prompt arriving mid-stream: longest gap of the running "
                       f"stream {stall['stall'] * 1e3:.0f} ms (median gap before {stall['median_gap'] * 1e3:.0f} ms); "

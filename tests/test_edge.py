@@ -57,9 +57,10 @@ def _x86_twin(quant: str, activations: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def builds(demo_builds) -> dict[str, Path]:
+def builds(arm64_python, demo_builds) -> dict[str, Path]:
     """Every artifact: the ARM builds, and an x86 build of each of their formats with the same activations
-    (int8 where the ARM target has an int8 dot-product kernel, float where it does not)."""
+    (int8 where the ARM target has an int8 dot-product kernel, float where it does not). After the aarch64
+    setup (`arm64_python`), which installs the cross linker the ARM builds need, or skips."""
     built = {name: demo_builds.get(target, quant) for name, target, quant in ARM_BUILDS}
     for name, _, quant in ARM_BUILDS:
         activations = read_manifest(built[name]).activations

@@ -9,9 +9,7 @@ interleaved bytes x86 reads.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +21,6 @@ from ember.schedules import int8_matmul
 from ember.targets.int8_dot import int8_dot_of
 from helpers import q8_0_activations
 
-ROOT = Path(__file__).resolve().parent.parent
 CROSS_CXX = "aarch64-linux-gnu-g++"
 # Level -> (CPU, features, the instruction its code must use).
 LEVELS = {"dotprod": ("cortex-a76", ["+neon", "+dotprod"], "sdot"),
@@ -61,20 +58,8 @@ def test_levels_follow_the_features():
                                "mattr": ["+neon"]})) is None
 
 
-@pytest.fixture(scope="module")
-def emulated_python() -> list[str]:
-    """The command prefix of an aarch64 Python with TVM's runtime, or a skip saying why there is none."""
-    if shutil.which(CROSS_CXX) is None:
-        pytest.skip(f"no {CROSS_CXX} to link aarch64 libraries")
-    setup = subprocess.run(["bash", str(ROOT / "scripts" / "setup_arm64.sh")], capture_output=True, text=True)
-    if setup.returncode == 3:
-        pytest.skip(f"no aarch64 emulation here: {setup.stderr.strip()}")
-    assert setup.returncode == 0, setup.stderr
-    return setup.stdout.split()
-
-
 @pytest.mark.parametrize("level", LEVELS)
-def test_matches_llama_cpp_arithmetic_under_emulation(level, emulated_python, tmp_path):
+def test_matches_llama_cpp_arithmetic_under_emulation(level, arm64_python, tmp_path):
     target = aarch64_target(level)
     dot = int8_dot_of(target)
     funcs, inputs, expected = {}, {}, {}
@@ -99,7 +84,7 @@ def test_matches_llama_cpp_arithmetic_under_emulation(level, emulated_python, tm
 
     np.savez(tmp_path / "inputs.npz", **inputs)
     (tmp_path / "runner.py").write_text(RUNNER)
-    run = subprocess.run([*emulated_python, str(tmp_path / "runner.py"), str(library), str(tmp_path / "inputs.npz"),
+    run = subprocess.run([*arm64_python, str(tmp_path / "runner.py"), str(library), str(tmp_path / "inputs.npz"),
                           str(tmp_path / "outputs.npz")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     outputs = np.load(tmp_path / "outputs.npz")
