@@ -347,7 +347,8 @@ def main() -> None:
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     concurrencies = sorted(int(c) for c in split(args.concurrency))
     lengths = {name: tuple(int(v) for v in getattr(args, name).split(",")) for name in ("prompt_len", "output_len")}
-    shared_prefix = tuple(int(v) for v in args.shared_prefix.split(","))
+    parts = args.shared_prefix.split(",")
+    shared_prefix = tuple(int(v) for v in parts) if all(v.strip().isdigit() for v in parts) else ()
     if len(shared_prefix) != 3 or min(shared_prefix) < 1 or shared_prefix[2] < 2:
         parser.error(f"--shared-prefix {args.shared_prefix}: PREFIX,SUFFIX,COUNT, positive, COUNT at least 2")
     servers = split(args.servers)
