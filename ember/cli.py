@@ -102,9 +102,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                    description="Compile a Hugging Face checkpoint or a GGUF file (llama.cpp's format) "
                                                "into a deployable artifact.",
                                    epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    compile_.add_argument("model", help="checkpoint directory, a .gguf file (Q8_0/Q4_0/Q4_1 weights are kept as "
-                                        "stored; K-quants are re-quantized and the error printed), or `demo` for "
-                                        "the bundled demo model")
+    compile_.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
+                                        "Q4_1 weights as stored, K-quants re-quantized to the closest format with "
+                                        "at least their bits and the error printed), or `demo` for the bundled "
+                                        "demo model")
     compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     compile_.add_argument("--target", default="cpu",
                           help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
@@ -114,7 +115,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
                                "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
     compile_.add_argument("--quant", default=None, metavar="FORMAT",
-                          help="weight format (default: a GGUF file's own, else q0f32 on CPUs, q0f16 on GPUs): "
+                          help="weight format of every weight (default: a GGUF file's own per tensor, else q0f32 "
+                               "on CPUs, q0f16 on GPUs): "
                                + ", ".join(
                               f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
     compile_.add_argument("--keep-embedding", action="store_true",
@@ -399,7 +401,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         ("context", f"window {model['context_window']}, artifact allows {kv['max_context']}"
                     + (f", sliding window {kv['sliding_window']}" if kv["sliding_window"] else "")),
         ("quantization", f"{manifest.quantization} ({FORMATS[manifest.quantization].bits_per_weight:g} bits/weight, "
-                         f"{manifest.model_dtype} compute)"),
+                         f"{manifest.model_dtype} compute){_mixed_formats(manifest)}"),
         ("target", _describe_target(manifest.target)),
         ("entry functions", ", ".join(manifest.entry_functions)),
         ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "
@@ -414,6 +416,15 @@ def _run_inspect(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:>{width}}  {value}")
     return 0
+
+
+def _mixed_formats(manifest) -> str:
+    """For an artifact whose weights keep a GGUF file's mixed types: the formats they are stored in."""
+    from ember.frontend.source import recorded_formats
+
+    formats = sorted(set(recorded_formats(manifest.source_weights, manifest.model_dtype).values()))
+    quantized = [name for name in formats if FORMATS[name].quantizes]
+    return f"; per tensor as the file stores them: {', '.join(quantized)}" if len(quantized) > 1 else ""
 
 
 def _source_weight_rows(record: dict) -> list[tuple[str, str]]:

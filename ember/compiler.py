@@ -81,6 +81,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     start = time.perf_counter()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     target = resolve_target(options.target)
+    types_as_stored = options.quantization is None  # a GGUF file's weights keep their own types
     options = _with_defaults(options, target, model_dir)
     cross_linker(target)  # a missing cross toolchain is refused before any work
     if options.quantization not in FORMATS:
@@ -100,15 +101,17 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         imported = model_source.import_model(model_dir, target.target, model_dtype)
         config = imported.config
         prefill_chunk = min(options.prefill_chunk, config.context_window)
+        tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}
 
         stage(f"lowering and scheduling for {target.describe()}")
         lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, tuning,
-                                              int8_activations=not options.float_activations)
+                                              int8_activations=not options.float_activations,
+                                              tensor_formats={name: FORMATS[f] for name, f in tensor_formats.items()})
         with tvm_warnings_hidden():
             lowered = pipeline.lower(imported.mod, target, lower_options)
         schedules = schedule_sources(lowered)
-        source = model_source.source_record(imported, quantization, quantized_sources(get_recipes(lowered)))
+        source = model_source.source_record(imported, quantized_sources(get_recipes(lowered)))
         for line in conversion_summary(source.get("conversion", {})):  # shown even with --no-progress
             (stage if options.show_progress else log.warning)(f"GGUF weights: {line}")
         kv_bytes_per_token = (
@@ -129,7 +132,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         stage("generating code")
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
-        stage(f"converting weights to {options.quantization}")
+        stage(f"converting weights to {_formats_used(get_recipes(lowered), options.quantization)}")
         write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
@@ -178,6 +181,12 @@ def _with_defaults(options: CompileOptions, target: TargetSpec, model: Path) -> 
         quantization=options.quantization or model_source.default_quantization(model, target.default_quantization),
         memory_budget=options.memory_budget or target.default_memory_budget,
     )
+
+
+def _formats_used(recipes: dict, quantization: str) -> str:
+    """The formats the weights are stored in: `quantization`, or each of a mixed file's."""
+    used = sorted({fmt.name for fmt in quantized_sources(recipes).values()})
+    return ", ".join(used) if len(used) > 1 else quantization
 
 
 def activations(lowered: tvm.IRModule) -> str:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ember.frontend.weights import CheckpointWeights
 from ember.ir_passes.quant_formats import FORMATS, QuantFormat
+from ember.ir_passes.weight_recipes import recipe_sources
 
 
 class RecipeEvaluator:
@@ -71,15 +72,10 @@ class RecipeEvaluator:
         return None
 
 
-def quantized_sources(recipes: dict[str, dict[str, Any]]) -> set[str]:
-    """Names of the checkpoint tensors that `recipes` quantize (for a GGUF file's conversion report)."""
-    def loads(recipe: dict[str, Any]) -> Iterator[str]:
-        if recipe["op"] == "load":
-            yield recipe["name"]
-        for child in recipe.get("inputs", [recipe["input"]] if "input" in recipe else []):
-            yield from loads(child)
-
-    return {name for recipe in recipes.values() if recipe["op"] == "quantize" for name in loads(recipe["input"])}
+def quantized_sources(recipes: dict[str, dict[str, Any]]) -> dict[str, QuantFormat]:
+    """The checkpoint tensors that `recipes` quantize, each with its format (for a GGUF file's conversion report)."""
+    return {name: FORMATS[recipe["format"]] for recipe in recipes.values() if recipe["op"] == "quantize"
+            for name in recipe_sources(recipe["input"])}
 
 
 def write_params(

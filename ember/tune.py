@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tvm
@@ -96,6 +96,9 @@ class TuneOptions:
     keep_embedding: bool = False
     keep_lm_head: bool = False
     float_activations: bool = False  # as for compile: projections stay float kernels (and tunable)
+    # Checkpoint tensor -> format, as an artifact recorded them (`model_source.recorded_formats`); without them and
+    # without a --quant, a GGUF file's weights keep their own types, as for compile.
+    tensor_formats: dict[str, str] = field(default_factory=dict)
     farm: Farm | None = None  # measure on the devices of a tracker's key (--rpc-tracker/--device-key), not here
 
 
@@ -150,10 +153,13 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
 
     fmt = FORMATS[quantization]
     imported = model_source.import_model(model, target.target, fmt.dtype)
+    tensor_formats = options.tensor_formats or (
+        model_source.stored_formats(imported) if options.quantization is None else {})
     _progress(f"extracting kernels of {model}")
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
-                                          int8_activations=not options.float_activations)
+                                          int8_activations=not options.float_activations,
+                                          tensor_formats={name: FORMATS[f] for name, f in tensor_formats.items()})
     with tvm_warnings_hidden():
         kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:
@@ -432,7 +438,8 @@ def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions
         options, quantization=manifest.quantization, prefill_chunk=manifest.kv_cache["prefill_chunk"],
         max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
         keep_lm_head=manifest.kept_float["lm_head"],
-        float_activations=manifest.activations == "float")
+        float_activations=manifest.activations == "float",
+        tensor_formats=model_source.recorded_formats(manifest.source_weights, manifest.model_dtype))
 
 
 def _called_kernels(func: relax.Function) -> list[str]:

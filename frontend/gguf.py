@@ -13,11 +13,15 @@ ember sees the checkpoint it would have read from the original directory. Llama 
 RoPE scaling, which llama.cpp's converter stores as per-frequency divisors in the
 `rope_freqs.weight` tensor, becomes the `rope_scaling` it came from (`gguf_rope`).
 
-Weights of a type ember stores natively are kept as stored: Q8_0, Q4_0 and Q4_1
-blocks hand their integer levels, scales and minimums to `q8*`, `q4*` and `q4*_zp`
-unchanged (`stored_quantization`). Every other type (F16, BF16, the K-quants
-Q4_K/Q5_K/Q6_K/Q2_K/Q3_K) is dequantized to float and re-quantized by the `--quant`
-format, which costs accuracy for K-quants: `GGUFWeights.conversion_report` measures it.
+Each weight keeps its own type (`stored_formats`: a mixed file such as Q4_K_M stays
+mixed). Types ember stores natively are kept as stored: Q8_0, Q4_0 and Q4_1 blocks
+hand their integer levels, scales and minimums to `q8*`, `q4*` and `q4*_zp` unchanged
+(`stored_quantization`); F32/F16/BF16 stay float. The other block types become the
+closest ember format with at least their precision: Q4_K/Q2_K/Q3_K (a scale and a
+minimum per sub-block) `q4*_zp`, the 5- and 6-bit types (Q5_K, Q6_K, Q5_0, Q5_1) `q8*`,
+so a Q6_K output head is not cut to 4 bits. Those are dequantized and re-quantized,
+which costs a little accuracy: `GGUFWeights.conversion_report` measures it. An explicit
+`--quant` instead stores every weight in that one format.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _STORED_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # types whose blocks ember's formats hold as they are
 _CONVERTED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q8_1")
 SUPPORTED_TENSOR_TYPES = _FLOAT_TYPES + tuple(_STORED_TYPES) + _CONVERTED_TYPES
-# The --quant a file's dominant weight type maps onto.
-_DEFAULT_QUANT = {"F32": "q0f32", "F16": "q0f16", "BF16": "q0f32", "Q8_0": "q8f32", "Q4_0": "q4f32",
-                  "Q4_1": "q4f32_zp", "Q4_K": "q4f32_zp", "Q5_K": "q8f32", "Q6_K": "q8f32", "Q2_K": "q4f32_zp",
-                  "Q3_K": "q4f32_zp", "Q5_0": "q8f32", "Q5_1": "q8f32", "Q8_1": "q8f32"}
+# The ember format (before its compute dtype: q8 + f32 = q8f32) holding each GGUF type: as stored, or the
+# closest with at least the type's precision.
+_FORMAT_OF_TYPE = {"F32": ("q0", ""), "F16": ("q0", ""), "BF16": ("q0", ""), "Q8_0": ("q8", ""),
+                   "Q4_0": ("q4", ""), "Q4_1": ("q4", "_zp"), "Q4_K": ("q4", "_zp"), "Q2_K": ("q4", "_zp"),
+                   "Q3_K": ("q4", "_zp"), "Q5_K": ("q8", ""), "Q6_K": ("q8", ""), "Q5_0": ("q8", ""),
+                   "Q5_1": ("q8", ""), "Q8_1": ("q8", "")}
 # The re-quantization error of a converted tensor is measured on this many of its rows (the error of a
 # 4-bit group is independent of where the row is: 1024 rows of >= 1024 values give it to ~0.1%), in blocks.
 ERROR_ROWS, ERROR_BLOCK_ROWS = 1024, 256
@@ -295,14 +301,21 @@ class GGUFWeights:
         parts["levels"] = levels.reshape(n, -1)
         return {key: self._unpermute(name, value) for key, value in parts.items()}
 
-    def conversion_report(self, fmt, quantized_names: set[str]) -> dict[str, dict[str, Any]]:
-        """Per tensor: its GGUF type and what ember stores (`fmt` for `quantized_names`, else float), with
-        "kept" (the file's values unchanged) or "converted" and the relative RMS weight error of re-quantizing.
-        For the manifest and the compile-time print of what a K-quant file loses."""
+    def stored_formats(self, model_dtype: str) -> dict[str, str]:
+        """Per weight matrix, the ember format keeping its GGUF type (`_FORMAT_OF_TYPE`) at the compute
+        dtype `model_dtype`: what `ember compile` stores each weight in when no --quant is given."""
+        return {name: format_of_type(record.type_name, model_dtype)
+                for name, record in self.records.items() if len(record.shape) == 2}
+
+    def conversion_report(self, formats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Per tensor: its GGUF type and what ember stores (its `QuantFormat` in `formats`, the quantized
+        tensors, else float), with "kept" (the file's values unchanged) or "converted" and the relative RMS
+        weight error of re-quantizing. For the manifest and the compile-time print of what a K-quant file loses."""
         report = {}
         for name, record in sorted(self.records.items()):
-            entry = {"gguf_type": record.type_name, "stored_as": fmt.name if name in quantized_names else "float"}
-            if name not in quantized_names or self.stored_quantization(name, fmt.bits, fmt.zero_point) is not None:
+            fmt = formats.get(name)
+            entry = {"gguf_type": record.type_name, "stored_as": fmt.name if fmt is not None else "float"}
+            if fmt is None or self.stored_quantization(name, fmt.bits, fmt.zero_point) is not None:
                 entry["conversion"] = "kept"
             else:
                 entry.update(conversion="converted", relative_rms_error=self._conversion_error(name, fmt))
@@ -413,15 +426,22 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     return config
 
 
+def format_of_type(type_name: str, model_dtype: str) -> str:
+    """The ember format holding GGUF weights of `type_name` with compute dtype `model_dtype`."""
+    base, suffix = _FORMAT_OF_TYPE[type_name]
+    return f"{base}{'f16' if model_dtype == 'float16' else 'f32'}{suffix}"
+
+
 def default_quantization(path: Path) -> str:
-    """The `--quant` matching the file's dominant weight type (by bytes), as a GGUF file's default."""
+    """The `--quant` matching the file's dominant weight type (by bytes): a GGUF file's compute dtype
+    (float16 for an F16 file, else float32) and the format of the weights not stored otherwise."""
     reader = open_gguf(path)
     sizes = Counter()
     for tensor in reader.tensors:
         if len(tensor.shape) == 2:
             sizes[tensor.tensor_type.name] += int(tensor.n_bytes)
     dominant = sizes.most_common(1)[0][0] if sizes else "F32"
-    return _DEFAULT_QUANT[dominant]
+    return format_of_type(dominant, "float16" if dominant == "F16" else "float32")
 
 
 def file_sha256(path: Path) -> str:

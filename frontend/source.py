@@ -28,10 +28,27 @@ def default_quantization(path: Path, target_default: str) -> str:
     return gguf.default_quantization(Path(path)) if gguf.is_gguf_file(Path(path)) else target_default
 
 
-def source_record(imported: ImportedModel, fmt, quantized_names: set[str]) -> dict[str, Any]:
+def stored_formats(imported: ImportedModel) -> dict[str, str]:
+    """Per weight, the format keeping the type it is stored in: a GGUF file's own per-tensor types
+    (`GGUFWeights.stored_formats`); none for a Hugging Face checkpoint, whose weights share one --quant."""
+    if not isinstance(imported.weights, gguf.GGUFWeights):
+        return {}
+    return imported.weights.stored_formats(imported.model_dtype)
+
+
+def recorded_formats(record: dict[str, Any], model_dtype: str) -> dict[str, str]:
+    """Per tensor, the format an artifact stores it in, from its manifest's `source_record`: a GGUF
+    file's `stored_as` entries (float as the compute dtype's q0 format); none for a Hugging Face
+    checkpoint, whose weights all take the manifest's quantization. What rebuilds the artifact's kernels."""
+    float_format = "q0f16" if model_dtype == "float16" else "q0f32"
+    return {name: float_format if entry["stored_as"] == "float" else entry["stored_as"]
+            for name, entry in record.get("conversion", {}).items()}
+
+
+def source_record(imported: ImportedModel, quantized: dict[str, Any]) -> dict[str, Any]:
     """What the manifest records of the weights' source beyond its path: for a GGUF file its hash and,
-    per tensor, the stored type and whether `fmt` kept it or converted it (with the conversion's error)."""
+    per tensor, the stored type and whether its format in `quantized` (tensor name -> `QuantFormat`, the
+    quantized ones) kept it or converted it (with the conversion's error)."""
     if not isinstance(imported.weights, gguf.GGUFWeights):
         return {"format": "huggingface"}
-    return {**gguf.source_record(imported.weights),
-            "conversion": imported.weights.conversion_report(fmt, quantized_names)}
+    return {**gguf.source_record(imported.weights), "conversion": imported.weights.conversion_report(quantized)}

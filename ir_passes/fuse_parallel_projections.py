@@ -17,32 +17,47 @@ model definition keeps Hugging Face's separate projections; only the graph chang
 Invariant: every entry function takes the same weights in the same order. A group
 is fused only if it occurs in every function that takes weights; `W_fused` takes
 the place of `W_1` and its recipe concatenates the members' recipes, so weight
-conversion produces exactly the tensor the graph expects.
+conversion produces exactly the tensor the graph expects. A fused weight is stored in
+one format, so weights that `tensor_formats` stores differently (a GGUF file's v
+projection in Q6_K beside q and k in Q4_K) are not fused together: q and k still are.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import tvm
 from tvm import relax
 
 from ember.ir_passes.module_utils import bindings, is_op, is_weight_transpose, replace_functions
-from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
+from ember.ir_passes.weight_recipes import (entry_functions_with_weights, get_recipes, recipe_sources, set_recipes,
+                                            weight_params)
 
 
-@tvm.transform.module_pass(opt_level=0, name="FuseParallelProjections")
-def fuse_parallel_projections(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-    """Fuse same-input projections in every weight-taking entry function."""
-    names = entry_functions_with_weights(mod)
-    if not names:
-        return mod
-    first, *others = [_find_groups(mod[name]) for name in names]
-    groups = [g for g in first if all(g in found for found in others)]
-    if not groups:
-        return mod
-    recipes = get_recipes(mod)
+def fuse_parallel_projections(tensor_formats: Mapping[str, Any] | None = None) -> tvm.transform.Pass:
+    """The pass fusing same-input projections in every weight-taking entry function, keeping apart
+    weights whose checkpoint tensors `tensor_formats` gives different formats."""
+
+    @tvm.transform.module_pass(opt_level=0, name="FuseParallelProjections")
+    def transform(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        names = entry_functions_with_weights(mod)
+        if not names:
+            return mod
+        recipes = get_recipes(mod)
+        formats = {name: tuple((tensor_formats or {}).get(source) for source in recipe_sources(recipe))
+                   for name, recipe in recipes.items()}
+        first, *others = [_find_groups(mod[name], formats) for name in names]
+        groups = [g for g in first if all(g in found for found in others)]
+        return _fuse(mod, names, recipes, groups) if groups else mod
+
+    return transform
+
+
+def _fuse(mod: tvm.IRModule, names: list[str], recipes: dict, groups: list[tuple[str, ...]]) -> tvm.IRModule:
+    """`mod` with each group's weights one parameter (and recipe) in the functions `names`."""
     fused_name = {group: _fused_param_name(group) for group in groups}
     new_recipes = {}
     for name, recipe in recipes.items():
@@ -55,8 +70,9 @@ def fuse_parallel_projections(mod: tvm.IRModule, _ctx: tvm.transform.PassContext
     return set_recipes(replace_functions(mod, rewritten), new_recipes)
 
 
-def _find_groups(func: relax.Function) -> list[tuple[str, ...]]:
-    """Tuples of weight-parameter names whose projections share one input."""
+def _find_groups(func: relax.Function, formats: dict[str, tuple]) -> list[tuple[str, ...]]:
+    """Tuples of weight-parameter names whose projections share one input and whose weights `formats`
+    (parameter name -> its tensors' formats) stores alike."""
     weights = {p: p.name for p in weight_params(func)}
     transposed: dict[relax.Var, relax.Var] = {}
     by_input: dict[relax.Expr, list[relax.Var]] = {}
@@ -68,7 +84,7 @@ def _find_groups(func: relax.Function) -> list[tuple[str, ...]]:
             weight = transposed[value.args[1]]
             out_dtype = value.attrs.out_dtype
             if out_dtype is None or str(out_dtype) == str(weight.ty.dtype):
-                by_input.setdefault(value.args[0], []).append(weight)
+                by_input.setdefault((value.args[0], formats[weights[weight]]), []).append(weight)
     groups = []
     for members in by_input.values():
         k_dims = {int(m.ty.shape[1]) for m in members}

@@ -18,7 +18,8 @@ frontend and `tvm.compile`'s code generation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import relax
@@ -49,20 +50,23 @@ class LowerOptions:
     keep_lm_head: bool = False  # leave the output projection in the compute dtype
     tuning: TuningDatabase | None = None  # records from `ember tune` on this machine
     int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
+    # Checkpoint tensor -> its own format, in place of `quantization` (a GGUF file's per-tensor types).
+    tensor_formats: Mapping[str, QuantFormat] = field(default_factory=dict)
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
     """Model-level rewrites on Relax operators, before any lowering."""
     return [
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
-        fuse_parallel_projections,
+        fuse_parallel_projections(options.tensor_formats),
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
         # then chains of reshapes (heads views around attention) become one each.
         fold_split_concat,
         relax.transform.RemoveRedundantReshape(),
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
-                         target.int8_dot if options.int8_activations else None, target.vector_bits),
+                         target.int8_dot if options.int8_activations else None, target.vector_bits,
+                         options.tensor_formats),
     ]
 
 

@@ -1,5 +1,10 @@
 """Weight-only quantization: float weights become packed integers, unpacked inside the kernels.
 
+Every weight gets the `--quant` format, or its own where `tensor_formats` names one for
+the checkpoint tensors it is computed from (a GGUF file's per-tensor types: a Q4_K_M
+file's Q6_K output head stays in 8 bits while its Q4_K projections take 4); a weight
+whose format does not quantize stays in float.
+
 Matches, in every entry function that takes weights, the two ways a model reads a
 2-D weight parameter `W` [N, K]:
 
@@ -37,13 +42,15 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Mapping
 
 import tvm
 from tvm import relax, te, tirx
 
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
 from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
-from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
+from ember.ir_passes.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
+                                            set_recipes, weight_params)
 from ember.schedules import int8_matmul
 from ember.targets.int8_dot import Int8Dot
 
@@ -51,8 +58,10 @@ _PASS_THROUGH = ("relax.astype", "relax.reshape")
 
 
 def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_head: bool = False,
-                     int8_dot: Int8Dot | None = None, vector_bits: int = 256) -> tvm.transform.Pass:
-    """The pass quantizing every matmul and embedding weight to `fmt`.
+                     int8_dot: Int8Dot | None = None, vector_bits: int = 256,
+                     tensor_formats: Mapping[str, QuantFormat] | None = None) -> tvm.transform.Pass:
+    """The pass quantizing every matmul and embedding weight to `fmt`, or to the format `tensor_formats`
+    gives the checkpoint tensors it is computed from.
 
     With `int8_dot` (the target's dot product, `TargetSpec.int8_dot`), projections
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
@@ -62,8 +71,10 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
     def transform(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         names = entry_functions_with_weights(mod)
-        if not fmt.quantizes or not names:
+        if not names:
             return mod
+        recipes = get_recipes(mod)
+        formats = {name: _format_of(recipe, fmt, tensor_formats or {}) for name, recipe in recipes.items()}
         chosen: set[str] | None = None
         projected: set[str] = set()
         for name in names:
@@ -74,26 +85,33 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
                 keep |= uses.embeddings
             if keep_lm_head:
                 keep |= uses.lm_heads
-            found = uses.quantizable - keep
+            found = {name for name in uses.quantizable - keep if formats[name].quantizes}
             chosen = found if chosen is None else chosen & found
         if not chosen:
             return mod
         interleaved = projected if int8_dot is not None else set()
-        rewriter = _Rewriter(mod, fmt, int8_dot, vector_bits)
+        rewriter = _Rewriter(mod, {name: formats[name] for name in chosen}, int8_dot, vector_bits)
         for name in names:
             rewriter.builder_.update_func(mod.get_global_var(name),
-                                          rewriter.rewrite_function(mod[name], chosen, interleaved))
+                                          rewriter.rewrite_function(mod[name], interleaved))
         new_recipes = {}
-        for name, recipe in get_recipes(mod).items():
+        for name, recipe in recipes.items():
             if name not in chosen:
                 new_recipes[name] = recipe
                 continue
-            for part in fmt.parts:
-                new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": fmt.name, "part": part,
+            for part in formats[name].parts:
+                new_recipes[f"{name}.{part}"] = {"op": "quantize", "format": formats[name].name, "part": part,
                                                  "layout": rewriter.layouts[name], "input": recipe}
         return set_recipes(rewriter.builder_.get(), new_recipes)
 
     return transform
+
+
+def _format_of(recipe: Recipe, fmt: QuantFormat, tensor_formats: Mapping[str, QuantFormat]) -> QuantFormat:
+    """The format of the weight `recipe` computes: its checkpoint tensors' own (the finest, should they
+    differ; `fuse_parallel_projections` fuses only weights of one format), else `fmt`."""
+    own = [tensor_formats[name] for name in recipe_sources(recipe) if name in tensor_formats]
+    return max(own, key=lambda f: f.bits_per_weight) if own else fmt
 
 
 class _WeightUses:
@@ -135,32 +153,34 @@ class _WeightUses:
 class _Rewriter(relax.PyExprMutator):
     """Replaces projections and gathers of chosen weights by dequantizing kernels."""
 
-    def __init__(self, mod: tvm.IRModule, fmt: QuantFormat, int8_dot: Int8Dot | None, vector_bits: int) -> None:
+    def __init__(self, mod: tvm.IRModule, formats: dict[str, QuantFormat], int8_dot: Int8Dot | None,
+                 vector_bits: int) -> None:
         super().__init__(mod)
-        self.fmt = fmt
+        self.formats = formats  # the chosen weights' formats, by parameter name
         self.int8_dot = int8_dot
         self.vector_bits = vector_bits
-        self.int8_kernels: dict[tuple[int, int, bool], relax.GlobalVar] = {}
-        self.parts_of: dict[relax.Var, tuple[dict[str, relax.Var], int, str]] = {}
+        self.int8_kernels: dict[tuple[str, int, int, bool], relax.GlobalVar] = {}
+        self.parts_of: dict[relax.Var, tuple[QuantFormat, dict[str, relax.Var], int, str]] = {}
         self.transposed: dict[relax.Var, relax.Var] = {}
         self.layouts: dict[str, str] = {}  # weight name -> the layout its parts are stored in
 
-    def rewrite_function(self, func: relax.Function, chosen: set[str], interleaved: set[str]) -> relax.Function:
-        """`func` taking the parts of the `chosen` weights instead of the weights; those in
+    def rewrite_function(self, func: relax.Function, interleaved: set[str]) -> relax.Function:
+        """`func` taking the parts of the chosen weights instead of the weights; those in
         `interleaved` are stored for the int8 dot-product kernel where it computes them."""
         new_params = []
         for param in func.params:
-            if param.name not in chosen:
+            fmt = self.formats.get(param.name)
+            if fmt is None:
                 new_params.append(param)
                 continue
             n, k = (int(d) for d in param.ty.shape)
-            int8 = param.name in interleaved and int8_matmul.supports(self.fmt, n, k)
+            int8 = param.name in interleaved and int8_matmul.supports(fmt, n, k)
             layout = self.layouts.setdefault(param.name, INTERLEAVED if int8 else ROWS)
             parts = {
                 part: relax.Var(f"{param.name}.{part}", relax.TensorType(shape, dtype))
-                for part, (shape, dtype) in self.fmt.part_shapes(n, k, layout).items()
+                for part, (shape, dtype) in fmt.part_shapes(n, k, layout).items()
             }
-            self.parts_of[param] = (parts, k, layout)
+            self.parts_of[param] = (fmt, parts, k, layout)
             new_params.extend(parts.values())
         body = self.visit_expr(func.body)
         return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
@@ -171,36 +191,38 @@ class _Rewriter(relax.PyExprMutator):
             self.transposed[binding.var] = value.args[0]  # consumed by the matmul below; no binding left
             return
         if is_op(value, "relax.matmul") and value.args[1] in self.transposed:
-            parts, k, layout = self.parts_of[self.transposed[value.args[1]]]
+            fmt, parts, k, layout = self.parts_of[self.transposed[value.args[1]]]
             x = self.visit_expr(value.args[0])
             out_dtype = str(binding.var.ty.dtype)
             if layout == INTERLEAVED:
-                self._emit_as(binding.var, self._int8_dot_matmul(x, parts, k, int(binding.var.ty.shape[-1])))
+                self._emit_as(binding.var, self._int8_dot_matmul(fmt, x, parts, k, int(binding.var.ty.shape[-1])))
                 return
             self._emit_as(binding.var, self.builder_.emit_te(
-                _dequantize_matmul(self.fmt, k, out_dtype), x, *parts.values(),
+                _dequantize_matmul(fmt, k, out_dtype), x, *parts.values(),
                 primfunc_name_hint="dequantize_matmul"))
             return
         if is_op(value, "relax.take") and value.args[0] in self.parts_of:
-            parts, k, layout = self.parts_of[value.args[0]]
+            fmt, parts, k, layout = self.parts_of[value.args[0]]
             ids = self.visit_expr(value.args[1])
             self._emit_as(binding.var, self.builder_.emit_te(
-                _dequantize_take(self.fmt, k, layout), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
+                _dequantize_take(fmt, k, layout), ids, *parts.values(), primfunc_name_hint="dequantize_take"))
             return
         super().visit_var_binding_(binding)
 
-    def _int8_dot_matmul(self, x: relax.Expr, parts: dict[str, relax.Var], k: int, n: int) -> relax.Expr:
+    def _int8_dot_matmul(self, fmt: QuantFormat, x: relax.Expr, parts: dict[str, relax.Var], k: int,
+                         n: int) -> relax.Expr:
         """y = x @ w(n, :)^T by `int8_matmul`'s kernel, which takes x as [batch, seq, k].
 
         Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants.
         A model's activations are [batch, seq, k] already: no reshape (each one a VM call)."""
         *lead, _ = x.ty.shape
         many_tokens = not (len(lead) >= 1 and isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1)
-        if (n, k, many_tokens) not in self.int8_kernels:
-            kernel = int8_matmul.int8_dot_matmul(self.fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
-            self.int8_kernels[n, k, many_tokens] = self.builder_.add_func(
+        key = (fmt.name, n, k, many_tokens)
+        if key not in self.int8_kernels:
+            kernel = int8_matmul.int8_dot_matmul(fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
+            self.int8_kernels[key] = self.builder_.add_func(
                 kernel.with_attr(KERNEL_SOURCE_ATTR, int8_matmul.__name__), "int8_dot_matmul")
-        kernel = self.int8_kernels[n, k, many_tokens]
+        kernel = self.int8_kernels[key]
         if len(lead) == 2:
             return self.builder_.emit(relax.call_tir(kernel, [x, *parts.values()],
                                                      relax.TensorType((*lead, n), "float32")))

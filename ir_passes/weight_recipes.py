@@ -17,6 +17,7 @@ after its `num_input` runtime inputs.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import tvm
@@ -36,6 +37,14 @@ def get_recipes(mod: tvm.IRModule) -> dict[str, Recipe]:
 def set_recipes(mod: tvm.IRModule, recipes: dict[str, Recipe]) -> tvm.IRModule:
     """A copy of `mod` carrying `recipes`."""
     return mod.with_attr(ATTR, json.dumps(recipes))
+
+
+def recipe_sources(recipe: Recipe) -> Iterator[str]:
+    """Names of the checkpoint tensors `recipe` reads, in order."""
+    if recipe["op"] == "load":
+        yield recipe["name"]
+    for child in recipe.get("inputs", [recipe["input"]] if "input" in recipe else []):
+        yield from recipe_sources(child)
 
 
 def weight_params(func: relax.Function) -> list[relax.Var]:

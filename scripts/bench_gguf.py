@@ -4,8 +4,8 @@ For each `--shape`, the random-weight Llama checkpoint of `bench_cpu.py` (made b
 if missing) and its F32 GGUF (`peers.write_gguf`, the placeholder vocabulary of the benchmark) are quantized
 by llama.cpp's own quantizer (`llama_model_quantize`, `tests/gguf_files.py`) into each of `--types`. Then:
 
-1. **compile**: `ember compile FILE.gguf` (the file's weights kept or converted as ember chooses), and
-   `ember compile DIR --quant FORMAT` of the Hugging Face directory in the format the GGUF file became, each
+1. **compile**: `ember compile FILE.gguf` (each tensor in the format closest to its type, kept or converted),
+   and `ember compile DIR --quant FORMAT` of the Hugging Face directory in the file's dominant format, each
    in a fresh process: wall seconds and the process's peak RSS (from wait4).
 2. **speed**: ember's artifact of each GGUF file next to llama.cpp (the `--isa` level's build of
    `build_llama_cpp.py`) on the same file, each in a fresh process, round-robin over `--repeats` runs
@@ -54,24 +54,33 @@ def timed_compile(source: Path, out: Path, target: str, quantization: str | None
 
 
 def quantization_of(artifact: Path) -> str:
+    """The artifact's --quant (for a GGUF file's own per-tensor types: that of its dominant type)."""
     return json.loads((artifact / "manifest.json").read_text())["quantization"]
+
+
+def formats_of(artifact: Path) -> str:
+    """The formats the artifact's weights are stored in: its --quant, or a GGUF file's mix ("q4f32_zp+q8f32")."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    stored = {entry["stored_as"] for entry in manifest["source_weights"].get("conversion", {}).values()}
+    return "+".join(sorted(stored - {"float"})) or manifest["quantization"]
 
 
 def compile_table(model: Path, files: dict[str, Path], level: build_llama_cpp.Level) -> dict[str, Path]:
     """Compile every GGUF file and the HF directory in each format they became, for the ISA `level`; print the
     table; the artifacts."""
     target = level.ember_target
-    print(f"{'source':<28} {'ember format':<12} {'compile s':>9} {'peak RSS MB':>11} {'input MB':>9}")
+    print(f"{'source':<28} {'ember formats':<16} {'compile s':>9} {'peak RSS MB':>11} {'input MB':>9}")
     artifacts = {}
     for type_name, path in files.items():
         artifact = path.with_name(f"{path.stem}-ember-{level.name}")
         seconds, rss = timed_compile(path, artifact, target, None)
         fmt = quantization_of(artifact)
-        print(f"{'GGUF ' + type_name:<28} {fmt:<12} {seconds:>9.1f} {rss:>11.0f} {path.stat().st_size / 1e6:>9.0f}")
+        print(f"{'GGUF ' + type_name:<28} {formats_of(artifact):<16} {seconds:>9.1f} {rss:>11.0f} "
+              f"{path.stat().st_size / 1e6:>9.0f}")
         hf_artifact = model.with_name(f"{model.name}-ember-{fmt}-{level.name}-hf")
         seconds, rss = timed_compile(model, hf_artifact, target, fmt)
         size = (model / "model.safetensors").stat().st_size
-        print(f"{'HF directory --quant ' + fmt:<28} {fmt:<12} {seconds:>9.1f} {rss:>11.0f} {size / 1e6:>9.0f}")
+        print(f"{'HF directory --quant ' + fmt:<28} {fmt:<16} {seconds:>9.1f} {rss:>11.0f} {size / 1e6:>9.0f}")
         artifacts[type_name] = artifact
     return artifacts
 
@@ -115,7 +124,7 @@ def perplexity_table(types: list[str], level: build_llama_cpp.Level, work: Path)
 
     f32 = gguf_files.convert(Path(ember.DEMO_MODEL_DIR), "f32", pre="gpt-2")
     text = (Path(ember.DEMO_MODEL_DIR) / "validation.txt").read_text(encoding="utf-8")
-    print(f"{'demo GGUF':<10} {'ember format':<12} {'ember':>9} {'llama.cpp':>9}  (perplexity on validation.txt)")
+    print(f"{'demo GGUF':<10} {'ember formats':<16} {'ember':>9} {'llama.cpp':>9}  (perplexity on validation.txt)")
     for type_name in ["F32", *types]:
         path = f32 if type_name == "F32" else gguf_files.quantize(f32, type_name)
         artifact = work / f"demo-{type_name}-ember-{level.name}"
@@ -126,7 +135,7 @@ def perplexity_table(types: list[str], level: build_llama_cpp.Level, work: Path)
         windows = scoring_windows(ids, loaded.tokenizer.bos_token_id, window)
         ours = perplexity(Engine(loaded), windows)
         theirs = gguf_files.perplexity(path, windows)
-        print(f"{type_name:<10} {quantization_of(artifact):<12} {ours.perplexity:>9.3f} {theirs:>9.3f}  "
+        print(f"{type_name:<10} {formats_of(artifact):<16} {ours.perplexity:>9.3f} {theirs:>9.3f}  "
               f"({ours.tokens} tokens, {ours.windows} windows of {window})")
 
 

@@ -8,11 +8,14 @@ and both round activations to int8 per 32 values, but not at the same points (em
 quantizes once per projection input, llama.cpp also the attention's inputs). Q4_1
 2e-2 (7.7e-3): int8 activations on both sides too, with the minimum times the
 activations' sum (llama.cpp's Q8_1 keeps that sum in f16, ember in float32).
-Q4_K_M 5e-2 (2.2e-2): its Q4_K/Q5_0 tensors are re-quantized to ember's q4f32_zp
-(a conversion, not the file's bits). Q5_K_M 3e-2 (1.2e-2) and Q6_K 2e-2 (8.2e-3): their
-5- and 6-bit tensors are re-quantized to q8f32, their default. llama.cpp's quantizer stores the tied
-embedding/output head as Q6_K in all these files; ember has no 6-bit format, so it
-is kept float here (`keep_embedding`) with its exact dequantized values.
+llama.cpp's quantizer stores the tied embedding/output head as Q6_K in all these
+files; for the three types above it is kept float (`keep_embedding`, its exact
+dequantized values), so their bounds measure the stored blocks alone. The K-quant
+mixes compile as a user's default does, each tensor in the format closest to its own
+type with at least its bits: Q4_K_M 5e-2 (2.1e-2): its Q4_K tensors re-quantized to
+q4f32_zp, its Q5_0 and Q6_K ones (v, down, head) to q8f32, its Q8_0 kept. Q5_K_M 3e-2
+(1.0e-2) and Q6_K 2e-2 (1.1e-2): 5- and 6-bit tensors re-quantized to q8f32 (0.5%
+relative RMS weight error each), int8 activations in the head too.
 """
 
 from __future__ import annotations
@@ -27,20 +30,27 @@ import pytest
 
 import gguf_files
 from ember import DEMO_MODEL_DIR
+from ember.analyze.measure import measure
 from ember.compiler import CompileOptions, compile_model
 from ember.errors import ModelError
 from ember.frontend.gguf import GGUFWeights, Metadata, gguf_config, open_gguf
 from ember.frontend.gguf_tokenizer import write_tokenizer_files
 from ember.ir_passes.quant_formats import FORMATS
 from ember.runtime import Engine, load_artifact
+from ember.targets.hardware import Hardware
 from ember.runtime.tokenizer import Tokenizer
 from helpers import run_ember
 
 PROMPT_LEN, NEW_TOKENS = 64, 32
+# A roof above any CPU here, for timing kernels against (`ember analyze --measure`).
+ROOMY = Hardware("roomy", "roomy", "cpu", {"fp32": 1e14}, memory_bandwidth=1e13, memory_capacity=1e12,
+                 onchip_memory=2**20, source="test")
 # file type -> (ember --quant, relative logit tolerance); see the module docstring.
-CASES = {"f32": ("q0f32", 1e-3), "f16": ("q0f32", 1e-3), "Q8_0": ("q8f32", 1e-2), "Q4_0": ("q4f32", 1e-2),
-         "Q4_1": ("q4f32_zp", 2e-2), "Q4_K_M": ("q4f32_zp", 5e-2), "Q5_K_M": ("q8f32", 3e-2),
-         "Q6_K": ("q8f32", 2e-2)}
+# file type -> (ember --quant (None: the file's own types, per tensor), relative logit tolerance); the stored
+# types compile with their own format for every weight and the Q6_K embedding/head kept float (`keep_embedding`),
+# which checks the kept blocks alone; see the module docstring.
+CASES = {"f32": (None, 1e-3), "f16": ("q0f32", 1e-3), "Q8_0": ("q8f32", 1e-2), "Q4_0": ("q4f32", 1e-2),
+         "Q4_1": ("q4f32_zp", 2e-2), "Q4_K_M": (None, 5e-2), "Q5_K_M": (None, 3e-2), "Q6_K": (None, 2e-2)}
 STORED = {"Q8_0": "q8f32", "Q4_0": "q4f32", "Q4_1": "q4f32_zp"}
 
 
@@ -59,7 +69,9 @@ def compiled(demo_gguf, tmp_path_factory):
     def compile_one(file_type: str) -> Engine:
         if file_type not in artifacts:
             out = tmp_path_factory.mktemp("gguf") / file_type
-            options = CompileOptions(quantization=CASES[file_type][0], keep_embedding=True, keep_lm_head=True,
+            quantization = CASES[file_type][0]
+            keep = quantization is not None and FORMATS[quantization].quantizes
+            options = CompileOptions(quantization=quantization, keep_embedding=keep, keep_lm_head=keep,
                                      max_batch=1, show_progress=False)
             compile_model(demo_gguf[file_type], out, options)
             artifacts[file_type] = load_artifact(out)
@@ -117,16 +129,21 @@ def test_stored_blocks_are_kept_bit_for_bit(demo_gguf, file_type) -> None:
 
 
 def test_k_quant_conversion_is_measured(demo_gguf) -> None:
-    """Q4_K_M: its Q8_0 tensors are kept under q8f32, the K-quants converted with their weight error measured."""
+    """Q4_K_M: each tensor goes to the format closest to its type with at least its bits (Q4_K to q4f32_zp,
+    Q5_0 and Q6_K to q8f32), its Q8_0 tensors are kept bit for bit, the rest converted with the error measured."""
     path = demo_gguf["Q4_K_M"]
     reader = open_gguf(path)
     weights = GGUFWeights(path, reader, gguf_config(reader, path))
-    matrices = {name for name, record in weights.records.items() if len(record.shape) == 2}
-    report = weights.conversion_report(FORMATS["q8f32"], matrices)
-    kinds = {(entry["gguf_type"], entry["conversion"]) for entry in report.values()}
-    assert {("Q8_0", "kept"), ("Q4_K", "converted"), ("Q6_K", "converted"), ("F32", "kept")} <= kinds
-    errors = [entry["relative_rms_error"] for entry in report.values() if entry["conversion"] == "converted"]
-    assert 0 < max(errors) < 0.02  # int8 re-quantization of 4-6 bit values: measured 0.55%
+    formats = weights.stored_formats("float32")
+    assert set(formats) == {name for name, record in weights.records.items() if len(record.shape) == 2}
+    report = weights.conversion_report({name: FORMATS[fmt] for name, fmt in formats.items()})
+    kinds = {(entry["gguf_type"], entry["stored_as"], entry["conversion"]) for entry in report.values()}
+    assert kinds == {("Q8_0", "q8f32", "kept"), ("Q4_K", "q4f32_zp", "converted"), ("Q5_0", "q8f32", "converted"),
+                     ("Q6_K", "q8f32", "converted"), ("F32", "float", "kept")}
+    errors = {entry["stored_as"]: entry["relative_rms_error"] for entry in report.values()
+              if entry["conversion"] == "converted"}
+    assert 0 < errors["q8f32"] < 0.01  # int8 re-quantization of 5-6 bit values: measured 0.55%
+    assert 0 < errors["q4f32_zp"] < 0.1  # Q4_K sub-blocks of 32 re-fit to one scale and minimum each: measured 3.3%
 
 
 def tokenizer_texts(special: list[str]) -> list[str]:
@@ -280,25 +297,35 @@ def test_bad_file_fails_with_one_line_and_writes_nothing(demo_gguf, tmp_path, ca
 
 
 def test_cli_compiles_inspects_and_analyzes_a_gguf_file(demo_gguf, tmp_path) -> None:
-    """`ember compile FILE.gguf` with no --quant takes the file's own format (Q4_K_M: mostly Q4_K, so
-    q4f32_zp), prints what each group of tensors became with the re-quantization error, and records it
-    for `ember inspect`; `ember analyze` reads the file's metadata."""
+    """`ember compile FILE.gguf` with no --quant keeps the file's own types per tensor (Q4_K_M: mostly Q4_K,
+    so q4f32_zp, with its Q6_K head and Q8_0 tensors in q8f32), prints what each group of tensors became with
+    the re-quantization error, and records it for `ember inspect`; `ember analyze` reads the file's metadata."""
     path = tmp_path / "demo-Q4_K_M.gguf"
     path.symlink_to(demo_gguf["Q4_K_M"])
     out = tmp_path / "out"
     result = run_ember("compile", str(path), "-o", str(out), "--no-progress")
     assert result.returncode == 0, result.stderr
     report = [line for line in result.stderr.splitlines() if "GGUF weights:" in line]
-    assert any("Q8_0 -> q4f32_zp: re-quantized" in line for line in report), result.stderr
+    assert any("Q8_0 -> q8f32: kept as stored" in line for line in report), result.stderr
     assert any(re.search(r"Q4_K -> q4f32_zp: re-quantized, relative RMS weight error mean \d", line)
                for line in report), result.stderr
+    assert any("3 tensors Q6_K -> q8f32: re-quantized" in line for line in report), result.stderr
     assert any("F32 -> float: kept as stored" in line for line in report), result.stderr
 
     shown = run_ember("inspect", str(out))
     assert shown.returncode == 0, shown.stderr
-    assert re.search(r"quantization\s+q4f32_zp", shown.stdout), shown.stdout
+    assert re.search(r"quantization\s+q4f32_zp \(6 bits/weight, float32 compute\); per tensor as the file stores "
+                     r"them: q4f32_zp, q8f32", shown.stdout), shown.stdout
     assert re.search(rf"GGUF file\s+{path.name} \(sha256 [0-9a-f]{{12}}\)", shown.stdout), shown.stdout
     assert "Q4_K -> q4f32_zp: re-quantized" in shown.stdout
+
+    # The mixed artifact's kernels are rebuilt from its manifest (v and down separate from the 4-bit q/k
+    # and gate/up where the file holds them in Q6_K), timed and mapped to every projection.
+    measured = measure(out, prompt_len=8, batch=1, repeats=1, hardware=ROOMY)
+    assert 6.0 < measured.precision.wbits < 9.0  # between q4f32_zp's 6 bits/weight and q8f32's 9
+    for stage in (measured.prefill, measured.decode):
+        implemented = {name for k in stage.kernels for name in k.implements}
+        assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"} <= implemented
 
     analyzed = run_ember("analyze", str(path), "--hardware", "raspberry-pi-5", "--wbits", "4", "--prompt-len", "128",
                          "--gen-len", "128")

@@ -11,6 +11,8 @@ from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.quant_formats import FORMATS
+from ember.ir_passes.quantize_weights import quantize_weights
 from ember.ir_passes.weight_recipes import get_recipes, set_recipes, weight_params
 from ember.schedules.check import check_all_scheduled
 
@@ -50,7 +52,7 @@ def _run_single(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
 
 def test_fuse_parallel_projections_fuses_shared_input_and_keeps_values() -> None:
     mod = _projection_module()
-    fused = fuse_parallel_projections(mod)
+    fused = fuse_parallel_projections()(mod)
 
     names = [p.name for p in weight_params(fused["main"])]
     assert names == ["a.q_k_v_proj.weight", "a.o_proj.weight"]
@@ -83,7 +85,24 @@ def test_fuse_parallel_projections_leaves_single_projections_alone() -> None:
             out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
         bb.emit_func_output(out)
     mod = set_recipes(bb.get(), {"w": {"op": "load", "name": "w"}})
-    assert fuse_parallel_projections(mod)["main"].same_as(mod["main"])
+    assert fuse_parallel_projections()(mod)["main"].same_as(mod["main"])
+
+
+def test_fuse_parallel_projections_keeps_weights_of_different_formats_apart() -> None:
+    """A GGUF file's v projection in Q6_K (stored 8-bit) beside q and k in Q4_K (4-bit): q and k fuse,
+    v stays its own weight, so neither is stored in the other's format."""
+    mod = _projection_module()
+    q4, q8 = FORMATS["q4f32_zp"], FORMATS["q8f32"]
+    formats = {"a.q_proj.weight": q4, "a.k_proj.weight": q4, "a.v_proj.weight": q8}
+    fused = fuse_parallel_projections(formats)(mod)
+    assert [p.name for p in weight_params(fused["main"])] == ["a.q_k_proj.weight", "a.v_proj.weight",
+                                                               "a.o_proj.weight"]
+    quantized = quantize_weights(FORMATS["q0f32"], tensor_formats=formats)(fused)
+    recipes = get_recipes(quantized)
+    assert {name: recipe["format"] for name, recipe in recipes.items() if recipe["op"] == "quantize"} == {
+        "a.q_k_proj.weight.packed": "q4f32_zp", "a.q_k_proj.weight.scale": "q4f32_zp",
+        "a.q_k_proj.weight.min": "q4f32_zp", "a.v_proj.weight.packed": "q8f32", "a.v_proj.weight.scale": "q8f32"}
+    assert recipes["a.o_proj.weight"] == {"op": "load", "name": "a.o_proj.weight"}  # no format: stays float
 
 
 def _split_concat_module(order: tuple[int, ...]) -> tvm.IRModule:

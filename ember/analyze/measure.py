@@ -44,6 +44,7 @@ from ember.analyze.roofline import Point, StageResult, evaluate, place
 from ember.errors import ArtifactError, EmberError
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
+from ember.frontend.source import recorded_formats
 from ember.ir_passes import pipeline
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
 from ember.ir_passes.quant_formats import FORMATS, QUANTIZED_PARTS
@@ -142,7 +143,7 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
     arch = Architecture(Path(artifact_dir).resolve().name, config)
     bits = tvm_runtime.DataType(manifest.model_dtype).bits
     # Weights at their stored width (a quantized format's bits per weight, scales included).
-    precision = Precision(FORMATS[manifest.quantization].bits_per_weight, bits, bits,
+    precision = Precision(_stored_bits_per_weight(manifest, config), bits, bits,
                           "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
     kernels = rebuild_kernels(manifest)
 
@@ -174,15 +175,28 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
                        stages["prefill"], stages["decode"])
 
 
+def _stored_bits_per_weight(manifest: Manifest, config: ModelConfig) -> float:
+    """Bits per weight value (scales included) of the artifact's weight matrices: its format's, or for a
+    GGUF file compiled with its own per-tensor types the mean of theirs, weighted by the tensors' sizes."""
+    formats = recorded_formats(manifest.source_weights, manifest.model_dtype)
+    if len(set(formats.values())) <= 1:
+        return FORMATS[manifest.quantization].bits_per_weight
+    _, shapes = build_module(config, resolve_target("cpu").target, manifest.model_dtype)
+    sizes = {name: math.prod(shape) for name, shape in shapes.items() if len(shape) == 2 and name in formats}
+    return sum(FORMATS[formats[name]].bits_per_weight * size for name, size in sizes.items()) / sum(sizes.values())
+
+
 def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     """The artifact's kernels as TIR before scheduling, rebuilt from its manifest as `ember compile` built them."""
     config = _config(manifest, "the artifact")
     target = resolve_target(json.dumps(manifest.target["tvm_target"]))
     mod, _ = build_module(config, target.target, manifest.model_dtype)
     kv = manifest.kv_cache
+    tensor_formats = recorded_formats(manifest.source_weights, manifest.model_dtype)
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
-                                    int8_activations=manifest.activations == "int8")
+                                    int8_activations=manifest.activations == "int8",
+                                    tensor_formats={name: FORMATS[f] for name, f in tensor_formats.items()})
     with tvm_warnings_hidden():
         return pipeline.to_kernels(mod, target, options)
 
