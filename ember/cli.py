@@ -257,6 +257,17 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="random seed, 0 <= N < 2**63 (default: a fresh one each run)")
         sub.add_argument("--stop", action="append", default=[], type=_stop_string, metavar="TEXT",
                          help="stop string (repeatable)")
+        guessing = sub.add_mutually_exclusive_group()
+        guessing.add_argument("--speculate", choices=["ngram"],
+                              help="speculative decoding: guess the next tokens from earlier text (prompt lookup) "
+                                   "and check them in one forward; same output, faster where the reply copies "
+                                   "its prompt")
+        guessing.add_argument("--draft", type=Path, metavar="ARTIFACT",
+                              help="speculative decoding with a smaller artifact (same tokenizer) guessing the "
+                                   "next tokens; same output")
+        sub.add_argument("--guesses", type=int, metavar="K",
+                         help="tokens guessed at the first step, then adapted to how many are accepted, 1 to 8 "
+                              "(default 4; with --speculate or --draft)")
         _add_threads_argument(sub)
         sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
     serve = commands.add_parser(
@@ -521,7 +532,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from ember.runtime import Engine, generate, load_artifact
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
-    generation = generate(engine, args.prompt, _sampling(args))
+    speculation = _speculation(args, engine)
+    generation = generate(engine, args.prompt, _sampling(args), speculation=speculation)
     print(args.prompt, end="", flush=True)
     for piece in generation:
         print(piece, end="", flush=True)
@@ -529,8 +541,36 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = generation.stats
     print(f"\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
           f"decode {stats.new_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    if speculation is not None:
+        _report_speculation(speculation)
     _report_context_full(generation, engine.context_window)
     return 0
+
+
+def _speculation(args: argparse.Namespace, engine):
+    """The `Speculation` that --speculate/--draft ask for, or None."""
+    from ember.runtime import load_artifact
+    from ember.runtime.speculative import DEFAULT_GUESSES, MAX_GUESSES, DraftModel, PromptLookup, Speculation
+
+    if args.speculate is None and args.draft is None:
+        if args.guesses is not None:
+            raise EmberError("--guesses: applies only with --speculate or --draft")
+        return None
+    guesses = DEFAULT_GUESSES if args.guesses is None else args.guesses
+    if not 1 <= guesses <= MAX_GUESSES:
+        raise EmberError(f"--guesses {guesses}: must be between 1 and {MAX_GUESSES}")
+    if args.draft is None:
+        return Speculation(PromptLookup(), guesses)
+    from ember.runtime import Engine
+
+    draft = Engine(load_artifact(args.draft, threads=args.threads))
+    return Speculation(DraftModel(draft, engine), guesses)
+
+
+def _report_speculation(speculation) -> None:
+    stats = speculation.stats
+    print(f"[speculation: {stats.accepted} of {stats.proposed} guessed tokens accepted "
+          f"({100 * stats.acceptance_rate:.0f}%), {stats.mean_accepted:.2f} per verify step]", file=sys.stderr)
 
 
 def _report_context_full(generation, context_window: int) -> None:
@@ -545,7 +585,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     from ember.runtime.chat import ChatSession
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
-    session = ChatSession(engine, system=args.system)
+    session = ChatSession(engine, system=args.system, speculation=_speculation(args, engine))
     sampling = _sampling(args)
     # Bytes that are not UTF-8 arrive as surrogates, which `send` refuses, instead of ending input().
     sys.stdin.reconfigure(errors="surrogateescape")

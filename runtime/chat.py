@@ -11,13 +11,14 @@ from ember.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Generation
 from ember.runtime.sampling import SamplingParams
+from ember.runtime.speculative import Speculation
 from ember.runtime.tokenizer import check_text
 
 
 class ChatSession:
     """A conversation with an artifact's model."""
 
-    def __init__(self, engine: Engine, system: str | None = None) -> None:
+    def __init__(self, engine: Engine, system: str | None = None, speculation: Speculation | None = None) -> None:
         if engine.artifact.tokenizer is None:
             raise GenerationError("chat needs a tokenizer; this artifact has none")
         self.engine = engine
@@ -26,6 +27,7 @@ class ChatSession:
         if system is not None:
             check_text(system, "the system message")
         self.system = system
+        self.speculation = speculation  # replies verify guessed tokens (`runtime/speculative.py`)
         self.messages: list[dict[str, str]] = []
         self.dropped_turns = 0  # earliest turns the last `send` dropped to fit the context window
         self.seq_id = engine.add_sequence()
@@ -62,7 +64,7 @@ class ChatSession:
         self.engine.truncate(self.seq_id, shared)
         self.messages = messages
         self.cached_ids, self._prompt_ids = prompt[:shared], prompt
-        self._reply = Generation(self.engine, self.tokenizer, self.seq_id, prompt[shared:], params)
+        self._reply = Generation(self.engine, self.tokenizer, self.seq_id, prompt[shared:], params, self.speculation)
         return self._reply
 
     def _fit(self, messages: list[dict[str, str]],

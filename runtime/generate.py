@@ -20,6 +20,7 @@ from ember.errors import GenerationError
 from ember.runtime.artifact import Artifact
 from ember.runtime.engine import Engine
 from ember.runtime.sampling import SamplingParams, TokenLogprob, sample_token, token_logprob
+from ember.runtime.speculative import Speculation, speculative_tokens
 from ember.runtime.tokenizer import Tokenizer
 
 
@@ -74,6 +75,11 @@ class Decoding:
         self._rng = np.random.default_rng(params.seed)
         self._emitted = ""
 
+    @property
+    def history(self) -> list[int]:
+        """The prompt and the tokens generated so far."""
+        return self._history
+
     def step(self, logits: np.ndarray) -> int | None:
         """Sample the token after `logits`; None for a stop token. Sets `finished` when the request ends."""
         if self.logits_processor is not None:
@@ -125,13 +131,14 @@ class Generation:
     """An in-progress generation: iterate for text pieces; `.token_ids` and `.stats` after."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, seq_id: int,
-                 new_input_ids: list[int], params: SamplingParams) -> None:
+                 new_input_ids: list[int], params: SamplingParams, speculation: Speculation | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.seq_id = seq_id
         self.params = params
         self.prompt_ids = list(new_input_ids)
         self.decoding = Decoding(engine, self.prompt_ids, params)
+        self.speculation = speculation  # verify guessed tokens in one forward (`runtime/speculative.py`)
 
     @property
     def token_ids(self) -> list[int]:
@@ -146,9 +153,23 @@ class Generation:
     def tokens(self) -> Iterator[int]:
         """Generate token ids (stop tokens excluded)."""
         start = time.perf_counter()
+        cached_before = self.engine.length(self.seq_id)
         logits = self.engine.prefill(self.seq_id, self.prompt_ids)
         self.stats.prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
+        if self.speculation is not None:
+            yield from speculative_tokens(self.engine, self.seq_id, self.decoding, logits, self.speculation)
+        else:
+            yield from self._decoded_tokens(logits)
+        self.stats.decode_seconds = time.perf_counter() - start
+        # The last sampled token is not in the cache when a stop token did not end the request; feed it,
+        # if it fits, so a chat can continue.
+        missing = cached_before + len(self.prompt_ids) + len(self.token_ids) - self.engine.length(self.seq_id)
+        if missing == 1 and self.engine.length(self.seq_id) < self.engine.context_window:
+            self.engine.decode([self.seq_id], [self.token_ids[-1]])
+
+    def _decoded_tokens(self, logits: np.ndarray) -> Iterator[int]:
+        """Tokens sampled from `logits` on, one decode step each."""
         while True:
             token = self.decoding.step(logits)
             if token is None:
@@ -160,10 +181,6 @@ class Generation:
                 self.decoding.out_of_room()
                 break
             logits = self.engine.decode([self.seq_id], [token])[0]
-        self.stats.decode_seconds = time.perf_counter() - start
-        # The last sampled token is not in the cache yet; feed it, if it fits, so a chat can continue.
-        if self.token_ids and self.engine.length(self.seq_id) < self.engine.context_window:
-            self.engine.decode([self.seq_id], [self.token_ids[-1]])
 
     def __iter__(self) -> Iterator[str]:
         if self.tokenizer is None:
@@ -185,8 +202,10 @@ class Generation:
         return "".join(self)
 
 
-def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, seq_id: int | None = None) -> Generation:
-    """Start generating after `prompt` (text, or token ids) in a new or existing sequence."""
+def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, seq_id: int | None = None,
+             speculation: Speculation | None = None) -> Generation:
+    """Start generating after `prompt` (text, or token ids) in a new or existing sequence, verifying
+    `speculation`'s guesses several tokens per forward if given."""
     tokenizer = engine.artifact.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -194,7 +213,7 @@ def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, se
         prompt = tokenizer.encode(prompt)
     if seq_id is None:
         seq_id = engine.add_sequence()
-    return Generation(engine, tokenizer, seq_id, list(prompt), params)
+    return Generation(engine, tokenizer, seq_id, list(prompt), params, speculation)
 
 
 def end_of_sequence_ids(artifact: Artifact) -> set[int]:

@@ -67,6 +67,10 @@ class Tokenizer:
         """Number of tokens, including added ones."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`."""
         check_text(text, "the text to encode")
