@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from ember import DEMO_MODEL_DIR
+from ember import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ember.errors import EmberError
 from ember.ir_passes.quant_formats import FORMATS
 
@@ -39,9 +39,12 @@ examples:
   ember compile demo --quant q4f32 -o demo-q4    4-bit weights (see `ember compile --help`)
   ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-cpu
   ember tune demo --db tuning-db && ember compile demo -o demo-tuned --tuning-db tuning-db
+  ember generate demo-cpu --speculate ngram --prompt "..."   guess tokens from the prompt, check them at once
+  ember compile demo-draft -o draft-cpu && ember chat demo-cpu --draft draft-cpu   a small model guesses
 
 MODEL is a Hugging Face checkpoint directory (config.json, model.safetensors or a
-sharded index, tokenizer.json) of a llama, mistral or qwen2 model, or `demo`.
+sharded index, tokenizer.json) of a llama, mistral or qwen2 model, a GGUF file, `demo`,
+or `demo-draft` (the demo's 2-layer draft for speculative decoding).
 """
 
 
@@ -257,17 +260,7 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="random seed, 0 <= N < 2**63 (default: a fresh one each run)")
         sub.add_argument("--stop", action="append", default=[], type=_stop_string, metavar="TEXT",
                          help="stop string (repeatable)")
-        guessing = sub.add_mutually_exclusive_group()
-        guessing.add_argument("--speculate", choices=["ngram"],
-                              help="speculative decoding: guess the next tokens from earlier text (prompt lookup) "
-                                   "and check them in one forward; same output, faster where the reply copies "
-                                   "its prompt")
-        guessing.add_argument("--draft", type=Path, metavar="ARTIFACT",
-                              help="speculative decoding with a smaller artifact (same tokenizer) guessing the "
-                                   "next tokens; same output")
-        sub.add_argument("--guesses", type=int, metavar="K",
-                         help="tokens guessed at the first step, then adapted to how many are accepted, 1 to 8 "
-                              "(default 4; with --speculate or --draft)")
+        _add_speculation_arguments(sub)
         _add_threads_argument(sub)
         sub.set_defaults(run=_run_generate if name == "generate" else _run_chat)
     serve = commands.add_parser(
@@ -294,6 +287,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="free each request's KV pages when it ends instead of reusing them for later prompts "
                             "that start the same way (outputs then never depend on other requests, not even "
                             "in the last float bits)")
+    _add_speculation_arguments(serve, serving=True)
     _add_threads_argument(serve)
     serve.set_defaults(run=_run_serve)
     for sub in commands.choices.values():
@@ -547,6 +541,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_speculation_arguments(parser: argparse.ArgumentParser, serving: bool = False) -> None:
+    guessing = parser.add_mutually_exclusive_group()
+    when = " (when one request is decoding)" if serving else ""
+    guessing.add_argument("--speculate", choices=["ngram"],
+                          help="speculative decoding: guess the next tokens from earlier text (prompt lookup) and "
+                               f"check them in one forward{when}; same output, faster where it copies its prompt")
+    guessing.add_argument("--draft", type=Path, metavar="ARTIFACT",
+                          help="speculative decoding with a smaller artifact (same tokenizer) guessing the next "
+                               f"tokens{when}; same output")
+    parser.add_argument("--guesses", type=int, metavar="K",
+                        help="tokens guessed at the first step, then adapted to how many are accepted, 1 to 8 "
+                             "(default 4; with --speculate or --draft)")
+
+
 def _speculation(args: argparse.Namespace, engine):
     """The `Speculation` that --speculate/--draft ask for, or None."""
     from ember.runtime import load_artifact
@@ -634,7 +642,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ember.runtime.scheduler import Scheduler
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
-    with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache) as scheduler:
+    with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
+                   speculation=_speculation(args, engine)) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key)
         print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
         server.run()
@@ -645,8 +654,8 @@ def _checkpoint_dir(argument: str) -> Path:
     """MODEL as given to compile or tune: `demo`, a checkpoint directory or a GGUF file; a hub id is told what to do."""
     from ember.frontend.gguf import check_gguf_header, is_gguf_file
 
-    if argument == "demo":
-        return DEMO_MODEL_DIR
+    if argument in ("demo", "demo-draft"):
+        return DEMO_MODEL_DIR if argument == "demo" else DEMO_DRAFT_DIR
     path = Path(argument)
     if path.is_dir():
         return path

@@ -29,6 +29,10 @@ float rounding. Two things change the last bits of logits, never more: a fork (a
 over shared pages is computed in a separate pass and merged, for the forked sequence and
 for the one it was forked from, whose pages are split) and a prompt read in shorter chunks
 while others decode (attention over its earlier chunks is merged the same way).
+With a `speculation` (`ember serve --speculate ngram` or `--draft`), a step in which one
+request is decoding and no prompt is being read verifies that request's guessed tokens in one
+forward instead (`runtime/speculative.py`), cutting the cache back as each row is sampled;
+with more requests decoding, the batched step already reads the weights once for several tokens.
 `submit` (async) and `submit_sync` hand out the events of one request.
 """
 
@@ -52,6 +56,7 @@ from ember.runtime.engine import Engine
 from ember.runtime.generate import Decoding, LogitsProcessor
 from ember.runtime.prefix_cache import PrefixCache
 from ember.runtime.sampling import SamplingParams, TokenLogprob
+from ember.runtime.speculative import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +126,8 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int  # prompt tokens those requests did not prefill
     prefix_cache_sequences: int  # finished sequences kept as cache entries
     prefix_cache_tokens: int  # in the pages of those entries
+    speculative_proposed: int = 0  # guessed tokens checked by verify steps
+    speculative_accepted: int = 0  # of those, the ones the model agreed with
 
 
 class _Request:
@@ -137,6 +144,7 @@ class _Request:
         self.seq_id: int | None = None
         self.prefilled = 0
         self.pending: int | None = None  # the last sampled token, to feed at the next decode step
+        self.cached: int | None = None  # during a verify step, the tokens of its sequence that are checked
         self.sent = 0  # tokens already handed out in events
         self.cancelled = False
 
@@ -145,7 +153,8 @@ class Scheduler:
     """Serves many generation requests over one engine with continuous batching (a background thread)."""
 
     def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
-                 prefix_cache: bool = True, max_decode_stall: float = DEFAULT_MAX_DECODE_STALL) -> None:
+                 prefix_cache: bool = True, max_decode_stall: float = DEFAULT_MAX_DECODE_STALL,
+                 speculation: Speculation | None = None) -> None:
         if max_queue < 1:
             raise GenerationError(f"max_queue must be at least 1, got {max_queue}")
         if not max_decode_stall >= 0:
@@ -154,6 +163,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_chunk = min(prefill_chunk or engine.prefill_chunk, engine.prefill_chunk)
         self.max_decode_stall = max_decode_stall
+        self.speculation = speculation
         self._prefill_seconds_per_token: float | None = None  # measured on the chunks read so far
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -235,6 +245,8 @@ class Scheduler:
                 prefix_cache_hit_tokens=self._prefix_hit_tokens,
                 prefix_cache_sequences=len(self._prefix.finished()) if self._prefix else 0,
                 prefix_cache_tokens=self._cached_tokens,
+                speculative_proposed=self.speculation.stats.proposed if self.speculation else 0,
+                speculative_accepted=self.speculation.stats.accepted if self.speculation else 0,
             )
 
     def close(self) -> None:
@@ -384,6 +396,8 @@ class Scheduler:
                 if request.prefilled == len(request.prompt_ids):
                     self._advance(request, logits)
         batch = [request for request in live if request.pending is not None]
+        if len(batch) == 1 and not reading and self.speculation is not None and self._verify(batch[0]):
+            return
         if batch:
             fed = [request.pending for request in batch]
             rows = self.engine.decode([request.seq_id for request in batch], fed)
@@ -392,6 +406,36 @@ class Scheduler:
                     self._prefix.extend(request.seq_id, [token])
             for request, row in zip(batch, rows):
                 self._advance(request, row)
+
+    def _verify(self, request: _Request) -> bool:
+        """A speculative step for `request`: its pending token and the proposer's guesses in one forward,
+        each row sampled in turn until one disagrees. False if there was nothing to guess (decode it)."""
+        decoding, engine, seq_id = request.decoding, self.engine, request.seq_id
+        k = min(self.speculation.guesses, engine.context_window - engine.length(seq_id) - 1,
+                decoding.params.max_new_tokens - decoding.stats.new_tokens - 1)
+        guesses = self.speculation.proposer.propose(decoding.history, k)[:k] if k > 0 else []
+        if not guesses:
+            return False
+        start, fed = engine.length(seq_id), [request.pending, *guesses]
+        rows = engine.prefill(seq_id, fed, all_logits=True)
+        accepted = 0
+        for position, row in enumerate(rows):
+            # What a plain decode step would have cached by this row (`_end` cuts the cache back to it).
+            request.cached = start + position + 1
+            if self._prefix:
+                with self._cond:
+                    self._prefix.extend(seq_id, [fed[position]])
+            self._advance(request, row)
+            if request.seq_id is None or request.pending is None or position == len(guesses) or \
+                    request.pending != guesses[position]:
+                break
+            accepted += 1
+        if request.seq_id is not None:
+            engine.truncate(seq_id, request.cached)
+        request.cached = None
+        with self._cond:
+            self.speculation.record(len(guesses), accepted)
+        return True
 
     def _chunk_size(self, decoding: bool) -> int:
         """Prompt tokens to prefill this step: a whole compiled chunk, or while other requests decode,
@@ -445,6 +489,8 @@ class Scheduler:
         """Free a running request's sequence, or keep it as a prefix cache entry if the request ran to
         its end, and count it; `last` is its final event or error."""
         generated = len(request.decoding.token_ids)
+        if request.seq_id is not None and request.cached is not None:  # ended inside a verify step
+            self.engine.truncate(request.seq_id, request.cached)
         with self._cond:
             if request.seq_id is not None:
                 if self._prefix and how in ("stop", "length") and self.engine.length(request.seq_id):

@@ -461,6 +461,10 @@ def _prometheus(scheduler: Scheduler, responses: Counter[tuple[str, int]]) -> st
            [("", stats.prefix_cache_sequences)])
     metric("ember_prefix_cache_tokens", "gauge", "KV cache tokens in the pages of prefix cache entries.",
            [("", stats.prefix_cache_tokens)])
+    metric("ember_speculative_proposed_tokens_total", "counter", "Guessed tokens checked by speculative verify "
+           "steps (ember serve --speculate/--draft).", [("", stats.speculative_proposed)])
+    metric("ember_speculative_accepted_tokens_total", "counter", "Guessed tokens the model agreed with.",
+           [("", stats.speculative_accepted)])
     histogram("ember_time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", stats.ttft)
     histogram("ember_time_per_output_token_seconds", "Seconds per generated token after the first, per request.",
               stats.tpot)

@@ -43,11 +43,12 @@ def _greedy(max_tokens: int, **options) -> SamplingParams:
 class Served:
     """A server over its own load of an artifact, and clients for it."""
 
-    def __init__(self, artifact_dir, api_key: str | None = None, max_queue: int = 256, kv_capacity: int | None = None):
+    def __init__(self, artifact_dir, api_key: str | None = None, max_queue: int = 256, kv_capacity: int | None = None,
+                 speculation=None):
         engine = Engine(load_artifact(artifact_dir))
         if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows
             engine.kv_capacity = kv_capacity
-        self.scheduler = Scheduler(engine, max_queue=max_queue)
+        self.scheduler = Scheduler(engine, max_queue=max_queue, speculation=speculation)
         self.name = artifact_dir.name
         self.server = Server(self.scheduler, self.name, port=0, api_key=api_key)
         self.server.start()

@@ -203,6 +203,39 @@ def test_chat_with_speculation_replies_as_without(demo) -> None:
     assert replies[0] == replies[1]
 
 
+def test_server_with_speculation_answers_as_plain_generate(demo_builds) -> None:
+    """`ember serve --speculate ngram`'s scheduler, asked by the official openai client one request at a
+    time (streamed and not), then two at once: every text equals plain `generate()`'s, and /metrics
+    counts the accepted guesses."""
+    from test_serve import Served
+
+    artifact = demo_builds.get("cpu", "q0f32")
+    model = load_artifact(artifact)
+    prompts = verse_prompts(model.tokenizer)[:6]
+    expected = [generate(Engine(model), p, SamplingParams(temperature=0, max_new_tokens=24)).text() for p in prompts]
+    served = Served(artifact, speculation=Speculation(PromptLookup()))
+    try:
+        for index, prompt in enumerate(prompts):
+            if index % 2:
+                stream = served.client.completions.create(model=served.name, prompt=prompt, max_tokens=24,
+                                                          temperature=0, stream=True)
+                text = "".join(chunk.choices[0].text for chunk in stream)
+            else:
+                text = served.client.completions.create(model=served.name, prompt=prompt, max_tokens=24,
+                                                        temperature=0).choices[0].text
+            assert text == expected[index], prompt
+
+        async def one(client, prompt, max_tokens):
+            return (await client.completions.create(model=served.name, prompt=prompt, max_tokens=max_tokens,
+                                                    temperature=0)).choices[0].text
+
+        assert served.concurrently(one, [(p, 24, None) for p in prompts[:2]]) == expected[:2]
+        metrics = served.metrics()
+        assert 0 < metrics["ember_speculative_accepted_tokens_total"] < metrics["ember_speculative_proposed_tokens_total"]
+    finally:
+        served.close()
+
+
 def test_a_draft_with_another_tokenizer_is_refused(demo, tiny_llama) -> None:
     model, _ = demo
     with pytest.raises(GenerationError, match="does not share the model's tokenizer"):
