@@ -313,10 +313,10 @@ def debian_version(package: str) -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def write_data_source(out: Path, stats: dict[str, int | float | str]) -> None:
+def write_data_source(out: Path, stats: dict[str, int | float | str], draft: bool) -> None:
     version = debian_version("bible-kjv-text")
     lines = [
-        "# Demo model training data",
+        "# Demo draft model training data" if draft else "# Demo model training data",
         "",
         "**Corpus:** The Holy Bible, King James Version (Authorized Version, 1611), the full",
         "text from Genesis 1:1 to Revelation 22:21.",
@@ -336,6 +336,7 @@ def write_data_source(out: Path, stats: dict[str, int | float | str]) -> None:
         "",
         "**Split:** the last ~5% of the text by characters, rounded to whole chapters, is",
         "held out for validation; the tokenizer and model never saw it during training.",
+        "The draft uses the demo model's tokenizer and its `validation.txt`." if draft else
         "`validation.txt` is the first part of that held-out split.",
         "",
         "**Statistics:**",
@@ -460,7 +461,8 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, tokenizer, args.out)
-    (args.out / "validation.txt").write_text(validation_sample)
+    if not args.draft:  # the draft is scored on the demo's
+        (args.out / "validation.txt").write_text(validation_sample)
     write_data_source(
         args.out,
         {
@@ -474,6 +476,7 @@ def main() -> None:
             f"{tokens_seen:,} tokens ({tokens_seen / len(train_ids):.1f} epochs), "
             f"{train_minutes:.1f} min",
         },
+        args.draft,
     )
     summary = {
         "parameters": n_params,
