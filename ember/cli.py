@@ -551,7 +551,7 @@ def _add_speculation_arguments(parser: argparse.ArgumentParser, serving: bool = 
                           help="speculative decoding with a smaller artifact (same tokenizer) guessing the next "
                                f"tokens{when}; same output")
     parser.add_argument("--guesses", type=int, metavar="K",
-                        help="tokens guessed at the first step, then adapted to how many are accepted, 1 to 8 "
+                        help="tokens guessed at the first step, then adapted to how many are accepted, 1 to 7 "
                              "(default 4; with --speculate or --draft)")
 
 

@@ -29,7 +29,7 @@ from ember.frontend import source as model_source
 from ember.frontend.gguf import conversion_summary
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VERIFY_TOKENS
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.schedules import int8_matmul
@@ -217,6 +217,8 @@ def _manifest(imported, target, options, prefill_chunk, params, memory, model_di
                         "outputs": ["logits[1, num_logits, vocab] float32", "kv_cache"]},
             "decode": {"inputs": ["input_ids[batch_size, 1] int32", "kv_cache"],
                        "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
+            "verify": {"inputs": ["input_ids[1, n] int32", "kv_cache"],
+                       "outputs": ["logits[1, n, vocab] float32", "kv_cache"], "max_tokens": VERIFY_TOKENS},
             "create_paged_kv_cache": {"inputs": ["max_batch_size", "max_total_seq_len", "prefill_chunk_size",
                                                  "page_size", "support_sliding_window"]},
         },

@@ -15,6 +15,9 @@ pages. Entry functions:
   token for generation, all of them for perplexity).
 - `decode(input_ids[b, 1], kv_cache) -> logits[b, 1, vocab]`: one token for each of
   b sequences.
+- `verify(input_ids[1, n], kv_cache) -> logits[1, n, vocab]`: a few tokens of one
+  sequence (n <= VERIFY_TOKENS: a pending token and guesses, `runtime/speculative.py`)
+  with logits at every position, in kernels sized for a few rows as decode's are.
 - `create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size,
   page_size, support_sliding_window) -> kv_cache`.
 """
@@ -30,6 +33,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from ember.frontend.config import ModelConfig
+from ember.ir_passes.module_utils import VERIFY_LEN
 
 LOGITS_DTYPE = "float32"
 
@@ -133,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
         """Run one new token for each sequence of the batch."""
         return self._logits(self.model(input_ids, kv_cache)), kv_cache
 
+    def verify(self, input_ids: Tensor, kv_cache: PagedKVCache):
+        """Run a few new tokens of one sequence; logits at every position."""
+        return self._logits(self.model(input_ids, kv_cache)), kv_cache
+
     def create_paged_kv_cache(
         self,
         max_batch_size: tirx.Var,
@@ -184,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
             },
             "decode": {
                 "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+                "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+                "$": plain,
+            },
+            "verify": {
+                "input_ids": nn.spec.Tensor([1, VERIFY_LEN], "int32"),
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },

@@ -1,8 +1,8 @@
 """Attach upper bounds of the symbolic sequence and batch sizes to functions and kernels.
 
 Rewrites nothing in the graph; sets `tir_var_upper_bound` (and
-`tir_non_negative_var`) on every Relax function that uses `seq_len`, `num_logits`
-or `batch_size`, and `tir_var_upper_bound` on every PrimFunc whose shapes use them.
+`tir_non_negative_var`) on every Relax function that uses `seq_len`, `num_logits`,
+`batch_size` or `verify_len`, and `tir_var_upper_bound` on every PrimFunc whose shapes use them.
 Why: `StaticPlanBlockMemory` can only plan a buffer whose size it can bound. With
 `seq_len <= prefill_chunk` and `batch_size <= max_batch` every intermediate gets a
 fixed-size slot allocated once, reused across calls and shared between buffers
@@ -17,12 +17,14 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
-from ember.ir_passes.module_utils import replace_functions
+from ember.ir_passes.module_utils import VERIFY_LEN, VERIFY_TOKENS, replace_functions
 
 
 def attach_sequence_bounds(prefill_chunk: int, max_batch: int) -> tvm.transform.Pass:
-    """A pass bounding `seq_len`/`num_logits` by `prefill_chunk` and `batch_size` by `max_batch`."""
-    bounds = {"seq_len": prefill_chunk, "num_logits": prefill_chunk, "batch_size": max_batch}
+    """A pass bounding `seq_len`/`num_logits` by `prefill_chunk`, `batch_size` by `max_batch` and
+    `verify`'s length by VERIFY_TOKENS."""
+    bounds = {"seq_len": prefill_chunk, "num_logits": prefill_chunk, "batch_size": max_batch,
+              VERIFY_LEN: VERIFY_TOKENS}
 
     @tvm.transform.module_pass(opt_level=0, name="AttachSequenceBounds")
     def _attach(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

@@ -16,6 +16,10 @@ VECTOR_RUN_ATTR = "ember.vector_run"
 # {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
 #  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
 ROPE_ATTR = "ember.rope"
+# The symbolic length of the `verify` entry's input (speculative decoding's pending token and guesses)
+# and its bound: as many rows as a decode batch (`schedules/matmul.py`'s FEW_ROWS), so its kernels are
+# scheduled as decode's, a few rows reusing each weight load.
+VERIFY_LEN, VERIFY_TOKENS = "verify_len", 8
 
 
 def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) -> tvm.IRModule:

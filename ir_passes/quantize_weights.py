@@ -47,7 +47,8 @@ from collections.abc import Mapping
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, bindings, is_op, is_weight_transpose
+from ember.ir_passes.module_utils import (KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN, bindings, is_op,
+                                         is_weight_transpose)
 from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
 from ember.ir_passes.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
                                             set_recipes, weight_params)
@@ -213,10 +214,13 @@ class _Rewriter(relax.PyExprMutator):
                          n: int) -> relax.Expr:
         """y = x @ w(n, :)^T by `int8_matmul`'s kernel, which takes x as [batch, seq, k].
 
-        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants.
+        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants; a
+        verify step (x is [1, verify_len, k], a few rows) takes decode's.
         A model's activations are [batch, seq, k] already: no reshape (each one a VM call)."""
         *lead, _ = x.ty.shape
-        many_tokens = not (len(lead) >= 1 and isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1)
+        few = lead and (isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1 or
+                        isinstance(lead[-1], tirx.Var) and lead[-1].name == VERIFY_LEN)
+        many_tokens = not few
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:
             kernel = int8_matmul.int8_dot_matmul(fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)

@@ -43,6 +43,8 @@ class Engine:
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
         self.sliding_window = kv.get("sliding_window")
         self.page_size = int(kv["page_size"])
+        # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
+        self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
         self._vm = artifact.vm
         self._params = artifact.params
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
@@ -141,6 +143,25 @@ class Engine:
                 outputs.append(row)
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
+
+    def verify(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
+        """Append a few tokens to `seq_id` (a pending token and guesses); logits [n, vocab] at every one.
+
+        The artifact's `verify` entry runs them in kernels sized for a few rows, as decode's are;
+        more tokens than it takes, a sliding-window sequence past its window, or an artifact
+        compiled without it, go through `prefill`."""
+        if not 0 < len(token_ids) <= self.verify_tokens or \
+                self.sliding_window and self._lengths.get(seq_id, 0) + len(token_ids) > self.sliding_window:
+            return self.prefill(seq_id, token_ids, all_logits=True)
+        self._check_known(seq_id)
+        self._check_room({seq_id: len(token_ids)})
+        tokens = self._check_tokens(token_ids)
+        self._f_begin(self.kv_cache, _ShapeTuple([seq_id]), _ShapeTuple([len(tokens)]))
+        out = self._vm["verify"](tvm_runtime.tensor(tokens[None, :], self.artifact.device), self.kv_cache,
+                                 *self._params)
+        self._f_end(self.kv_cache)
+        self._lengths[seq_id] += len(tokens)
+        return out[0].numpy()[0]
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence; logits [len(seq_ids), vocab]."""

@@ -417,7 +417,7 @@ class Scheduler:
         if not guesses:
             return False
         start, fed = engine.length(seq_id), [request.pending, *guesses]
-        rows = engine.prefill(seq_id, fed, all_logits=True)
+        rows = engine.verify(seq_id, fed)
         accepted = 0
         for position, row in enumerate(rows):
             # What a plain decode step would have cached by this row (`_end` cuts the cache back to it).

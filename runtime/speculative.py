@@ -2,8 +2,9 @@
 
 Decode reads every weight once per token, so on a CPU its speed is the memory
 bandwidth's. A verify step instead feeds the pending token and k guessed tokens in
-one prefill call with logits at every position (`Engine.prefill(..., all_logits=True)`):
-the weights are read once for k + 1 positions. The logits at position i are what decode
+one forward with logits at every position (`Engine.verify`: the artifact's `verify`
+entry, whose kernels are sized for a few rows as decode's are): the weights are read once
+for k + 1 positions. The logits at position i are what decode
 would give after the pending token and the first i guesses, so the request's own
 sampler (`Decoding.step`: penalties, grammar and stops included) picks the token there.
 While it picks the guess, the next position's logits are valid too; at the first token
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     from ember.runtime.engine import Engine
     from ember.runtime.generate import Decoding
 
-DEFAULT_GUESSES, MAX_GUESSES = 4, 8
+# At most 7 guesses: with the pending token, the 8 tokens an artifact's `verify` entry takes at once.
+DEFAULT_GUESSES, MAX_GUESSES = 4, 7
 
 
 class Proposer(Protocol):
@@ -194,7 +196,7 @@ def speculative_tokens(engine: Engine, seq_id: int, decoding: Decoding, logits: 
             token = decoding.step(engine.decode([seq_id], [token])[0])
             continue
         start = engine.length(seq_id)
-        rows = engine.prefill(seq_id, [token, *guesses], all_logits=True)
+        rows = engine.verify(seq_id, [token, *guesses])
         accepted = 0
         try:
             for position, row in enumerate(rows):

@@ -28,7 +28,7 @@ from helpers import run_ember
 
 ARCHS = {"sm_80": "nvidia-a100-80gb-sxm", "sm_90a": "nvidia-h100-sxm"}
 FATBIN_MAGIC = 0xBA55ED50
-ENTRY_FUNCTIONS = {"prefill", "decode", "create_paged_kv_cache"}
+ENTRY_FUNCTIONS = {"prefill", "decode", "verify", "create_paged_kv_cache"}
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,24 @@ def test_prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_ng
     assert lookup.propose([1, 2, 3], 4) == []
 
 
+def test_verify_scores_every_position_as_transformers(tiny_llama) -> None:
+    """`Engine.verify` (the artifact's `verify` entry, up to 8 tokens) gives the logits transformers gives
+    at each of those positions after a cached prompt; 9 tokens go through prefill, as correctly."""
+    engine = tiny_llama.engine()
+    assert engine.verify_tokens == 8
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 256, 20).tolist()
+    for count in (1, 5, 8, 9):
+        seq = engine.add_sequence()
+        engine.prefill(seq, prompt)
+        tokens = rng.integers(3, 256, count).tolist()
+        ours = engine.verify(seq, tokens)
+        theirs = tiny_llama.reference_logits(prompt + tokens)[-count:]
+        assert engine.length(seq) == len(prompt) + count
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+        engine.remove_sequence(seq)
+
+
 def verse_prompts(tokenizer) -> list[str]:
     """20 prompts of the demo's held-out text: 10 whose end repeats their beginning (the reply can
     copy the prompt: guesses get accepted) and 10 plain passages (free generation)."""
@@ -255,5 +273,5 @@ def test_cli_generates_the_same_text_with_each_proposer(demo, demo_builds) -> No
         assert "guessed tokens accepted" in result.stderr
     bad = run_ember(*common, "--guesses", "3")
     assert bad.returncode != 0 and "--guesses: applies only with --speculate or --draft" in bad.stderr
-    bad = run_ember(*common, "--speculate", "ngram", "--guesses", "9")
-    assert bad.returncode != 0 and "--guesses 9: must be between 1 and 8" in bad.stderr
+    bad = run_ember(*common, "--speculate", "ngram", "--guesses", "8")
+    assert bad.returncode != 0 and "--guesses 8: must be between 1 and 7" in bad.stderr
