@@ -14,8 +14,8 @@
    plain ones, prompt by prompt, and so are llama.cpp's.
 2. **Verify step cost against k** on the ~110M random-weight Llama of `bench_cpu.py` (random weights
    guess nothing, so the end-to-end speed-up is not measured there): the time of one forward of
-   k + 1 tokens with logits at every position (what a verify step runs) over one decode step, at a
-   context of `--context` tokens, median of 20.
+   k + 1 tokens with logits at every position, through the artifact's `verify` entry (what a verify
+   step runs) and through prefill, over one decode step, at a context of `--context` tokens, median of 20.
 
     python scripts/bench_speculative.py --isa avx2 --threads 2 --repeats 3
 """
@@ -186,9 +186,9 @@ def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) ->
     model_dir = args.work_dir / "llama110m"
     if not (model_dir / "config.json").exists():
         peers.make_random_llama(model_dir, **bench_cpu.SHAPES["110m"])
-    print(f"\n~110M Llama (random weights), context {args.context}: one verify forward of k + 1 tokens "
-          "(all logits) over one decode step, median of 20")
-    print(f"{'--quant':<9} {'decode ms':>9} " + " ".join(f"{f'k={k}':>6}" for k in range(1, 9)))
+    print(f"\n~110M Llama (random weights), context {args.context}: one forward of k + 1 tokens with all logits, "
+          "through the verify entry and through prefill, over one decode step, median of 20")
+    print(f"{'--quant':<9} {'forward':<8} {'decode ms':>9} " + " ".join(f"{f'k={k}':>6}" for k in range(1, 8)))
     for quant in args.verify_quant.split(","):
         artifact = args.work_dir / "ember-bench-speculative" / f"llama110m-{quant}-{level.name}"
         if not artifact.exists():
@@ -200,21 +200,24 @@ def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) ->
         engine.prefill(seq, rng.integers(0, 32000, args.context).tolist())
         peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
 
-        def timed(k: int) -> float:
+        forwards = {"decode": lambda tokens: engine.decode([seq], tokens),
+                    "verify": lambda tokens: engine.verify(seq, tokens),
+                    "prefill": lambda tokens: engine.prefill(seq, tokens, all_logits=True)}
+
+        def timed(forward: str, k: int) -> float:
             times = []
             for _ in range(20):
                 tokens = rng.integers(0, 32000, k + 1).tolist()
                 start = time.perf_counter()
-                if k == 0:
-                    engine.decode([seq], tokens)
-                else:
-                    engine.prefill(seq, tokens, all_logits=True)
+                forwards[forward](tokens)
                 times.append(time.perf_counter() - start)
                 engine.truncate(seq, args.context)
             return statistics.median(times)
 
-        decode = timed(0)
-        print(f"{quant:<9} {1e3 * decode:>9.2f} " + " ".join(f"{timed(k) / decode:>5.2f}x" for k in range(1, 9)))
+        decode = timed("decode", 0)
+        for forward in ("verify", "prefill"):
+            print(f"{quant:<9} {forward:<8} {1e3 * decode:>9.2f} "
+                  + " ".join(f"{timed(forward, k) / decode:>5.2f}x" for k in range(1, 8)))
 
 
 def main() -> None:
