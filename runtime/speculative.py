@@ -67,15 +67,16 @@ class PromptLookup:
 
     def propose(self, history: list[int], k: int) -> list[int]:
         tokens = np.asarray(history, dtype=np.int64)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) <= n:
-                continue
-            # Windows that end before the last token: an occurrence other than the tail itself.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return tokens[start:start + k].tolist()
+        # Earlier occurrences of the last token: every n-gram match ends at one of them. Each n then
+        # checks its n - 1 earlier tokens at all of them at once (a vector comparison per token).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            found = ends[ends >= n - 1]
+            for back in range(1, n):
+                found = found[tokens[found - back] == tokens[-1 - back]]
+            if found.size:
+                end = int(found[-1])  # the latest
+                return tokens[end + 1:end + 1 + k].tolist()
         return []
 
 
