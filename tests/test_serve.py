@@ -536,6 +536,9 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
         (["--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
         (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
         (["--port", "70000"], "--port 70000"),
+        (["--guesses", "3"], "--guesses: applies only with --speculate or --draft"),
+        (["--speculate", "ngram", "--guesses", "0"], "--guesses 0: must be between 1 and 7"),
+        (["--draft", str(tmp_path / "no-draft")], str(tmp_path / "no-draft")),
     ]
     try:
         for options, words in cases:
