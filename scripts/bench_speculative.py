@@ -7,8 +7,9 @@
    - *free*: one verse, continued freely.
    Runners, round-robin over `--repeats` passes of all prompts, each pass after waiting for a quiet
    machine: ember plain, ember `--speculate ngram`, ember `--draft demo_draft`, and llama.cpp (the
-   `--isa` build of `build_llama_cpp.py`) on the demo's F32 GGUF (`convert_hf_to_gguf.py`), plain and
-   with llama-cpp-python's prompt lookup (`LlamaPromptLookupDecoding`, which needs all logits).
+   `--isa` build of `build_llama_cpp.py`) on the demo's F32 GGUF (`convert_hf_to_gguf.py`): plain, with
+   llama-cpp-python's prompt lookup (`LlamaPromptLookupDecoding`, which needs all logits), and with
+   the draft's F32 GGUF guessing 4 tokens greedily through llama-cpp-python's draft-model interface.
    Decode tok/s is the new tokens after the first over the time after the prompt's prefill, summed
    over the prompts; the median pass is shown. ember's speculative tokens are checked equal to its
    plain ones, prompt by prompt, and so are llama.cpp's.
@@ -46,7 +47,7 @@ import peers  # noqa: E402
 import ember  # noqa: E402
 from ember.targets.hardware import cpu_fingerprint  # noqa: E402
 
-DRAFT_DIR = Path(ember.DEMO_MODEL_DIR).parent / "demo_draft"
+DRAFT_DIR = Path(ember.DEMO_DRAFT_DIR)
 
 
 def task_prompts(count: int) -> dict[str, list[str]]:
@@ -81,13 +82,14 @@ def ember_pass(engine, prompts: list[list[int]], new_tokens: int, speculation_fa
             "steps": steps}
 
 
-def llama_cpp_pass(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int, lookup: bool,
-                   package: Path) -> dict:
-    """The same in llama.cpp, in a fresh process."""
+def llama_cpp_pass(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int, package: Path,
+                   guesser: str | None = None, draft_gguf: Path | None = None) -> dict:
+    """The same in llama.cpp, in a fresh process; `guesser`: None, "lookup" or "draft" (`draft_gguf`)."""
     with tempfile.TemporaryDirectory(prefix="ember-spec-") as tmp:
         request, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         request.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "new_tokens": new_tokens,
-                                       "threads": threads, "lookup": lookup, "package": str(package)}))
+                                       "threads": threads, "guesser": guesser, "package": str(package),
+                                       "draft_gguf": str(draft_gguf) if draft_gguf else None}))
         subprocess.run([sys.executable, __file__, "--llama-cpp-worker", str(request), str(out)], check=True,
                        env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         return json.loads(out.read_text())
@@ -96,13 +98,32 @@ def llama_cpp_pass(gguf: Path, prompts: list[list[int]], new_tokens: int, thread
 def _llama_cpp_worker(request: dict) -> dict:
     sys.path.insert(0, request["package"])
     from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
-    prompts, new_tokens = request["prompts"], request["new_tokens"]
+    prompts, new_tokens, threads = request["prompts"], request["new_tokens"], request["threads"]
     context = max(len(p) for p in prompts) + new_tokens + 16
-    draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8) if request["lookup"] else None
-    llm = Llama(model_path=request["gguf"], n_ctx=context, n_batch=context, n_threads=request["threads"],
-                n_threads_batch=request["threads"], draft_model=draft, verbose=False)
+
+    class GreedyDraft(LlamaDraftModel):
+        """llama-cpp-python's draft interface over a second model: its greedy next tokens, its cache
+        reused across calls by `generate`'s prefix match."""
+
+        def __init__(self, path: str, guesses: int) -> None:
+            self.guesses = guesses
+            self.llm = Llama(model_path=path, n_ctx=context, n_batch=context, n_threads=threads,
+                             n_threads_batch=threads, verbose=False)
+
+        def __call__(self, input_ids, /, **kwargs):
+            guessed = []
+            for token in self.llm.generate(input_ids.tolist(), temp=0.0, top_k=1):
+                guessed.append(int(token))
+                if len(guessed) == self.guesses:
+                    break
+            return np.array(guessed, dtype=np.intc)
+
+    draft = {None: None, "lookup": lambda: LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8),
+             "draft": lambda: GreedyDraft(request["draft_gguf"], 4)}[request["guesser"]]
+    llm = Llama(model_path=request["gguf"], n_ctx=context, n_batch=context, n_threads=threads,
+                n_threads_batch=threads, draft_model=draft() if draft else None, verbose=False)
     decode_s, tokens, outputs = 0.0, 0, []
     for prompt in prompts:
         llm.reset()
@@ -138,6 +159,7 @@ def demo_table(args: argparse.Namespace, level: build_llama_cpp.Level, package: 
     engine = Engine(model)
     draft_model = DraftModel(Engine(load_artifact(artifacts["draft"], threads=args.threads)), engine)
     gguf = gguf_files.convert(Path(ember.DEMO_MODEL_DIR), "f32", pre="gpt-2")
+    draft_gguf = gguf_files.convert(DRAFT_DIR, "f32", pre="gpt-2")
     draft_params = sum(int(np.prod(shape)) for shape in _shapes(DRAFT_DIR))
     demo_params = sum(int(np.prod(shape)) for shape in _shapes(Path(ember.DEMO_MODEL_DIR)))
     print(f"\ndemo model ({demo_params / 1e6:.2f}M parameters, ember --quant {args.quant}; draft "
@@ -153,9 +175,11 @@ def demo_table(args: argparse.Namespace, level: build_llama_cpp.Level, package: 
                                                           lambda: Speculation(PromptLookup())),
             "ember --draft demo_draft": lambda: ember_pass(
                 engine, prompts, args.new_tokens, lambda: Speculation(draft_model)),
-            "llama.cpp": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads, False, package),
-            "llama.cpp prompt lookup": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads, True,
-                                                              package),
+            "llama.cpp": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads, package),
+            "llama.cpp prompt lookup": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads, package,
+                                                              "lookup"),
+            "llama.cpp draft demo_draft": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads,
+                                                                 package, "draft", draft_gguf),
         }
         passes = {name: [] for name in runners}
         for _ in range(args.repeats):
