@@ -30,7 +30,7 @@ from ember.frontend.gguf import conversion_summary
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VERIFY_TOKENS
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
@@ -107,11 +107,13 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, tuning,
                                               int8_activations=not options.float_activations,
-                                              tensor_formats={name: FORMATS[f] for name, f in tensor_formats.items()})
+                                              tensor_formats=tensor_formats)
         with tvm_warnings_hidden():
             lowered = pipeline.lower(imported.mod, target, lower_options)
         schedules = schedule_sources(lowered)
-        source = model_source.source_record(imported, quantized_sources(get_recipes(lowered)))
+        recipes = get_recipes(lowered)
+        quantized = quantized_sources(recipes)
+        source = model_source.source_record(imported, quantized)
         for line in conversion_summary(source.get("conversion", {})):  # shown even with --no-progress
             (stage if options.show_progress else log.warning)(f"GGUF weights: {line}")
         kv_bytes_per_token = (
@@ -132,8 +134,8 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         stage("generating code")
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
-        stage(f"converting weights to {_formats_used(get_recipes(lowered), options.quantization)}")
-        write_params(params, get_recipes(lowered), imported.weights, staging / PARAMS_DIR, options.show_progress)
+        stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
+        write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
         manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, source,
@@ -183,9 +185,10 @@ def _with_defaults(options: CompileOptions, target: TargetSpec, model: Path) -> 
     )
 
 
-def _formats_used(recipes: dict, quantization: str) -> str:
-    """The formats the weights are stored in: `quantization`, or each of a mixed file's."""
-    used = sorted({fmt.name for fmt in quantized_sources(recipes).values()})
+def _formats_used(quantized: dict[str, QuantFormat], quantization: str) -> str:
+    """The formats the weights are stored in (`quantized`: checkpoint tensor -> its format): `quantization`,
+    or each of a mixed file's."""
+    used = sorted({fmt.name for fmt in quantized.values()})
     return ", ".join(used) if len(used) > 1 else quantization
 
 

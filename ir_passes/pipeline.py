@@ -30,7 +30,7 @@ from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.polynomial_exp import polynomial_exp
-from ember.ir_passes.quant_formats import QuantFormat
+from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
 from ember.ir_passes.specialize_cpu_attention import specialize_cpu_attention
 from ember.ir_passes.specialize_cpu_rope import specialize_cpu_rope
@@ -50,15 +50,16 @@ class LowerOptions:
     keep_lm_head: bool = False  # leave the output projection in the compute dtype
     tuning: TuningDatabase | None = None  # records from `ember tune` on this machine
     int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
-    # Checkpoint tensor -> its own format, in place of `quantization` (a GGUF file's per-tensor types).
-    tensor_formats: Mapping[str, QuantFormat] = field(default_factory=dict)
+    # Checkpoint tensor -> the name of its own format, in place of `quantization` (a GGUF file's per-tensor types).
+    tensor_formats: Mapping[str, str] = field(default_factory=dict)
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
     """Model-level rewrites on Relax operators, before any lowering."""
+    tensor_formats = {name: FORMATS[fmt] for name, fmt in options.tensor_formats.items()}
     return [
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
-        fuse_parallel_projections(options.tensor_formats),
+        fuse_parallel_projections(tensor_formats),
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
         # then chains of reshapes (heads views around attention) become one each.
         fold_split_concat,
@@ -66,7 +67,7 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
                          target.int8_dot if options.int8_activations else None, target.vector_bits,
-                         options.tensor_formats),
+                         tensor_formats),
     ]
 
 

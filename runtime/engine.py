@@ -127,16 +127,9 @@ class Engine:
             last = begin + len(chunk) >= len(tokens)
             # Without all_logits only the last row of the last chunk is used.
             positions = np.arange(len(chunk), dtype=np.int32) if all_logits else np.array([len(chunk) - 1], np.int32)
-            self._f_begin(self.kv_cache, _ShapeTuple([seq_id]), _ShapeTuple([len(chunk)]))
-            out = self._vm["prefill"](
-                tvm_runtime.tensor(chunk[None, :], self.artifact.device),
-                tvm_runtime.tensor(positions, self.artifact.device),
-                self.kv_cache, *self._params,
-            )
-            self._f_end(self.kv_cache)
-            self._lengths[seq_id] += len(chunk)
+            logits = self._forward("prefill", [seq_id], [len(chunk)], chunk[None, :], positions)
             if all_logits or last:
-                outputs.append(out[0].numpy()[0])
+                outputs.append(logits.numpy()[0])
         for position in range(windowed, len(tokens)):
             row = self.decode([seq_id], [int(tokens[position])])
             if all_logits or position == len(tokens) - 1:
@@ -156,12 +149,7 @@ class Engine:
         self._check_known(seq_id)
         self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
-        self._f_begin(self.kv_cache, _ShapeTuple([seq_id]), _ShapeTuple([len(tokens)]))
-        out = self._vm["verify"](tvm_runtime.tensor(tokens[None, :], self.artifact.device), self.kv_cache,
-                                 *self._params)
-        self._f_end(self.kv_cache)
-        self._lengths[seq_id] += len(tokens)
-        return out[0].numpy()[0]
+        return self._forward("verify", [seq_id], [len(tokens)], tokens[None, :]).numpy()[0]
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence; logits [len(seq_ids), vocab]."""
@@ -171,14 +159,18 @@ class Engine:
             self._check_known(seq_id)
         self._check_room({seq_id: 1 for seq_id in seq_ids})
         tokens = self._check_tokens(token_ids)
-        self._f_begin(self.kv_cache, _ShapeTuple(list(seq_ids)), _ShapeTuple([1] * len(seq_ids)))
-        out = self._vm["decode"](
-            tvm_runtime.tensor(tokens[:, None], self.artifact.device), self.kv_cache, *self._params
-        )
+        return self._forward("decode", list(seq_ids), [1] * len(seq_ids), tokens[:, None]).numpy()[:, 0, :]
+
+    def _forward(self, function: str, seq_ids: list[int], counts: list[int], *inputs: np.ndarray) -> tvm_runtime.Tensor:
+        """Run the entry `function` on `inputs` (then the KV cache and the weights), appending `counts[i]`
+        tokens to sequence `seq_ids[i]`; its logits."""
+        self._f_begin(self.kv_cache, _ShapeTuple(seq_ids), _ShapeTuple(counts))
+        out = self._vm[function](*(tvm_runtime.tensor(x, self.artifact.device) for x in inputs), self.kv_cache,
+                                 *self._params)
         self._f_end(self.kv_cache)
-        for seq_id in seq_ids:
-            self._lengths[seq_id] += 1
-        return out[0].numpy()[:, 0, :]
+        for seq_id, count in zip(seq_ids, counts):
+            self._lengths[seq_id] += count
+        return out[0]
 
     def _check_known(self, seq_id: int) -> None:
         if seq_id not in self._lengths:

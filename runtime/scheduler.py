@@ -411,9 +411,7 @@ class Scheduler:
         """A speculative step for `request`: its pending token and the proposer's guesses in one forward,
         each row sampled in turn until one disagrees. False if there was nothing to guess (decode it)."""
         decoding, engine, seq_id = request.decoding, self.engine, request.seq_id
-        k = min(self.speculation.guesses, engine.context_window - engine.length(seq_id) - 1,
-                decoding.params.max_new_tokens - decoding.stats.new_tokens - 1)
-        guesses = self.speculation.proposer.propose(decoding.history, k)[:k] if k > 0 else []
+        guesses = self.speculation.guess(decoding, engine.context_window - engine.length(seq_id))
         if not guesses:
             return False
         start, fed = engine.length(seq_id), [request.pending, *guesses]

@@ -164,6 +164,13 @@ class Speculation:
         self.guesses, self.max_guesses = guesses, max_guesses
         self.stats = SpeculationStats()
 
+    def guess(self, decoding: Decoding, room: int) -> list[int]:
+        """The proposer's guesses to follow `decoding`'s history: at most `guesses`, none past the request's
+        max_new_tokens (the step also samples a token of its own), and with the pending token no more
+        than the `room` tokens left in the context window."""
+        k = min(self.guesses, room - 1, decoding.params.max_new_tokens - decoding.stats.new_tokens - 1)
+        return self.proposer.propose(decoding.history, k)[:k] if k > 0 else []
+
     def record(self, proposed: int, accepted: int) -> None:
         """Count one verify step and adapt the number of guesses."""
         self.stats.verify_steps += 1
@@ -191,8 +198,7 @@ def speculative_tokens(engine: Engine, seq_id: int, decoding: Decoding, logits: 
         if room < 1:
             decoding.out_of_room()
             return
-        k = min(speculation.guesses, room - 1, decoding.params.max_new_tokens - decoding.stats.new_tokens - 1)
-        guesses = speculation.proposer.propose(decoding.history, k)[:k] if k > 0 else []
+        guesses = speculation.guess(decoding, room)
         if not guesses:
             token = decoding.step(engine.decode([seq_id], [token])[0])
             continue

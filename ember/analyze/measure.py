@@ -192,11 +192,10 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     target = resolve_target(json.dumps(manifest.target["tvm_target"]))
     mod, _ = build_module(config, target.target, manifest.model_dtype)
     kv = manifest.kv_cache
-    tensor_formats = recorded_formats(manifest.source_weights, manifest.model_dtype)
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
                                     int8_activations=manifest.activations == "int8",
-                                    tensor_formats={name: FORMATS[f] for name, f in tensor_formats.items()})
+                                    tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype))
     with tvm_warnings_hidden():
         return pipeline.to_kernels(mod, target, options)
 
