@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ember.frontend.weights import CheckpointWeights
+from ember.ir_passes.pack_float_panels import PANEL_OP, to_panels
 from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.weight_recipes import recipe_sources
 
@@ -41,6 +42,8 @@ class RecipeEvaluator:
             return self.weights.load(recipe["name"])
         if op == "concat":
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
+        if op == PANEL_OP:
+            return to_panels(self(recipe["input"]), recipe["rows"])
         if op == "quantize":
             layout = recipe["layout"]
             key = json.dumps([recipe["format"], layout, recipe["input"]], sort_keys=True)

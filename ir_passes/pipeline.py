@@ -29,6 +29,7 @@ from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.noalias_kernels import noalias_kernels
+from ember.ir_passes.pack_float_panels import pack_float_panels
 from ember.ir_passes.polynomial_exp import polynomial_exp
 from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
@@ -68,6 +69,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,
                          target.int8_dot if options.int8_activations else None, target.vector_bits,
                          tensor_formats),
+        # On CPUs, the weights left in float are stored as panels for the GEMM's outer-product tile.
+        *([] if target.is_gpu else [pack_float_panels(target.vector_bits)]),
     ]
 
 

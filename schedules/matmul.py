@@ -24,10 +24,10 @@ loads and FMAs on independent accumulators, which hides FMA latency. The tile ai
 at CHAINS (8) such chains that share every activation load: 8 rows x one vector,
 or 4 rows x two vectors of k (GEMV) / two activation rows (GEMM, `m_tile`). That
 makes a decode batch (m = 2..8) and a prefill FMA-bound instead of load- and
-latency-bound. A GEMM over a transposed copy of each row block (outer-product tile,
-no horizontal sums) was about as fast at m = 128 on Zen 3 but copies the whole
-weight on every call, however few rows m has at run time (a prefill's one logits
-row: 4x slower than this); it needs the weight transposed at compile time to pay.
+latency-bound. Float weights, which `ir_passes/pack_float_panels.py` stores as
+panels of rows transposed at compile time, take an outer-product tile instead
+(`_schedule_panels`: no horizontal sums; 1.45x this tile's GEMM on Zen 3); this
+tile remains for weights unpacked from integers and for weights read any other way.
 
 Quantized weights arrive as an unpacking block (the prologue) that computes W from
 packed integers (see `ir_passes/quantize_weights.py`). In a GEMV (m bounded by
@@ -39,7 +39,8 @@ a time into a local tile under n_o, so unpacking is paid once, not once per toke
 Three sizes are knobs (`MATMUL_KNOBS`): `rows` (weight rows per register tile),
 `lanes` (the k split, up to four vectors) and `m_tile` (activation rows sharing each
 weight load in a GEMM: the register tile becomes m_tile x rows accumulators, which
-turns prefill from load-bound into FMA-bound). The rule picks defaults; tuning
+turns prefill from load-bound into FMA-bound). Over panels, `rows` counts outputs per
+tile (whole panels) and `lanes` the k steps a GEMV accumulates apart. The rule picks defaults; tuning
 (`schedules/tuning.py`) samples them with meta_schedule and replays the best.
 """
 
@@ -76,7 +77,7 @@ def default_knobs(_name: str, _candidates: Sequence[int], default: int) -> Knob:
 
 
 class NTMatmul(CPURule):
-    """GEMV/GEMM with a row-major [N, K] weight, vectorized along K."""
+    """GEMV/GEMM with a row-major [N, K] weight, vectorized along K, or with a weight stored as panels."""
 
     def __init__(self, vector_bits: int, choose: KnobChooser = default_knobs) -> None:
         super().__init__(vector_bits)
@@ -93,6 +94,9 @@ class NTMatmul(CPURule):
         if len(kinds) < 2 or kinds[-1] != "R" or kinds[:-1] != "S" * (len(kinds) - 1):
             return None
         block = main.block_rv
+        panel = _panel_rows(sch, block)
+        if panel is not None:
+            return self._schedule_panels(sch, block, epilogues, panel, bounds) if not prologues else None
         if not _is_nt_access(sch, block):
             return None
         *m_loops, n, k = sch.get_loops(block)
@@ -161,6 +165,70 @@ class NTMatmul(CPURule):
             self._unpack_rows(sch, prologue, rf_n_o)
         return sch
 
+    def _schedule_panels(self, sch: s_tir.Schedule, block: s_tir.SBlockRV, epilogues: list[s_tir.SBlockRV],
+                         panel: int, bounds: dict[str, int]) -> s_tir.Schedule | None:
+        """A matmul over a weight stored as panels (`ir_passes/pack_float_panels.py`).
+
+        A tile is `rows` outputs (one or more panels). GEMM: m_tile x rows accumulators; each
+        k step loads the tile's weights once, broadcasts one activation per row and issues
+        m_tile x rows / vector FMAs into independent accumulators: no horizontal sums.
+
+            parallel n_o                      # tiles of panels across cores; a panel stays in L2
+              for m_o                         # tiles of m_tile activation rows
+                acc[m_tile, rows] = 0         # registers
+                for k
+                  unroll m_i, panel j: vector n_i: acc[m_i, j, n_i] += A[m, k] * W[n_o + j, k, n_i]
+                C[m, n] = acc (+ epilogue)
+
+        GEMV (at most FEW_ROWS rows: decode, verify): per row, the tile's panels stream front to
+        back side by side; `lanes` consecutive k steps go to separate accumulators (FMA latency),
+        added at the end.
+        """
+        *m_loops, n, k = sch.get_loops(block)
+        n_extent, k_extent = const_extent(sch, n), const_extent(sch, k)
+        if n_extent is None or k_extent is None or n_extent % panel:
+            return None
+        dtype = str(sch.get(block).writes[0].source.dtype)
+        vector = reduction_lanes(panel, self.vector_bits, dtype)
+        if vector is None:
+            return None
+        m_bound = extent_bound(sch, m_loops, bounds)
+        gemv = m_bound is not None and m_bound <= FEW_ROWS
+        rows = self.choose("rows", [r * panel for r in (1, 2, 4) if n_extent % (r * panel) == 0],
+                           2 * panel if gemv and n_extent % (2 * panel) == 0 else panel)
+        lanes = self.choose("lanes", [k for k in (1, 2, 4) if k_extent % k == 0] if gemv else [1], 2 if gemv else 1)
+        m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 3, 4, 6, 8], 1 if gemv else 6)
+        m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
+        n_o, n_i = sch.split(n, [None, rows])
+        if gemv:
+            k_o, k_i = sch.split(k, [None, lanes])
+            sch.reorder(n_o, m, k_o, k_i, n_i)
+            accumulate = sch.rfactor(k_i, factor_axis=0)  # acc[k_i, m, n]: one accumulator per k step
+            sch.set_scope(accumulate, 0, "local")
+            n_o, rows_loop, rf_k_o, rf_k_i, rf_n_i = sch.get_loops(accumulate)  # rfactor's own loop nest
+            consumers = (block, *epilogues)
+            sch.unroll(rf_k_i)
+        else:
+            m_o, m_i = sch.split(m, [None, m_tile])
+            sch.reorder(n_o, m_o, k, m_i, n_i)
+            # With a symbolic m, the last tile is partial: peeled off, so full tiles run unguarded.
+            sch.annotate(m_o, "pragma_loop_partition_hint", 1)
+            accumulate, rows_loop = block, m_o
+            consumers = (sch.cache_write(block, 0, "local"), *epilogues)
+            _, _, rf_k_o, rf_m_i, rf_n_i = sch.get_loops(accumulate)
+            sch.unroll(rf_m_i)
+        sch.parallel(n_o)
+        for consumer in consumers:
+            sch.reverse_compute_at(consumer, rows_loop)
+            inner = sch.get_loops(consumer)[-1]
+            if const_extent(sch, inner) == rows:
+                sch.vectorize(sch.split(inner, [None, vector])[1])
+        vectors, rf_n_i = sch.split(rf_n_i, [None, vector])
+        sch.vectorize(rf_n_i)
+        sch.unroll(vectors)
+        sch.decompose_reduction(accumulate, rf_k_o)
+        return sch
+
     def _unpack_rows(self, sch: s_tir.Schedule, prologue: s_tir.SBlockRV, n_o: s_tir.LoopRV) -> None:
         """A GEMM's weight computed in the kernel (unpacked from integers): `rows` rows at a time,
         into cache, then reused by every row of the activation."""
@@ -172,6 +240,23 @@ class NTMatmul(CPURule):
         lanes = reduction_lanes(extent, self.vector_bits, dtype)
         if lanes is not None and lanes > 1:
             sch.vectorize(sch.split(inner, [None, lanes])[1])
+
+
+def _panel_rows(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> int | None:
+    """P, if one input is a weight stored as panels, read as W[n // P, k, n % P], and the other is
+    read along k last (`ir_passes/pack_float_panels.py`)."""
+    stmt = sch.get(block)
+    reduce_vars = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    output = stmt.writes[0].source
+    inputs = [region for region in stmt.reads if not region.source.same_as(output)]
+    if len(reduce_vars) != 1 or len(inputs) != 2:
+        return None
+    weights = [r for r in inputs if len(r.region) == 3 and isinstance(r.source.shape[2], tirx.IntImm)
+               and isinstance(r.region[1].min, tirx.Var) and r.region[1].min.same_as(reduce_vars[0])]
+    others = [r for r in inputs if isinstance(r.region[-1].min, tirx.Var) and r.region[-1].min.same_as(reduce_vars[0])]
+    if len(weights) != 1 or len(others) != 1 or weights[0] is others[0]:
+        return None
+    return int(weights[0].source.shape[2])
 
 
 def _is_nt_access(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> bool:

@@ -11,6 +11,7 @@ from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.pack_float_panels import pack_float_panels, to_panels
 from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.quantize_weights import quantize_weights
 from ember.ir_passes.weight_recipes import get_recipes, set_recipes, weight_params
@@ -103,6 +104,39 @@ def test_fuse_parallel_projections_keeps_weights_of_different_formats_apart() ->
         "a.q_k_proj.weight.packed": "q4f32_zp", "a.q_k_proj.weight.scale": "q4f32_zp",
         "a.q_k_proj.weight.min": "q4f32_zp", "a.v_proj.weight.packed": "q8f32", "a.v_proj.weight.scale": "q8f32"}
     assert recipes["a.o_proj.weight"] == {"op": "load", "name": "a.o_proj.weight"}  # no format: stays float
+
+
+def test_pack_float_panels_stores_projection_weights_as_panels_and_keeps_values() -> None:
+    """Projection-only float weights whose rows a panel divides become [N/P, K, P] (recipe and graph
+    together); a weight also gathered (a tied embedding) and one of 5 rows keep their layout."""
+    n = tvm.tirx.Var("seq_len", "int64")
+    ids = relax.Var("ids", relax.TensorType([n], "int32"))
+    x = relax.Var("x", relax.TensorType([n, 8], "float32"))
+    shapes = {"tied.weight": [16, 8], "proj.weight": [32, 8], "odd.weight": [5, 8]}
+    params = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in shapes.items()]
+    tied, proj, odd = params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [ids, x, *params], attrs={"num_input": 2}):
+        with bb.dataflow():
+            embedded = bb.emit(relax.op.take(tied, ids, axis=0))
+            outs = [bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)))) for w in params]
+            result = bb.emit_output(relax.Tuple([embedded, *outs]))
+        bb.emit_func_output(result)
+    mod = set_recipes(bb.get(), {name: {"op": "load", "name": name} for name in shapes})
+
+    packed = pack_float_panels(vector_bits=64)(mod)  # panels of 4 float32 rows
+    recipes = get_recipes(packed)
+    assert recipes["proj.weight"] == {"op": "panels", "rows": 4, "input": {"op": "load", "name": "proj.weight"}}
+    assert recipes["tied.weight"]["op"] == recipes["odd.weight"]["op"] == "load"
+    assert [[int(d) for d in p.ty.shape] for p in weight_params(packed["main"])] == [[16, 8], [8, 8, 4], [5, 8]]
+
+    rng = np.random.default_rng(0)
+    inputs = [np.array([3, 0, 15], "int32"), rng.standard_normal((3, 8), "float32")]
+    weights = [rng.standard_normal(shape, "float32") for shape in shapes.values()]
+    expected = _run(mod, [*inputs, *weights])
+    got = _run(packed, [*inputs, weights[0], np.ascontiguousarray(to_panels(weights[1], 4)), weights[2]])
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
 
 
 def _split_concat_module(order: tuple[int, ...]) -> tvm.IRModule:
