@@ -200,22 +200,24 @@ class NTMatmul(CPURule):
         m_tile = self.choose("m_tile", [1] if gemv else [1, 2, 3, 4, 6, 8], 1 if gemv else 6)
         m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0] if m_loops else sch.add_unit_loop(block)
         n_o, n_i = sch.split(n, [None, rows])
+        # Every knob splits a loop on both paths (a unit loop where it is 1), so that a tuning trace
+        # keeps all three decisions.
+        m_o, m_i = sch.split(m, [None, m_tile])
+        k_o, k_i = sch.split(k, [None, lanes])
         if gemv:
-            k_o, k_i = sch.split(k, [None, lanes])
-            sch.reorder(n_o, m, k_o, k_i, n_i)
+            sch.reorder(n_o, m_o, m_i, k_o, k_i, n_i)
             accumulate = sch.rfactor(k_i, factor_axis=0)  # acc[k_i, m, n]: one accumulator per k step
             sch.set_scope(accumulate, 0, "local")
-            n_o, rows_loop, rf_k_o, rf_k_i, rf_n_i = sch.get_loops(accumulate)  # rfactor's own loop nest
+            n_o, _, rows_loop, rf_k_o, rf_k_i, rf_n_i = sch.get_loops(accumulate)  # rfactor's own loop nest
             consumers = (block, *epilogues)
             sch.unroll(rf_k_i)
         else:
-            m_o, m_i = sch.split(m, [None, m_tile])
-            sch.reorder(n_o, m_o, k, m_i, n_i)
+            sch.reorder(n_o, m_o, k_o, k_i, m_i, n_i)
             # With a symbolic m, the last tile is partial: peeled off, so full tiles run unguarded.
             sch.annotate(m_o, "pragma_loop_partition_hint", 1)
             accumulate, rows_loop = block, m_o
             consumers = (sch.cache_write(block, 0, "local"), *epilogues)
-            _, _, rf_k_o, rf_m_i, rf_n_i = sch.get_loops(accumulate)
+            _, _, rf_k_o, _, rf_m_i, rf_n_i = sch.get_loops(accumulate)
             sch.unroll(rf_m_i)
         sch.parallel(n_o)
         for consumer in consumers:
