@@ -122,6 +122,11 @@ def _build_parser() -> argparse.ArgumentParser:
                                "on CPUs, q0f16 on GPUs): "
                                + ", ".join(
                               f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
+    compile_.add_argument("--frontend", default="builtin", choices=("builtin", "torch-export"),
+                          help="how a checkpoint directory's graph is built: builtin (ember's own definition of "
+                               "the llama/mistral/qwen2 family) or torch-export (transformers builds the model, "
+                               "torch.export traces it, ember's passes find its attention; needs torch and "
+                               "transformers at compile time)")
     compile_.add_argument("--keep-embedding", action="store_true",
                           help="leave the token embedding in the compute dtype (quantized formats only)")
     compile_.add_argument("--keep-lm-head", action="store_true",
@@ -347,6 +352,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         quantization=args.quant,
         keep_embedding=args.keep_embedding,
         keep_lm_head=args.keep_lm_head,
+        frontend=args.frontend,
         float_activations=args.float_activations,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,

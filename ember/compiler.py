@@ -62,6 +62,7 @@ class CompileOptions:
     max_batch: int = 8
     memory_budget: int | None = None  # None: most of a GPU target's memory; on CPUs see `_memory_budget`
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
+    frontend: str = "builtin"  # a checkpoint directory's importer: "builtin" (hand-written) or "torch-export"
     show_progress: bool = True
 
 
@@ -98,7 +99,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     with staging_dir(output_dir) as staging:
         stage = _stage_printer(options.show_progress, start)
         stage(f"importing {model_dir}")
-        imported = model_source.import_model(model_dir, target.target, model_dtype)
+        imported = model_source.import_model(model_dir, target.target, model_dtype, frontend=options.frontend)
         config = imported.config
         prefill_chunk = min(options.prefill_chunk, config.context_window)
         tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}

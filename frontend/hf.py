@@ -29,9 +29,10 @@ from ember.frontend.files import (
     read_json_object,
     short_repr,
 )
+from ember.frontend.library_kernels import tag_library_kernels
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
+from ember.ir_passes.module_utils import ROPE_ATTR
 from ember.ir_passes.weight_recipes import set_recipes, weight_params
 from ember.runtime.tokenizer import default_chat_template
 
@@ -49,8 +50,10 @@ class ImportedModel:
     model_dtype: str
 
 
-def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32") -> ImportedModel:
-    """Build the Relax IRModule for the checkpoint in `model_dir`."""
+def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32",
+                    exported: bool = False) -> ImportedModel:
+    """Build the Relax IRModule for the checkpoint in `model_dir`: from ember's model definition, or
+    (`exported`) from the graph `torch.export` traces through transformers' (`frontend/torch_export.py`)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
@@ -58,7 +61,12 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     weights = CheckpointWeights(model_dir)
     tokenizer_files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model_dir, name))]
     _check_tokenizer_files(tokenizer_files, config)
-    mod, shapes = build_module(config, target, model_dtype)
+    if exported:
+        from ember.frontend.torch_export import build_exported_module  # imports torch: only when asked
+
+        mod, shapes = build_exported_module(model_dir, config, target, model_dtype)
+    else:
+        mod, shapes = build_module(config, target, model_dtype)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
@@ -124,21 +132,7 @@ def build_module(config: ModelConfig, target: tvm.target.Target,
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
     rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim,
             "sliding_window": config.sliding_window is not None}
-    return set_recipes(_tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), recipes), shapes
-
-
-def _tag_library_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """Mark the PrimFuncs that exist before legalization: TVM's paged-KV-cache kernels.
-
-    The model itself is Relax operators at this point, so every PrimFunc here was
-    written by hand in `tvm.relax.frontend.nn.llm`; the schedule check accepts them.
-    """
-    updates = {
-        gv.name_hint: func.with_attr(KERNEL_SOURCE_ATTR, "tvm.relax.frontend.nn.llm.kv_cache")
-        for gv, func in mod.functions_items()
-        if isinstance(func, tvm.tirx.PrimFunc)
-    }
-    return replace_functions(mod, updates)
+    return set_recipes(tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), recipes), shapes
 
 
 def _check_tensor(weights: CheckpointWeights, name: str, shape: tuple[int, ...]) -> None:

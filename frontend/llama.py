@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tvm import relax, tirx
+from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ember.frontend.config import ModelConfig
+from ember.frontend.kv_cache import CREATE_SPEC, CacheShape, paged_kv_cache
 from ember.ir_passes.module_utils import VERIFY_LEN
 
 LOGITS_DTYPE = "float32"
@@ -150,35 +151,11 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         """Allocate the paged KV cache; sizes are chosen by the runtime."""
-        config = self.config
-        return TIRPagedKVCache(
-            attn_kind="mha",
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_partition=relax.ShapeExpr([0, config.num_hidden_layers]),
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            qk_head_dim=config.head_dim,
-            v_head_dim=config.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
-            rope_scale=1,
-            rope_theta=config.rope_theta,
-            rope_scaling=config.rope_scaling or {},
-            rope_ext_factors=relax.op.null_value(),
-            rotary_dim=config.head_dim,
-            enable_disaggregation=False,
-            dtype=self.dtype,
-            target=self.target,
-            # Only read for per-layer sliding kinds (Gemma-style); Mistral's window is
-            # enabled per sequence by the runtime (`support_sliding_window`).
-            layer_sliding_window_size=config.context_window,
-        )
+        c = self.config
+        shape = CacheShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                           c.context_window, c.rope_theta, c.rope_scaling or {})
+        return paged_kv_cache(shape, self.dtype, self.target, max_batch_size, max_total_seq_len,
+                              prefill_chunk_size, page_size, support_sliding_window)
 
     def export_spec(self) -> dict[str, Any]:
         """The `nn.Module.export_tvm` spec of the entry functions."""
@@ -200,12 +177,5 @@ class LlamaForCausalLM(nn.Module):
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },
-            "create_paged_kv_cache": {
-                "max_batch_size": int,
-                "max_total_seq_len": int,
-                "prefill_chunk_size": int,
-                "page_size": int,
-                "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
+            "create_paged_kv_cache": CREATE_SPEC,
         }

@@ -7,19 +7,28 @@ from typing import Any
 
 import tvm
 
+from ember.errors import EmberError
 from ember.frontend import gguf
 from ember.frontend.hf import ImportedModel, import_hf_model
 
 
+FRONTENDS = ("builtin", "torch-export")
+
+
 def import_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32",
-                 workdir: Path | None = None) -> ImportedModel:
-    """Import `path`: a GGUF file (by suffix or magic) or a Hugging Face checkpoint directory.
+                 workdir: Path | None = None, frontend: str = "builtin") -> ImportedModel:
+    """Import `path`: a GGUF file (by suffix or magic) or a Hugging Face checkpoint directory, whose graph
+    `frontend` builds: ember's hand-written model definition, or `torch.export` of transformers' own code.
 
     `workdir` receives files the importer writes (a GGUF file's tokenizer.json); see `import_gguf_model`.
     """
+    if frontend not in FRONTENDS:
+        raise EmberError(f"--frontend {frontend!r} is not supported; choose one of {', '.join(FRONTENDS)}")
     if gguf.is_gguf_file(Path(path)):
+        if frontend != "builtin":
+            raise EmberError(f"--frontend {frontend}: {path} is a GGUF file, which only the builtin frontend reads")
         return gguf.import_gguf_model(Path(path), target, model_dtype, workdir)
-    return import_hf_model(Path(path), target, model_dtype)
+    return import_hf_model(Path(path), target, model_dtype, exported=frontend == "torch-export")
 
 
 def default_quantization(path: Path, target_default: str) -> str:

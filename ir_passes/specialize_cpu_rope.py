@@ -23,7 +23,7 @@ from ember.schedules import rope
 def specialize_cpu_rope(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """Replace the KV cache's `fused_rope` with `schedules/rope.py`'s kernel."""
     record = (mod.attrs or {}).get(ROPE_ATTR)
-    if record is None:
+    if record is None or record.get("mode") == "in-graph":  # an imported graph rotates q and k itself
         return mod
     scaling = {str(key): str(value) if isinstance(value, str) else value for key, value in record["scaling"].items()}
     if not rope.supports(scaling):

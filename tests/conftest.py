@@ -181,6 +181,19 @@ class TinyModels:
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
+    def exported(self, name: str) -> TinyModel:
+        """The tiny model `name` compiled through `--frontend torch-export`, once per session."""
+        key = f"{name}-torch-export"
+        if key not in self._models:
+            from ember.compiler import CompileOptions, compile_model
+
+            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
+            options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, frontend="torch-export",
+                                     show_progress=False)
+            compile_model(model_dir, artifact_dir, options)
+            self._models[key] = TinyModel(name, model_dir, artifact_dir)
+        return self._models[key]
+
     def __getitem__(self, name: str) -> TinyModel:
         if name not in self._models:
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / name

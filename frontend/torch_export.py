@@ -1,0 +1,127 @@
+"""Import a decoder-only LM from the graph its own PyTorch code produces: torch.export, then TVM's importer.
+
+No hand-written model definition: transformers builds the model from `config.json`
+(a compile-time dependency only; its weights are never read here, they stay in the
+checkpoint and are bound as parameters with recipes, as the hand-written frontend
+binds them), `torch.export` traces its forward over a full token sequence (no cache
+inputs: one sequence, `seq` tokens, logits at every position), and TVM's
+`from_exported_program` turns the trace into a Relax function
+
+    forward(input_ids[1, seq], *weights) -> logits[1, seq, vocab]
+
+whose weight parameters carry the checkpoint's tensor names. `ir_passes/specialize_attention.py`
+then finds the causal self-attention in it and gives it the paged KV cache, which
+makes the `prefill` / `decode` / `verify` entries the runtime calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from ember.errors import ModelError
+from ember.frontend.config import ModelConfig
+from ember.frontend.kv_cache import CREATE_SPEC, CacheShape, KVCacheFactory
+from ember.frontend.library_kernels import tag_library_kernels
+from ember.ir_passes.module_utils import ROPE_ATTR
+from ember.ir_passes.specialize_attention import attention_heads, specialize_attention
+from ember.ir_passes.weight_recipes import set_recipes
+
+FORWARD = "forward"
+
+
+def export_checkpoint(model_dir: Path, max_seq_len: int) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """The Relax `forward` of the transformers model `model_dir/config.json` describes, with a recipe
+    per weight parameter, and the shape of each checkpoint tensor it loads."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        with _quiet():
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                                  dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as err:
+        raise ModelError(f"{Path(model_dir) / 'config.json'}: transformers cannot build this model: "
+                         f"{str(err).splitlines()[0]}") from None
+    return import_module(model.eval(), max_seq_len)
+
+
+def import_module(model, max_seq_len: int) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """`model` (a transformers causal LM, or any torch module mapping input_ids [1, seq] to an object with
+    `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as in its state dict."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            out = self.model(input_ids=input_ids, use_cache=False)
+            return out if isinstance(out, torch.Tensor) else out.logits
+
+    seq = torch.export.Dim("seq", min=2, max=max_seq_len)
+    example = torch.zeros((1, 3), dtype=torch.int32)  # 3 tokens: neither 0 nor 1, so `seq` stays symbolic
+    try:
+        with torch.no_grad(), _quiet():
+            program = torch.export.export(Logits(), (example,), dynamic_shapes={"input_ids": {1: seq}}, strict=False)
+            mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    except Exception as err:  # torch.export and the importer raise many types; one line names the stage
+        raise ModelError(f"torch.export of {type(model).__name__} failed: "
+                         f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
+    names = {spec.arg.name: spec.target.removeprefix("model.") for spec in program.graph_signature.input_specs
+             if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
+    main = mod["main"]
+    num_input = int(main.attrs["num_input"])
+    renamed = [relax.Var(names[p.name], p.ty) for p in main.params[num_input:]]
+    params = [*main.params[:num_input], *renamed]
+    body = relax.bind(main.body, dict(zip(main.params[num_input:], renamed)))
+    attrs = {key: main.attrs[key] for key in main.attrs if key != "params"}
+    forward = relax.Function(params, body, main.ret_ty, main.is_pure, tvm.ir.make_node("ir.DictAttrs", **attrs))
+    module = tvm.IRModule({FORWARD: forward})
+    recipes = {p.name: {"op": "load", "name": p.name} for p in renamed}
+    shapes = {p.name: tuple(int(d) for d in p.ty.shape) for p in renamed}
+    return set_recipes(module, recipes), shapes
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers and torch.export log and print while they work; a compile shows only its own progress."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def build_exported_module(model_dir: Path, config: ModelConfig, target: tvm.target.Target,
+                          model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """ember's entries for the checkpoint in `model_dir`, from its exported graph: `build_module`'s
+    result, with no hand-written model definition."""
+    if model_dtype != "float32":
+        raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
+    forward, shapes = export_checkpoint(model_dir, config.context_window)
+    heads = attention_heads(forward)
+    expected = {"num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads,
+                "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}
+    if heads != expected:
+        raise ModelError(f"{Path(model_dir) / 'config.json'}: the exported graph's attention ({heads}) "
+                         f"differs from the config's ({expected})")
+    entries = specialize_attention(forward)
+    shape = CacheShape(heads["num_layers"], heads["num_heads"], heads["num_kv_heads"], heads["head_dim"],
+                       config.context_window)
+    cache, _ = KVCacheFactory(shape, model_dtype, target).export_tvm(spec={"create_paged_kv_cache": CREATE_SPEC})
+    functions = {gv.name_hint: func for gv, func in entries.functions_items()}
+    functions.update({gv.name_hint: func for gv, func in tag_library_kernels(cache).functions_items()})
+    module = tvm.IRModule(functions, attrs=entries.attrs)
+    return module.with_attr(ROPE_ATTR, {"mode": "in-graph", "sliding_window": False}), shapes

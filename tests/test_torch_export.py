@@ -1,0 +1,104 @@
+"""`--frontend torch-export`: models compiled from the graph transformers' own code traces.
+
+No hand-written definition is involved: transformers builds the model, torch.export
+traces its full-sequence forward, and `ir_passes/specialize_attention.py` gives its
+attention the paged KV cache. The result must match transformers (prefill at every
+position, decode on the cache, greedy tokens), equal ember's hand-written frontend
+on the same checkpoint, and batch sequences like it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.errors import ModelError
+from ember.runtime import SamplingParams, generate
+from helpers import assert_logits_close, prompt_ids
+
+EXPORTED = ("llama", "qwen2")  # GQA, tied and untied embeddings, q/k/v biases
+DECODE_STEPS = 16
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_exported_prefill_and_decode_match_transformers(tiny_models, name):
+    """100 prompt tokens (two prefill chunks) at every position, then 16 decode steps on the cache."""
+    model = tiny_models.exported(name)
+    engine = model.engine()
+    ids = prompt_ids(100, seed=3)
+    continuation = prompt_ids(DECODE_STEPS + 1, seed=4)[1:]
+    expected = model.reference_logits(ids + continuation)
+    seq = engine.add_sequence()
+    assert_logits_close(engine.prefill(seq, ids, all_logits=True), expected[:100], f"{name}: exported prefill")
+    for step, token in enumerate(continuation):
+        assert_logits_close(engine.decode([seq], [token])[0], expected[100 + step],
+                            f"{name}: exported decode step {step + 1}")
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_exported_equals_the_builtin_frontend(tiny_models, name):
+    """The same checkpoint through torch.export and through ember's Llama definition: the same logits."""
+    ids = prompt_ids(40, seed=5)
+    logits = []
+    for model in (tiny_models.exported(name), tiny_models[name]):
+        engine = model.engine()
+        seq = engine.add_sequence()
+        rows = [engine.prefill(seq, ids, all_logits=True)]
+        rows += [engine.decode([seq], [token]) for token in prompt_ids(4, seed=6)]
+        logits.append(np.concatenate(rows))
+    scale = np.abs(logits[1]).max()
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_exported_greedy_tokens_equal_transformers_generate(tiny_models, name):
+    model = tiny_models.exported(name)
+    ids = prompt_ids(60, seed=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, stop_token_ids=())
+    assert generate(model.engine(), ids, params).token_ids == model.reference_greedy(ids, 32)
+
+
+def test_exported_interleaved_sequences_equal_their_solo_runs(tiny_models):
+    """Two sequences prefilled and decoded together in one batch give each its solo logits."""
+    model = tiny_models.exported("llama")
+    prompts = [prompt_ids(30, seed=9), prompt_ids(45, seed=10)]
+    steps = [prompt_ids(6, seed=11), prompt_ids(6, seed=12)]
+    solo = []
+    for prompt, tokens in zip(prompts, steps):
+        engine = model.engine()
+        seq = engine.add_sequence()
+        engine.prefill(seq, prompt)
+        solo.append([engine.decode([seq], [token])[0] for token in tokens])
+    engine = model.engine()
+    seqs = [engine.add_sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        engine.prefill(seq, prompt)
+    for step in range(6):
+        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
+        for which in range(2):
+            assert_logits_close(rows[which], solo[which][step], f"sequence {which}, step {step} in a batch")
+
+
+def test_attention_without_a_causal_mask_is_refused():
+    """A bidirectional attention (no causal mask) cannot be cached: refused, naming the operator."""
+    import torch
+
+    from ember.frontend.torch_export import import_module
+    from ember.ir_passes.specialize_attention import specialize_attention
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.qkv = torch.nn.Linear(16, 48)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, use_cache=False):
+            x = self.embed(input_ids)
+            q, k, v = (t.view(1, -1, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # no is_causal
+            return self.head(out.transpose(1, 2).reshape(1, -1, 16))
+
+    forward, _shapes = import_module(Encoder().eval(), max_seq_len=64)
+    with pytest.raises(ModelError, match="nn.attention.*without a causal mask"):
+        specialize_attention(forward)
