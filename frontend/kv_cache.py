@@ -15,9 +15,13 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-# `create_paged_kv_cache`'s arguments, chosen by the runtime; its `nn.Module.export_tvm` spec.
+# `create_paged_kv_cache`'s arguments, chosen by the runtime.
 CREATE_ARGUMENTS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
-CREATE_SPEC = {**{name: int for name in CREATE_ARGUMENTS}, "$": {"param_mode": "none", "effect_mode": "none"}}
+
+
+def create_spec() -> dict:
+    """`create_paged_kv_cache`'s `nn.Module.export_tvm` spec (a fresh dict: export_tvm consumes its "$" entry)."""
+    return {**{name: int for name in CREATE_ARGUMENTS}, "$": {"param_mode": "none", "effect_mode": "none"}}
 
 
 @dataclass(frozen=True)

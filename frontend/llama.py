@@ -33,7 +33,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ember.frontend.config import ModelConfig
-from ember.frontend.kv_cache import CREATE_SPEC, CacheShape, paged_kv_cache
+from ember.frontend.kv_cache import CacheShape, create_spec, paged_kv_cache
 from ember.ir_passes.module_utils import VERIFY_LEN
 
 LOGITS_DTYPE = "float32"
@@ -177,5 +177,5 @@ class LlamaForCausalLM(nn.Module):
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },
-            "create_paged_kv_cache": CREATE_SPEC,
+            "create_paged_kv_cache": create_spec(),
         }

@@ -26,7 +26,8 @@ from tvm import relax
 
 from ember.errors import ModelError
 from ember.frontend.config import ModelConfig
-from ember.frontend.kv_cache import CREATE_SPEC, CacheShape, KVCacheFactory
+from ember.frontend.weights import CheckpointWeights
+from ember.frontend.kv_cache import CacheShape, KVCacheFactory, create_spec
 from ember.frontend.library_kernels import tag_library_kernels
 from ember.ir_passes.module_utils import ROPE_ATTR
 from ember.ir_passes.specialize_attention import attention_heads, specialize_attention
@@ -49,12 +50,14 @@ def export_checkpoint(model_dir: Path, max_seq_len: int) -> tuple[tvm.IRModule, 
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"{Path(model_dir) / 'config.json'}: transformers cannot build this model: "
                          f"{str(err).splitlines()[0]}") from None
-    return import_module(model.eval(), max_seq_len)
+    stored = CheckpointWeights(model_dir).records
+    return import_module(model.eval(), max_seq_len, stored=stored.__contains__)
 
 
-def import_module(model, max_seq_len: int) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+def import_module(model, max_seq_len: int, stored=lambda _name: True) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
     """`model` (a transformers causal LM, or any torch module mapping input_ids [1, seq] to an object with
-    `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as in its state dict."""
+    `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as in its state
+    dict, a tied weight by the one of its names that `stored` says the checkpoint has."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -76,15 +79,27 @@ def import_module(model, max_seq_len: int) -> tuple[tvm.IRModule, dict[str, tupl
     except Exception as err:  # torch.export and the importer raise many types; one line names the stage
         raise ModelError(f"torch.export of {type(model).__name__} failed: "
                          f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
-    names = {spec.arg.name: spec.target.removeprefix("model.") for spec in program.graph_signature.input_specs
+    aliases: dict[int, list[str]] = {}  # tied weights: one tensor under several names
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+
+    def checkpoint_name(target: str) -> str:
+        name = target.removeprefix("model.")
+        return next((alias for alias in aliases.get(id(tensors.get(name)), [name]) if stored(alias)), name)
+
+    names = {spec.arg.name: checkpoint_name(spec.target) for spec in program.graph_signature.input_specs
              if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
     main = mod["main"]
     num_input = int(main.attrs["num_input"])
-    renamed = [relax.Var(names[p.name], p.ty) for p in main.params[num_input:]]
+    by_name: dict[str, relax.Var] = {}  # a tied weight is lifted once per name: one parameter for both
+    for param in main.params[num_input:]:
+        by_name.setdefault(names[param.name], relax.Var(names[param.name], param.ty))
+    renamed = list(by_name.values())
     params = [*main.params[:num_input], *renamed]
-    body = relax.bind(main.body, dict(zip(main.params[num_input:], renamed)))
-    attrs = {key: main.attrs[key] for key in main.attrs if key != "params"}
-    forward = relax.Function(params, body, main.ret_ty, main.is_pure, tvm.ir.make_node("ir.DictAttrs", **attrs))
+    body = main.bind_params({p: by_name[names[p.name]] for p in main.params[num_input:]}).body
+    forward = relax.Function(params, body, main.ret_ty, main.is_pure,
+                             tvm.ir.make_node("ir.DictAttrs", num_input=num_input))
     module = tvm.IRModule({FORWARD: forward})
     recipes = {p.name: {"op": "load", "name": p.name} for p in renamed}
     shapes = {p.name: tuple(int(d) for d in p.ty.shape) for p in renamed}
@@ -111,6 +126,9 @@ def build_exported_module(model_dir: Path, config: ModelConfig, target: tvm.targ
     if model_dtype != "float32":
         raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
     forward, shapes = export_checkpoint(model_dir, config.context_window)
+    # torch.export traces one view of an activation per reader (q, k and v each reshape the normed input):
+    # as one binding, projections that share their input can be fused.
+    forward = relax.transform.EliminateCommonSubexpr()(forward)
     heads = attention_heads(forward)
     expected = {"num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads,
                 "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}
@@ -120,7 +138,7 @@ def build_exported_module(model_dir: Path, config: ModelConfig, target: tvm.targ
     entries = specialize_attention(forward)
     shape = CacheShape(heads["num_layers"], heads["num_heads"], heads["num_kv_heads"], heads["head_dim"],
                        config.context_window)
-    cache, _ = KVCacheFactory(shape, model_dtype, target).export_tvm(spec={"create_paged_kv_cache": CREATE_SPEC})
+    cache, _ = KVCacheFactory(shape, model_dtype, target).export_tvm(spec={"create_paged_kv_cache": create_spec()})
     functions = {gv.name_hint: func for gv, func in entries.functions_items()}
     functions.update({gv.name_hint: func for gv, func in tag_library_kernels(cache).functions_items()})
     module = tvm.IRModule(functions, attrs=entries.attrs)

@@ -56,3 +56,10 @@ def is_weight_transpose(expr: relax.Expr, weights: Container[relax.Var]) -> bool
         return False
     axes = expr.attrs.axes
     return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])
+
+
+def scalar_constant(expr: relax.Expr) -> float | None:
+    """The value of `expr` if it is a constant holding one number (`R.const(0.5)`), else None."""
+    if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy())
+    return None

@@ -26,8 +26,10 @@ from tvm import relax
 
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
+from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
+from ember.ir_passes.fuse_rms_norm import fuse_rms_norm
 from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.pack_float_panels import pack_float_panels
 from ember.ir_passes.polynomial_exp import polynomial_exp
@@ -59,6 +61,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
     """Model-level rewrites on Relax operators, before any lowering."""
     tensor_formats = {name: FORMATS[fmt] for name, fmt in options.tensor_formats.items()}
     return [
+        # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.
+        fuse_rms_norm,
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections(tensor_formats),
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
@@ -80,6 +84,7 @@ def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.trans
         # matmul(x, permute_dims(W)) -> one NT_matmul reading W row-major: no transpose
         # kernel, and the GEMV's reduction runs along contiguous memory.
         relax.transform.FuseTransposeMatmul(),
+        drop_unreachable_functions,  # what FuseTransposeMatmul may leave behind
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -39,12 +39,15 @@ projections of the sequence, a graph without attention.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.relax.utils import copy_with_new_vars
 
 from ember.errors import ModelError
-from ember.ir_passes.module_utils import VERIFY_LEN, bindings, is_op
+from ember.ir_passes.module_utils import VERIFY_LEN, bindings, is_op, scalar_constant
 
 KV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
@@ -54,9 +57,7 @@ ENTRIES = {"prefill": "seq_len", "decode": "batch_size", "verify": VERIFY_LEN}
 
 def attention_heads(mod: tvm.IRModule, forward: str = "forward") -> dict[str, int]:
     """What the KV cache must hold for `forward`'s attention: layers, query and key/value heads, head dim."""
-    found = [_Attention.recognise(binding, _values(mod[forward])) for binding in _attention_bindings(mod[forward])]
-    if not found:
-        raise ModelError(f"{forward}: found no attention (nn.attention) in the imported graph; is it a decoder?")
+    found = _Graph(mod[forward]).attentions()
     shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in found}
     if len(shapes) > 1:
         raise ModelError(f"{forward}: attention layers differ in heads or head dim ({sorted(shapes)}); "
@@ -75,75 +76,237 @@ def specialize_attention(mod: tvm.IRModule, forward: str = "forward") -> tvm.IRM
     functions = {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != forward}
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
-        functions[entry] = _Entry(mod, entry, count).rewrite(func.bind_symbolic_vars({seq: count}))
-    return relax.transform.Normalize()(tvm.IRModule(functions, attrs=mod.attrs))
+        # Each entry its own variables: a Relax variable belongs to one function.
+        functions[entry] = copy_with_new_vars(_Entry(mod, entry, count).rewrite(func.bind_symbolic_vars({seq: count})))
+    cleaned = tvm.transform.Sequential([relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
+    return cleaned(tvm.IRModule(functions, attrs=mod.attrs))
 
 
+# Operators that only re-view a tensor for a batched matmul (torch's bmm over [heads, n, d] views).
+_VIEWS = ("relax.reshape", "relax.broadcast_to")
+
+
+@dataclass
 class _Attention:
-    """One recognised attention: its q and k/v per token, and its scale."""
+    """One recognised attention: q [1, heads, n, d] and k, v [1, kv_heads, n, d] (torch's layout), its
+    scale, and the variable its output ([1, heads, n, d]) is bound to."""
 
-    def __init__(self, q: relax.Expr, k: relax.Expr, v: relax.Expr, scale: float) -> None:
-        self.q, self.k, self.v, self.scale = q, k, v, scale
-        self.num_heads, self.head_dim = int(q.ty.shape[2]), int(q.ty.shape[3])
-        self.num_kv_heads = int(k.ty.shape[2])
+    q: relax.Var
+    k: relax.Var
+    v: relax.Var
+    scale: float
+    output: relax.Var
 
-    @classmethod
-    def recognise(cls, binding: relax.VarBinding, values: dict[relax.Var, relax.Expr]) -> _Attention:
-        call = binding.value
-        where = f"{binding.var.name_hint} = nn.attention"
-        attrs = call.attrs
-        if len(call.args) > 3:
-            raise ModelError(f"{where}: attention with an additive bias (a mask or ALiBi) is not supported; "
-                             "ember recognises causal attention (scaled_dot_product_attention with is_causal=True)")
-        if attrs.causal_mask is None:
-            raise ModelError(f"{where}: attention without a causal mask (a bidirectional encoder?) cannot use "
-                             "a KV cache; ember compiles causal decoders")
-        q, k, v = call.args[:3]
-        k, v = (_unrepeat(x, values, f"{where}: {name}") for x, name in ((k, "keys"), (v, "values")))
-        for x, name in ((q, "queries"), (k, "keys"), (v, "values")):
-            if len(x.ty.shape) != 4:
-                raise ModelError(f"{where}: {name} are not [batch, seq, heads, head_dim] ({x.ty})")
-        if int(q.ty.shape[3]) != int(v.ty.shape[3]) or int(k.ty.shape[3]) != int(q.ty.shape[3]):
+    @property
+    def num_heads(self) -> int:
+        return int(self.q.ty.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k.ty.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.q.ty.shape[3])
+
+
+class _Graph:
+    """The bindings of one imported forward, with who uses each variable."""
+
+    def __init__(self, func: relax.Function) -> None:
+        self.func = func
+        self.values = _values(func)
+        self.users: dict[relax.Var, list[relax.VarBinding]] = {}
+        for binding in bindings(func):
+            for var in relax.analysis.free_vars(binding.value) if isinstance(binding.value, relax.Expr) else []:
+                self.users.setdefault(var, []).append(binding)
+        self._checked_masks: set[relax.Var] = set()
+
+    def attentions(self) -> list[_Attention]:
+        """Every attention of the graph, in order; refuses what it cannot recognise."""
+        found = []
+        for binding in bindings(self.func):
+            if is_op(binding.value, "relax.nn.softmax"):
+                found.append(self._written_out(binding))
+        if not found:
+            raise ModelError("forward: found no attention (scaled_dot_product_attention or softmax(QK^T)V) in the "
+                             "imported graph; is it a decoder?")
+        return found
+
+    def _written_out(self, softmax: relax.VarBinding) -> _Attention:
+        """softmax(q k^T * scale + mask) v, as torch.export decomposes scaled_dot_product_attention."""
+        where = [f"{softmax.var.name} = softmax"]
+        scores, mask = self.values.get(softmax.value.args[0]), None
+        if scores is not None and is_op(scores, "relax.add"):
+            first, second = scores.args
+            scores, mask = (self.values.get(first), second) if self._is_product(first) else (self.values.get(second),
+                                                                                              first)
+        product = self._producer_through(scores, _VIEWS, where)
+        if product is None or not is_op(product, "relax.matmul"):
+            raise ModelError(f"{' <- '.join(where)}: a softmax over something other than q @ k^T (attention "
+                             "is the only softmax a decoder's graph may have before its logits)")
+        q, q_scale = self._strip(product.args[0], where)
+        keys_t, k_scale = self._strip(product.args[1], where)
+        transposed = self.values.get(keys_t)
+        if not (is_op(transposed, "relax.permute_dims") and [int(a) for a in transposed.attrs.axes] == [0, 1, 3, 2]):
+            raise ModelError(f"{' <- '.join(where)}: the keys of q @ k^T are not transposed [1, heads, n, d]")
+        keys, more_scale = self._strip(transposed.args[0], where)
+        k = self._unrepeat(keys, " <- ".join(where))
+        if mask is None:
+            raise ModelError(f"{' <- '.join(where)}: attention without a causal mask (a bidirectional encoder?) "
+                             "cannot use a KV cache; ember compiles causal decoders")
+        self._check_causal(mask, " <- ".join(where))
+        probabilities = self._consumer(softmax.var)
+        if probabilities is None or not is_op(probabilities.value, "relax.matmul"):
+            raise ModelError(f"{' <- '.join(where)}: the attention weights are not multiplied by the values")
+        values_view, _ = self._strip(probabilities.value.args[1], where)
+        v = self._unrepeat(values_view, " <- ".join(where))
+        output = probabilities.var
+        users = self.users.get(output, [])
+        if len(users) == 1 and is_op(users[0].value, "relax.reshape") and len(users[0].var.ty.shape) == 4:
+            output = users[0].var
+        scale = q_scale * k_scale * more_scale
+        return self._checked(_Attention(q, k, v, scale, output), " <- ".join(where))
+
+    def _checked(self, attention: _Attention, where: str) -> _Attention:
+        for x, name in ((attention.q, "queries"), (attention.k, "keys"), (attention.v, "values")):
+            if len(x.ty.shape) != 4 or int(x.ty.shape[0]) != 1:
+                raise ModelError(f"{where}: {name} are not [1, heads, seq, head_dim] ({x.ty})")
+        if not (int(attention.q.ty.shape[3]) == int(attention.k.ty.shape[3]) == int(attention.v.ty.shape[3])):
             raise ModelError(f"{where}: queries, keys and values of different head dims are not supported")
-        scale = float(attrs.scale) if attrs.scale is not None else 1 / math.sqrt(int(q.ty.shape[3]))
-        return cls(q, k, v, scale)
+        if attention.num_heads % attention.num_kv_heads:
+            raise ModelError(f"{where}: {attention.num_heads} query heads do not share {attention.num_kv_heads} "
+                             "key/value heads evenly")
+        return attention
+
+    def _is_product(self, x: relax.Expr) -> bool:
+        return self._producer_through(self.values.get(x), _VIEWS, []) is not None and is_op(
+            self._producer_through(self.values.get(x), _VIEWS, []), "relax.matmul")
+
+    def _producer_through(self, value: relax.Expr | None, ops: tuple[str, ...], where: list[str]) -> relax.Expr | None:
+        """`value`, or what it views through `ops` (reshape, broadcast_to)."""
+        while value is not None and any(is_op(value, op) for op in ops):
+            where.append(value.op.name.removeprefix("relax."))
+            value = self.values.get(value.args[0])
+        return value
+
+    def _strip(self, x: relax.Expr, where: list[str]) -> tuple[relax.Expr, float]:
+        """`x` without views and multiplications by scalar constants, and the product of those constants."""
+        scale = 1.0
+        while isinstance(x, relax.Var) and x in self.values:
+            value = self.values[x]
+            if any(is_op(value, op) for op in _VIEWS):
+                x = value.args[0]
+            elif is_op(value, "relax.multiply") and scalar_constant(value.args[1]) is not None:
+                scale *= scalar_constant(value.args[1])
+                x = value.args[0]
+            else:
+                break
+            where.append(value.op.name.removeprefix("relax."))
+        return x, scale
+
+    def _consumer(self, var: relax.Var) -> relax.VarBinding | None:
+        """The matmul reading `var` through views and a guard for rows masked out entirely
+        (where(all masked, 0, softmax), which transformers' sdpa decomposition adds)."""
+        while True:
+            users = [b for b in self.users.get(var, []) if not is_op(b.value, "relax.full_like")]
+            if len(users) != 1:
+                return None
+            value = users[0].value
+            if is_op(value, "relax.matmul"):
+                return users[0]
+            if not (any(is_op(value, op) for op in _VIEWS) or is_op(value, "relax.where") and value.args[2].same_as(var)):
+                return None
+            var = users[0].var
+
+    def _unrepeat(self, x: relax.Expr, where: str) -> relax.Expr:
+        """Keys or values before a grouped-query repeat, [1, kv_heads, n, d] (x itself if none). `x` is what
+        is left after stripping views: for repeat_kv's reshape(broadcast_to(expand_dims(t, 2))), expand_dims."""
+        expanded = self.values.get(x)
+        if not is_op(expanded, "relax.expand_dims"):
+            return x
+        if [int(a) for a in expanded.attrs.axis] != [2]:
+            raise ModelError(f"{where}: expand_dims on axis {list(expanded.attrs.axis)} is not a grouped-query repeat")
+        return expanded.args[0]
+
+    def _check_causal(self, mask: relax.Expr, where: str) -> None:
+        """The additive mask, evaluated at 5 tokens, is 0 at and below the diagonal and -inf (or a large
+        negative) above it; a mask reading weights (ALiBi, learned biases) or other values is refused."""
+        if mask in self._checked_masks:
+            return
+        values = _evaluate(self.func, mask, tokens=5)
+        if values is None:
+            raise ModelError(f"{where}: the attention bias depends on the model's weights (ALiBi or a learned "
+                             "bias?); ember recognises a causal mask only")
+        values = values.reshape(-1, 5, 5)
+        causal = np.tril(np.ones((5, 5), bool))
+        if not (np.all(values[:, causal] == 0) and np.all(values[:, ~causal] <= -1e4)):
+            raise ModelError(f"{where}: the attention bias is not a causal mask (at 5 tokens: "
+                             f"{np.array2string(values[0], precision=1)}); ember compiles causal decoders")
+        self._checked_masks.add(mask)
 
 
-def _unrepeat(x: relax.Expr, values: dict[relax.Var, relax.Expr], where: str) -> relax.Expr:
-    """Keys or values before a grouped-query repeat, [1, n, kv_heads, d] (x itself if none).
+def _evaluate(func: relax.Function, target: relax.Expr, tokens: int) -> np.ndarray | None:
+    """The value of `target` in `func` for input_ids of `tokens` zeros, if it reads no weight."""
+    values = _values(func)
+    needed, stack = [], [target]
+    seen: set[relax.Var] = set()
+    input_ids, *weights = func.params
+    while stack:
+        var = stack.pop()
+        if not isinstance(var, relax.Var) or var in seen:
+            continue
+        seen.add(var)
+        if var in weights:
+            return None
+        if var in values:
+            needed.append(var)
+            stack.extend(relax.analysis.free_vars(values[var]))
+    order = [b for b in bindings(func) if b.var in needed]
+    builder = relax.BlockBuilder()
+    ids = relax.Var("input_ids", input_ids.ty)
+    with builder.function("main", [ids]):
+        with builder.dataflow():
+            remap = {input_ids: ids}
+            for binding in order:
+                value = _Rename(remap).visit_expr(binding.value)
+                if is_op(value, "relax.cumsum") and value.args[0].ty.dtype == "bool":  # nor add booleans
+                    counted = builder.emit(relax.op.astype(value.args[0], "int32"))
+                    value = relax.op.cumsum(counted, value.attrs.axis, "int32", value.attrs.exclusive)
+                remap[binding.var] = builder.emit(value)
+            out = builder.emit_output(remap[target])
+        builder.emit_func_output(out)
+    seq = input_ids.ty.shape[1]
+    mod = tvm.IRModule({"main": builder.get()["main"].bind_symbolic_vars({seq: tokens})})
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target("llvm")), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(np.zeros((1, tokens), "int32"))).numpy().astype(np.float64)
 
-    The importer's x is permute_dims(t, [0, 2, 1, 3]) of torch's [1, heads, n, d]; repeat_kv made t as
-    reshape(broadcast_to(expand_dims(t0, 2), [1, kv, rep, n, d]), [1, kv * rep, n, d])."""
-    path = []
-    t = _producer(x, values, "relax.permute_dims", path)
-    if t is None or [int(a) for a in values[x].attrs.axes] != [0, 2, 1, 3]:
-        return x
-    reshaped = _producer(t, values, "relax.reshape", path)
-    broadcast = reshaped is not None and _producer(reshaped, values, "relax.broadcast_to", path)
-    expanded = broadcast is not None and broadcast is not False and _producer(broadcast, values,
-                                                                             "relax.expand_dims", path)
-    if not expanded:
-        return x
-    if [int(a) for a in values[broadcast].attrs.axis] != [2] if hasattr(values[broadcast].attrs, "axis") else False:
-        raise ModelError(f"{where}: {' <- '.join(path)} is not a grouped-query repeat")
-    return relax.op.permute_dims(expanded, [0, 2, 1, 3])
 
+@relax.expr_functor.mutator
+class _Rename(relax.PyExprMutator):
+    def __init__(self, remap: dict[relax.Var, relax.Expr]) -> None:
+        super().__init__()
+        self.remap = remap
 
-def _producer(x: relax.Expr, values: dict[relax.Var, relax.Expr], op: str, path: list[str]) -> relax.Expr | None:
-    """The first argument of the `op` call bound to `x`, or None."""
-    value = values.get(x) if isinstance(x, relax.Var) else None
-    if value is None or not is_op(value, op):
-        return None
-    path.append(op.removeprefix("relax."))
-    return value.args[0]
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.remap.get(var, var)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if is_op(call, "relax.strided_slice"):  # TVM 0.27 cannot legalize a negative axis: count it from 0
+            x, axes, *rest = call.args
+            ndim = len(x.ty.shape)
+            axes = [int(a.value) % ndim for a in axes.fields]
+            return relax.op.strided_slice(x, axes, *[list(r.fields) for r in rest],
+                                          assume_inbound=call.attrs.assume_inbound)
+        return call
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        return self.remap.get(var, var)
 
 
 def _values(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     return {binding.var: binding.value for binding in bindings(func)}
-
-
-def _attention_bindings(func: relax.Function) -> list[relax.VarBinding]:
-    return [b for b in bindings(func) if is_op(b.value, "relax.nn.attention")]
 
 
 @relax.expr_functor.mutator
@@ -155,7 +318,8 @@ class _Entry(relax.PyExprMutator):
         self.entry, self.count = entry, count
         self.cache = relax.Var("kv_cache", relax.ObjectType())
         self.layer = 0
-        self.values: dict[relax.Var, relax.Expr] = {}
+        self.attentions: dict[relax.Var, _Attention] = {}
+        self.narrowed: set[relax.Var] = set()  # prefill: variables holding rows at logit_positions only
         self.lm_head: relax.Var | None = None
         self.returned: relax.Var | None = None
         self.input_ids: relax.Var | None = None
@@ -164,67 +328,81 @@ class _Entry(relax.PyExprMutator):
                                          relax.TensorType([tirx.Var("num_logits", "int64")], "int32"))
 
     def rewrite(self, func: relax.Function) -> relax.Function:
-        self.values = _values(func)
-        self.lm_head = _returned_projection(func, self.values)
+        self.attentions = {a.output: a for a in _Graph(func).attentions()}
+        self.lm_head = _returned_projection(func, _values(func))
         self.returned = func.body.body
         self.input_ids, *weights = func.params
         shape = [self.count, 1] if self.entry == "decode" else [1, self.count]
         self.ids = relax.Var("input_ids", relax.TensorType(shape, "int32"))
         inputs = [self.ids, self.logit_positions] if self.entry == "prefill" else [self.ids]
         if self.entry != "decode":
-            self.set_var_remap(self.input_ids.vid, self.ids)
+            self.set_var_remap(self.input_ids, self.ids)
         body = self.visit_expr(func.body)
-        if self.layer == 0:
-            raise ModelError("forward: found no attention (nn.attention) in the imported graph; is it a decoder?")
-        attrs = tvm.ir.make_node("ir.DictAttrs", num_input=len(inputs) + 1)
+        attrs = tvm.ir.make_node("ir.DictAttrs", num_input=len(inputs) + 1, global_symbol=self.entry)
         return relax.Function([*inputs, self.cache, *weights], body, None, True, attrs)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if self.entry == "decode" and self.input_ids is not None:
             # One token of each sequence: the graph sees them as one row.
             row = self.builder_.emit(relax.op.reshape(self.ids, [1, self.count]))
-            self.set_var_remap(self.input_ids.vid, row)
+            self.set_var_remap(self.input_ids, row)
             self.input_ids = None
         value = binding.value
-        if is_op(value, "relax.nn.attention"):
-            attention = _Attention.recognise(binding, self.values)
-            self.set_var_remap(binding.var.vid, self._cached_attention(attention))
+        if binding.var in self.attentions:
+            self.set_var_remap(binding.var, self._cached_attention(self.attentions[binding.var]))
         elif is_op(value, "relax.arange") and _counts_tokens(value, self.count):
             positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
-                                                                  sinfo_args=relax.TensorType([self.count], "int32")))
-            self.set_var_remap(binding.var.vid, self.builder_.emit(relax.op.astype(positions, value.ty.dtype)))
-        elif self.entry == "prefill" and binding.var.same_as(self.lm_head):
+                                                                  ty_args=relax.TensorType([self.count], "int32")))
+            self.set_var_remap(binding.var, self.builder_.emit(relax.op.astype(positions, value.ty.dtype)))
+        elif binding.var.same_as(self.lm_head):
+            # The LM head reads [1, rows, hidden], as the hand-written frontend's does (a 2-D view of the
+            # hidden states defeats FuseTransposeMatmul for a tied head); prefill's rows are logit_positions.
             x, weight = (self.visit_expr(arg) for arg in value.args)
-            rows = self.builder_.emit(relax.op.take(x, self.logit_positions, axis=1))
-            self.set_var_remap(binding.var.vid,
-                               self.builder_.emit(relax.op.matmul(rows, weight, value.attrs.out_dtype)))
+            hidden = x.ty.shape[-1]
+            rows = self.builder_.emit(relax.op.reshape(x, [1, self.count, hidden]))
+            if self.entry == "prefill":
+                rows = self.builder_.emit(relax.op.take(rows, self.logit_positions, axis=1))
+                self.narrowed.add(binding.var)
+            logits = self.builder_.emit(relax.op.matmul(rows, weight, value.attrs.out_dtype))
+            self.set_var_remap(binding.var, self.builder_.emit(relax.op.reshape(logits, [-1, logits.ty.shape[-1]])))
+        elif is_op(value, "relax.reshape") and value.args[0] in self.narrowed and not binding.var.same_as(self.returned):
+            # Views of the logits keep the rows picked at logit_positions, not every token's.
+            num_logits = self.logit_positions.ty.shape[0]
+            shape = [num_logits if isinstance(d, tirx.Var) and d.same_as(self.count) else d for d in value.args[1].values]
+            self.set_var_remap(binding.var, self.builder_.emit(relax.op.reshape(self.visit_expr(value.args[0]), shape)))
+            self.narrowed.add(binding.var)
         elif binding.var.same_as(self.returned):
             logits = self.visit_expr(value)
-            if self.entry == "decode":
-                logits = self.builder_.emit(relax.op.reshape(logits, [self.count, 1, logits.ty.shape[-1]]))
-            self.set_var_remap(binding.var.vid, self.builder_.emit_output(relax.Tuple([logits, self.cache])))
+            vocab = logits.ty.shape[-1]
+            rows = 1 if self.entry == "decode" else logits.ty.shape[-2]
+            logits = self.builder_.emit(relax.op.reshape(logits, [self.count if self.entry == "decode" else 1,
+                                                                  rows, vocab]))
+            self.set_var_remap(binding.var, self.builder_.emit_output(relax.Tuple([logits, self.cache])))
         else:
             super().visit_var_binding_(binding)
 
     def _cached_attention(self, attention: _Attention) -> relax.Expr:
         emit = self.builder_.emit
-        q, k, v = (self.visit_expr(x) for x in (attention.q, attention.k, attention.v))
+        # [1, heads, n, d] -> [1, n, heads, d]: the cache takes each token's heads together.
+        q, k, v = (emit(relax.op.permute_dims(self.visit_expr(x), [0, 2, 1, 3]))
+                   for x in (attention.q, attention.k, attention.v))
         d, heads = attention.head_dim, attention.num_heads
         qkv = emit(relax.op.concat([q, k, v], axis=2))
         qkv = emit(relax.op.reshape(qkv, [self.count, heads + 2 * attention.num_kv_heads, d]))
-        scale = relax.PrimValue(tirx.FloatImm("float64", attention.scale))
-        out = emit(relax.call_dps_packed(KV_ATTENTION, [self.cache, relax.PrimValue(self.layer), scale, qkv],
-                                         out_sinfo=relax.TensorType([self.count, heads, d], q.ty.dtype)))
+        scale = relax.prim_value(tirx.FloatImm("float64", attention.scale))
+        out = emit(relax.call_dps_packed(KV_ATTENTION, [self.cache, relax.prim_value(self.layer), scale, qkv],
+                                         out_ty=relax.TensorType([self.count, heads, d], q.ty.dtype)))
         self.layer += 1
-        return emit(relax.op.reshape(out, [1, self.count, heads, d]))
+        out = emit(relax.op.reshape(out, [1, self.count, heads, d]))
+        return emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
 
 
 def _counts_tokens(arange: relax.Call, count: tirx.Var) -> bool:
     """arange(0, count, 1): the positions of the graph's tokens."""
-    start, end, step = (arg.value for arg in arange.args[:3])
-    analyzer = tvm.arith.Analyzer()
-    return (analyzer.can_prove_equal(start, 0) and analyzer.can_prove_equal(end, count)
-            and analyzer.can_prove_equal(step, 1))
+    start, end, step = arange.args[:3]
+    constant = (tirx.IntImm,)
+    return (isinstance(start, constant) and int(start) == 0 and isinstance(step, constant) and int(step) == 1
+            and isinstance(end, tirx.Var) and end.same_as(count))
 
 
 def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Expr]) -> relax.Var | None:
