@@ -42,6 +42,8 @@ class RecipeEvaluator:
             return self.weights.load(recipe["name"])
         if op == "concat":
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
+        if op == "transpose":
+            return self(recipe["input"]).T
         if op == PANEL_OP:
             return to_panels(self(recipe["input"]), recipe["rows"])
         if op == "quantize":

@@ -129,11 +129,14 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 
 def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", generation: dict[str, Any] | None = None,
-                       generation_path: Path | str | None = None) -> ModelConfig:
-    """Validate a parsed HF config dict (against `SCHEMA`) and map it onto `ModelConfig`."""
+                       generation_path: Path | str | None = None, any_architecture: bool = False) -> ModelConfig:
+    """Validate a parsed HF config dict (against `SCHEMA`) and map it onto `ModelConfig`.
+
+    `any_architecture`: the graph comes from the model's own code (`--frontend torch-export`), so
+    any model type and activation will do; only the sizes the runtime and the KV cache need are read."""
     values = {key: validated(raw, key, spec, path) for key, spec in SCHEMA.items()}  # every key, used or not
     model_type = values["model_type"]
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and not any_architecture:
         raise ModelError(
             f"{path}: model_type {short_repr(model_type)} is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -153,11 +156,11 @@ def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", ge
             f"num_key_value_heads ({num_kv_heads})"
         )
     head_dim = get("head_dim") or hidden_size // num_heads
-    if head_dim == 0 or head_dim % 2:  # RoPE rotates pairs of channels
+    if head_dim == 0 or head_dim % 2 and not any_architecture:  # RoPE rotates pairs of channels
         raise ModelError(f"{path}: the head dimension (head_dim, or hidden_size // num_attention_heads) "
                          f"must be a positive even number, got {head_dim}")
     hidden_act = get("hidden_act")
-    if hidden_act != "silu":
+    if hidden_act != "silu" and not any_architecture:
         raise ModelError(f"{path}: hidden_act {hidden_act!r} is not supported (only 'silu')")
 
     rope_theta, rope_scaling = _parse_rope(values, path)

@@ -48,6 +48,7 @@ class ImportedModel:
     weights: CheckpointWeights
     tokenizer_files: list[Path]
     model_dtype: str
+    frontend: str = "builtin"  # what built the graph: ember's model definition, or "torch-export"
 
 
 def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32",
@@ -57,7 +58,12 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
-    config = load_model_config(model_dir)
+    if exported:
+        from ember.frontend.torch_export import exported_model_config  # imports torch: only when asked
+
+        config = exported_model_config(model_dir)
+    else:
+        config = load_model_config(model_dir)
     weights = CheckpointWeights(model_dir)
     tokenizer_files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model_dir, name))]
     _check_tokenizer_files(tokenizer_files, config)
@@ -69,7 +75,7 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
         mod, shapes = build_module(config, target, model_dtype)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
-    return ImportedModel(mod, config, weights, tokenizer_files, model_dtype)
+    return ImportedModel(mod, config, weights, tokenizer_files, model_dtype, "torch-export" if exported else "builtin")
 
 
 def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:

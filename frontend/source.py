@@ -59,5 +59,5 @@ def source_record(imported: ImportedModel, quantized: dict[str, Any]) -> dict[st
     per tensor, the stored type and whether its format in `quantized` (tensor name -> `QuantFormat`, the
     quantized ones) kept it or converted it (with the conversion's error)."""
     if not isinstance(imported.weights, gguf.GGUFWeights):
-        return {"format": "huggingface"}
+        return {"format": "huggingface", "frontend": imported.frontend}
     return {**gguf.source_record(imported.weights), "conversion": imported.weights.conversion_report(quantized)}

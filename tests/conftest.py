@@ -165,7 +165,8 @@ class TinyModels:
         """The checkpoint directory of `name` (written once; copy it before modifying)."""
         model_dir = self.root / "checkpoints" / name
         if not model_dir.exists():
-            models.write_checkpoint(name, model_dir)
+            write = models.write_exported_checkpoint if name in models.EXPORTED_MODELS else models.write_checkpoint
+            write(name, model_dir)
         return model_dir
 
     def quantized(self, name: str, quantization: str) -> TinyModel:

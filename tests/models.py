@@ -63,6 +63,21 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Families ember has no hand-written definition for: compiled through `--frontend torch-export` only.
+# GPT-2: learned absolute positions, LayerNorm, GELU (tanh), one fused c_attn Conv1D, tied embeddings.
+EXPORTED_MODELS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.1,
+                 bos_token_id=BOS_ID, eos_token_id=EOS_ID),
+}
+
+
+def write_exported_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Path:
+    """Write the tiny checkpoint `name` of `EXPORTED_MODELS` to `out_dir`; returns `out_dir`."""
+    from transformers import AutoConfig
+
+    return write_model(random_model(AutoConfig.for_model(name, **EXPORTED_MODELS[name]), seed), out_dir)
+
+
 def make_config(model_type: str, **overrides: Any):
     """A transformers config of `model_type` with the tiny shapes (or `overrides`)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config

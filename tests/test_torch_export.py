@@ -16,7 +16,10 @@ from ember.errors import ModelError
 from ember.runtime import SamplingParams, generate
 from helpers import assert_logits_close, prompt_ids
 
-EXPORTED = ("llama", "qwen2")  # GQA, tied and untied embeddings, q/k/v biases
+# GQA, tied and untied embeddings, q/k/v biases; GPT-2 (no hand-written definition): learned positions,
+# LayerNorm, GELU, one fused Conv1D c_attn stored [in, out].
+EXPORTED = ("llama", "qwen2", "gpt2")
+BOTH_FRONTENDS = ("llama", "qwen2")
 DECODE_STEPS = 16
 
 
@@ -35,7 +38,7 @@ def test_exported_prefill_and_decode_match_transformers(tiny_models, name):
                             f"{name}: exported decode step {step + 1}")
 
 
-@pytest.mark.parametrize("name", EXPORTED)
+@pytest.mark.parametrize("name", BOTH_FRONTENDS)
 def test_exported_equals_the_builtin_frontend(tiny_models, name):
     """The same checkpoint through torch.export and through ember's Llama definition: the same logits."""
     ids = prompt_ids(40, seed=5)
@@ -58,9 +61,10 @@ def test_exported_greedy_tokens_equal_transformers_generate(tiny_models, name):
     assert list(generate(model.engine(), ids, params).tokens()) == model.reference_greedy(ids, 32)
 
 
-def test_exported_interleaved_sequences_equal_their_solo_runs(tiny_models):
+@pytest.mark.parametrize("name", ("llama", "gpt2"))
+def test_exported_interleaved_sequences_equal_their_solo_runs(tiny_models, name):
     """Two sequences prefilled and decoded together in one batch give each its solo logits."""
-    model = tiny_models.exported("llama")
+    model = tiny_models.exported(name)
     prompts = [prompt_ids(30, seed=9), prompt_ids(45, seed=10)]
     steps = [prompt_ids(6, seed=11), prompt_ids(6, seed=12)]
     solo = []

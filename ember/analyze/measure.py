@@ -41,7 +41,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 
 from ember.analyze.operators import Architecture, Operator, Precision, decode, prefill, visible_keys
 from ember.analyze.roofline import Point, StageResult, evaluate, place
-from ember.errors import ArtifactError, EmberError
+from ember.errors import ArtifactError, EmberError, ModelError
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.frontend.source import recorded_formats
@@ -190,7 +190,10 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     """The artifact's kernels as TIR before scheduling, rebuilt from its manifest as `ember compile` built them."""
     config = _config(manifest, "the artifact")
     target = resolve_target(json.dumps(manifest.target["tvm_target"]))
-    mod, _ = build_module(config, target.target, manifest.model_dtype)
+    if manifest.source_weights.get("frontend") == "torch-export":
+        mod = _rebuild_exported(manifest, config, target)
+    else:
+        mod, _ = build_module(config, target.target, manifest.model_dtype)
     kv = manifest.kv_cache
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
@@ -198,6 +201,18 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
                                     tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype))
     with tvm_warnings_hidden():
         return pipeline.to_kernels(mod, target, options)
+
+
+def _rebuild_exported(manifest: Manifest, config, target) -> tvm.IRModule:
+    """An artifact compiled with --frontend torch-export: its graph is traced again from its checkpoint."""
+    from ember.frontend.torch_export import build_exported_module  # torch and transformers: only here
+
+    source = Path(manifest.source)
+    if not (source / "config.json").is_file():
+        raise ModelError(f"{source}: this artifact was compiled with --frontend torch-export, so rebuilding its "
+                         "kernels traces its checkpoint again, and the checkpoint directory is not there")
+    mod, _ = build_exported_module(source, config, target.target, manifest.model_dtype)
+    return mod
 
 
 def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
