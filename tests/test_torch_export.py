@@ -106,3 +106,45 @@ def test_attention_without_a_causal_mask_is_refused():
     forward, _shapes = import_module(Encoder().eval(), max_seq_len=64)
     with pytest.raises(ModelError, match="softmax <- .*: attention without a causal mask"):
         specialize_attention(forward)
+
+
+def test_attention_with_a_position_bias_is_refused():
+    """An additive bias that is not a causal mask (ALiBi's per-head slopes times distance) is refused,
+    with the mask's values at 5 tokens in the message, rather than compiled as plain causal attention."""
+    import torch
+
+    from ember.frontend.torch_export import import_module
+    from ember.ir_passes.specialize_attention import specialize_attention
+
+    class AlibiDecoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.qkv = torch.nn.Linear(16, 48)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, use_cache=False):
+            x = self.embed(input_ids)
+            n = input_ids.shape[1]
+            q, k, v = (t.view(1, n, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+            positions = torch.arange(n)
+            distance = (positions[None, :] - positions[:, None]).float()
+            bias = torch.where(distance > 0, float("-inf"), distance * 0.5)  # causal, plus a linear penalty
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            return self.head(out.transpose(1, 2).reshape(1, n, 16))
+
+    forward, _shapes = import_module(AlibiDecoder().eval(), max_seq_len=64)
+    with pytest.raises(ModelError, match="the attention bias is not a causal mask"):
+        specialize_attention(forward)
+
+
+def test_analyze_refuses_to_measure_an_exported_artifact_in_one_line(tiny_models):
+    """`ember analyze --measure` rebuilds an artifact's kernels from its manifest; for an exported one it
+    cannot yet, and says so instead of measuring kernels the artifact does not have."""
+    from helpers import run_ember
+
+    model = tiny_models.exported("gpt2")
+    result = run_ember("analyze", str(model.artifact_dir), "--measure", "--prompt-len", "16")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--frontend torch-export" in last and "does not measure such artifacts yet" in last
