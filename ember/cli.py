@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from ember import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ember.errors import EmberError
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.quant_formats import FORMATS
 
 
 _EPILOG = """\

@@ -24,18 +24,19 @@ import ember
 from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.codegen import build_library, cross_linker
 from ember.convert import quantized_sources, write_params
-from ember.errors import EmberError
+from ember.errors import EmberError, ModelError
+from ember.frontend.config import ModelConfig
 from ember.frontend import source as model_source
 from ember.frontend.gguf import conversion_summary
+from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
+from ember.ir.quant_formats import FORMATS, QuantFormat
+from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, VERIFY_TOKENS
-from ember.ir_passes.quant_formats import FORMATS, QuantFormat
-from ember.ir_passes.weight_recipes import get_recipes, weight_params
+from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
-from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.targets.hardware import host_memory_bytes
 from ember.targets.registry import TargetSpec, resolve_target
 from ember.tvm_log import tvm_warnings_hidden
@@ -111,6 +112,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
                                               tensor_formats=tensor_formats)
         with tvm_warnings_hidden():
             lowered = pipeline.lower(imported.mod, target, lower_options)
+        config = _attention_as_built(lowered, config, model_dir)
         schedules = schedule_sources(lowered)
         recipes = get_recipes(lowered)
         quantized = quantized_sources(recipes)
@@ -139,11 +141,24 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
-        manifest = _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, source,
+        manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
                              activations(lowered))
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
+
+
+def _attention_as_built(lowered: tvm.IRModule, config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """`config` with the KV cache's shape as the graph built it (`KV_CACHE_ATTR`): the manifest, the memory report
+    and `ember analyze` read the config. An imported graph's cache is sized by the attention found in it, the
+    authority where a family names its key/value heads its own way (Falcon's `multi_query`); its layers and
+    query heads must still be those the config describes."""
+    built = {key: int(value) for key, value in lowered.attrs[KV_CACHE_ATTR].items()}
+    described = {"num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads}
+    if {key: built[key] for key in described} != described:
+        raise ModelError(f"{model_dir}: the graph has {built['num_layers']} attention layers of {built['num_heads']} "
+                         f"heads, but its config describes {described['num_layers']} of {described['num_heads']}")
+    return dataclasses.replace(config, num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
 
 
 def _stage_printer(show: bool, start: float) -> Callable[[str], None]:
@@ -199,8 +214,8 @@ def activations(lowered: tvm.IRModule) -> str:
     return "int8" if int8_matmul.__name__ in sources else "float"
 
 
-def _manifest(imported, target, options, prefill_chunk, params, memory, model_dir, source, activations) -> Manifest:
-    config = imported.config
+def _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
+              activations) -> Manifest:
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
     # The runtime allocates the whole KV cache up front: max_batch full contexts, or
     # what the budget holds if that is less.

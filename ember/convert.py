@@ -1,6 +1,6 @@
 """Weight conversion: evaluate each parameter's recipe and stream it into tensor-cache shards.
 
-The recipes come from the passes that ran (see `ir_passes/weight_recipes.py`), so
+The recipes come from the passes that ran (see `ir/weight_recipes.py`), so
 the tensors written are exactly those the compiled graph takes, in its order.
 One parameter is materialised at a time: peak memory is a few tensors, not the model.
 """
@@ -18,9 +18,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ember.frontend.weights import CheckpointWeights
+from ember.ir.quant_formats import FORMATS, QuantFormat
+from ember.ir.weight_recipes import recipe_sources
 from ember.ir_passes.pack_float_panels import PANEL_OP, to_panels
-from ember.ir_passes.quant_formats import FORMATS, QuantFormat
-from ember.ir_passes.weight_recipes import recipe_sources
 
 
 class RecipeEvaluator:

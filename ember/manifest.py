@@ -40,7 +40,7 @@ WEIGHT_INDEX = "tensor-cache.json"  # in PARAMS_DIR, as TVM's tensor cache names
 REQUIRED_FILES = (LIBRARY_NAME, f"{PARAMS_DIR}/{WEIGHT_INDEX}")
 # Far above any real manifest (a few KiB), low enough to read into memory.
 MAX_MANIFEST_BYTES = 64 * 2**20
-# The names of `ember.ir_passes.quant_formats.FORMATS`, repeated here because the runtime
+# The names of `ember.ir.quant_formats.FORMATS`, repeated here because the runtime
 # reads manifests and must not import the compiler (a test keeps the two equal).
 QUANTIZATIONS = ("q0f32", "q0f16", "q8f32", "q8f16", "q4f32", "q4f16", "q4f32_zp", "q4f16_zp")
 

@@ -58,8 +58,9 @@ from ember.codegen import cross_linker
 from ember.errors import FarmError, TuningError
 from ember.farm import Farm, runner_arguments, runner_session
 from ember.frontend import source as model_source
+from ember.ir.quant_formats import FORMATS
 from ember.ir_passes import pipeline
-from ember.ir_passes.quant_formats import FORMATS
+from ember.machine import cpu_fingerprint
 from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.runtime.device import use_cpu_threads
 from ember.schedules import int8_matmul
@@ -68,9 +69,8 @@ from ember.schedules.tuning import (
     record_knobs, register_build_function, knobs_record, schedule_with, space_size, tuning_space, workload,
 )
 from ember.schedules.tuning_db import TuningDatabase, check_for_tuning, describe
-from ember.machine import cpu_fingerprint
-from ember.tvm_log import tvm_warnings_hidden
 from ember.targets.registry import TargetSpec, resolve_target
+from ember.tvm_log import tvm_warnings_hidden
 
 log = logging.getLogger("ember")
 

@@ -29,11 +29,11 @@ from ember.frontend.files import (
     read_json_object,
     short_repr,
 )
-from ember.frontend.library_kernels import tag_library_kernels
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
-from ember.ir_passes.module_utils import ROPE_ATTR
-from ember.ir_passes.weight_recipes import set_recipes, weight_params
+from ember.ir.attributes import ROPE_ATTR
+from ember.ir.kv_cache import tag_library_kernels, with_cache_shape
+from ember.ir.weight_recipes import set_recipes, weight_params
 from ember.runtime.tokenizer import default_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -70,7 +70,7 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     if exported:
         from ember.frontend.torch_export import build_exported_module  # imports torch: only when asked
 
-        mod, shapes = build_exported_module(model_dir, config, target, model_dtype)
+        mod, shapes = build_exported_module(model_dir, config, model_dtype)
     else:
         mod, shapes = build_module(config, target, model_dtype)
     for name, shape in shapes.items():
@@ -138,7 +138,8 @@ def build_module(config: ModelConfig, target: tvm.target.Target,
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
     rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim,
             "sliding_window": config.sliding_window is not None}
-    return set_recipes(tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), recipes), shapes
+    mod = with_cache_shape(tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), model.cache_shape)
+    return set_recipes(mod, recipes), shapes
 
 
 def _check_tensor(weights: CheckpointWeights, name: str, shape: tuple[int, ...]) -> None:

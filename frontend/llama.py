@@ -33,8 +33,8 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ember.frontend.config import ModelConfig
-from ember.frontend.kv_cache import CacheShape, create_spec, paged_kv_cache
-from ember.ir_passes.module_utils import VERIFY_LEN
+from ember.ir.attributes import VERIFY_LEN
+from ember.ir.kv_cache import CacheShape, create_spec, paged_kv_cache
 
 LOGITS_DTYPE = "float32"
 
@@ -151,11 +151,15 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         """Allocate the paged KV cache; sizes are chosen by the runtime."""
-        c = self.config
-        shape = CacheShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                           c.context_window, c.rope_theta, c.rope_scaling or {})
-        return paged_kv_cache(shape, self.dtype, self.target, max_batch_size, max_total_seq_len,
+        return paged_kv_cache(self.cache_shape, self.dtype, self.target, max_batch_size, max_total_seq_len,
                               prefill_chunk_size, page_size, support_sliding_window)
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        """What the KV cache holds; it applies the rotary embeddings."""
+        c = self.config
+        return CacheShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          c.context_window, c.rope_theta, c.rope_scaling or {})
 
     def export_spec(self) -> dict[str, Any]:
         """The `nn.Module.export_tvm` spec of the entry functions."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
@@ -28,37 +29,48 @@ from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import checkpoint_file, optional_checkpoint_file, read_json_object
 from ember.frontend.weights import CheckpointWeights
-from ember.frontend.kv_cache import CacheShape, KVCacheFactory, create_spec
-from ember.frontend.library_kernels import tag_library_kernels
-from ember.ir_passes.module_utils import ROPE_ATTR, bindings, is_op
-from ember.ir_passes.specialize_attention import attention_heads, specialize_attention
-from ember.ir_passes.weight_recipes import set_recipes
-
-FORWARD = "forward"
+from ember.ir.attributes import FORWARD
+from ember.ir.module_utils import bindings, is_op
+from ember.ir.weight_recipes import set_recipes
 
 
-def export_checkpoint(model_dir: Path, max_seq_len: int) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
-    """The Relax `forward` of the transformers model `model_dir/config.json` describes, with a recipe
-    per weight parameter, and the shape of each checkpoint tensor it loads."""
+def build_exported_module(model_dir: Path, config: ModelConfig,
+                          model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """The checkpoint in `model_dir` as the graph transformers' code traces: the Relax `forward` (bounded by the
+    context window) with a recipe per weight parameter, and the shape of each checkpoint tensor it loads.
+    `build_module`'s counterpart, with no hand-written model definition."""
     import torch
     import transformers
 
+    if model_dtype != "float32":
+        raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        with _quiet():
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                                  dtype=torch.float32)
+        hf_config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        model = _build_model(transformers.AutoModelForCausalLM, hf_config, torch.float32)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"{Path(model_dir) / 'config.json'}: transformers cannot build this model: "
                          f"{str(err).splitlines()[0]}") from None
     stored = CheckpointWeights(model_dir).records
-    return import_module(model.eval(), max_seq_len, stored=stored.__contains__)
+    return import_module(model.eval(), config.context_window, stored=stored.__contains__)
 
 
-def import_module(model, max_seq_len: int, stored=lambda _name: True) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+def _build_model(auto_class, config, dtype):
+    """The model with transformers' sdpa attention, whose trace `specialize_attention` reads most directly;
+    its written-out (eager) attention where a family has no sdpa path."""
+    with _quiet():
+        try:
+            return auto_class.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        except ValueError as err:
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+            return auto_class.from_config(config, attn_implementation="eager", dtype=dtype)
+
+
+def import_module(model, max_seq_len: int,
+                  stored: Callable[[str], bool] = lambda _name: True) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
     """`model` (a transformers causal LM, or any torch module mapping input_ids [1, seq] to an object with
-    `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as in its state
-    dict, a tied weight by the one of its names that `stored` says the checkpoint has."""
+    `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as a checkpoint
+    stores them (`_checkpoint_names`), a tied weight by the one of its names that `stored` says the checkpoint has."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -80,16 +92,9 @@ def import_module(model, max_seq_len: int, stored=lambda _name: True) -> tuple[t
     except Exception as err:  # torch.export and the importer raise many types; one line names the stage
         raise ModelError(f"torch.export of {type(model).__name__} failed: "
                          f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
-    aliases: dict[int, list[str]] = {}  # tied weights: one tensor under several names
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        aliases.setdefault(id(tensor), []).append(name)
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-
-    def checkpoint_name(target: str) -> str:
-        name = target.removeprefix("model.")
-        return next((alias for alias in aliases.get(id(tensors.get(name)), [name]) if stored(alias)), name)
-
-    names = {spec.arg.name: checkpoint_name(spec.target) for spec in program.graph_signature.input_specs
+    checkpoint_name = _checkpoint_names(model, stored)
+    names = {spec.arg.name: checkpoint_name(spec.target.removeprefix("model."))
+             for spec in program.graph_signature.input_specs
              if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
     main = mod["main"]
     num_input = int(main.attrs["num_input"])
@@ -99,14 +104,50 @@ def import_module(model, max_seq_len: int, stored=lambda _name: True) -> tuple[t
     renamed = list(by_name.values())
     params = [*main.params[:num_input], *renamed]
     body = main.bind_params({p: by_name[names[p.name]] for p in main.params[num_input:]}).body
+    seq = main.params[0].ty.shape[1]
     forward = relax.Function(params, body, main.ret_ty, main.is_pure,
-                             tvm.ir.make_node("ir.DictAttrs", num_input=num_input))
+                             tvm.ir.make_node("ir.DictAttrs", num_input=num_input,
+                                              tir_var_upper_bound={seq.name: max_seq_len}))
     shapes = {p.name: tuple(int(d) for d in p.ty.shape) for p in renamed}
     recipes = {p.name: {"op": "load", "name": p.name} for p in renamed}
     forward, transposed = _weights_read_transposed(forward)
     for name in transposed:
         recipes[name] = {"op": "transpose", "input": recipes[name]}
     return set_recipes(tvm.IRModule({FORWARD: forward}), recipes), shapes
+
+
+def _checkpoint_names(model, stored: Callable[[str], bool]) -> Callable[[str], str]:
+    """Parameter name -> the name of the checkpoint tensor it is loaded from.
+
+    transformers renames some tensors between the file and the module (GPT-NeoX's `embed_out` is
+    the module's `lm_head`) and undoes that when it saves: the names its own `save_pretrained`
+    would write are the file's. A tied weight has several names; the one `stored` says the
+    checkpoint has is taken."""
+    import torch
+
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
+    saved = {name: name for name in state}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5 renames nothing
+        revert_weight_conversion = None
+    if revert_weight_conversion is not None and hasattr(model, "config"):
+        # Renamed tensors come back as the same objects; a conversion that computes new tensors (a
+        # fused expert list, say) names nothing, and the missing checkpoint tensor is reported.
+        by_id = {id(tensor): name for name, tensor in state.items()}
+        with torch.no_grad():
+            reverted = revert_weight_conversion(model, dict(state))
+        saved.update({by_id[id(tensor)]: name for name, tensor in reverted.items() if id(tensor) in by_id})
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        aliases.setdefault(id(tensor), []).append(saved[name])
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+
+    def checkpoint_name(name: str) -> str:
+        candidates = aliases.get(id(parameters[name]), []) if name in parameters else []
+        return next((alias for alias in candidates if stored(alias)), saved.get(name, name))
+
+    return checkpoint_name
 
 
 def _weights_read_transposed(func: relax.Function) -> tuple[relax.Function, list[str]]:
@@ -184,29 +225,3 @@ def exported_model_config(model_dir: Path) -> ModelConfig:
     generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
     generation = read_json_object(generation_path) if generation_path else {}
     return parse_model_config({**raw, **canonical}, path, generation, generation_path, any_architecture=True)
-
-
-def build_exported_module(model_dir: Path, config: ModelConfig, target: tvm.target.Target,
-                          model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
-    """ember's entries for the checkpoint in `model_dir`, from its exported graph: `build_module`'s
-    result, with no hand-written model definition."""
-    if model_dtype != "float32":
-        raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
-    forward, shapes = export_checkpoint(model_dir, config.context_window)
-    # torch.export traces one view of an activation per reader (q, k and v each reshape the normed input):
-    # as one binding, projections that share their input can be fused.
-    forward = relax.transform.EliminateCommonSubexpr()(forward)
-    heads = attention_heads(forward)
-    expected = {"num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads,
-                "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}
-    if heads != expected:
-        raise ModelError(f"{Path(model_dir) / 'config.json'}: the exported graph's attention ({heads}) "
-                         f"differs from the config's ({expected})")
-    entries = specialize_attention(forward)
-    shape = CacheShape(heads["num_layers"], heads["num_heads"], heads["num_kv_heads"], heads["head_dim"],
-                       config.context_window)
-    cache, _ = KVCacheFactory(shape, model_dtype, target).export_tvm(spec={"create_paged_kv_cache": create_spec()})
-    functions = {gv.name_hint: func for gv, func in entries.functions_items()}
-    functions.update({gv.name_hint: func for gv, func in tag_library_kernels(cache).functions_items()})
-    module = tvm.IRModule(functions, attrs=entries.attrs)
-    return module.with_attr(ROPE_ATTR, {"mode": "in-graph", "sliding_window": False}), shapes

@@ -17,7 +17,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
-from ember.ir_passes.module_utils import VERIFY_LEN, VERIFY_TOKENS, replace_functions
+from ember.ir.attributes import VERIFY_LEN, VERIFY_TOKENS
+from ember.ir.module_utils import replace_functions
 
 
 def attach_sequence_bounds(prefill_chunk: int, max_batch: int) -> tvm.transform.Pass:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ember.ir_passes.module_utils import replace_functions
+from ember.ir.module_utils import replace_functions
 
 CAPTURED_FUNCTION = "decode"
 CAPTURED_VARS = ["batch_size"]

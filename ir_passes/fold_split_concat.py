@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 from tvm.sym.analyzer import Analyzer
 
-from ember.ir_passes.module_utils import bindings, is_op, replace_functions
+from ember.ir.module_utils import bindings, is_op, replace_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="FoldSplitConcat")

@@ -32,8 +32,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from ember.ir_passes.module_utils import bindings, is_op, is_weight_transpose, replace_functions
-from ember.ir_passes.weight_recipes import (entry_functions_with_weights, get_recipes, recipe_sources, set_recipes,
+from ember.ir.module_utils import bindings, is_op, is_weight_transpose, replace_functions
+from ember.ir.weight_recipes import (entry_functions_with_weights, get_recipes, recipe_sources, set_recipes,
                                             weight_params)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ember.ir_passes.module_utils import bindings, is_op, replace_functions, scalar_constant
+from ember.ir.module_utils import bindings, is_op, replace_functions, scalar_constant
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRMSNorm")

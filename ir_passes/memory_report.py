@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ember.ir_passes.weight_recipes import weight_params
+from ember.ir.weight_recipes import weight_params
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ember.ir_passes.module_utils import replace_functions
+from ember.ir.module_utils import replace_functions
 
 NOALIAS_ATTR = "tirx.noalias"
 

@@ -31,8 +31,8 @@ import tvm
 from tvm import relax, te
 from tvm.runtime import DataType
 
-from ember.ir_passes.module_utils import bindings, is_op, is_weight_transpose
-from ember.ir_passes.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
+from ember.ir.module_utils import bindings, is_op, is_weight_transpose
+from ember.ir.weight_recipes import entry_functions_with_weights, get_recipes, set_recipes, weight_params
 
 PANEL_OP = "panels"
 

@@ -3,6 +3,9 @@
 Read top to bottom, this is everything that happens to a model between the
 frontend and `tvm.compile`'s code generation:
 
+0. imported graphs: the `forward` an importer traced (torch.export, ONNX) loses a
+   tracer's habits and becomes ember's entries over the paged KV cache; a module a
+   frontend built with its entries passes through.
 1. graph passes: model-level rewrites that may change parameters (their weight
    recipes change with them): projection fusion, weight quantization.
 2. legalization: Relax operators become TIR PrimFuncs; neighbours are fused;
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
@@ -33,10 +37,11 @@ from ember.ir_passes.fuse_rms_norm import fuse_rms_norm
 from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.pack_float_panels import pack_float_panels
 from ember.ir_passes.polynomial_exp import polynomial_exp
-from ember.ir_passes.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.quantize_weights import quantize_weights
+from ember.ir_passes.specialize_attention import specialize_attention
 from ember.ir_passes.specialize_cpu_attention import specialize_cpu_attention
 from ember.ir_passes.specialize_cpu_rope import specialize_cpu_rope
+from ember.ir_passes.tidy_traced_graph import tidy_traced_graph
 from ember.schedules import schedule_passes
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.registry import TargetSpec
@@ -55,6 +60,16 @@ class LowerOptions:
     int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
     # Checkpoint tensor -> the name of its own format, in place of `quantization` (a GGUF file's per-tensor types).
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
+
+
+def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
+    """An imported full-sequence `forward` becomes the `prefill` / `decode` / `verify` entries."""
+    return [
+        # Views traced once per reader become one; empty slices (full-width partial rotary) go.
+        tidy_traced_graph,
+        # Causal attention found in the graph is handed to the paged KV cache, built here for the target.
+        specialize_attention(target.target),
+    ]
 
 
 def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transform.Pass]:
@@ -143,13 +158,15 @@ def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
 def to_kernels(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
     """Only the graph and legalization phases: the unscheduled kernels, as `ember tune` sees them."""
     with target.target:
-        return tvm.transform.Sequential(graph_passes(target, options) + legalize_passes(target, options))(mod)
+        return tvm.transform.Sequential(imported_graph_passes(target) + graph_passes(target, options)
+                                        + legalize_passes(target, options))(mod)
 
 
 def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
     """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`."""
     passes = (
-        graph_passes(target, options)
+        imported_graph_passes(target)
+        + graph_passes(target, options)
         + legalize_passes(target, options)
         + schedule_passes(target, options.tuning)
         + kernel_math_passes(target)

@@ -20,7 +20,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
+from ember.ir.module_utils import replace_functions, schedulable_kernels
 from ember.schedules import vector_math
 
 _EXP = tvm.ir.Op.get("tirx.exp")

@@ -47,10 +47,10 @@ from collections.abc import Mapping
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir_passes.module_utils import (KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN, bindings, is_op,
-                                         is_weight_transpose)
-from ember.ir_passes.quant_formats import INTERLEAVED, ROWS, QuantFormat
-from ember.ir_passes.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
+from ember.ir.attributes import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN
+from ember.ir.module_utils import bindings, is_op, is_weight_transpose
+from ember.ir.quant_formats import INTERLEAVED, ROWS, QuantFormat
+from ember.ir.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
                                             set_recipes, weight_params)
 from ember.schedules import int8_matmul
 from ember.targets.int8_dot import Int8Dot

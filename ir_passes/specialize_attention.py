@@ -24,8 +24,9 @@ sequence. Three rewrites make that true:
    Attention layers are numbered in graph order.
 2. **Positions.** `arange(0, n)` (the positions of a sequence's tokens when the graph
    sees one whole sequence) becomes the cache's query positions, each token's place
-   in its own sequence: rotary embeddings (either form, computed in the graph) and
-   learned position tables then read the right rows. Keys are stored rotated, so the
+   in its own sequence, and `cumsum(ones[1, n], axis=1)` (OPT counts an all-ones
+   attention mask) those positions plus one: rotary embeddings (either form, computed
+   in the graph) and learned position tables then read the right rows. Keys are stored rotated, so the
    cache applies no rotary embedding itself (`RopeMode.NONE`).
 3. **Logits.** In `prefill`, the LM head (the projection whose result is returned)
    reads only the rows at `logit_positions`.
@@ -47,7 +48,9 @@ from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
 from ember.errors import ModelError
-from ember.ir_passes.module_utils import VERIFY_LEN, bindings, is_op, scalar_constant
+from ember.ir.attributes import FORWARD, ROPE_ATTR, VERIFY_LEN
+from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
+from ember.ir.module_utils import bindings, is_op, scalar_constant
 
 KV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
@@ -55,31 +58,53 @@ QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
 ENTRIES = {"prefill": "seq_len", "decode": "batch_size", "verify": VERIFY_LEN}
 
 
-def attention_heads(mod: tvm.IRModule, forward: str = "forward") -> dict[str, int]:
-    """What the KV cache must hold for `forward`'s attention: layers, query and key/value heads, head dim."""
-    found = _Graph(mod[forward]).attentions()
+def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:
+    """What the KV cache must hold for the attentions `found`: layers, query and key/value heads, head dim."""
     shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in found}
     if len(shapes) > 1:
-        raise ModelError(f"{forward}: attention layers differ in heads or head dim ({sorted(shapes)}); "
+        raise ModelError(f"{FORWARD}: attention layers differ in heads or head dim ({sorted(shapes)}); "
                          "one paged KV cache holds one shape")
     (heads, kv_heads, head_dim), = shapes
-    return {"num_layers": len(found), "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim}
+    return CacheShape(len(found), heads, kv_heads, head_dim, context_window)
 
 
-def specialize_attention(mod: tvm.IRModule, forward: str = "forward") -> tvm.IRModule:
-    """`mod` with `forward` replaced by the entries `prefill`, `decode` and `verify` (see the module docstring)."""
-    func = mod[forward]
+def specialize_attention(target: tvm.target.Target) -> tvm.transform.Pass:
+    """The pass: an imported `forward` becomes the entries over a paged KV cache built for `target`."""
+
+    @tvm.transform.module_pass(opt_level=0, name="SpecializeAttention")
+    def rewrite(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if FORWARD not in [gv.name_hint for gv in mod.get_global_vars()]:
+            return mod
+        return specialized_entries(mod, target)
+
+    return rewrite
+
+
+def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """`mod` with `forward` replaced by the entries `prefill`, `decode` and `verify` (see the module docstring),
+    the KV cache's constructor and kernels beside them, and the cache's shape recorded."""
+    func = mod[FORWARD]
     input_ids = func.params[0]
     batch, seq = input_ids.ty.shape
     if not (isinstance(batch, tirx.IntImm) and int(batch) == 1 and isinstance(seq, tirx.Var)):
-        raise ModelError(f"{forward}: expected input_ids of shape [1, seq], got {list(input_ids.ty.shape)}")
-    functions = {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != forward}
+        raise ModelError(f"{FORWARD}: expected input_ids of shape [1, seq], got {list(input_ids.ty.shape)}")
+    found = _Graph(func).attentions()
+    context_window = int((func.attrs or {}).get("tir_var_upper_bound", {}).get(seq.name, 0))
+    if context_window < 1:
+        raise ModelError(f"{FORWARD}: the importer gave no context window (tir_var_upper_bound of {seq.name!r})")
+    functions = {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != FORWARD}
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
         # Each entry its own variables: a Relax variable belongs to one function.
         functions[entry] = copy_with_new_vars(_Entry(mod, entry, count).rewrite(func.bind_symbolic_vars({seq: count})))
+    shape = _cache_shape(found, context_window)
+    cache = cache_functions(shape, str(found[0].q.ty.dtype), target)
+    functions.update({gv.name_hint: f for gv, f in cache.functions_items()})
     cleaned = tvm.transform.Sequential([relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
-    return cleaned(tvm.IRModule(functions, attrs=mod.attrs))
+    # The graph rotates q and k itself (in either form); the cache stores keys as they come.
+    specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph",
+                                                                                          "sliding_window": False})
+    return with_cache_shape(specialized, shape)
 
 
 # Operators that only re-view a tensor for a batched matmul (torch's bmm over [heads, n, d] views).
@@ -320,6 +345,7 @@ class _Entry(relax.PyExprMutator):
         self.layer = 0
         self.attentions: dict[relax.Var, _Attention] = {}
         self.narrowed: set[relax.Var] = set()  # prefill: variables holding rows at logit_positions only
+        self.values: dict[relax.Var, relax.Expr] = {}
         self.lm_head: relax.Var | None = None
         self.returned: relax.Var | None = None
         self.input_ids: relax.Var | None = None
@@ -329,7 +355,8 @@ class _Entry(relax.PyExprMutator):
 
     def rewrite(self, func: relax.Function) -> relax.Function:
         self.attentions = {a.output: a for a in _Graph(func).attentions()}
-        self.lm_head = _returned_projection(func, _values(func))
+        self.values = _values(func)
+        self.lm_head = _returned_projection(func, self.values)
         self.returned = func.body.body
         self.input_ids, *weights = func.params
         shape = [self.count, 1] if self.entry == "decode" else [1, self.count]
@@ -354,6 +381,11 @@ class _Entry(relax.PyExprMutator):
             positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
                                                                   ty_args=relax.TensorType([self.count], "int32")))
             self.set_var_remap(binding.var, self.builder_.emit(relax.op.astype(positions, value.ty.dtype)))
+        elif is_op(value, "relax.cumsum") and _counts_ones(value, self.values):
+            positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
+                                                                  ty_args=relax.TensorType([self.count], "int32")))
+            counts = relax.op.astype(relax.op.add(positions, relax.const(1, "int32")), value.ty.dtype)
+            self.set_var_remap(binding.var, self.builder_.emit(relax.op.reshape(counts, [1, self.count])))
         elif binding.var.same_as(self.lm_head):
             # The LM head reads [1, rows, hidden], as the hand-written frontend's does (a 2-D view of the
             # hidden states defeats FuseTransposeMatmul for a tied head); prefill's rows are logit_positions.
@@ -403,6 +435,15 @@ def _counts_tokens(arange: relax.Call, count: tirx.Var) -> bool:
     constant = (tirx.IntImm,)
     return (isinstance(start, constant) and int(start) == 0 and isinstance(step, constant) and int(step) == 1
             and isinstance(end, tirx.Var) and end.same_as(count))
+
+
+def _counts_ones(cumsum: relax.Call, values: dict[relax.Var, relax.Expr]) -> bool:
+    """cumsum(full([1, n], 1), axis=1), inclusive: each token's position counted from 1."""
+    ones = values.get(cumsum.args[0])
+    shape = cumsum.ty.shape
+    return (is_op(ones, "relax.full") and scalar_constant(ones.args[1]) == 1.0 and len(shape) == 2
+            and isinstance(shape[0], tirx.IntImm) and int(shape[0]) == 1 and cumsum.attrs.axis is not None
+            and int(cumsum.attrs.axis) % 2 == 1 and not cumsum.attrs.exclusive)
 
 
 def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Expr]) -> relax.Var | None:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR, ROPE_ATTR, replace_functions
+from ember.ir.attributes import KERNEL_SOURCE_ATTR, ROPE_ATTR
+from ember.ir.module_utils import replace_functions
 from ember.schedules.decode_attention import paged_decode_attention
 from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
 from ember.targets.registry import TargetSpec

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tvm
 
-from ember.ir_passes.module_utils import schedulable_kernels
+from ember.ir.module_utils import schedulable_kernels
 
 
 @tvm.transform.module_pass(opt_level=0, name="CheckAllScheduled")

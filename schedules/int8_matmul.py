@@ -21,7 +21,7 @@ same weight bytes as x86, two loads and two dot products where x86 has one.
 SSE4.2-only CPUs and aarch64 without dotprod have no int8 path: the float path computes
 their projections.
 
-Weights are stored `interleaved` (see `ir_passes/quant_formats.py`): one 256-bit load
+Weights are stored `interleaved` (see `ir/quant_formats.py`): one 256-bit load
 holds 4 bytes of each of 8 weight rows. Broadcasting 4 activation bytes against it
 makes each int32 lane one row's partial dot product, so a quantization group of 32
 values is 8 (int8) or 4 x 2 (int4 nibbles) instructions into one int32 vector with no
@@ -90,7 +90,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
+from ember.ir.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
 from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0

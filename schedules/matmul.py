@@ -53,7 +53,7 @@ from tvm.runtime import DataType
 from tvm.s_tir.dlight.analysis import SBlockInfo
 from tvm.s_tir.schedule import ExprRV
 
-from ember.ir_passes.module_utils import VECTOR_RUN_ATTR
+from ember.ir.attributes import VECTOR_RUN_ATTR
 from ember.schedules.common import CPURule, const_extent, extent_bound, reduction_lanes, schedule_halving, tree_sum, vector_accumulator
 
 # Activations with at most this many rows (decode batches) count as a GEMV.

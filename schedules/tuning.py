@@ -51,7 +51,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
-from ember.ir_passes.module_utils import replace_functions, schedulable_kernels
+from ember.ir.module_utils import replace_functions, schedulable_kernels
 from ember.schedules import int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase, describe

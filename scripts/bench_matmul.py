@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
 from ember.schedules.matmul import NTMatmul
 from ember.targets.registry import TargetSpec, resolve_target

@@ -26,8 +26,8 @@ import peers  # noqa: E402
 def kernel_table(model: Path, db: Path) -> None:
     """Rule-based vs tuned time of every hot kernel that has a record."""
     from ember.frontend.hf import import_hf_model
+    from ember.ir.quant_formats import FORMATS
     from ember.ir_passes import pipeline
-    from ember.ir_passes.quant_formats import FORMATS
     from ember.schedules.tuning import compare, record_knobs, rule_knobs
     from ember.schedules.tuning_db import TuningDatabase
     from ember.targets.registry import resolve_target

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import models
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.quant_formats import FORMATS
 from helpers import q8_0_activations, run_ember
 
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks

@@ -268,7 +268,7 @@ def test_manifest_schema_matches_its_sources():
     """The names the manifest checks without importing the compiler are the compiler's: the quantization
     formats and the model config's fields."""
     from ember.frontend.config import ModelConfig
-    from ember.ir_passes.quant_formats import FORMATS
+    from ember.ir.quant_formats import FORMATS
 
     assert set(QUANTIZATIONS) == set(FORMATS)
     assert set(SCHEMA["model"]) == {field.name for field in dataclasses.fields(ModelConfig)}

@@ -105,9 +105,9 @@ def test_paged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim
 def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
     """The pipeline really swaps the attention and rope kernels in (TVM names them by symbol in the module)."""
     from ember.frontend.hf import import_hf_model
+    from ember.ir.attributes import KERNEL_SOURCE_ATTR
+    from ember.ir.quant_formats import FORMATS
     from ember.ir_passes import pipeline
-    from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
-    from ember.ir_passes.quant_formats import FORMATS
     from ember.ir_passes.specialize_cpu_attention import ATTENTION_SYMBOLS
     from ember.schedules.rope import ROPE_SYMBOL
 

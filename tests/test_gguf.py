@@ -35,10 +35,10 @@ from ember.compiler import CompileOptions, compile_model
 from ember.errors import ModelError
 from ember.frontend.gguf import GGUFWeights, Metadata, gguf_config, open_gguf
 from ember.frontend.gguf_tokenizer import write_tokenizer_files
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.quant_formats import FORMATS
 from ember.runtime import Engine, load_artifact
-from ember.targets.hardware import Hardware
 from ember.runtime.tokenizer import Tokenizer
+from ember.targets.hardware import Hardware
 from helpers import run_ember
 
 PROMPT_LEN, NEW_TOKENS = 64, 32

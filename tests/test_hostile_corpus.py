@@ -841,7 +841,7 @@ def damaged_gguf(root: Path, case) -> Path:
 def test_gguf_files(case):
     """Refused in one line naming the file, or a config of sane fields, a tokenizer the runtime loads with
     ids inside the vocabulary, and every tensor of the shape the config implies."""
-    from ember.ir_passes.quant_formats import FORMATS
+    from ember.ir.quant_formats import FORMATS
     from ember.runtime.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as work:

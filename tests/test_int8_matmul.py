@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tvm
 
-from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
 from ember.targets.registry import resolve_target
 from helpers import q8_0_activations
@@ -227,8 +227,8 @@ def test_every_projection_uses_it(tiny_models, cpu):
     """On a CPU with an int8 dot product (this one; AVX2), every projection of a q4f32 model, decode and
     prefill, is this kernel; with float activations, or without AVX2, none is, and the weights stay row-major."""
     from ember.frontend.hf import import_hf_model
+    from ember.ir.weight_recipes import get_recipes
     from ember.ir_passes import pipeline
-    from ember.ir_passes.weight_recipes import get_recipes
 
     target = TARGET if cpu is None else resolve_target(f'{{"kind": "llvm", "mcpu": "{cpu}"}}')
     imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
@@ -253,8 +253,8 @@ def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, 
     compiled for the level, equal to the float reference (the int8 kernel to the int8-rounded one)."""
     from tvm import relax
 
+    from ember.ir.weight_recipes import get_recipes, set_recipes
     from ember.ir_passes.quantize_weights import quantize_weights
-    from ember.ir_passes.weight_recipes import get_recipes, set_recipes
 
     target = level_target(level)
     fmt = FORMATS[name]

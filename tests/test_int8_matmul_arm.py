@@ -16,7 +16,7 @@ import pytest
 import tvm
 from tvm.target import Target
 
-from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
 from ember.targets.int8_dot import int8_dot_of
 from helpers import q8_0_activations

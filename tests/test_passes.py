@@ -7,14 +7,14 @@ import pytest
 import tvm
 from tvm import relax
 
+from ember.ir.quant_formats import FORMATS
+from ember.ir.weight_recipes import get_recipes, set_recipes, weight_params
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.pack_float_panels import pack_float_panels, to_panels
-from ember.ir_passes.quant_formats import FORMATS
 from ember.ir_passes.quantize_weights import quantize_weights
-from ember.ir_passes.weight_recipes import get_recipes, set_recipes, weight_params
 from ember.schedules.check import check_all_scheduled
 
 
@@ -218,7 +218,7 @@ def test_polynomial_exp_vectorizes_exp_and_sigmoid_within_float_rounding() -> No
     bound over |x| <= 80, and saturate at the ends of float32's normal range."""
     from tvm import s_tir, te
 
-    from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
+    from ember.ir.attributes import KERNEL_SOURCE_ATTR
     from ember.ir_passes.polynomial_exp import polynomial_exp
     from ember.targets.registry import resolve_target
 

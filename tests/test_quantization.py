@@ -18,9 +18,9 @@ import pytest
 import tvm
 from tvm import s_tir, te
 
+from ember.ir.quant_formats import FORMATS, INTERLEAVED, ROWS, QuantFormat
+from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
-from ember.ir_passes.quant_formats import FORMATS, INTERLEAVED, ROWS, QuantFormat
-from ember.ir_passes.weight_recipes import get_recipes, weight_params
 from ember.manifest import read_manifest
 from ember.runtime.evaluate import scoring_windows
 from helpers import assert_logits_close, prompt_ids, run_ember

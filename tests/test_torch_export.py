@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tvm
 
 from ember.errors import ModelError
 from ember.runtime import SamplingParams, generate
@@ -105,7 +106,7 @@ def test_attention_without_a_causal_mask_is_refused():
 
     forward, _shapes = import_module(Encoder().eval(), max_seq_len=64)
     with pytest.raises(ModelError, match="softmax <- .*: attention without a causal mask"):
-        specialize_attention(forward)
+        specialize_attention(tvm.target.Target("llvm"))(forward)
 
 
 def test_attention_with_a_position_bias_is_refused():
@@ -135,7 +136,7 @@ def test_attention_with_a_position_bias_is_refused():
 
     forward, _shapes = import_module(AlibiDecoder().eval(), max_seq_len=64)
     with pytest.raises(ModelError, match="the attention bias is not a causal mask"):
-        specialize_attention(forward)
+        specialize_attention(tvm.target.Target("llvm"))(forward)
 
 
 def test_analyze_refuses_to_measure_an_exported_artifact_in_one_line(tiny_models):

@@ -17,8 +17,8 @@ import tvm
 from tvm import te, tirx
 
 from ember.errors import TuningError
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
+from ember.ir.quant_formats import FORMATS
 from ember.schedules import int8_matmul, schedule_passes
 from ember.schedules.tuning import (
     SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, enumerated_space, is_tunable, knobs_record,

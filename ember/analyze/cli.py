@@ -20,7 +20,7 @@ from ember.analyze.report import (
 )
 from ember.analyze.roofline import Workload, analyze
 from ember.errors import EmberError
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.quant_formats import FORMATS
 from ember.targets.hardware import hardware_presets, load_hardware
 
 DESCRIPTION = """\

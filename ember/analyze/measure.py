@@ -45,9 +45,9 @@ from ember.errors import ArtifactError, EmberError, ModelError
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.frontend.source import recorded_formats
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
+from ember.ir.quant_formats import FORMATS, QUANTIZED_PARTS
 from ember.ir_passes import pipeline
-from ember.ir_passes.module_utils import KERNEL_SOURCE_ATTR
-from ember.ir_passes.quant_formats import FORMATS, QUANTIZED_PARTS
 from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
 from ember.schedules import int8_matmul

@@ -39,7 +39,7 @@ from ember.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import read_json_object
 from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf
-from ember.ir_passes.quant_formats import FORMATS
+from ember.ir.quant_formats import FORMATS
 
 PRESET_DIR = Path(__file__).with_name("presets")
 VECTOR_DTYPE = "fp32"  # elementwise work runs on vector units, accumulating in fp32

@@ -1,8 +1,9 @@
 """The paged KV cache every ember model attends through: TVM's `TIRPagedKVCache`, sized by the model.
 
-Both frontends build it here: the hand-written Llama family with the cache applying
-rotary embeddings itself (`RopeMode.NORMAL`), graphs imported by `torch.export`
-with the graph rotating q and k (`RopeMode.NONE`; see `ir_passes/specialize_attention.py`).
+Built here for both kinds of graph: the hand-written Llama family (`frontend/llama.py`)
+with the cache applying rotary embeddings itself (`RopeMode.NORMAL`), and imported
+graphs, where `ir_passes/specialize_attention.py` adds it with the graph rotating q and k
+(`RopeMode.NONE`). Whoever adds it records its shape on the module (`KV_CACHE_ATTR`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
+
+from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR
+from ember.ir.module_utils import replace_functions
 
 # `create_paged_kv_cache`'s arguments, chosen by the runtime.
 CREATE_ARGUMENTS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
@@ -72,7 +77,19 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
     )
 
 
-class KVCacheFactory(nn.Module):
+def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:
+    """`mod` recording what its KV cache holds (`KV_CACHE_ATTR`)."""
+    return mod.with_attr(KV_CACHE_ATTR, {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
+                                         "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim})
+
+
+def cache_functions(shape: CacheShape, dtype: str, target: Target) -> tvm.IRModule:
+    """`create_paged_kv_cache` and the cache's kernels (tagged), for a graph imported without a cache."""
+    cache, _ = _KVCacheFactory(shape, dtype, target).export_tvm(spec={"create_paged_kv_cache": create_spec()})
+    return tag_library_kernels(cache)
+
+
+class _KVCacheFactory(nn.Module):
     """Only `create_paged_kv_cache`: exported beside a graph imported without one."""
 
     def __init__(self, shape: CacheShape, dtype: str, target: Target) -> None:
@@ -83,3 +100,17 @@ class KVCacheFactory(nn.Module):
                               support_sliding_window: tirx.Var) -> PagedKVCache:
         return paged_kv_cache(self.shape, self.dtype, self.target, max_batch_size, max_total_seq_len,
                               prefill_chunk_size, page_size, support_sliding_window)
+
+
+def tag_library_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Mark every PrimFunc of `mod` as written by hand in `tvm.relax.frontend.nn.llm`.
+
+    The model itself is Relax operators at this point, so every PrimFunc here is one
+    of the KV cache's kernels; the schedule check accepts them as they are.
+    """
+    updates = {
+        gv.name_hint: func.with_attr(KERNEL_SOURCE_ATTR, "tvm.relax.frontend.nn.llm.kv_cache")
+        for gv, func in mod.functions_items()
+        if isinstance(func, tvm.tirx.PrimFunc)
+    }
+    return replace_functions(mod, updates)

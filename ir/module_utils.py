@@ -1,4 +1,4 @@
-"""Small IRModule helpers and attribute names shared by ember's stages."""
+"""Small helpers for reading and rebuilding IRModules, shared by ember's stages."""
 
 from __future__ import annotations
 
@@ -7,19 +7,7 @@ from collections.abc import Container, Iterator
 import tvm
 from tvm import relax, tirx
 
-# Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
-KERNEL_SOURCE_ATTR = "ember.kernel_source"
-# Set by the quantization pass on weight-unpacking blocks: how many consecutive values
-# along K are unpacked from one packed element and one scale (the widest useful vector).
-VECTOR_RUN_ATTR = "ember.vector_run"
-# Set by the frontend on the IRModule: the rotary embedding the KV cache applies,
-# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
-#  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
-ROPE_ATTR = "ember.rope"
-# The symbolic length of the `verify` entry's input (speculative decoding's pending token and guesses)
-# and its bound: as many rows as a decode batch (`schedules/matmul.py`'s FEW_ROWS), so its kernels are
-# scheduled as decode's, a few rows reusing each weight load.
-VERIFY_LEN, VERIFY_TOKENS = "verify_len", 8
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
 
 
 def replace_functions(mod: tvm.IRModule, updates: dict[str, tvm.ir.BaseFunc]) -> tvm.IRModule:

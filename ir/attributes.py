@@ -1,0 +1,25 @@
+"""The names ember's stages mark IR with: function and module attributes, and symbolic sizes.
+
+Frontends set them, passes and schedules read them; each says who sets it and what it holds.
+"""
+
+# Set by the frontend on PrimFuncs written by hand in TVM's LLM library (paged KV cache).
+KERNEL_SOURCE_ATTR = "ember.kernel_source"
+# Set by the quantization pass on weight-unpacking blocks: how many consecutive values
+# along K are unpacked from one packed element and one scale (the widest useful vector).
+VECTOR_RUN_ATTR = "ember.vector_run"
+# Set by the frontend on the IRModule: the rotary embedding the KV cache applies,
+# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
+#  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
+ROPE_ATTR = "ember.rope"
+# The symbolic length of the `verify` entry's input (speculative decoding's pending token and guesses)
+# and its bound: as many rows as a decode batch (`schedules/matmul.py`'s FEW_ROWS), so its kernels are
+# scheduled as decode's, a few rows reusing each weight load.
+VERIFY_LEN, VERIFY_TOKENS = "verify_len", 8
+# The one function an importer writes (`frontend/torch_export.py`, `frontend/onnx.py`): a decoder's
+# full-sequence forward, `forward(input_ids[1, seq], *weights) -> logits[1, seq, vocab]`, with
+# `tir_var_upper_bound` {"seq": context window}; `ir_passes/specialize_attention.py` turns it into the entries.
+FORWARD = "forward"
+# Set on the IRModule by whoever adds the KV cache (`ir/kv_cache.py`): what the cache holds,
+# {"num_layers", "num_heads", "num_kv_heads", "head_dim"}; the compiler checks the model config against it.
+KV_CACHE_ATTR = "ember.kv_cache"
