@@ -64,10 +64,30 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Families ember has no hand-written definition for: compiled through `--frontend torch-export` only.
-# GPT-2: learned absolute positions, LayerNorm, GELU (tanh), one fused c_attn Conv1D, tied embeddings.
+_EXPORTED_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, initializer_range=0.1, bos_token_id=BOS_ID,
+                                        eos_token_id=EOS_ID)
+_EXPORTED_SHAPES: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=256)
 EXPORTED_MODELS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.1,
-                 bos_token_id=BOS_ID, eos_token_id=EOS_ID),
+    # Learned absolute positions, LayerNorm, GELU (tanh), one fused c_attn Conv1D stored [in, out], tied embeddings.
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # Parallel residual (attention and MLP read the same input), rotary on a quarter of each head (rotate-half),
+    # one fused query_key_value, an untied head saved as `embed_out`.
+    "gpt_neox": dict(_EXPORTED_SHAPES, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+    # Fused qkv_proj and gate_up_proj split by slicing, GQA; rotary over the whole head, which its partial-rotary
+    # code slices into an empty rest.
+    "phi3": dict(_EXPORTED_SHAPES, num_key_value_heads=2, pad_token_id=0),
+    # RMSNorm scaled by (1 + w), GELU-gated MLP, embeddings scaled by sqrt(hidden), head_dim 32 with 4 heads of a
+    # hidden size of 64, one key/value head.
+    "gemma": dict(_EXPORTED_SHAPES, num_key_value_heads=1, head_dim=32, pad_token_id=0),
+    # Interleaved rotary (rotate every two) on 8 of 16 dims, parallel attention and MLP.
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8, tie_word_embeddings=False),
+    # Learned positions counted by a cumulative sum over an all-ones mask, offset by 2; ReLU.
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                word_embed_proj_dim=64, pad_token_id=0),
+    # Multi-query attention (one key/value head, split with indices from the end), parallel attention and MLP.
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True, parallel_attn=True,
+                   new_decoder_architecture=False, bias=False, alibi=False, max_position_embeddings=256),
 }
 
 
@@ -75,7 +95,8 @@ def write_exported_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Pat
     """Write the tiny checkpoint `name` of `EXPORTED_MODELS` to `out_dir`; returns `out_dir`."""
     from transformers import AutoConfig
 
-    return write_model(random_model(AutoConfig.for_model(name, **EXPORTED_MODELS[name]), seed), out_dir)
+    config = AutoConfig.for_model(name, **_EXPORTED_COMMON, **EXPORTED_MODELS[name])
+    return write_model(random_model(config, seed), out_dir)
 
 
 def make_config(model_type: str, **overrides: Any):
