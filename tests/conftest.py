@@ -76,12 +76,14 @@ class TinyModel:
         if fmt.quantizes:
             import torch
 
+            stored_transposed = {id(module.weight) for module in model.modules() if _is_conv1d(module)}
             with torch.no_grad():
                 for param in model.parameters():
                     if param.ndim == 2:
-                        weight = param.numpy()
+                        # ember quantizes rows of [out, in]: a Conv1D's [in, out] weight along its columns.
+                        weight = param.numpy().T if id(param) in stored_transposed else param.numpy()
                         unpacked = fmt.dequantize(fmt.quantize(weight), weight.shape[1]).astype(np.float32)
-                        param.copy_(torch.from_numpy(unpacked))
+                        param.copy_(torch.from_numpy(unpacked.T if id(param) in stored_transposed else unpacked))
         return model
 
     def reference_logits(self, ids: list[int]) -> np.ndarray:
@@ -123,8 +125,8 @@ class TinyModel:
         int8 = read_manifest(self.artifact_dir).activations == "int8"
         hooks = [module.register_forward_pre_hook(lambda _module, args: (quantize_activations(args[0]),))
                  for module in self.reference.modules()
-                 if int8 and isinstance(module, torch.nn.Linear)
-                 and int8_matmul.supports(fmt, module.out_features, module.in_features)]
+                 if int8 and (isinstance(module, torch.nn.Linear) or _is_conv1d(module))
+                 and int8_matmul.supports(fmt, *_rows_and_columns(module))]
         try:
             yield
         finally:
@@ -145,6 +147,17 @@ class TinyModel:
                 pad_token_id=0,
             )
         return out[0, len(ids):].tolist()
+
+
+def _is_conv1d(module) -> bool:
+    """transformers' Conv1D (GPT-2's projections): a linear layer whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D" and module.weight.ndim == 2
+
+
+def _rows_and_columns(module) -> tuple[int, int]:
+    """(out, in) features of a linear layer or a Conv1D."""
+    out_features, in_features = module.weight.shape
+    return (in_features, out_features) if _is_conv1d(module) else (out_features, in_features)
 
 
 def quantize_activations(x):
@@ -182,17 +195,18 @@ class TinyModels:
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
-    def exported(self, name: str) -> TinyModel:
-        """The tiny model `name` compiled through `--frontend torch-export`, once per session."""
-        key = f"{name}-torch-export"
+    def exported(self, name: str, quantization: str = "q0f32") -> TinyModel:
+        """The tiny model `name` compiled through `--frontend torch-export` with `--quant quantization`, once
+        per session."""
+        key = f"{name}-torch-export-{quantization}"
         if key not in self._models:
             from ember.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
-            options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, frontend="torch-export",
-                                     show_progress=False)
+            options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+                                     frontend="torch-export", show_progress=False)
             compile_model(model_dir, artifact_dir, options)
-            self._models[key] = TinyModel(name, model_dir, artifact_dir)
+            self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
     def __getitem__(self, name: str) -> TinyModel:

@@ -405,3 +405,12 @@ def test_eval_refuses_a_window_longer_than_the_artifact_holds(tiny_models, tmp_p
     artifact = tiny_models["llama"].artifact_dir
     result = run_ember("eval", str(artifact), "--perplexity", str(text_file), "--window", "5000")
     assert result.returncode == 1 and "--window 5000" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("quantization", ("q8f32", "q4f32"))
+def test_imported_gpt2_quantized_matches_the_format(tiny_models, quantization):
+    """GPT-2 through `--frontend torch-export` (no hand-written definition; Conv1D weights stored [in, out],
+    one fused c_attn, a learned position table): the quantization pass is format-exact on an imported graph
+    too, against transformers running every 2-D weight quantized and unpacked by the format's numpy
+    reference, as above."""
+    _assert_logits_match_reference(tiny_models.exported("gpt2", quantization))
