@@ -107,8 +107,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                    epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     compile_.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
                                         "Q4_1 weights as stored, K-quants re-quantized to the closest format with "
-                                        "at least their bits and the error printed), or `demo` for the bundled "
-                                        "demo model")
+                                        "at least their bits and the error printed), an .onnx file of a decoder's "
+                                        "full-sequence forward (logits = f(input_ids), as torch.onnx.export writes "
+                                        "it; see --tokenizer), or `demo` for the bundled demo model")
     compile_.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     compile_.add_argument("--target", default="cpu",
                           help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
@@ -122,11 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                "on CPUs, q0f16 on GPUs): "
                                + ", ".join(
                               f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)" for fmt in FORMATS.values()))
-    compile_.add_argument("--frontend", default="builtin", choices=("builtin", "torch-export"),
-                          help="how a checkpoint directory's graph is built: builtin (ember's own definition of "
-                               "the llama/mistral/qwen2 family) or torch-export (transformers builds the model, "
-                               "torch.export traces it, ember's passes find its attention; needs torch and "
-                               "transformers at compile time)")
+    _add_graph_arguments(compile_)
     compile_.add_argument("--keep-embedding", action="store_true",
                           help="leave the token embedding in the compute dtype (quantized formats only)")
     compile_.add_argument("--keep-lm-head", action="store_true",
@@ -176,6 +173,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-batch", type=int, default=8, help="as for compile (default 8)")
     tune.add_argument("--float-activations", action="store_true",
                       help="as for compile: q8f32/q4f32 projections stay float kernels, which tuning can search")
+    _add_graph_arguments(tune)
     _add_farm_arguments(tune)
     tune.set_defaults(run=_run_tune)
 
@@ -338,6 +336,18 @@ def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
                              "else one per physical core)")
 
 
+def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+    """compile's and tune's options of where a model's graph comes from."""
+    parser.add_argument("--frontend", default="builtin", choices=("builtin", "torch-export"),
+                          help="how a checkpoint directory's graph is built: builtin (ember's own definition of "
+                               "the llama/mistral/qwen2 family) or torch-export (transformers builds the model, "
+                               "torch.export traces it, ember's passes find its attention; needs torch and "
+                               "transformers at compile time)")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                          help="an .onnx file's Hugging Face directory: its config.json (context length, token ids) "
+                               "and tokenizer files (default: the directory the .onnx file is in)")
+
+
 def _run_compile(args: argparse.Namespace) -> int:
     from ember.artifact_dir import check_output_dir
 
@@ -353,6 +363,7 @@ def _run_compile(args: argparse.Namespace) -> int:
         keep_embedding=args.keep_embedding,
         keep_lm_head=args.keep_lm_head,
         frontend=args.frontend,
+        tokenizer_dir=args.tokenizer,
         float_activations=args.float_activations,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
@@ -380,7 +391,8 @@ def _run_tune(args: argparse.Namespace) -> int:
 
     options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
                           budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
-                          max_batch=args.max_batch, float_activations=args.float_activations, farm=_farm(args))
+                          max_batch=args.max_batch, float_activations=args.float_activations, farm=_farm(args),
+                          frontend=args.frontend, tokenizer_dir=args.tokenizer)
     report = tune_model(model, options)
     print(f"tuned {len(report)} kernels into {args.db}")
     return 0
@@ -439,7 +451,13 @@ def _mixed_formats(manifest) -> str:
 
 
 def _source_weight_rows(record: dict) -> list[tuple[str, str]]:
-    """`inspect` rows for a GGUF source: its hash, and what each group of its tensors became."""
+    """`inspect` rows for where the graph and weights came from beyond the source path: an imported graph's
+    importer; for a GGUF source its hash and what each group of its tensors became."""
+    if record["format"] == "onnx":
+        return [("graph", "the ONNX file's (weights from its initializers)"),
+                ("config, tokenizer", str(record.get("config_dir")))]
+    if record.get("frontend") == "torch-export":
+        return [("graph", "traced by torch.export from transformers' code (--frontend torch-export)")]
     if record["format"] != "gguf":
         return []
     from ember.frontend.gguf import conversion_summary
@@ -657,8 +675,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_dir(argument: str) -> Path:
-    """MODEL as given to compile or tune: `demo`, a checkpoint directory or a GGUF file; a hub id is told what to do."""
+    """MODEL as given to compile or tune: `demo`, a checkpoint directory, a GGUF or an ONNX file; a hub id is told
+    what to do."""
     from ember.frontend.gguf import check_gguf_header, is_gguf_file
+    from ember.frontend.files import is_onnx_file
 
     if argument in ("demo", "demo-draft"):
         return DEMO_MODEL_DIR if argument == "demo" else DEMO_DRAFT_DIR
@@ -668,6 +688,8 @@ def _checkpoint_dir(argument: str) -> Path:
     if is_gguf_file(path):
         check_gguf_header(path)
         return path
+    if is_onnx_file(path):
+        return path
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", argument):
         local = argument.rsplit("/", 1)[1]
         raise EmberError(f"{argument}: no such directory; ember compiles a checkpoint on disk and never downloads: "
@@ -675,9 +697,9 @@ def _checkpoint_dir(argument: str) -> Path:
                          f"`huggingface-cli download` in older versions), then `ember compile {local} ...`")
     if not path.exists():
         raise EmberError(f"{argument}: no such directory (expected a Hugging Face checkpoint directory, a GGUF "
-                         "file, or `demo`)")
-    raise EmberError(f"{argument}: not a directory or a GGUF file (expected a Hugging Face checkpoint directory "
-                     "or a .gguf file)")
+                         "or ONNX file, or `demo`)")
+    raise EmberError(f"{argument}: not a directory, a GGUF or an ONNX file (expected a Hugging Face checkpoint "
+                     "directory, a .gguf or an .onnx file)")
 
 
 def _parse_bytes(text: str) -> int:

@@ -24,7 +24,7 @@ import ember
 from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.codegen import build_library, cross_linker
 from ember.convert import quantized_sources, write_params
-from ember.errors import EmberError, ModelError
+from ember.errors import EmberError
 from ember.frontend.config import ModelConfig
 from ember.frontend import source as model_source
 from ember.frontend.gguf import conversion_summary
@@ -64,6 +64,7 @@ class CompileOptions:
     memory_budget: int | None = None  # None: most of a GPU target's memory; on CPUs see `_memory_budget`
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     frontend: str = "builtin"  # a checkpoint directory's importer: "builtin" (hand-written) or "torch-export"
+    tokenizer_dir: Path | None = None  # an ONNX file's tokenizer and config.json (default: the file's directory)
     show_progress: bool = True
 
 
@@ -100,8 +101,10 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     with staging_dir(output_dir) as staging:
         stage = _stage_printer(options.show_progress, start)
         stage(f"importing {model_dir}")
-        imported = model_source.import_model(model_dir, target.target, model_dtype, frontend=options.frontend)
-        config = imported.config
+        imported = model_source.import_model(model_dir, target.target, model_dtype, frontend=options.frontend,
+                                             tokenizer_dir=options.tokenizer_dir)
+        mod = pipeline.with_entries(imported.mod, target)
+        config = _attention_as_built(mod, imported.config)
         prefill_chunk = min(options.prefill_chunk, config.context_window)
         tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}
 
@@ -111,8 +114,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
                                               int8_activations=not options.float_activations,
                                               tensor_formats=tensor_formats)
         with tvm_warnings_hidden():
-            lowered = pipeline.lower(imported.mod, target, lower_options)
-        config = _attention_as_built(lowered, config, model_dir)
+            lowered = pipeline.lower(mod, target, lower_options)
         schedules = schedule_sources(lowered)
         recipes = get_recipes(lowered)
         quantized = quantized_sources(recipes)
@@ -148,17 +150,14 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
 
 
-def _attention_as_built(lowered: tvm.IRModule, config: ModelConfig, model_dir: Path) -> ModelConfig:
-    """`config` with the KV cache's shape as the graph built it (`KV_CACHE_ATTR`): the manifest, the memory report
-    and `ember analyze` read the config. An imported graph's cache is sized by the attention found in it, the
-    authority where a family names its key/value heads its own way (Falcon's `multi_query`); its layers and
-    query heads must still be those the config describes."""
-    built = {key: int(value) for key, value in lowered.attrs[KV_CACHE_ATTR].items()}
-    described = {"num_layers": config.num_hidden_layers, "num_heads": config.num_attention_heads}
-    if {key: built[key] for key in described} != described:
-        raise ModelError(f"{model_dir}: the graph has {built['num_layers']} attention layers of {built['num_heads']} "
-                         f"heads, but its config describes {described['num_layers']} of {described['num_heads']}")
-    return dataclasses.replace(config, num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
+def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
+    """`config` with the KV cache's shape as the graph built it (`KV_CACHE_ATTR`), which the manifest, the memory
+    report and `ember analyze` read. The same values for ember's own definitions; for an imported graph, the
+    attention found in it, the authority where a family names its sizes its own way (Falcon's `multi_query`) or
+    a file has no config of them (ONNX)."""
+    built = {key: int(value) for key, value in mod.attrs[KV_CACHE_ATTR].items()}
+    return dataclasses.replace(config, num_hidden_layers=built["num_layers"], num_attention_heads=built["num_heads"],
+                               num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
 
 
 def _stage_printer(show: bool, start: float) -> Callable[[str], None]:

@@ -61,8 +61,9 @@ class Manifest:
     params: list[str]
     memory: dict[str, Any]
     source: str
-    # The weights' source beyond its path: {"format": "huggingface"}, or for a GGUF file its sha256 and
-    # per tensor its stored type and what ember made of it (`ember.frontend.source.source_record`).
+    # The weights' source beyond its path (`ember.frontend.source.source_record`): {"format": "huggingface",
+    # "frontend": "builtin" | "torch-export"}; for an ONNX file {"format": "onnx", "config_dir": its config and
+    # tokenizer's directory}; for a GGUF file its sha256 and per tensor its stored type and what ember made of it.
     source_weights: dict[str, Any]
     # Every file but the manifest, by path relative to the artifact: {"sha256": hex, "size": bytes}.
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -270,7 +271,7 @@ SCHEMA: dict[str, Any] = {
                             lambda v: isinstance(v, dict) and all(map(_COUNT[1], v.values()))),
     },
     "source": _TEXT,
-    "source_weights": {"format": _one_of("huggingface", "gguf")},
+    "source_weights": {"format": _one_of("huggingface", "gguf", "onnx")},
     "files": _OBJECT,
     "kept_float": {"embedding": _FLAG, "lm_head": _FLAG},
     "activations": _one_of("int8", "float"),

@@ -96,6 +96,8 @@ class TuneOptions:
     keep_embedding: bool = False
     keep_lm_head: bool = False
     float_activations: bool = False  # as for compile: projections stay float kernels (and tunable)
+    frontend: str = "builtin"  # as for compile: whose graph a checkpoint directory is
+    tokenizer_dir: Path | None = None  # as for compile: an ONNX file's config.json and tokenizer
     # Checkpoint tensor -> format, as an artifact recorded them (`model_source.recorded_formats`); without them and
     # without a --quant, a GGUF file's weights keep their own types, as for compile.
     tensor_formats: dict[str, str] = field(default_factory=dict)
@@ -152,7 +154,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         measurer = Measurer.on(options.farm, devices, target)
 
     fmt = FORMATS[quantization]
-    imported = model_source.import_model(model, target.target, fmt.dtype)
+    imported = model_source.import_model(model, target.target, fmt.dtype, frontend=options.frontend,
+                                         tokenizer_dir=options.tokenizer_dir)
     tensor_formats = options.tensor_formats or (
         model_source.stored_formats(imported) if options.quantization is None else {})
     _progress(f"extracting kernels of {model}")
@@ -427,7 +430,8 @@ def _evaluate(kernel: HotKernel, trials: int, database: TuningDatabase, target: 
 
 
 def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions]:
-    """An artifact stands for its source checkpoint (directory or GGUF file), compiled with the artifact's options."""
+    """An artifact stands for its source (a checkpoint directory, a GGUF or ONNX file), compiled with the artifact's
+    options and frontend."""
     if not (model / MANIFEST_NAME).exists():
         return model, options
     manifest = read_manifest(model)
@@ -439,7 +443,9 @@ def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions
         max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
         keep_lm_head=manifest.kept_float["lm_head"],
         float_activations=manifest.activations == "float",
-        tensor_formats=model_source.recorded_formats(manifest.source_weights, manifest.model_dtype))
+        tensor_formats=model_source.recorded_formats(manifest.source_weights, manifest.model_dtype),
+        frontend=model_source.recorded_frontend(manifest.source_weights),
+        tokenizer_dir=model_source.recorded_config_dir(manifest.source_weights))
 
 
 def _called_kernels(func: relax.Function) -> list[str]:

@@ -128,6 +128,48 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return parse_model_config(read_json_object(path), path, generation, generation_path)
 
 
+# Where families name what ember reads of a graph it imports (transformers' per-family attribute maps,
+# for these keys): GPT-2's n_embd, OPT's ffn_dim, Falcon's num_kv_heads, ...
+_IMPORTED_KEYS = {
+    "model_type": ("model_type",),
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
+    "head_dim": ("head_dim",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                                "max_sequence_length"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+    "torch_dtype": ("torch_dtype",),
+    "dtype": ("dtype",),
+    "bos_token_id": ("bos_token_id",),
+    "eos_token_id": ("eos_token_id",),
+}
+
+
+def imported_model_config(model_dir: Path) -> ModelConfig:
+    """What ember reads of any architecture's `model_dir/config.json` for a graph it imports (torch.export,
+    ONNX): sizes under the names families give them, the context window, token ids; the attention's layers
+    and heads are the graph's (the compiler takes them from the attention it finds), and position encodings
+    are computed in the graph, so rope settings are not read."""
+    path = checkpoint_file(model_dir, "config.json")
+    raw = read_json_object(path)
+    canonical = {key: next((raw[name] for name in names if raw.get(name) is not None), None)
+                 for key, names in _IMPORTED_KEYS.items()}
+    canonical["model_type"] = canonical["model_type"] or "unknown"
+    if canonical["max_position_embeddings"] is None:
+        raise ModelError(f"{path}: no context length ({', '.join(_IMPORTED_KEYS['max_position_embeddings'])}); "
+                         "ember sizes the KV cache by it")
+    if canonical["intermediate_size"] is None and isinstance(canonical["hidden_size"], int):
+        canonical["intermediate_size"] = 4 * canonical["hidden_size"]
+    generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
+    generation = read_json_object(generation_path) if generation_path else {}
+    return parse_model_config({k: v for k, v in canonical.items() if v is not None}, path, generation,
+                              generation_path, any_architecture=True)
+
+
 def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", generation: dict[str, Any] | None = None,
                        generation_path: Path | str | None = None, any_architecture: bool = False) -> ModelConfig:
     """Validate a parsed HF config dict (against `SCHEMA`) and map it onto `ModelConfig`.

@@ -25,6 +25,12 @@ MAX_JSON_BYTES = 16 * 1024 * 1024  # config, generation, index and tokenizer_con
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024  # tokenizer.json of a 256k vocabulary is ~30 MB
 
 
+def is_onnx_file(path: Path) -> bool:
+    """Whether `path` names an ONNX file, by its suffix (the format has no magic number); here, where the CLI
+    can check a path without importing the compiler."""
+    return Path(path).suffix.lower() == ".onnx" and Path(path).is_file()
+
+
 def checkpoint_file(model_dir: Path, name: str, listed_in: Path | None = None) -> Path:
     """`model_dir/name`, checked to be a regular file inside the checkpoint; `listed_in` names the file naming it."""
     path = Path(model_dir) / name

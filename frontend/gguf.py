@@ -465,7 +465,7 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
     import tempfile
 
     from ember.frontend.gguf_tokenizer import write_tokenizer_files
-    from ember.frontend.hf import ImportedModel, _check_tensor, _check_tokenizer_files, build_module
+    from ember.frontend.hf import ImportedModel, _check_tensor, build_module, check_tokenizer_files
 
     path = Path(path)
     reader = open_gguf(path)
@@ -475,7 +475,7 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
         workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
         atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     tokenizer_files = write_tokenizer_files(Metadata(reader, path), workdir)
-    _check_tokenizer_files(tokenizer_files, config)
+    check_tokenizer_files(tokenizer_files, config)
     mod, shapes = build_module(config, target, model_dtype)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)

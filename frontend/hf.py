@@ -21,7 +21,7 @@ import tvm
 from tokenizers import Tokenizer
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, load_model_config
+from ember.frontend.config import ModelConfig, imported_model_config, load_model_config
 from ember.frontend.files import (
     MAX_TOKENIZER_BYTES,
     check_file_size,
@@ -48,7 +48,8 @@ class ImportedModel:
     weights: CheckpointWeights
     tokenizer_files: list[Path]
     model_dtype: str
-    frontend: str = "builtin"  # what built the graph: ember's model definition, or "torch-export"
+    frontend: str = "builtin"  # what built the graph: ember's model definition, "torch-export" or "onnx"
+    config_dir: Path | None = None  # an ONNX file's: where its config.json and tokenizer files were read
 
 
 def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32",
@@ -58,15 +59,9 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
-    if exported:
-        from ember.frontend.torch_export import exported_model_config  # imports torch: only when asked
-
-        config = exported_model_config(model_dir)
-    else:
-        config = load_model_config(model_dir)
+    config = imported_model_config(model_dir) if exported else load_model_config(model_dir)
     weights = CheckpointWeights(model_dir)
-    tokenizer_files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model_dir, name))]
-    _check_tokenizer_files(tokenizer_files, config)
+    tokenizer_files = checked_tokenizer_files(model_dir, config)
     if exported:
         from ember.frontend.torch_export import build_exported_module  # imports torch: only when asked
 
@@ -78,7 +73,14 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype, "torch-export" if exported else "builtin")
 
 
-def _check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
+def checked_tokenizer_files(directory: Path, config: ModelConfig) -> list[Path]:
+    """The tokenizer files (`TOKENIZER_FILES`) in `directory`, each loaded as the runtime will load it."""
+    paths = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(directory, name))]
+    check_tokenizer_files(paths, config)
+    return paths
+
+
+def check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
     """Load what the runtime will load, so that a broken tokenizer fails the compile, not the first generate."""
     for path in paths:
         if path.name == "tokenizer.json":

@@ -1,4 +1,4 @@
-"""Pick the importer for a model path: a GGUF file, or a Hugging Face checkpoint directory."""
+"""Pick the importer for a model path: a GGUF file, an ONNX file, or a Hugging Face checkpoint directory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import tvm
 
 from ember.errors import EmberError
-from ember.frontend import gguf
+from ember.frontend import gguf, onnx
+from ember.frontend.files import is_onnx_file
 from ember.frontend.hf import ImportedModel, import_hf_model
 
 
@@ -16,19 +17,27 @@ FRONTENDS = ("builtin", "torch-export")
 
 
 def import_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32",
-                 workdir: Path | None = None, frontend: str = "builtin") -> ImportedModel:
-    """Import `path`: a GGUF file (by suffix or magic) or a Hugging Face checkpoint directory, whose graph
-    `frontend` builds: ember's hand-written model definition, or `torch.export` of transformers' own code.
+                 workdir: Path | None = None, frontend: str = "builtin",
+                 tokenizer_dir: Path | None = None) -> ImportedModel:
+    """Import `path`: a GGUF file (by suffix or magic), an ONNX file (by suffix; its tokenizer and config.json in
+    `tokenizer_dir`, by default beside it) or a Hugging Face checkpoint directory, whose graph `frontend` builds:
+    ember's hand-written model definition, or `torch.export` of transformers' own code.
 
     `workdir` receives files the importer writes (a GGUF file's tokenizer.json); see `import_gguf_model`.
     """
+    path = Path(path)
     if frontend not in FRONTENDS:
         raise EmberError(f"--frontend {frontend!r} is not supported; choose one of {', '.join(FRONTENDS)}")
-    if gguf.is_gguf_file(Path(path)):
+    if tokenizer_dir is not None and not is_onnx_file(path):
+        raise EmberError(f"--tokenizer {tokenizer_dir}: only an ONNX file takes its tokenizer from another "
+                         f"directory; {path} has its own")
+    if gguf.is_gguf_file(path) or is_onnx_file(path):
         if frontend != "builtin":
-            raise EmberError(f"--frontend {frontend}: {path} is a GGUF file, which only the builtin frontend reads")
-        return gguf.import_gguf_model(Path(path), target, model_dtype, workdir)
-    return import_hf_model(Path(path), target, model_dtype, exported=frontend == "torch-export")
+            raise EmberError(f"--frontend {frontend}: {path} is a {path.suffix} file, which is imported as it is")
+        if is_onnx_file(path):
+            return onnx.import_onnx_model(path, tokenizer_dir, model_dtype)
+        return gguf.import_gguf_model(path, target, model_dtype, workdir)
+    return import_hf_model(path, target, model_dtype, exported=frontend == "torch-export")
 
 
 def default_quantization(path: Path, target_default: str) -> str:
@@ -54,10 +63,24 @@ def recorded_formats(record: dict[str, Any], model_dtype: str) -> dict[str, str]
             for name, entry in record.get("conversion", {}).items()}
 
 
+def recorded_frontend(record: dict[str, Any]) -> str:
+    """The `--frontend` an artifact's manifest `source_record` says built its graph (an ONNX file's is implied by
+    the file)."""
+    frontend = record.get("frontend", "builtin")
+    return frontend if frontend in FRONTENDS else "builtin"
+
+
+def recorded_config_dir(record: dict[str, Any]) -> Path | None:
+    """Where an ONNX source's config.json and tokenizer were read, as its artifact's manifest records it."""
+    return Path(record["config_dir"]) if record.get("config_dir") else None
+
+
 def source_record(imported: ImportedModel, quantized: dict[str, Any]) -> dict[str, Any]:
     """What the manifest records of the weights' source beyond its path: for a GGUF file its hash and,
     per tensor, the stored type and whether its format in `quantized` (tensor name -> `QuantFormat`, the
     quantized ones) kept it or converted it (with the conversion's error)."""
+    if imported.frontend == "onnx":
+        return {"format": "onnx", "frontend": "onnx", "config_dir": str(imported.config_dir.resolve())}
     if not isinstance(imported.weights, gguf.GGUFWeights):
         return {"format": "huggingface", "frontend": imported.frontend}
     return {**gguf.source_record(imported.weights), "conversion": imported.weights.conversion_report(quantized)}

@@ -26,11 +26,10 @@ import tvm
 from tvm import relax
 
 from ember.errors import ModelError
-from ember.frontend.config import ModelConfig, parse_model_config
-from ember.frontend.files import checkpoint_file, optional_checkpoint_file, read_json_object
+from ember.frontend.config import ModelConfig
+from ember.frontend.traced_weights import read_weights_transposed
 from ember.frontend.weights import CheckpointWeights
 from ember.ir.attributes import FORWARD
-from ember.ir.module_utils import bindings, is_op
 from ember.ir.weight_recipes import set_recipes
 
 
@@ -110,9 +109,7 @@ def import_module(model, max_seq_len: int,
                                               tir_var_upper_bound={seq.name: max_seq_len}))
     shapes = {p.name: tuple(int(d) for d in p.ty.shape) for p in renamed}
     recipes = {p.name: {"op": "load", "name": p.name} for p in renamed}
-    forward, transposed = _weights_read_transposed(forward)
-    for name in transposed:
-        recipes[name] = {"op": "transpose", "input": recipes[name]}
+    forward, recipes = read_weights_transposed(forward, recipes)
     return set_recipes(tvm.IRModule({FORWARD: forward}), recipes), shapes
 
 
@@ -150,47 +147,6 @@ def _checkpoint_names(model, stored: Callable[[str], bool]) -> Callable[[str], s
     return checkpoint_name
 
 
-def _weights_read_transposed(func: relax.Function) -> tuple[relax.Function, list[str]]:
-    """`func` with each 2-D weight it only multiplies as x @ W (transformers' Conv1D: GPT-2 stores its
-    projections [in, out]) taken as [out, in] and read as x @ permute_dims(W): the form ember's projection
-    passes (fusion, quantization, panels) match. Returns the weights it transposed."""
-    num_input = int(func.attrs["num_input"])
-    weights = set(func.params[num_input:])
-    right_operands, other_uses = set(), set()
-    for binding in bindings(func):
-        value = binding.value
-        if is_op(value, "relax.matmul") and value.args[1] in weights and len(value.args[1].ty.shape) == 2:
-            right_operands.add(value.args[1])
-            reads = [value.args[0]]
-        else:
-            reads = [value]
-        other_uses |= {var for var in relax.analysis.free_vars(relax.Tuple(reads)) if var in weights}
-    chosen = right_operands - other_uses
-    if not chosen:
-        return func, []
-    stored = {w: relax.Var(w.name, relax.TensorType(list(w.ty.shape)[::-1], w.ty.dtype)) for w in chosen}
-    body = _ReadTransposed(stored).visit_expr(func.body)
-    params = [stored.get(p, p) for p in func.params]
-    return relax.Function(params, body, None, func.is_pure, func.attrs), [w.name for w in chosen]
-
-
-@relax.expr_functor.mutator
-class _ReadTransposed(relax.PyExprMutator):
-    def __init__(self, stored: dict[relax.Var, relax.Var]) -> None:
-        super().__init__()
-        self.stored = stored
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        value = binding.value
-        if is_op(value, "relax.matmul") and value.args[1] in self.stored:
-            weight = self.builder_.emit(relax.op.permute_dims(self.stored[value.args[1]]))
-            product = relax.op.matmul(self.visit_expr(value.args[0]), weight, value.attrs.out_dtype)
-            emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
-            self.set_var_remap(binding.var, emit(product))
-            return
-        super().visit_var_binding_(binding)
-
-
 @contextlib.contextmanager
 def _quiet():
     """transformers and torch.export log and print while they work; a compile shows only its own progress."""
@@ -202,26 +158,3 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
-
-
-# The config keys every architecture has under some name, which transformers' config classes resolve.
-_SIZE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
-
-
-def exported_model_config(model_dir: Path) -> ModelConfig:
-    """The sizes ember needs of any transformers architecture: its config read by transformers (which
-    resolves each family's own key names, GPT-2's `n_embd` as `hidden_size`), checked by ember's schema."""
-    import transformers
-
-    path = checkpoint_file(model_dir, "config.json")
-    raw = read_json_object(path)
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, OSError) as err:
-        raise ModelError(f"{path}: transformers cannot read this config: {str(err).splitlines()[0]}") from None
-    canonical = {key: getattr(config, key) for key in _SIZE_KEYS if getattr(config, key, None) is not None}
-    canonical.setdefault("intermediate_size", getattr(config, "n_inner", None) or 4 * config.hidden_size)
-    generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
-    generation = read_json_object(generation_path) if generation_path else {}
-    return parse_model_config({**raw, **canonical}, path, generation, generation_path, any_architecture=True)

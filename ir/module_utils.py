@@ -46,6 +46,12 @@ def is_weight_transpose(expr: relax.Expr, weights: Container[relax.Var]) -> bool
     return len(expr.args[0].ty.shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0])
 
 
+def permute_axes(permute: relax.Call) -> list[int]:
+    """The axes of a `permute_dims` call (None means reversed)."""
+    rank = len(permute.args[0].ty.shape)
+    return [int(a) for a in permute.attrs.axes] if permute.attrs.axes is not None else list(range(rank))[::-1]
+
+
 def scalar_constant(expr: relax.Expr) -> float | None:
     """The value of `expr` if it is a constant holding one number (`R.const(0.5)`), else None."""
     if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:

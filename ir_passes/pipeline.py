@@ -31,6 +31,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
+from ember.ir_passes.fold_permute_chains import fold_permute_chains
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.fuse_rms_norm import fuse_rms_norm
@@ -76,6 +77,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
     """Model-level rewrites on Relax operators, before any lowering."""
     tensor_formats = {name: FORMATS[fmt] for name, fmt in options.tensor_formats.items()}
     return [
+        # Transposes that cancel (an imported graph's head layouts meeting the cache's) go.
+        fold_permute_chains,
         # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.
         fuse_rms_norm,
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
@@ -153,6 +156,13 @@ def finalize_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
         relax.transform.VMShapeLower(),
         relax.transform.AttachGlobalSymbol(),
     ] + ([] if target.is_gpu else [noalias_kernels])  # after VMShapeLower, which adds shape functions
+
+
+def with_entries(mod: tvm.IRModule, target: TargetSpec) -> tvm.IRModule:
+    """Only the first phase: an imported graph's entries and KV cache, whose shape the compiler reads before
+    lowering (`KV_CACHE_ATTR`); a module built with its entries is returned as it is."""
+    with target.target:
+        return tvm.transform.Sequential(imported_graph_passes(target))(mod)
 
 
 def to_kernels(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:

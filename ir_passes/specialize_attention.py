@@ -50,10 +50,11 @@ from tvm.relax.utils import copy_with_new_vars
 from ember.errors import ModelError
 from ember.ir.attributes import FORWARD, ROPE_ATTR, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
-from ember.ir.module_utils import bindings, is_op, scalar_constant
+from ember.ir.module_utils import bindings, is_op, permute_axes, scalar_constant
 
 KV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
+_HEADS_FIRST = [0, 2, 1, 3]  # [1, n, heads, d] <-> [1, heads, n, d]
 # entry -> (its symbolic token count, how input_ids arrive)
 ENTRIES = {"prefill": "seq_len", "decode": "batch_size", "verify": VERIFY_LEN}
 
@@ -175,7 +176,7 @@ class _Graph:
         q, q_scale = self._strip(product.args[0], where)
         keys_t, k_scale = self._strip(product.args[1], where)
         transposed = self.values.get(keys_t)
-        if not (is_op(transposed, "relax.permute_dims") and [int(a) for a in transposed.attrs.axes] == [0, 1, 3, 2]):
+        if not (is_op(transposed, "relax.permute_dims") and _swaps_last_two(transposed)):
             raise ModelError(f"{' <- '.join(where)}: the keys of q @ k^T are not transposed [1, heads, n, d]")
         keys, more_scale = self._strip(transposed.args[0], where)
         k = self._unrepeat(keys, " <- ".join(where))
@@ -234,9 +235,11 @@ class _Graph:
 
     def _consumer(self, var: relax.Var) -> relax.VarBinding | None:
         """The matmul reading `var` through views and a guard for rows masked out entirely
-        (where(all masked, 0, softmax), which transformers' sdpa decomposition adds)."""
+        (where(all masked, 0, softmax), which transformers' sdpa decomposition adds; where(isnan(softmax), 0,
+        softmax), as ONNX exporters write it)."""
         while True:
-            users = [b for b in self.users.get(var, []) if not is_op(b.value, "relax.full_like")]
+            users = [b for b in self.users.get(var, [])
+                     if not (is_op(b.value, "relax.full_like") or is_op(b.value, "relax.isnan"))]
             if len(users) != 1:
                 return None
             value = users[0].value
@@ -348,6 +351,7 @@ class _Entry(relax.PyExprMutator):
         self.attentions: dict[relax.Var, _Attention] = {}
         self.narrowed: set[relax.Var] = set()  # prefill: variables holding rows at logit_positions only
         self.values: dict[relax.Var, relax.Expr] = {}
+        self.tokens_first_outputs: dict[relax.Var, relax.Expr] = {}  # attention output -> the cache's [1, n, h, d]
         self.lm_head: relax.Var | None = None
         self.returned: relax.Var | None = None
         self.input_ids: relax.Var | None = None
@@ -379,6 +383,10 @@ class _Entry(relax.PyExprMutator):
         value = binding.value
         if binding.var in self.attentions:
             self.set_var_remap(binding.var, self._cached_attention(self.attentions[binding.var]))
+        elif (is_op(value, "relax.permute_dims") and value.args[0] in self.tokens_first_outputs
+              and permute_axes(value) == _HEADS_FIRST):
+            # The graph turns the attention's output back to [1, n, heads, d]: the cache's output is that already.
+            self.set_var_remap(binding.var, self.tokens_first_outputs[value.args[0]])
         elif is_op(value, "relax.arange") and _counts_tokens(value, self.count):
             positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
                                                                   ty_args=relax.TensorType([self.count], "int32")))
@@ -418,8 +426,7 @@ class _Entry(relax.PyExprMutator):
     def _cached_attention(self, attention: _Attention) -> relax.Expr:
         emit = self.builder_.emit
         # [1, heads, n, d] -> [1, n, heads, d]: the cache takes each token's heads together.
-        q, k, v = (emit(relax.op.permute_dims(self.visit_expr(x), [0, 2, 1, 3]))
-                   for x in (attention.q, attention.k, attention.v))
+        q, k, v = (self._tokens_first(x) for x in (attention.q, attention.k, attention.v))
         d, heads = attention.head_dim, attention.num_heads
         qkv = emit(relax.op.concat([q, k, v], axis=2))
         qkv = emit(relax.op.reshape(qkv, [self.count, heads + 2 * attention.num_kv_heads, d]))
@@ -427,8 +434,21 @@ class _Entry(relax.PyExprMutator):
         out = emit(relax.call_dps_packed(KV_ATTENTION, [self.cache, relax.prim_value(self.layer), scale, qkv],
                                          out_ty=relax.TensorType([self.count, heads, d], q.ty.dtype)))
         self.layer += 1
-        out = emit(relax.op.reshape(out, [1, self.count, heads, d]))
-        return emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
+        self.tokens_first_outputs[attention.output] = out = emit(relax.op.reshape(out, [1, self.count, heads, d]))
+        return emit(relax.op.permute_dims(out, _HEADS_FIRST))
+
+    def _tokens_first(self, x: relax.Var) -> relax.Expr:
+        """`x` ([1, heads, n, d]) as [1, n, heads, d]: the tensor the graph permuted it from, where it did (no copy)."""
+        value = self.values.get(x)
+        if is_op(value, "relax.permute_dims") and permute_axes(value) == _HEADS_FIRST:
+            return self.visit_expr(value.args[0])
+        return self.builder_.emit(relax.op.permute_dims(self.visit_expr(x), _HEADS_FIRST))
+
+
+def _swaps_last_two(permute: relax.Call) -> bool:
+    """permute_dims exchanging its last two axes ([0, 1, 3, 2], or [0, 2, 1] on a view of merged heads)."""
+    rank = len(permute.args[0].ty.shape)
+    return rank >= 2 and permute_axes(permute) == [*range(rank - 2), rank - 1, rank - 2]
 
 
 def _counts_tokens(arange: relax.Call, count: tirx.Var) -> bool:

@@ -14,7 +14,17 @@ its entries already is left as it is.
    vectorized (TVM fails to compile it), and it computes nothing: each empty operand
    of a `concat` is dropped (the concat itself where one operand is left), and the
    slices that made them die with it.
-3. **Indices from the end.** `x[..., [-2], :]` (Falcon splits its multi-query heads so)
+3. **A reciprocal square root in two operators.** ONNX has no rsqrt: RMSNorm's
+   `1 / sqrt(mean + eps)` is exported as Sqrt and Reciprocal; it becomes `rsqrt`, the
+   spelling `fuse_rms_norm` matches.
+4. **Cubes.** GELU's tanh form computes `pow(x, 3)`: as `x * x * x` it vectorizes
+   (a power is a libm call per element) and is exact for negative `x`, which TVM's code
+   generation warns a power of 3 or more may not be.
+5. **Projections of flattened rows.** torch's linear layer on [1, seq, in] traces as
+   `reshape(matmul(reshape(x, [seq, in]), W), [1, seq, out])`; as `matmul(x, W)` on the 3-D
+   activations (the form ember's own definitions have), FuseOps can fuse the projection
+   with its neighbours: the residual add, the activation, the split of a fused projection.
+6. **Indices from the end.** `x[..., [-2], :]` (Falcon splits its multi-query heads so)
    becomes `take(x, [-2], axis)` in TVM's importer, whose `fast` mode reads before the
    tensor's start: constant indices are counted from the start of the (static) axis.
 """
@@ -22,19 +32,20 @@ its entries already is left as it is.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
 from ember.ir.attributes import FORWARD
-from ember.ir.module_utils import replace_functions
+from ember.ir.module_utils import bindings, is_op, replace_functions, scalar_constant
 
 
 @tvm.transform.module_pass(opt_level=0, name="TidyTracedGraph")
 def tidy_traced_graph(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-    """`mod` with its imported `forward` deduplicated, free of empty tensors and of indices from the end."""
+    """`mod` with its imported `forward` tidied (see the module docstring)."""
     if FORWARD not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod
     forward = relax.transform.EliminateCommonSubexpr()(tvm.IRModule({FORWARD: mod[FORWARD]}))[FORWARD]
-    forward = _Tidy().visit_expr(forward)
+    forward = _Tidy(forward).visit_expr(forward)
     cleaned = relax.transform.DeadCodeElimination([FORWARD])(tvm.IRModule({FORWARD: forward}))[FORWARD]
     return replace_functions(mod, {FORWARD: cleaned})
 
@@ -61,15 +72,50 @@ def _indices_from_start(take: relax.Call) -> relax.Call:
 
 @relax.expr_functor.mutator
 class _Tidy(relax.PyExprMutator):
+    def __init__(self, func: relax.Function) -> None:
+        super().__init__()
+        self.values = {binding.var: binding.value for binding in bindings(func)}
+        self.readers: dict[relax.Var, int] = {}
+        for value in self.values.values():
+            for var in relax.analysis.free_vars(value):
+                self.readers[var] = self.readers.get(var, 0) + 1
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
+        root = self.values.get(call.args[1]) if len(call.args) > 1 else None
+        if is_op(call, "relax.divide") and scalar_constant(call.args[0]) == 1.0 and is_op(root, "relax.sqrt"):
+            return relax.op.rsqrt(self.visit_expr(root.args[0]))
+        if is_op(call, "relax.reshape") and (rows := self._projected_rows(call)) is not None:
+            x, weight, product = rows
+            return relax.op.matmul(self.visit_expr(x), self.visit_expr(weight), product.attrs.out_dtype)
         call = super().visit_call_(call)
-        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.take":
+        if is_op(call, "relax.power") and scalar_constant(call.args[1]) == 3.0:
+            x = call.args[0]
+            return relax.op.multiply(relax.op.multiply(x, x), x)
+        if is_op(call, "relax.take"):
             return _indices_from_start(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.concat"
-                and isinstance(call.args[0], relax.Tuple)):
-            return call
-        fields = call.args[0].fields
-        kept = [field for field in fields if not _is_empty(field)]
-        if len(kept) == len(fields) or not kept:
-            return call
-        return kept[0] if len(kept) == 1 else relax.op.concat(kept, axis=call.attrs.axis)
+        if is_op(call, "relax.concat") and isinstance(call.args[0], relax.Tuple):
+            return _without_empty_operands(call)
+        return call
+
+
+    def _projected_rows(self, reshape: relax.Call) -> tuple[relax.Expr, relax.Expr, relax.Call] | None:
+        """(x, W, the matmul) if `reshape` is reshape(matmul(reshape(x, [rows, in]), W), x's leading dims + [out]),
+        the matmul read by this reshape alone."""
+        product = self.values.get(reshape.args[0])
+        if not is_op(product, "relax.matmul") or self.readers.get(reshape.args[0]) != 1:
+            return None
+        flattened = self.values.get(product.args[0])
+        if not is_op(flattened, "relax.reshape") or len(product.args[1].ty.shape) != 2:
+            return None
+        x = flattened.args[0]
+        leading, wanted = list(x.ty.shape)[:-1], list(reshape.ty.shape)
+        same = len(wanted) == len(leading) + 1 and all(tvm_ffi.structural_equal(a, b) for a, b in zip(leading, wanted))
+        return (x, product.args[1], product) if same and len(product.ty.shape) == 2 else None
+
+
+def _without_empty_operands(concat: relax.Call) -> relax.Expr:
+    fields = concat.args[0].fields
+    kept = [field for field in fields if not _is_empty(field)]
+    if len(kept) == len(fields) or not kept:
+        return concat
+    return kept[0] if len(kept) == 1 else relax.op.concat(kept, axis=concat.attrs.axis)

@@ -209,6 +209,24 @@ class TinyModels:
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
+    def onnx(self, name: str) -> TinyModel:
+        """The tiny model `name` exported by `torch.onnx.export` and compiled from the .onnx file (through the
+        CLI, its tokenizer and config.json from the checkpoint directory), once per session."""
+        key = f"{name}-onnx"
+        if key not in self._models:
+            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
+            onnx_path = models.write_onnx(model_dir, self.root / "onnx" / name / f"{name}.onnx")
+            output = run_ember("compile", str(onnx_path), "--tokenizer", str(model_dir), "-o", str(artifact_dir),
+                               "--no-progress", "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
+            assert output.returncode == 0, output.stderr
+            self._models[key] = TinyModel(name, model_dir, artifact_dir, output)
+        return self._models[key]
+
+    def onnx_file(self, name: str) -> Path:
+        """The .onnx file `onnx(name)` compiled."""
+        self.onnx(name)
+        return self.root / "onnx" / name / f"{name}.onnx"
+
     def __getitem__(self, name: str) -> TinyModel:
         if name not in self._models:
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / name

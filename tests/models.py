@@ -99,6 +99,31 @@ def write_exported_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Pat
     return write_model(random_model(config, seed), out_dir)
 
 
+def write_onnx(model_dir: Path, out_path: Path) -> Path:
+    """The checkpoint at `model_dir` exported by `torch.onnx.export` (its dynamo exporter) as a full-sequence
+    forward, logits = f(input_ids[1, seq]), weights in an external data file beside `out_path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # sdpa attention, the default
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    ids = torch.tensor([[5, 7, 9, 11, 13]])
+    seq = torch.export.Dim("seq", max=model.config.max_position_embeddings)
+    torch.onnx.export(Logits().eval(), (ids,), str(out_path), dynamo=True, input_names=["input_ids"],
+                      output_names=["logits"], dynamic_shapes={"input_ids": {1: seq}}, verbose=False)
+    return out_path
+
+
 def make_config(model_type: str, **overrides: Any):
     """A transformers config of `model_type` with the tiny shapes (or `overrides`)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config

@@ -362,7 +362,7 @@ def test_tokenizer_files(checkpoint, edits, config_edits, whole):
     files the runtime loads, whose encoding of text holds only ids inside the model's vocabulary."""
     from ember.frontend.config import load_model_config
     from ember.frontend.files import optional_checkpoint_file
-    from ember.frontend.hf import TOKENIZER_FILES, _check_tokenizer_files
+    from ember.frontend.hf import TOKENIZER_FILES, check_tokenizer_files
     from ember.runtime.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,7 +383,7 @@ def test_tokenizer_files(checkpoint, edits, config_edits, whole):
         def compile_checks():
             model_config = load_model_config(model)
             files = [path for name in TOKENIZER_FILES if (path := optional_checkpoint_file(model, name))]
-            _check_tokenizer_files(files, model_config)
+            check_tokenizer_files(files, model_config)
             return model_config
 
         result, model_config = in_process(compile_checks)
@@ -741,13 +741,13 @@ def read_gguf(path: Path, workdir: Path):
     module: its tensor shapes from `gguf_shapes`), then every tensor loaded: (config, tensors, default --quant)."""
     from ember.frontend.gguf import GGUFWeights, Metadata, default_quantization, gguf_config, open_gguf
     from ember.frontend.gguf_tokenizer import write_tokenizer_files
-    from ember.frontend.hf import _check_tensor, _check_tokenizer_files
+    from ember.frontend.hf import _check_tensor, check_tokenizer_files
 
     quantization = default_quantization(path)
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     weights = GGUFWeights(path, reader, config)
-    _check_tokenizer_files(write_tokenizer_files(Metadata(reader, path), workdir), config)
+    check_tokenizer_files(write_tokenizer_files(Metadata(reader, path), workdir), config)
     shapes = gguf_shapes(config)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
