@@ -282,3 +282,65 @@ def test_noalias_kernels_keeps_the_matmul_register_tile_beside_a_kernel_without_
     marked = noalias_kernels(mod)
     assert all(bool(func.attrs["tirx.noalias"]) for _, func in marked.functions_items())
     assert "ptr noalias" in compute_function(marked)
+
+
+def _ops(func: relax.Function) -> list[str]:
+    return [b.value.op.name.removeprefix("relax.") for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+
+
+def test_fold_permute_chains_composes_and_drops_identities() -> None:
+    """[1, n, h, d] -> [1, h, n, d] -> [n, 1, h, d] -> [1, n, h, d] cancels out; a chain that does not cancel
+    becomes one permutation; the values stay."""
+    from ember.ir_passes.fold_permute_chains import fold_permute_chains
+
+    x = relax.Var("x", relax.TensorType([1, 3, 2, 4], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+            b = bb.emit(relax.op.permute_dims(a, [2, 0, 1, 3]))
+            back = bb.emit(relax.op.permute_dims(b, [1, 0, 2, 3]))
+            other = bb.emit(relax.op.permute_dims(a, [0, 1, 3, 2]))
+            out = bb.emit_output(relax.Tuple([relax.op.add(back, back), other]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    folded = fold_permute_chains(mod)
+    assert _ops(folded["main"]).count("permute_dims") == 1  # `other` composed into one; the identity chain gone
+    values = np.random.default_rng(0).standard_normal((1, 3, 2, 4)).astype("float32")
+    for expected, actual in zip(_run(mod, [values]), _run(folded, [values])):
+        np.testing.assert_array_equal(actual, expected)
+
+
+def test_tidy_traced_graph_unflattens_projections_and_drops_empty_operands() -> None:
+    """reshape(matmul(reshape(x, [n, k]), W), [1, n, o]) becomes matmul(x, W) on the 3-D x; a concat's empty
+    operand (a zero-width rest of a partial rotary) goes; 1/sqrt(x) becomes rsqrt(x); x**3 multiplications."""
+    from ember.ir.attributes import FORWARD
+    from ember.ir_passes.tidy_traced_graph import tidy_traced_graph
+
+    n = tvm.tirx.Var("seq", "int64")
+    x = relax.Var("x", relax.TensorType([1, n, 8], "float32"))
+    w = relax.Var("w", relax.TensorType([8, 6], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function(FORWARD, [x, w], {"num_input": 1}):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.reshape(x, [n, 8]))
+            product = bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(rows, w)), [1, n, 6]))
+            empty = bb.emit(relax.op.strided_slice(product, [2], [6], [6]))
+            whole = bb.emit(relax.op.concat([product, empty], axis=2))
+            scale = bb.emit(relax.op.divide(relax.const(1.0, "float32"), bb.emit(relax.op.sqrt(whole))))
+            cube = bb.emit(relax.op.power(scale, relax.const(3.0, "float32")))
+            out = bb.emit_output(cube)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tidied = tidy_traced_graph(mod)
+    assert _ops(tidied[FORWARD]) == ["matmul", "rsqrt", "multiply", "multiply"]
+    inputs = [np.random.default_rng(1).uniform(0.5, 1.0, (1, 5, 8)).astype("float32"),
+              np.random.default_rng(2).uniform(0.5, 1.0, (8, 6)).astype("float32")]
+
+    def run(module: tvm.IRModule) -> np.ndarray:
+        func = module[FORWARD].bind_symbolic_vars({n: 5}).with_attr("global_symbol", "main")
+        vm = relax.VirtualMachine(tvm.compile(tvm.IRModule({"main": func}), tvm.target.Target("llvm")), tvm.cpu())
+        return vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
+
+    np.testing.assert_allclose(run(tidied), run(mod), rtol=1e-6)
