@@ -231,7 +231,11 @@ class _Converter:
             if tensor.name in self.weights.records and tensor.name in used:
                 self.weight_names.append(tensor.name)
             elif tensor.name in used:
-                self.values[tensor.name] = Known(onnx.numpy_helper.to_array(tensor).copy(), _dtype_of(tensor.data_type))
+                if tensor.data_type not in _DTYPES or tensor.data_location == 1:
+                    raise ModelError(f"{self.path}: initializer {tensor.name!r}: a constant of ONNX data type "
+                                     f"{tensor.data_type}{' in external data' * (tensor.data_location == 1)} "
+                                     "is not supported")
+                self.values[tensor.name] = Known(onnx.numpy_helper.to_array(tensor).copy(), _DTYPES[tensor.data_type])
         ids = relax.Var("input_ids", relax.TensorType([1, self.seq], "int32"))
         params = [relax.Var(name, relax.TensorType(list(self.weights.record(name).shape),
                                                                    str(self.weights.record(name).dtype)))
@@ -341,8 +345,8 @@ class _Converter:
 
 def _dtype_of(data_type: int) -> str:
     dtype = _DTYPES.get(data_type)
-    if dtype is None:
-        raise ModelError(f"ONNX data type {data_type} is not supported")
+    if dtype is None:  # a converter's ValueError names its node
+        raise ValueError(f"ONNX data type {data_type} is not supported")
     return dtype
 
 
@@ -754,8 +758,3 @@ def _trilu(c: _Converter, inputs: list[Value], attrs: dict) -> Value:
     x = c.tensor(inputs[0])
     k = c.ints(inputs[1], "Trilu's diagonal")[0] if len(inputs) > 1 and inputs[1] is not None else 0
     return c.emit(relax.op.triu(x, k) if attrs.get("upper", 1) else relax.op.tril(x, k))
-
-
-def converted_operators() -> Iterator[str]:
-    """The ONNX operators ember converts, for the docs and the refusal tests."""
-    return iter(sorted(_CONVERTERS))
