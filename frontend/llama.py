@@ -33,7 +33,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ember.frontend.config import ModelConfig
-from ember.ir.attributes import VERIFY_LEN
+from ember.ir.attributes import BATCH_SIZE, SEQ_LEN, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, create_spec, paged_kv_cache
 
 LOGITS_DTYPE = "float32"
@@ -166,13 +166,13 @@ class LlamaForCausalLM(nn.Module):
         plain = {"param_mode": "plain", "effect_mode": "none"}
         return {
             "prefill": {
-                "input_ids": nn.spec.Tensor([1, "seq_len"], "int32"),
+                "input_ids": nn.spec.Tensor([1, SEQ_LEN], "int32"),
                 "logit_positions": nn.spec.Tensor(["num_logits"], "int32"),
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },
             "decode": {
-                "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+                "input_ids": nn.spec.Tensor([BATCH_SIZE, 1], "int32"),
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },

@@ -12,6 +12,9 @@ VECTOR_RUN_ATTR = "ember.vector_run"
 # {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
 #  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
 ROPE_ATTR = "ember.rope"
+# The entries' symbolic token counts: a prefill chunk's length, and decode's batch (one token per sequence, so
+# its kernels are sized for a few rows; an imported graph's decode runs the batch as one row of BATCH_SIZE tokens).
+SEQ_LEN, BATCH_SIZE = "seq_len", "batch_size"
 # The symbolic length of the `verify` entry's input (speculative decoding's pending token and guesses)
 # and its bound: as many rows as a decode batch (`schedules/matmul.py`'s FEW_ROWS), so its kernels are
 # scheduled as decode's, a few rows reusing each weight load.

@@ -27,10 +27,11 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from ember.ir.attributes import BATCH_SIZE
 from ember.ir.module_utils import replace_functions
 
 CAPTURED_FUNCTION = "decode"
-CAPTURED_VARS = ["batch_size"]
+CAPTURED_VARS = [BATCH_SIZE]
 
 
 @tvm.transform.module_pass(opt_level=0, name="CaptureCUDAGraphs")

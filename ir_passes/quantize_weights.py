@@ -47,7 +47,7 @@ from collections.abc import Mapping
 import tvm
 from tvm import relax, te, tirx
 
-from ember.ir.attributes import KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN
+from ember.ir.attributes import BATCH_SIZE, KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN
 from ember.ir.module_utils import bindings, is_op, is_weight_transpose
 from ember.ir.quant_formats import INTERLEAVED, ROWS, QuantFormat
 from ember.ir.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
@@ -214,12 +214,12 @@ class _Rewriter(relax.PyExprMutator):
                          n: int) -> relax.Expr:
         """y = x @ w(n, :)^T by `int8_matmul`'s kernel, which takes x as [batch, seq, k].
 
-        Decode (one token per sequence: x is [batch, 1, k]) and prefill get their own variants; a
-        verify step (x is [1, verify_len, k], a few rows) takes decode's.
+        Decode (one token per sequence: x is [batch, 1, k], or [1, batch, k] in an imported graph) and
+        prefill get their own variants; a verify step (x is [1, verify_len, k], a few rows) takes decode's.
         A model's activations are [batch, seq, k] already: no reshape (each one a VM call)."""
         *lead, _ = x.ty.shape
         few = lead and (isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1 or
-                        isinstance(lead[-1], tirx.Var) and lead[-1].name == VERIFY_LEN)
+                        isinstance(lead[-1], tirx.Var) and lead[-1].name in (BATCH_SIZE, VERIFY_LEN))
         many_tokens = not few
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:

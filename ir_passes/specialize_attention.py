@@ -2,8 +2,9 @@
 
 Input: an IRModule whose `forward(input_ids[1, seq], *weights) -> logits[1, seq, vocab]`
 is a decoder-only LM's full-sequence forward as an importer wrote it
-(`frontend/torch_export.py`). Output: the same weights behind ember's entries
-(`frontend/llama.py` has their contracts), the KV cache's constructor and kernels:
+(`frontend/torch_export.py`, `frontend/onnx.py`). Output: the same weights behind
+ember's entries (`frontend/llama.py` has their contracts), the KV cache's constructor
+and kernels:
 
     prefill(input_ids[1, seq_len], logit_positions[num_logits], kv_cache)
     decode(input_ids[batch_size, 1], kv_cache)
@@ -15,26 +16,30 @@ decode batch of one token per sequence runs as one row of `batch_size` tokens,
 and the cache, which knows which sequence each token belongs to, attends per
 sequence. Three rewrites make that true:
 
-1. **Attention.** `nn.attention(q, k, v)` with a causal mask (`causal_mask`, which is
-   how TVM's importer writes `scaled_dot_product_attention(is_causal=True)`), q as
-   [1, n, heads, d] and k, v as [1, n, kv_heads, d] after undoing a grouped-query
-   repeat (`expand_dims` -> `broadcast_to` -> `reshape`, as transformers' `repeat_kv`
-   traces): q, k and v are concatenated and handed to the cache
-   (`attention_with_fused_qkv`: append k/v to the sequence's pages, attend over them).
-   Attention layers are numbered in graph order.
+1. **Attention.** `softmax(q @ k^T * scale + mask) @ v`, as torch.export decomposes
+   `scaled_dot_product_attention` and as eager attention and ONNX exports write it
+   (the scale on q, k or both; k transposed in 4-D or in a 3-D view of merged heads;
+   a guard that zeroes fully masked rows), with an additive causal mask (evaluated at
+   5 tokens to check it), q [1, heads, n, d] and k, v [1, kv_heads, n, d] after undoing
+   a grouped-query repeat (`expand_dims` -> `broadcast_to` -> `reshape`, as
+   transformers' `repeat_kv` traces) or broadcast over the heads (multi-query): q, k
+   and v as [1, n, heads, d] (the tensors the graph permuted them from, where it did)
+   are concatenated and handed to the cache (`attention_with_fused_qkv`: append k/v to
+   the sequence's pages, attend over them). Attention layers are numbered in graph order.
 2. **Positions.** `arange(0, n)` (the positions of a sequence's tokens when the graph
    sees one whole sequence) becomes the cache's query positions, each token's place
    in its own sequence, and `cumsum(ones[1, n], axis=1)` (OPT counts an all-ones
    attention mask) those positions plus one: rotary embeddings (either form, computed
-   in the graph) and learned position tables then read the right rows. Keys are stored rotated, so the
-   cache applies no rotary embedding itself (`RopeMode.NONE`).
+   in the graph) and learned position tables then read the right rows. Keys are
+   stored rotated, so the cache applies no rotary embedding itself (`RopeMode.NONE`).
 3. **Logits.** In `prefill`, the LM head (the projection whose result is returned)
    reads only the rows at `logit_positions`.
 
 Anything else is refused with the path of operators where recognition stopped, never
 compiled into something wrong: attention with an additive bias or without a causal
-mask (a bidirectional encoder, ALiBi), keys or values that are not per-token
-projections of the sequence, a graph without attention.
+mask (a bidirectional encoder, ALiBi), scores transformed before the softmax
+(Gemma 2's soft-capping), keys or values that are not per-token projections of the
+sequence, a graph without attention.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
 from ember.errors import ModelError
-from ember.ir.attributes import FORWARD, ROPE_ATTR, VERIFY_LEN
+from ember.ir.attributes import BATCH_SIZE, FORWARD, ROPE_ATTR, SEQ_LEN, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
 from ember.ir.module_utils import bindings, is_op, permute_axes, scalar_constant
 
@@ -56,7 +61,7 @@ KV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
 _HEADS_FIRST = [0, 2, 1, 3]  # [1, n, heads, d] <-> [1, heads, n, d]
 # entry -> (its symbolic token count, how input_ids arrive)
-ENTRIES = {"prefill": "seq_len", "decode": "batch_size", "verify": VERIFY_LEN}
+ENTRIES = {"prefill": SEQ_LEN, "decode": BATCH_SIZE, "verify": VERIFY_LEN}
 
 
 def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:

@@ -117,7 +117,8 @@ def _make(family: str, out: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=32000, dtype="float32")
+    config = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=32000, bos_token_id=1,
+                        eos_token_id=2, dtype="float32")
     GPT2LMHeadModel(config).to(torch.float32).eval().save_pretrained(out)
 
 

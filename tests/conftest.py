@@ -195,16 +195,17 @@ class TinyModels:
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
-    def exported(self, name: str, quantization: str = "q0f32") -> TinyModel:
-        """The tiny model `name` compiled through `--frontend torch-export` with `--quant quantization`, once
-        per session."""
-        key = f"{name}-torch-export-{quantization}"
+    def exported(self, name: str, quantization: str = "q0f32", float_activations: bool = False) -> TinyModel:
+        """The tiny model `name` compiled through `--frontend torch-export` with `--quant quantization` (and
+        `--float-activations`), once per session."""
+        key = f"{name}-torch-export-{quantization}" + "-float-activations" * float_activations
         if key not in self._models:
             from ember.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     frontend="torch-export", show_progress=False)
+                                     frontend="torch-export", float_activations=float_activations,
+                                     show_progress=False)
             compile_model(model_dir, artifact_dir, options)
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
