@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 from ember.errors import ArtifactError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: quantized weights store float16 scales
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"

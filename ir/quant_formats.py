@@ -13,15 +13,20 @@ multiple of 32 when needed; kernels never read the padding.
     name        weight values                  per group of 32       bits/weight  like
     q0f32       float32                        -                     32           llama.cpp F32, MLC q0f32
     q0f16       float16                        -                     16           llama.cpp F16, MLC q0f16
-    q8f32       int8, symmetric                float32 scale         9.0          llama.cpp Q8_0
-    q8f16       int8, symmetric                float16 scale         8.5          llama.cpp Q8_0 (same bits)
-    q4f32       int4, symmetric, 8 per uint32  float32 scale         5.0          llama.cpp Q4_0, MLC q4f32_1
+    q8f32       int8, symmetric                float16 scale         8.5          llama.cpp Q8_0
+    q8f16       int8, symmetric                float16 scale         8.5          llama.cpp Q8_0
+    q4f32       int4, symmetric, 8 per uint32  float16 scale         4.5          llama.cpp Q4_0, MLC q4f32_1
     q4f16       int4, symmetric, 8 per uint32  float16 scale         4.5          llama.cpp Q4_0, MLC q4f16_1
-    q4f32_zp    uint4 with a per-group minimum float32 scale + min   6.0          llama.cpp Q4_1
-    q4f16_zp    uint4 with a per-group minimum float16 scale + min   5.0          llama.cpp Q4_1 (same bits)
+    q4f32_zp    uint4 with a per-group minimum float16 scale + min   5.0          llama.cpp Q4_1
+    q4f16_zp    uint4 with a per-group minimum float16 scale + min   5.0          llama.cpp Q4_1
 
-The suffix names the compute dtype too: a `f16` format runs its activations and its
-unquantized parameters (norms, biases) in float16. Symmetric int4 uses all 16 levels
+The suffix names the compute dtype: a `f16` format runs its activations and its
+unquantized parameters (norms, biases) in float16, a `f32` one in float32. Scales and
+minimums are stored in float16 by every format, as llama.cpp's blocks store them
+(`SCALE_DTYPE`): decode streams the weights, and float32 scales would add a bit per
+weight, 11% of a 4-bit weight's bytes; a float16 scale is within 2^-11 of the float32
+one, far below the weights' rounding to 16 levels. A kernel widens them to its compute
+dtype as it reads them, and a GGUF file's Q8_0/Q4_0/Q4_1 scales are kept bit for bit. Symmetric int4 uses all 16 levels
 the way Q4_0 does: the scale maps the group's largest-magnitude value to -8, so
 values land in [-8, 7]. `_zp` formats store a minimum per group (a zero point),
 so a group whose values are not centred on zero still gets all 16 levels: better
@@ -61,6 +66,7 @@ INTERLEAVED_ROWS = 8
 _QUANTIZE_BLOCK_VALUES = 1 << 20
 # Parameter-name suffixes of a quantized weight's stored tensors (`W.packed`, ...).
 QUANTIZED_PARTS = ("packed", "scale", "min")
+SCALE_DTYPE = "float16"  # of every format's scales and minimums (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class QuantFormat:
 
     name: str
     bits: int  # 0: weights stay in `dtype`
-    dtype: str  # compute dtype, and the dtype of scales and unquantized parameters
+    dtype: str  # compute dtype, and the dtype of unquantized parameters (scales are SCALE_DTYPE)
     zero_point: bool = False
     group_size: int = GROUP_SIZE
 
@@ -83,8 +89,8 @@ class QuantFormat:
         """Stored bits per weight value, scales (and minimums) included."""
         if not self.quantizes:
             return float(np.dtype(self.dtype).itemsize * 8)
-        float_bits = np.dtype(self.dtype).itemsize * 8
-        return self.bits + float_bits * (2 if self.zero_point else 1) / self.group_size
+        scale_bits = np.dtype(SCALE_DTYPE).itemsize * 8
+        return self.bits + scale_bits * (2 if self.zero_point else 1) / self.group_size
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -121,14 +127,14 @@ class QuantFormat:
             self._check_interleaves(n, k)
             blocks = n // INTERLEAVED_ROWS
             shapes = {"packed": ((blocks, k * self.bits // WORD_BITS, INTERLEAVED_ROWS), "uint32"),
-                      "scale": ((blocks, groups, INTERLEAVED_ROWS), self.dtype)}
+                      "scale": ((blocks, groups, INTERLEAVED_ROWS), SCALE_DTYPE)}
             if self.zero_point:
-                shapes["min"] = ((blocks, groups, INTERLEAVED_ROWS), self.dtype)
+                shapes["min"] = ((blocks, groups, INTERLEAVED_ROWS), SCALE_DTYPE)
             return shapes
         shapes = {"packed": ((n, self.padded(k) // self.per_word), self.storage_dtype),
-                  "scale": ((n, groups), self.dtype)}
+                  "scale": ((n, groups), SCALE_DTYPE)}
         if self.zero_point:
-            shapes["min"] = ((n, groups), self.dtype)
+            shapes["min"] = ((n, groups), SCALE_DTYPE)
         return shapes
 
     def quantize(self, weight: np.ndarray, layout: str = ROWS) -> dict[str, np.ndarray]:
@@ -147,8 +153,8 @@ class QuantFormat:
             raise ValueError(f"{self.name} cannot pack levels {levels.shape} with scales {scale.shape}")
 
         def rows_of(rows: slice):
-            return (levels[rows], scale[rows].astype(self.dtype),
-                    None if low is None else low[rows].astype(self.dtype))
+            return (levels[rows], scale[rows].astype(SCALE_DTYPE),
+                    None if low is None else low[rows].astype(SCALE_DTYPE))
 
         return self._pack_blocks(levels.shape, layout, lambda rows: self._pack_rows(*rows_of(rows), layout))
 
@@ -176,17 +182,17 @@ class QuantFormat:
         low = None
         if self.zero_point:
             scale, low = _fit_scale_and_min(groups, 2**self.bits - 1)
-            scale, low = scale.astype(self.dtype), low.astype(self.dtype)
+            scale, low = scale.astype(SCALE_DTYPE), low.astype(SCALE_DTYPE)
             offset = low.astype(np.float32)[..., None]
             levels = (0, 2**self.bits - 1)
         else:
             top = 2 ** (self.bits - 1)
             if self.bits == 8:  # Q8_0: the largest magnitude maps to +-127
-                scale = (np.abs(groups).max(axis=-1) / (top - 1)).astype(self.dtype)
+                scale = (np.abs(groups).max(axis=-1) / (top - 1)).astype(SCALE_DTYPE)
                 levels = (-(top - 1), top - 1)
             else:  # Q4_0: the largest-magnitude value maps to -8, all 16 levels in use
                 extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=-1)[..., None], -1)[..., 0]
-                scale = (extreme / -top).astype(self.dtype)
+                scale = (extreme / -top).astype(SCALE_DTYPE)
                 levels = (-top, top - 1)
             offset = 0.0
         stored_scale = scale.astype(np.float32)[..., None]
@@ -209,9 +215,9 @@ class QuantFormat:
             parts = self._deinterleave(parts)
         # In the compute dtype, one rounding per operation, as the kernels do.
         values = self._unpack(parts["packed"]).astype(self.dtype)
-        weight = values * np.repeat(parts["scale"], self.group_size, axis=1)
+        weight = values * np.repeat(parts["scale"].astype(self.dtype), self.group_size, axis=1)
         if self.zero_point:
-            weight = weight + np.repeat(parts["min"], self.group_size, axis=1)
+            weight = weight + np.repeat(parts["min"].astype(self.dtype), self.group_size, axis=1)
         return weight[:, :k]
 
     def dequantize_expr(self, parts: dict[str, te.Tensor], row: tirx.PrimExpr, col: tirx.PrimExpr,
@@ -229,9 +235,9 @@ class QuantFormat:
                 shift = col % 4 * 8 + col % self.group_size // 16 * 4
             value = (word >> shift.astype("uint32")) & tirx.const(2**self.bits - 1, "uint32")
             value = value.astype("int32") - self.stored_offset
-            weight = value.astype(self.dtype) * parts["scale"][block, col // self.group_size, lane]
+            weight = value.astype(self.dtype) * parts["scale"][block, col // self.group_size, lane].astype(self.dtype)
             if self.zero_point:
-                weight = weight + parts["min"][block, col // self.group_size, lane]
+                weight = weight + parts["min"][block, col // self.group_size, lane].astype(self.dtype)
             return weight
         if self.bits == 8:
             value = packed[row, col]
@@ -241,9 +247,9 @@ class QuantFormat:
             value = (word >> shift) & tirx.const(2**self.bits - 1, "uint32")
             if self.stored_offset:
                 value = value.astype("int32") - self.stored_offset
-        weight = value.astype(self.dtype) * parts["scale"][row, col // self.group_size]
+        weight = value.astype(self.dtype) * parts["scale"][row, col // self.group_size].astype(self.dtype)
         if self.zero_point:
-            weight = weight + parts["min"][row, col // self.group_size]
+            weight = weight + parts["min"][row, col // self.group_size].astype(self.dtype)
         return weight
 
     def _pack(self, values: np.ndarray) -> np.ndarray:

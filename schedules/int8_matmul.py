@@ -25,7 +25,8 @@ Weights are stored `interleaved` (see `ir/quant_formats.py`): one 256-bit load
 holds 4 bytes of each of 8 weight rows. Broadcasting 4 activation bytes against it
 makes each int32 lane one row's partial dot product, so a quantization group of 32
 values is 8 (int8) or 4 x 2 (int4 nibbles) instructions into one int32 vector with no
-shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vector:
+shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vector (of
+float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
 
     per activation row m, per group g (parallel over m x g in prefill, serial in decode):
       d = max|x| / 127,  q = round(x / d)
@@ -90,7 +91,7 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, QuantFormat
+from ember.ir.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
 from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0
@@ -297,10 +298,11 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                         if int16_sums:
                             dots[t, b, vec] = widen(dots[t, b, vec], sums[t, b, wide])
                         acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
-                            T.Broadcast(x_scale[first + t, g], lanes) * scale[tile_n * row_blocks + b, g, vec])
+                            T.Broadcast(x_scale[first + t, g], lanes)
+                            * T.Cast("float32x8", scale[tile_n * row_blocks + b, g, vec]))
                         if zero_point:  # + the group's minimum times its activations' sum
-                            acc[t, b, vec] = acc[t, b, vec] + T.Broadcast(x_sum[first + t, g], lanes) * low[
-                                tile_n * row_blocks + b, g, vec]
+                            acc[t, b, vec] = acc[t, b, vec] + T.Broadcast(x_sum[first + t, g], lanes) * T.Cast(
+                                "float32x8", low[tile_n * row_blocks + b, g, vec])
             for t, b in T.grid(count, row_blocks):
                 y[(first + t) // seq, (first + t) % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = (
                     acc[t, b, vec])
@@ -349,7 +351,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     if zero_point:
         @T.prim_func(s_tir=True)
         def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                                      scale: T.Buffer(scale_shape, "float32"), low: T.Buffer(scale_shape, "float32"),
+                                      scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
                                       y_handle: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
             matmul(x_handle, packed, scale, low, y_handle)
@@ -358,7 +360,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     else:
         @T.prim_func(s_tir=True)
         def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                        scale: T.Buffer(scale_shape, "float32"), y_handle: T.handle):
+                        scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
             matmul(x_handle, packed, scale, None, y_handle)
 

@@ -182,15 +182,16 @@ class TinyModels:
             write(name, model_dir)
         return model_dir
 
-    def quantized(self, name: str, quantization: str) -> TinyModel:
-        """The tiny model `name` compiled with `--quant quantization`, once per session."""
-        key = f"{name}-{quantization}"
+    def quantized(self, name: str, quantization: str, float_activations: bool = False) -> TinyModel:
+        """The tiny model `name` compiled with `--quant quantization` (and `--float-activations`), once per
+        session."""
+        key = f"{name}-{quantization}" + "-float-activations" * float_activations
         if key not in self._models:
             from ember.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     show_progress=False)
+                                     float_activations=float_activations, show_progress=False)
             compile_model(model_dir, artifact_dir, options)
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]

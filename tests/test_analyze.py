@@ -394,17 +394,17 @@ def test_cli_json_matches_the_analysis(capsys):
 
 
 def test_cli_quant_is_the_format_as_stored(capsys):
-    """--quant q4f32: 5 bits a weight (4 + a float32 scale per 32), float32 activations and KV
-    cache, int8 projections; the decode step reads the projections' bytes at 5 bits, and the
+    """--quant q4f32: 4.5 bits a weight (4 + a float16 scale per 32), float32 activations and KV
+    cache, int8 projections; the decode step reads the projections' bytes at 4.5 bits, and the
     bundled demo model is named as `ember compile` names it."""
     run_cli("demo", "--hardware", "raspberry-pi-5", "--quant", "q4f32", "--prompt-len", "16", "--gen-len", "2",
             "--json")
     data = json.loads(capsys.readouterr().out)
-    assert data["precision"] == {"wbits": 5.0, "abits": 32, "kvbits": 32, "float16": "fp16",
+    assert data["precision"] == {"wbits": 4.5, "abits": 32, "kvbits": 32, "float16": "fp16",
                                  "int8_projections": True}
     ops = {op["name"]: op for op in data["decode"]["per_layer"]}
     assert ops["q_proj"]["dtype"] == "int8" and ops["qk_matmul"]["dtype"] == "fp32"
-    assert ops["q_proj"]["weight_bytes"] == 256 * 256 * 5 / 8  # demo: hidden 256
+    assert ops["q_proj"]["weight_bytes"] == 256 * 256 * 4.5 / 8  # demo: hidden 256
     with pytest.raises(EmberError, match="--quant sets the weight"):
         run_cli("demo", "--hardware", "raspberry-pi-5", "--quant", "q8f32", "--wbits", "8")
 

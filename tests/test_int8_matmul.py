@@ -125,7 +125,7 @@ def _integer_weight(fmt, values):
     with a zero point, minimum 0."""
     n, k = values.shape
     groups = np.ones((n, k // fmt.group_size), np.float32)
-    return fmt._pack_interleaved(values, groups, groups * 0 if fmt.zero_point else None)
+    return fmt.pack(values, groups, groups * 0 if fmt.zero_point else None, INTERLEAVED)
 
 
 def _integer_range(fmt) -> tuple[int, int]:

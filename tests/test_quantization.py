@@ -53,7 +53,8 @@ def test_packed_parts_have_documented_shapes(name, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", [n for n in QUANTIZED if not FORMATS[n].zero_point])
 def test_symmetric_formats_follow_llama_cpp_rules(name, shape):
-    """Q8_0: scale = max|w| / 127; Q4_0: scale = w_extreme / -8; value = clip(round(w / scale))."""
+    """Q8_0: scale = max|w| / 127; Q4_0: scale = w_extreme / -8, stored in float16 as llama.cpp stores it;
+    value = clip(round(w / scale))."""
     fmt = FORMATS[name]
     weight = _weight(shape)
     n, k = shape
@@ -61,11 +62,11 @@ def test_symmetric_formats_follow_llama_cpp_rules(name, shape):
     padded[:, :k] = weight
     groups = padded.reshape(n, -1, 32)
     if fmt.bits == 8:
-        scale = (np.abs(groups).max(-1) / 127).astype(fmt.dtype).astype(np.float32)
+        scale = (np.abs(groups).max(-1) / 127).astype(np.float16).astype(np.float32)
         lo, hi = -127, 127
     else:
         extreme = np.array([[g[np.abs(g).argmax()] for g in row] for row in groups])
-        scale = (extreme / -8).astype(fmt.dtype).astype(np.float32)
+        scale = (extreme / -8).astype(np.float16).astype(np.float32)
         lo, hi = -8, 7
     values = np.clip(np.rint(groups / scale[..., None]), lo, hi)
     expected = (values * scale[..., None]).reshape(n, -1)[:, :k]
@@ -124,8 +125,8 @@ def test_formats_refuse_non_matrices():
         FORMATS["q4f32"].quantize(np.zeros(32, np.float32))
 
 
-@pytest.mark.parametrize("name,bits", [("q0f32", 32), ("q0f16", 16), ("q8f32", 9), ("q8f16", 8.5),
-                                       ("q4f32", 5), ("q4f16", 4.5), ("q4f32_zp", 6), ("q4f16_zp", 5)])
+@pytest.mark.parametrize("name,bits", [("q0f32", 32), ("q0f16", 16), ("q8f32", 8.5), ("q8f16", 8.5),
+                                       ("q4f32", 4.5), ("q4f16", 4.5), ("q4f32_zp", 5), ("q4f16_zp", 5)])
 def test_bits_per_weight(name, bits):
     assert FORMATS[name].bits_per_weight == bits
 
@@ -262,18 +263,21 @@ def test_no_float_copy_of_a_weight_is_materialized(tiny_models):
 E2E = [("llama", "q8f32"), ("llama", "q4f32"), ("llama", "q4f32_zp"), ("llama3_rope", "q4f32"), ("qwen2", "q8f32")]
 
 
+@pytest.mark.parametrize("float_activations", (True, False), ids=("float-activations", "as-compiled"))
 @pytest.mark.parametrize("name,quantization", E2E)
-def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, name, quantization):
-    """Prefill (two chunks) and decode logits within 1e-4: the kernels are exact about their format.
+def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, name, quantization, float_activations):
+    """Prefill (two chunks) and decode logits within 1e-4 with float activations: the kernels are exact about
+    their format.
 
-    Where projections multiply int8 activations (CPUs with an int8 dot product), the reference
-    rounds its activations the same way (`conftest.TinyModel.int8_rounding`). Rounding is
-    discontinuous: an activation within float error of a rounding boundary may land on the
-    other integer in ember than in transformers (their float sums differ in the last bits),
-    which moves that token's logits by about one int8 step. So int8 activations ask for most
-    tokens within 1e-4 and every token within 5e-2 (the float path is ~7e-2 away).
+    Where projections multiply int8 activations (as compiled, on CPUs with an int8 dot product), the
+    reference rounds its activations the same way (`conftest.TinyModel.int8_rounding`). Rounding is
+    discontinuous: an activation within float error of a rounding boundary may land on the other integer in
+    ember than in transformers (their float sums differ in the last bits), which moves that token's logits
+    by about one int8 step. So int8 activations ask for most prefill tokens within 1e-4 and every token
+    within 5e-2 (the float path is ~7e-2 away); decode tokens, which all attend over the prefilled cache and
+    so all move when one prompt token's key flipped, within 5e-2.
     """
-    _assert_logits_match_reference(tiny_models.quantized(name, quantization))
+    _assert_logits_match_reference(tiny_models.quantized(name, quantization, float_activations))
 
 
 def _assert_logits_match_reference(model) -> None:
@@ -293,7 +297,8 @@ def _assert_logits_match_reference(model) -> None:
         scale = max(1.0, float(np.abs(expected).max()))
         errors = np.abs(actual - expected).max(axis=1) / scale
         assert errors.max() <= 5e-2, f"{name} {quantization} int8 {what}: token errors {errors}"
-        assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
+        if what == "prefill":
+            assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
 
 
 @pytest.mark.parametrize("cpu,quantization,activations", [
