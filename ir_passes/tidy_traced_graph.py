@@ -21,7 +21,8 @@ its entries already is left as it is.
    (a power is a libm call per element) and is exact for negative `x`, which TVM's code
    generation warns a power of 3 or more may not be.
 5. **Projections of flattened rows.** torch's linear layer on [1, seq, in] traces as
-   `reshape(matmul(reshape(x, [seq, in]), W), [1, seq, out])`; as `matmul(x, W)` on the 3-D
+   `reshape(matmul(reshape(x, [seq, in]), W), [1, seq, out])` (with `+ bias` before the
+   outer reshape where it is an addmm); as `matmul(x, W)` (+ bias) on the 3-D
    activations (the form ember's own definitions have), FuseOps can fuse the projection
    with its neighbours: the residual add, the activation, the split of a fused projection.
 6. **Indices from the end.** `x[..., [-2], :]` (Falcon splits its multi-query heads so)
@@ -85,8 +86,9 @@ class _Tidy(relax.PyExprMutator):
         if is_op(call, "relax.divide") and scalar_constant(call.args[0]) == 1.0 and is_op(root, "relax.sqrt"):
             return relax.op.rsqrt(self.visit_expr(root.args[0]))
         if is_op(call, "relax.reshape") and (rows := self._projected_rows(call)) is not None:
-            x, weight, product = rows
-            return relax.op.matmul(self.visit_expr(x), self.visit_expr(weight), product.attrs.out_dtype)
+            x, weight, product, bias = rows
+            projected = relax.op.matmul(self.visit_expr(x), self.visit_expr(weight), product.attrs.out_dtype)
+            return projected if bias is None else relax.op.add(projected, self.visit_expr(bias))
         call = super().visit_call_(call)
         if is_op(call, "relax.power") and scalar_constant(call.args[1]) == 3.0:
             x = call.args[0]
@@ -98,11 +100,21 @@ class _Tidy(relax.PyExprMutator):
         return call
 
 
-    def _projected_rows(self, reshape: relax.Call) -> tuple[relax.Expr, relax.Expr, relax.Call] | None:
-        """(x, W, the matmul) if `reshape` is reshape(matmul(reshape(x, [rows, in]), W), x's leading dims + [out]),
-        the matmul read by this reshape alone."""
-        product = self.values.get(reshape.args[0])
-        if not is_op(product, "relax.matmul") or self.readers.get(reshape.args[0]) != 1:
+    def _projected_rows(self, reshape: relax.Call) -> tuple[relax.Expr, relax.Expr, relax.Call, relax.Expr | None] | None:
+        """(x, W, the matmul, the bias or None) if `reshape` is reshape(matmul(reshape(x, [rows, in]), W) [+ bias],
+        x's leading dims + [out]) (torch's addmm adds a bias so), the matmul read by this reshape alone."""
+        value, bias = self.values.get(reshape.args[0]), None
+        if is_op(value, "relax.add") and self.readers.get(reshape.args[0]) == 1:
+            for product_var, other in (value.args, value.args[::-1]):
+                if is_op(self.values.get(product_var), "relax.matmul") and len(getattr(other.ty, "shape", []) or []) == 1:
+                    value, bias, product_var_of = self.values.get(product_var), other, product_var
+                    break
+            else:
+                return None
+        else:
+            product_var_of = reshape.args[0]
+        product = value
+        if not is_op(product, "relax.matmul") or self.readers.get(product_var_of) != 1:
             return None
         flattened = self.values.get(product.args[0])
         if not is_op(flattened, "relax.reshape") or len(product.args[1].ty.shape) != 2:
@@ -110,7 +122,7 @@ class _Tidy(relax.PyExprMutator):
         x = flattened.args[0]
         leading, wanted = list(x.ty.shape)[:-1], list(reshape.ty.shape)
         same = len(wanted) == len(leading) + 1 and all(tvm_ffi.structural_equal(a, b) for a, b in zip(leading, wanted))
-        return (x, product.args[1], product) if same and len(product.ty.shape) == 2 else None
+        return (x, product.args[1], product, bias) if same and len(product.ty.shape) == 2 else None
 
 
 def _without_empty_operands(concat: relax.Call) -> relax.Expr:

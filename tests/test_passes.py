@@ -308,19 +308,22 @@ def test_fold_permute_chains_composes_and_drops_identities() -> None:
 
 
 def test_tidy_traced_graph_unflattens_projections_and_drops_empty_operands() -> None:
-    """reshape(matmul(reshape(x, [n, k]), W), [1, n, o]) becomes matmul(x, W) on the 3-D x; a concat's empty
-    operand (a zero-width rest of a partial rotary) goes; 1/sqrt(x) becomes rsqrt(x); x**3 multiplications."""
+    """reshape(matmul(reshape(x, [n, k]), W) + b, [1, n, o]) (an addmm) becomes matmul(x, W) + b on the 3-D x;
+    a concat's empty operand (a zero-width rest of a partial rotary) goes; 1/sqrt(x) becomes rsqrt(x); x**3
+    multiplications."""
     from ember.ir.attributes import FORWARD
     from ember.ir_passes.tidy_traced_graph import tidy_traced_graph
 
     n = tvm.tirx.Var("seq", "int64")
     x = relax.Var("x", relax.TensorType([1, n, 8], "float32"))
     w = relax.Var("w", relax.TensorType([8, 6], "float32"))
+    b = relax.Var("b", relax.TensorType([6], "float32"))
     bb = relax.BlockBuilder()
-    with bb.function(FORWARD, [x, w], {"num_input": 1}):
+    with bb.function(FORWARD, [x, w, b], {"num_input": 1}):
         with bb.dataflow():
             rows = bb.emit(relax.op.reshape(x, [n, 8]))
-            product = bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(rows, w)), [1, n, 6]))
+            biased = bb.emit(relax.op.add(b, bb.emit(relax.op.matmul(rows, w))))
+            product = bb.emit(relax.op.reshape(biased, [1, n, 6]))
             empty = bb.emit(relax.op.strided_slice(product, [2], [6], [6]))
             whole = bb.emit(relax.op.concat([product, empty], axis=2))
             scale = bb.emit(relax.op.divide(relax.const(1.0, "float32"), bb.emit(relax.op.sqrt(whole))))
@@ -329,9 +332,10 @@ def test_tidy_traced_graph_unflattens_projections_and_drops_empty_operands() -> 
         bb.emit_func_output(out)
     mod = bb.get()
     tidied = tidy_traced_graph(mod)
-    assert _ops(tidied[FORWARD]) == ["relax.matmul", "relax.rsqrt", "relax.multiply", "relax.multiply"]
+    assert _ops(tidied[FORWARD]) == ["relax.matmul", "relax.add", "relax.rsqrt", "relax.multiply", "relax.multiply"]
     inputs = [np.random.default_rng(1).uniform(0.5, 1.0, (1, 5, 8)).astype("float32"),
-              np.random.default_rng(2).uniform(0.5, 1.0, (8, 6)).astype("float32")]
+              np.random.default_rng(2).uniform(0.5, 1.0, (8, 6)).astype("float32"),
+              np.random.default_rng(3).uniform(0.5, 1.0, (6,)).astype("float32")]
 
     def run(module: tvm.IRModule) -> np.ndarray:
         func = module[FORWARD].bind_symbolic_vars({n: 5}).with_attr("global_symbol", "main")
