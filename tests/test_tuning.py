@@ -14,6 +14,7 @@ import time
 
 import pytest
 import tvm
+import tvm_ffi
 from tvm import te, tirx
 
 from ember.errors import TuningError
@@ -224,7 +225,8 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
     checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
     imported = import_hf_model(checkpoint, target.target, "float32")
     options = pipeline.LowerOptions(FORMATS["q4f32"], PREFILL_CHUNK, MAX_BATCH)
-    kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, options), target)
+    lowered = pipeline.to_kernels(imported.mod, target, options)
+    kernels = hot_kernels(lowered, target)
     int8 = [kernel for kernel in kernels if enumerated_space(kernel.workload["main"], target) is not None]
     assert kernels[0] in int8 and {kernel.phases for kernel in int8} == {"decode", "prefill"}
     hottest = kernels[0]
@@ -234,12 +236,17 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
     assert sorted(record_knobs(record) for record in database.records.get_all_tuning_records()) == sorted(space[:2])
     # Whichever was faster here, a faster record of a third tuple is what compile must apply.
     database.records.commit_tuning_record(knobs_record(hottest.workload, database, target, 1e-10, space[2]))
+    # The record applies to every kernel tuned as that workload: the one kernel and its copies per sequence
+    # bound (decode's and verify's calls of one matmul).
+    sharing = [func for func in lowered.functions.values() if isinstance(func, tirx.PrimFunc)
+               and (tuned_as := workload(func)) is not None and tvm_ffi.structural_equal(tuned_as, hottest.workload)]
+    assert sharing
 
     out = tmp_path / "artifact"
     result = compile_model(checkpoint, out, CompileOptions(
         target=json.dumps(target.tvm_target), quantization="q4f32", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
         tuning_db=db, show_progress=False))
-    assert result.schedules.tuned == 1 and result.manifest.activations == "int8"
+    assert result.schedules.tuned == len(sharing) and result.manifest.activations == "int8"
     _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q4f32"))
 
 
