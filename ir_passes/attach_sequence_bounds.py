@@ -38,7 +38,7 @@ def attach_sequence_bounds(prefill_chunk: int, max_batch: int) -> tvm.transform.
 
     @tvm.transform.module_pass(opt_level=0, name="AttachSequenceBounds")
     def _attach(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod = _kernel_per_bound(mod, bounds)
+        mod, called = _kernel_per_bound(mod, bounds)
         updates = {}
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
@@ -50,44 +50,45 @@ def attach_sequence_bounds(prefill_chunk: int, max_batch: int) -> tvm.transform.
                     updates[gv.name_hint] = func.with_attrs(
                         {"tir_var_upper_bound": func_bounds, "tir_non_negative_var": list(func_bounds)}
                     )
-        for gv, kernel_bounds in _kernel_bounds(mod, bounds).items():
-            updates[gv.name_hint] = mod[gv].with_attr("tir_var_upper_bound", dict(kernel_bounds))
+            elif isinstance(func, tirx.PrimFunc):
+                # A kernel's bounds are its callers' (one set per kernel now); an uncalled one's, by its names.
+                kernel_bounds = called[gv.name_hint] if gv.name_hint in called else _named_bounds(func, bounds)
+                if kernel_bounds:
+                    updates[gv.name_hint] = func.with_attr("tir_var_upper_bound", dict(kernel_bounds))
         return replace_functions(mod, updates)
 
     return _attach
 
 
-def _kernel_per_bound(mod: tvm.IRModule, bounds: dict[str, int]) -> tvm.IRModule:
-    """`mod` with each kernel its callers bound differently copied once per bound, the calls redirected."""
+def _kernel_per_bound(mod: tvm.IRModule, bounds: dict[str, int]) -> tuple[tvm.IRModule, dict[str, Bounds]]:
+    """`mod` with each kernel its callers bound differently copied once per bound, the calls redirected; and the
+    bounds of every called kernel, by name."""
     by_bounds: dict[tvm.ir.GlobalVar, dict[Bounds, list[relax.Call]]] = {}
     for call, kernel in _kernel_calls(mod):
         by_bounds.setdefault(kernel, {}).setdefault(_call_bounds(mod[kernel], call, bounds), []).append(call)
+    called: dict[str, Bounds] = {}
     redirect: dict[relax.Call, tvm.ir.GlobalVar] = {}
     builder = relax.BlockBuilder(mod)
     for kernel, groups in by_bounds.items():
-        for kernel_bounds, calls in list(groups.items())[1:]:
+        (called[kernel.name_hint], _), *others = groups.items()
+        for kernel_bounds, calls in others:
             # Bounded now, the copy differs from the kernel, which add_func would otherwise return instead.
-            copy = mod[kernel].with_attr("tir_var_upper_bound", dict(kernel_bounds))
-            redirect.update({call: builder.add_func(copy, kernel.name_hint) for call in calls})
+            copy = builder.add_func(mod[kernel].with_attr("tir_var_upper_bound", dict(kernel_bounds)),
+                                    kernel.name_hint)
+            called[copy.name_hint] = kernel_bounds
+            redirect.update({call: copy for call in calls})
     if not redirect:
-        return mod
+        return mod, called
     copied = builder.get()
     updates = {gv.name_hint: _Redirect(copied, redirect).visit_expr(func) for gv, func in copied.functions_items()
                if isinstance(func, relax.Function)}
-    return replace_functions(copied, updates)
+    return replace_functions(copied, updates), called
 
 
-def _kernel_bounds(mod: tvm.IRModule, bounds: dict[str, int]) -> dict[tvm.ir.GlobalVar, Bounds]:
-    """Each kernel's bounds: its callers' (one set per kernel after `_kernel_per_bound`), else by the names of its
-    symbolic dimensions."""
-    found: dict[tvm.ir.GlobalVar, Bounds] = {}
-    for call, kernel in _kernel_calls(mod):
-        found[kernel] = tuple(sorted({*found.get(kernel, ()), *_call_bounds(mod[kernel], call, bounds)}))
-    for gv, func in mod.functions_items():
-        if isinstance(func, tirx.PrimFunc) and gv not in found:
-            named = {var.name for param in func.params for var in _shape_vars(param)}
-            found[gv] = tuple(sorted((name, bound) for name, bound in bounds.items() if name in named))
-    return {gv: kernel_bounds for gv, kernel_bounds in found.items() if kernel_bounds}
+def _named_bounds(kernel: tirx.PrimFunc, bounds: dict[str, int]) -> Bounds:
+    """The bounds of the sizes `kernel`'s symbolic dimensions are named after (for a kernel no entry calls)."""
+    named = {var.name for param in kernel.params for var in _shape_vars(param)}
+    return tuple(sorted((name, bound) for name, bound in bounds.items() if name in named))
 
 
 def _kernel_calls(mod: tvm.IRModule) -> list[tuple[relax.Call, tvm.ir.GlobalVar]]:

@@ -103,18 +103,17 @@ class _Tidy(relax.PyExprMutator):
     def _projected_rows(self, reshape: relax.Call) -> tuple[relax.Expr, relax.Expr, relax.Call, relax.Expr | None] | None:
         """(x, W, the matmul, the bias or None) if `reshape` is reshape(matmul(reshape(x, [rows, in]), W) [+ bias],
         x's leading dims + [out]) (torch's addmm adds a bias so), the matmul read by this reshape alone."""
-        value, bias = self.values.get(reshape.args[0]), None
-        if is_op(value, "relax.add") and self.readers.get(reshape.args[0]) == 1:
-            for product_var, other in (value.args, value.args[::-1]):
-                if is_op(self.values.get(product_var), "relax.matmul") and len(getattr(other.ty, "shape", []) or []) == 1:
-                    value, bias, product_var_of = self.values.get(product_var), other, product_var
-                    break
-            else:
+        product_var, bias = reshape.args[0], None
+        biased = self.values.get(product_var)
+        if is_op(biased, "relax.add"):
+            if self.readers.get(product_var) != 1:
                 return None
-        else:
-            product_var_of = reshape.args[0]
-        product = value
-        if not is_op(product, "relax.matmul") or self.readers.get(product_var_of) != 1:
+            product_var, bias = next(((term, other) for term, other in (biased.args, biased.args[::-1])
+                                      if is_op(self.values.get(term), "relax.matmul")
+                                      and isinstance(other.ty, relax.TensorType) and other.ty.ndim == 1),
+                                     (None, None))
+        product = self.values.get(product_var)
+        if not is_op(product, "relax.matmul") or self.readers.get(product_var) != 1:
             return None
         flattened = self.values.get(product.args[0])
         if not is_op(flattened, "relax.reshape") or len(product.args[1].ty.shape) != 2:

@@ -185,28 +185,23 @@ class TinyModels:
     def quantized(self, name: str, quantization: str, float_activations: bool = False) -> TinyModel:
         """The tiny model `name` compiled with `--quant quantization` (and `--float-activations`), once per
         session."""
-        key = f"{name}-{quantization}" + "-float-activations" * float_activations
-        if key not in self._models:
-            from ember.compiler import CompileOptions, compile_model
-
-            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
-            options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     float_activations=float_activations, show_progress=False)
-            compile_model(model_dir, artifact_dir, options)
-            self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
-        return self._models[key]
+        return self._compiled(name, quantization, float_activations, "builtin")
 
     def exported(self, name: str, quantization: str = "q0f32", float_activations: bool = False) -> TinyModel:
         """The tiny model `name` compiled through `--frontend torch-export` with `--quant quantization` (and
         `--float-activations`), once per session."""
-        key = f"{name}-torch-export-{quantization}" + "-float-activations" * float_activations
+        return self._compiled(name, quantization, float_activations, "torch-export")
+
+    def _compiled(self, name: str, quantization: str, float_activations: bool, frontend: str) -> TinyModel:
+        """The tiny model `name` compiled in-process with these options, once per session."""
+        key = (f"{name}-{quantization}" if frontend == "builtin" else f"{name}-{frontend}-{quantization}") + (
+            "-float-activations" * float_activations)
         if key not in self._models:
             from ember.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     frontend="torch-export", float_activations=float_activations,
-                                     show_progress=False)
+                                     frontend=frontend, float_activations=float_activations, show_progress=False)
             compile_model(model_dir, artifact_dir, options)
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
