@@ -158,6 +158,9 @@ def import_onnx_model(path: Path, tokenizer_dir: Path | None, model_dtype: str =
     if not directory.is_dir():
         raise ModelError(f"--tokenizer {directory}: not a directory (expected the model's Hugging Face directory: "
                          "config.json and tokenizer files)")
+    if not (directory / "config.json").is_file():
+        raise ModelError(f"{directory / 'config.json'}: file not found (an ONNX file takes its config and tokenizer "
+                         "from --tokenizer DIR, by default its own directory)")
     config = imported_model_config(directory)
     model = load_onnx(path)
     weights = OnnxWeights(path, model)

@@ -200,7 +200,8 @@ def test_an_onnx_file_without_a_config_is_refused_in_one_line(tiny_models, tmp_p
     result = run_ember("compile", str(onnx_file), "--tokenizer", str(tmp_path), "-o", str(tmp_path / "out"),
                        "--no-progress")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == f"ember: error: {tmp_path / 'config.json'}: file not found"
+    assert result.stderr.strip() == (f"ember: error: {tmp_path / 'config.json'}: file not found (an ONNX file takes "
+                                     "its config and tokenizer from --tokenizer DIR, by default its own directory)")
 
 
 def test_tokenizer_option_is_only_for_onnx_files(tiny_models, tmp_path):
