@@ -29,6 +29,7 @@ from ember.frontend.config import ModelConfig
 from ember.frontend import source as model_source
 from ember.frontend.gguf import conversion_summary
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
+from ember.ir.kv_cache import Int8Rows
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
@@ -65,6 +66,7 @@ class CompileOptions:
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     frontend: str = "builtin"  # a checkpoint directory's importer: "builtin" (hand-written) or "torch-export"
     tokenizer_dir: Path | None = None  # an ONNX file's tokenizer and config.json (default: the file's directory)
+    kv_quant: str | None = None  # "q8": int8 keys and values in the KV cache (CPU targets); None: the model's dtype
     show_progress: bool = True
 
 
@@ -93,6 +95,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         raise EmberError(f"--prefill-chunk {options.prefill_chunk}: must be between 1 and {MAX_PREFILL_CHUNK}")
     if not 1 <= options.max_batch <= MAX_BATCH:
         raise EmberError(f"--max-batch {options.max_batch}: must be between 1 and {MAX_BATCH}")
+    _check_kv_quant(options, target)
     check_output_dir(output_dir)
     tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
     quantization = FORMATS[options.quantization]
@@ -105,6 +108,9 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
                                              tokenizer_dir=options.tokenizer_dir)
         mod = pipeline.with_entries(imported.mod, target)
         config = _attention_as_built(mod, imported.config)
+        if options.kv_quant and config.sliding_window:
+            raise EmberError(f"--kv-quant {options.kv_quant}: {model_dir} attends through a sliding window of "
+                             f"{config.sliding_window} tokens, which the q8 KV cache does not support")
         prefill_chunk = min(options.prefill_chunk, config.context_window)
         tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}
 
@@ -112,7 +118,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, tuning,
                                               int8_activations=not options.float_activations,
-                                              tensor_formats=tensor_formats)
+                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant)
         with tvm_warnings_hidden():
             lowered = pipeline.lower(mod, target, lower_options)
         schedules = schedule_sources(lowered)
@@ -121,10 +127,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         source = model_source.source_record(imported, quantized)
         for line in conversion_summary(source.get("conversion", {})):  # shown even with --no-progress
             (stage if options.show_progress else log.warning)(f"GGUF weights: {line}")
-        kv_bytes_per_token = (
-            2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * tvm.runtime.DataType(model_dtype).bits // 8
-        )
+        kv_bytes_per_token = _kv_bytes_per_token(config, model_dtype, options.kv_quant)
         memory = memory_report(lowered, kv_bytes_per_token, config.context_window)
         budget = _memory_budget(options, target, memory)
         if budget is not None and memory.max_context(budget) < 1:
@@ -158,6 +161,32 @@ def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
     built = {key: int(value) for key, value in mod.attrs[KV_CACHE_ATTR].items()}
     return dataclasses.replace(config, num_hidden_layers=built["num_layers"], num_attention_heads=built["num_heads"],
                                num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
+
+
+KV_QUANTIZATIONS = ("q8",)
+
+
+def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:
+    """Refuse a --kv-quant this compile cannot build: an unknown one, a GPU target, a float16 model."""
+    if options.kv_quant is None:
+        return
+    if options.kv_quant not in KV_QUANTIZATIONS:
+        raise EmberError(f"--kv-quant {options.kv_quant!r} is not supported; choose {', '.join(KV_QUANTIZATIONS)}")
+    if target.is_gpu:
+        raise EmberError(f"--kv-quant {options.kv_quant}: the quantized KV cache's kernels are CPU kernels; "
+                         f"{target.describe()} is a GPU target")
+    if FORMATS[options.quantization].dtype != "float32":
+        raise EmberError(f"--kv-quant {options.kv_quant}: --quant {options.quantization} computes in "
+                         f"{FORMATS[options.quantization].dtype}; the q8 KV cache is built for float32 models")
+
+
+def _kv_bytes_per_token(config: ModelConfig, model_dtype: str, kv_quant: str | None) -> int:
+    """Bytes the KV cache holds per token: keys and values of every layer, in the model's dtype or as int8 rows."""
+    if kv_quant == "q8":
+        return Int8Rows(config.num_attention_heads, config.num_key_value_heads,
+                        config.head_dim).bytes_per_token(config.num_hidden_layers)
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * tvm.runtime.DataType(model_dtype).bits // 8)
 
 
 def _stage_printer(show: bool, start: float) -> Callable[[str], None]:
@@ -254,6 +283,7 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
             "dtype": imported.model_dtype,
             "sliding_window": config.sliding_window,
             "rope": {"theta": config.rope_theta, "scaling": config.rope_scaling},
+            "quantization": options.kv_quant,
         },
         params=[name for name, _ in params],
         memory=memory.to_json(),

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 from ember.errors import ArtifactError
 
-FORMAT_VERSION = 4  # 4: quantized weights store float16 scales
+FORMAT_VERSION = 5  # 4: quantized weights store float16 scales; 5: kv_cache.quantization
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
@@ -261,7 +261,7 @@ SCHEMA: dict[str, Any] = {
         "kind": _one_of("tir_paged"), "page_size": _POSITIVE, "prefill_chunk": _POSITIVE, "max_batch": _POSITIVE,
         "max_context": _POSITIVE, "max_total_tokens": _POSITIVE, "memory_budget": _optional(_POSITIVE),
         "num_layers": _POSITIVE, "num_kv_heads": _POSITIVE, "head_dim": _POSITIVE, "dtype": _TEXT,
-        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT,
+        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT, "quantization": _optional(_one_of("q8")),
     },
     "params": _list_of(_TEXT),
     "memory": {

@@ -38,5 +38,7 @@ def specialize_cpu_rope(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> t
                 dtype=str(qkv.dtype), theta=float(record["theta"]), rope_scaling=scaling,
                 rotary_dim=int(record["rotary_dim"]),
             )
+            if len(func.params) < len(kernel.params):  # its `apply_rope` bound (`quantize_kv_cache`): bind ours too
+                kernel = kernel.specialize({kernel.params[-1]: tirx.IntImm("int64", 1)})
             updates[gv.name_hint] = kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)
     return replace_functions(mod, updates) if updates else mod

@@ -6,7 +6,8 @@ rescale of the whole output row for every cached token. On the 110M benchmark mo
 it took 9.5% of a decode step (132 us a layer for 129 cached tokens).
 
 This kernel has the same signature and results, so the KV cache runtime calls it
-unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in):
+unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in). It also reads the q8
+cache's int8 rows (`kv_storage.py`), a dot product or value row times its scale:
 
     parallel (sequence, kv head)          # the query heads sharing a KV head go together
       q[g, :] = Q[b, head g] * scale * log2(e)
@@ -27,6 +28,7 @@ import math
 
 from tvm.script import tirx as T
 
+from ember.schedules.kv_storage import FloatPages, Int8PageRows
 from ember.schedules.vector_math import exp2
 
 # Cached tokens scored per softmax rescale.
@@ -37,10 +39,12 @@ _START_MAX = -5e4
 
 
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                           page_size: int, lanes: int, symbol: str):
+                           page_size: int, lanes: int, symbol: str, storage: FloatPages | Int8PageRows | None = None):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
-    `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's)."""
+    `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`
+    the page layout (`kv_storage.py`), TVM's float pages by default."""
+    storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     group = num_qo_heads // num_kv_heads
     lanes = 1 << (min(lanes, head_dim).bit_length() - 1)
     while head_dim % lanes:
@@ -72,15 +76,22 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
         k_rope_offset = T.int32()
         q_rope_offset = T.int32()
         length_offset = T.int32()
-        Q = T.match_buffer(q_handle, (B, num_qo_heads, head_dim), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, num_kv_heads, page_size, head_dim), dtype)
+        queries = T.match_buffer(q_handle, (B, storage.q_heads, storage.q_dim), dtype)
+        pages = T.match_buffer(pages_handle, storage.page_shape(max_num_pages), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
         last_page_len = T.match_buffer(last_page_len_handle, (B,), "int32", elem_offset=length_offset)
         T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)
         T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)
-        output = T.match_buffer(output_handle, (B, num_qo_heads, head_dim), dtype)
-        lse = T.match_buffer(lse_handle, (B, num_qo_heads), "float32")
+        outputs = T.match_buffer(output_handle, (B, storage.q_heads, storage.q_dim), dtype)
+        lses = T.match_buffer(lse_handle, (B, storage.q_heads), "float32")
+        Q = T.decl_buffer((B, num_qo_heads, head_dim), dtype, data=queries.data,
+                          strides=(storage.q_heads * storage.q_dim, head_dim, 1))
+        values = T.decl_buffer(storage.values_shape(max_num_pages), storage.values_dtype, data=pages.data)
+        scales = T.decl_buffer(storage.scales_shape(max_num_pages), storage.scales_dtype, data=pages.data)
+        output = T.decl_buffer((B, num_qo_heads, head_dim), dtype, data=outputs.data,
+                               strides=(storage.q_heads * storage.q_dim, head_dim, 1))
+        lse = T.decl_buffer((B, num_qo_heads), "float32", data=lses.data, strides=(storage.q_heads, 1))
 
         for task in T.parallel(B * num_kv_heads):
             with T.sblock("attention"):
@@ -118,14 +129,14 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                                 acc[i] = T.float32(0.0)
                             for i_o in T.unroll(head_dim // lanes):
                                 for i in T.vectorized(lanes):
-                                    acc[i] = acc[i] + q[g, i_o * lanes + i] * T.Cast(
-                                        "float32", pages[token_page[t], 0, h, token_slot[t], i_o * lanes + i])
+                                    acc[i] = acc[i] + q[g, i_o * lanes + i] * storage.value(
+                                        values, token_page[t], 0, token_slot[t], h, i_o * lanes + i)
                             # Tree sum of the lanes: log2(lanes) dependent adds, not lanes.
                             for level in T.unroll(_levels(lanes)):
                                 half: T.let[T.int32] = T.shift_right(lanes, level + 1)
                                 for i in T.serial(half):
                                     acc[i] = acc[i] + acc[i + half]
-                            s[g, t] = acc[0]
+                            s[g, t] = acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h)
                     for g in T.serial(group):
                         m_new[0] = m[g]
                         for t in T.serial(rows):
@@ -141,10 +152,11 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                         for t in T.serial(rows):
                             d[g] = d[g] + s[g, t]
                     for t in T.serial(rows):
+                        value_scale: T.let[T.float32] = storage.scale(scales, token_page[t], 1, token_slot[t], h)
                         for g in T.serial(group):
                             for i in T.vectorized(head_dim):
-                                o[g, i] = o[g, i] + s[g, t] * T.Cast(
-                                    "float32", pages[token_page[t], 1, h, token_slot[t], i])
+                                o[g, i] = o[g, i] + s[g, t] * value_scale * storage.value(
+                                    values, token_page[t], 1, token_slot[t], h, i)
                 for g in T.serial(group):
                     for i in T.vectorized(head_dim):
                         output[b, h * group + g, i] = T.Cast(dtype, o[g, i] / d[g])

@@ -24,6 +24,8 @@ Causal blocks grow in cost with their position, and TVM's thread pool hands each
 thread one contiguous range of tasks, so tasks visit the blocks in the order
 0, n-1, 1, n-2, ... that balances the two halves. Rotary embedding must already be
 applied to q and k (ember's models use `RopeMode.NORMAL`); the kernels check it.
+Both kernels also read the q8 cache's int8 rows (`kv_storage.py`), dequantized as a
+chunk of keys and values is loaded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import math
 
 from tvm.script import tirx as T
 
+from ember.ir.kv_cache import Int8Rows
+from ember.schedules.kv_storage import FloatPages, Int8PageRows
 from ember.schedules.vector_math import exp2
 
 # Query rows per task: their scores, outputs and the chunk's keys and values stay in L1.
@@ -115,11 +119,24 @@ class _Ragged:
         return kv[part][start + pos, h, i]
 
 
-class _Paged:
-    """As `_Ragged`, with kv = [pages, page_indptr, page_values, last_page_len]: keys and values in cache pages."""
+class _Int8Ragged(_Ragged):
+    """As `_Ragged`, for the q8 cache's new tokens: kv = [k, v, kv_indptr, k scales, v scales], k and v
+    int8 rows of [tokens, heads * dim] (`Int8Rows`) with float32 scales [tokens, words of a row]."""
 
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    def __init__(self, rows: Int8Rows) -> None:
+        self.rows = rows
+
+    def row(self, kv, start, pos, h, i, part):
+        return (T.Cast("float32", kv[part][start + pos, h * self.rows.head_dim + i])
+                * kv[3 + part][start + pos, self.rows.scale_word + h])
+
+
+class _Paged:
+    """As `_Ragged`, with kv = [values, page_indptr, page_values, last_page_len, scales]: keys and values
+    in cache pages, read through `storage` (`kv_storage.py`)."""
+
+    def __init__(self, storage: FloatPages | Int8PageRows) -> None:
+        self.storage, self.page_size = storage, storage.page_size
 
     def start(self, kv, b):
         return kv[1][b]
@@ -129,7 +146,8 @@ class _Paged:
         return T.if_then_else(pages > 0, (pages - 1) * self.page_size + kv[3][b], 0)
 
     def row(self, kv, start, pos, h, i, part):
-        return kv[0][kv[2][start + pos // self.page_size], part, h, pos % self.page_size, i]
+        page, slot = kv[2][start + pos // self.page_size], pos % self.page_size
+        return self.storage.value(kv[0], page, part, slot, h, i) * self.storage.scale(kv[4], page, part, slot, h)
 
 
 def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, source: _Ragged | _Paged):
@@ -180,9 +198,17 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, s
     return attention_tasks
 
 
-def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, symbol: str):
-    """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]."""
-    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, _Ragged())
+def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, symbol: str,
+                             rows: Int8Rows | None = None):
+    """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]; with `rows`,
+    the q8 cache's: k and v quantized as it stores them, q and the output at the front of its word rows."""
+    source = _Int8Ragged(rows) if rows else _Ragged()
+    q_heads, q_dim = (rows.stored_qo_heads, 1) if rows else (num_qo_heads, head_dim)
+    kv_shape = (rows.stored_kv_heads, 1) if rows else (num_kv_heads, head_dim)
+    # The new tokens' keys and values as the kernel reads them: as given, or int8 values and float32 scales.
+    kv_values = ((rows.row_bytes,), "int8") if rows else ((num_kv_heads, head_dim), dtype)
+    kv_scales = ((rows.stored_kv_heads,), "float32") if rows else ((num_kv_heads, head_dim), dtype)
+    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, source)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -209,26 +235,38 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         kv_indptr_offset = T.int32()
         q_rope_offset = T.int32()
         k_rope_offset = T.int32()
-        q = T.match_buffer(q_handle, (qo_len, num_qo_heads, head_dim), dtype)
+        queries = T.match_buffer(q_handle, (qo_len, q_heads, q_dim), dtype)
         q_indptr = T.match_buffer(q_indptr_handle, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        k = T.match_buffer(k_handle, (kv_len_total, num_kv_heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (kv_len_total, num_kv_heads, head_dim), dtype)
+        keys = T.match_buffer(k_handle, (kv_len_total, *kv_shape), dtype)
+        values = T.match_buffer(v_handle, (kv_len_total, *kv_shape), dtype)
         kv_indptr = T.match_buffer(kv_indptr_handle, (batch_size + 1,), "int32", elem_offset=kv_indptr_offset)
         T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
         T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
-        output = T.match_buffer(output_handle, (qo_len, num_qo_heads, head_dim), dtype)
-        lse = T.match_buffer(lse_handle, (qo_len, num_qo_heads), "float32")
+        outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
+        lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-        attention_tasks(q, q_indptr, [k, v, kv_indptr], output, lse, causal, sm_scale, batch_size, qo_len)
+        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data, strides=(q_heads * q_dim, head_dim, 1))
+        output = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=outputs.data,
+                               strides=(q_heads * q_dim, head_dim, 1))
+        lse = T.decl_buffer((qo_len, num_qo_heads), "float32", data=lses.data, strides=(q_heads, 1))
+        k = T.decl_buffer((kv_len_total, *kv_values[0]), kv_values[1], data=keys.data)
+        v = T.decl_buffer((kv_len_total, *kv_values[0]), kv_values[1], data=values.data)
+        k_scales = T.decl_buffer((kv_len_total, *kv_scales[0]), kv_scales[1], data=keys.data)
+        v_scales = T.decl_buffer((kv_len_total, *kv_scales[0]), kv_scales[1], data=values.data)
+        attention_tasks(q, q_indptr, [k, v, kv_indptr, k_scales, v_scales], output, lse, causal, sm_scale,
+                        batch_size, qo_len)
 
     return prefill_ragged
 
 
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
-                            symbol: str):
-    """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages."""
+                            symbol: str, storage: FloatPages | Int8PageRows | None = None):
+    """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages,
+    laid out as `storage` says (`kv_storage.py`; TVM's float pages by default)."""
+    storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    q_heads, q_dim = storage.q_heads, storage.q_dim
     attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype,
-                                       _Paged(page_size))
+                                       _Paged(storage))
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -259,18 +297,24 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         length_offset = T.int32()
         k_rope_offset = T.int32()
         q_rope_offset = T.int32()
-        q = T.match_buffer(q_handle, (qo_len, num_qo_heads, head_dim), dtype)
+        queries = T.match_buffer(q_handle, (qo_len, q_heads, q_dim), dtype)
         q_indptr = T.match_buffer(q_indptr_handle, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, num_kv_heads, page_size, head_dim), dtype)
+        pages = T.match_buffer(pages_handle, storage.page_shape(max_num_pages), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
         last_page_len = T.match_buffer(last_page_len_handle, (batch_size,), "int32", elem_offset=length_offset)
         T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
         T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
-        output = T.match_buffer(output_handle, (qo_len, num_qo_heads, head_dim), dtype)
-        lse = T.match_buffer(lse_handle, (qo_len, num_qo_heads), "float32")
+        outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
+        lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-        attention_tasks(q, q_indptr, [pages, page_indptr, page_values, last_page_len], output, lse, causal, sm_scale,
-                        batch_size, qo_len)
+        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data, strides=(q_heads * q_dim, head_dim, 1))
+        output = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=outputs.data,
+                               strides=(q_heads * q_dim, head_dim, 1))
+        lse = T.decl_buffer((qo_len, num_qo_heads), "float32", data=lses.data, strides=(q_heads, 1))
+        values = T.decl_buffer(storage.values_shape(max_num_pages), storage.values_dtype, data=pages.data)
+        scales = T.decl_buffer(storage.scales_shape(max_num_pages), storage.scales_dtype, data=pages.data)
+        attention_tasks(q, q_indptr, [values, page_indptr, page_values, last_page_len, scales], output, lse, causal,
+                        sm_scale, batch_size, qo_len)
 
     return prefill_paged

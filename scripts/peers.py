@@ -73,6 +73,7 @@ def make_random_llama(
     ffn: int = 2048,
     vocab: int = 32000,
     seed: int = 0,
+    context: int = 2048,
 ) -> Path:
     """Write a randomly initialised Llama checkpoint (fp32 safetensors) to ``out_dir``.
 
@@ -85,6 +86,8 @@ def make_random_llama(
     tokens rather than ties that rounding could flip between runtimes.
     Embeddings are not tied, so the LM head is a separate matrix, as in most
     Llama checkpoints. No tokenizer is written: benchmarks feed token ids.
+    ``context`` is the context window (transformers' default, 2048, unless a
+    benchmark needs longer prompts).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -98,6 +101,7 @@ def make_random_llama(
         vocab_size=vocab,
         initializer_range=0.02,
         tie_word_embeddings=False,
+        max_position_embeddings=context,
         dtype="float32",
     )
     torch.manual_seed(seed)

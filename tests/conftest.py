@@ -192,16 +192,22 @@ class TinyModels:
         `--float-activations`), once per session."""
         return self._compiled(name, quantization, float_activations, "torch-export")
 
-    def _compiled(self, name: str, quantization: str, float_activations: bool, frontend: str) -> TinyModel:
+    def kv_quantized(self, name: str, frontend: str = "builtin") -> TinyModel:
+        """The tiny model `name` compiled (q0f32, through `frontend`) with `--kv-quant q8`, once per session."""
+        return self._compiled(name, "q0f32", False, frontend, kv_quant="q8")
+
+    def _compiled(self, name: str, quantization: str, float_activations: bool, frontend: str,
+                  kv_quant: str | None = None) -> TinyModel:
         """The tiny model `name` compiled in-process with these options, once per session."""
         key = (f"{name}-{quantization}" if frontend == "builtin" else f"{name}-{frontend}-{quantization}") + (
-            "-float-activations" * float_activations)
+            "-float-activations" * float_activations) + (f"-kv-{kv_quant}" if kv_quant else "")
         if key not in self._models:
             from ember.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     frontend=frontend, float_activations=float_activations, show_progress=False)
+                                     frontend=frontend, float_activations=float_activations, kv_quant=kv_quant,
+                                     show_progress=False)
             compile_model(model_dir, artifact_dir, options)
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]

@@ -46,8 +46,9 @@ from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.frontend.source import import_model, recorded_config_dir, recorded_formats, recorded_frontend
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
+from ember.ir.kv_cache import Int8Rows
 from ember.ir.quant_formats import FORMATS, QUANTIZED_PARTS
-from ember.ir_passes import pipeline
+from ember.ir_passes import pipeline, specialize_cpu_rope
 from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
 from ember.schedules import int8_matmul
@@ -142,8 +143,8 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
     config = _config(manifest, artifact_dir)
     arch = Architecture(Path(artifact_dir).resolve().name, config)
     bits = tvm_runtime.DataType(manifest.model_dtype).bits
-    # Weights at their stored width (a quantized format's bits per weight, scales included).
-    precision = Precision(_stored_bits_per_weight(manifest, config), bits, bits,
+    # Weights at their stored width (a quantized format's bits per weight, scales included); likewise the KV cache.
+    precision = Precision(_stored_bits_per_weight(manifest, config), bits, _kv_bits(manifest, config, bits),
                           "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
     kernels = rebuild_kernels(manifest)
 
@@ -186,6 +187,14 @@ def _stored_bits_per_weight(manifest: Manifest, config: ModelConfig) -> float:
     return sum(FORMATS[formats[name]].bits_per_weight * size for name, size in sizes.items()) / sum(sizes.values())
 
 
+def _kv_bits(manifest: Manifest, config: ModelConfig, model_bits: int) -> float:
+    """Bits per cached key or value element: the model dtype's, or the q8 cache's (int8 plus each row's scales)."""
+    if manifest.kv_cache["quantization"] != "q8":
+        return model_bits
+    rows = Int8Rows(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    return 8 * rows.row_bytes / (config.num_key_value_heads * config.head_dim)
+
+
 def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     """The artifact's kernels as TIR before scheduling, rebuilt from its manifest as `ember compile` built them."""
     config = _config(manifest, "the artifact")
@@ -203,7 +212,8 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
                                     int8_activations=manifest.activations == "int8",
-                                    tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype))
+                                    tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype),
+                                    kv_quant=kv["quantization"])
     with tvm_warnings_hidden():
         return pipeline.to_kernels(mod, target, options)
 
@@ -214,11 +224,16 @@ def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
     Symbolic dimensions (sequence length, batch) are bound by specializing the PrimFunc
     to the call's shapes; TVM counts every arithmetic operation of floating type once.
     The int8 dot-product matmul is written in vector operations TVM's counter does not
-    read: it counts as the matmul it computes, 2 * rows * k * n.
+    read: it counts as the matmul it computes, 2 * rows * k * n. ember's rotary kernel (a graph
+    kernel where the q8 KV cache moved it out of the cache) counts as analyze's `rope`.
     """
-    if (func.attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__:
+    source = (func.attrs or {}).get(KERNEL_SOURCE_ATTR)
+    if source == int8_matmul.__name__:
         x_shape, *_, y_shape = shapes
         return 2.0 * math.prod(x_shape) * y_shape[-1]
+    if source == specialize_cpu_rope.__name__:  # written with lets, which the counter cannot read
+        (tokens, q_heads, head_dim), (_, kv_heads, _) = shapes[2], shapes[3]  # (qkv, positions, q, k, v)
+        return 3.0 * tokens * (q_heads + kv_heads) * head_dim  # as analyze's `rope`
     bindings = {}
     for param, shape in zip(func.params, shapes):
         buffer_shape = getattr(param.ty, "shape", None)

@@ -1,0 +1,167 @@
+"""The paged KV cache stores keys and values as int8 (`--kv-quant q8`).
+
+At long contexts decode reads more KV cache than weights (a 110M model at 8,192 tokens:
+192 MiB of float32 keys and values per token, 60 MiB of q4 weights). This pass makes
+the cache hold int8 rows with a float32 scale per token and head (`ir.kv_cache.Int8Rows`:
+0.27x the bytes at a head dim of 64) while TVM's cache runtime keeps managing pages,
+sequences, forks and rollbacks. That runtime allocates pages in the dtype of the q/k/v
+it is handed and checks head counts and head dim, and moves data only through kernels
+it is given; so:
+
+- `create_paged_kv_cache` declares the cache in float32 words (head dim 1, `stored_*`
+  heads) and hands it ember's kernels: `schedules/quantized_kv_cache.py` to quantize,
+  store, copy and merge rows, and the int8 variants of ember's attention kernels.
+  Kernels for what ember never asks of it (sliding windows, token trees, MLA) are left
+  out, so the runtime refuses such a request instead of computing on the wrong layout.
+- Every `attention_with_fused_qkv` call hands the same fused q/k/v bytes as words (a
+  reshape, no copy) and takes the real output from the front of the output rows. Where
+  the cache rotated q and k itself (`RopeMode.NORMAL`), the graph now does, with the
+  module's own rotary kernel and the cache's query positions, before the call.
+
+Runs before legalization, so the reshapes and slices are fused like any others.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
+from ember.ir.kv_cache import Int8Rows
+from ember.ir.module_utils import is_op
+from ember.schedules import quantized_kv_cache as kernels
+from ember.schedules.decode_attention import paged_decode_attention
+from ember.schedules.kv_storage import Int8PageRows
+from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
+from ember.targets.registry import TargetSpec
+
+CREATE = "vm.builtin.paged_attention_kv_cache_create"
+ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
+# `CREATE`'s arguments (after the function name) that this pass reads or replaces; TVM's order.
+_QO_HEADS, _KV_HEADS, _QK_DIM, _V_DIM, _ROPE_MODE, _DTYPE_EXAMPLE = 2, 3, 4, 5, 8, 12
+_APPEND, _APPEND_MLA, _RAGGED, _PREFILL, _DECODE = 13, 14, 15, 16, 17
+_UNUSED_ATTENTION = range(18, 23)  # sliding-window prefill/decode, tree prefills, MLA
+_MERGE, _SPLIT, _COPY_PAGE, _DEBUG_READ, _COMPACT = 23, 24, 25, 26, 27
+_ROPE_NORMAL = 1
+
+
+def quantize_kv_cache(target: TargetSpec) -> tvm.transform.Pass:
+    """The pass for `target` (a CPU: the kernels are ember's CPU kernels)."""
+    lanes = max(target.vector_bits // 32, 1)
+
+    @tvm.transform.module_pass(opt_level=0, name="QuantizeKVCache")
+    def _quantize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod, lanes)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        if rewriter.rows is None:
+            raise ValueError("quantize_kv_cache: the module creates no paged KV cache")
+        rewritten = rewriter.builder_.get()
+        return tvm.IRModule({gv: func for gv, func in rewritten.functions_items()
+                             if gv.name_hint != rewriter.replaced_rotary},
+                            attrs=rewritten.attrs, global_infos=rewritten.global_infos)
+
+    return _quantize
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, lanes: int) -> None:
+        super().__init__(mod)
+        self.mod, self.lanes = mod, lanes
+        self.rows: Int8Rows | None = None
+        self.rotary: relax.GlobalVar | None = None  # the module's rotary kernel, where the cache applied it
+        self.replaced_rotary: str | None = None  # that kernel's name as the cache took it (same exported symbol)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if _calls_packed(value, CREATE):
+            rewritten = self._create(value)
+        elif isinstance(value, relax.Call) and _calls_packed(value, ATTENTION, op="relax.call_dps_packed"):
+            rewritten = self._attention(value)
+        else:
+            super().visit_var_binding_(binding)
+            return
+        emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+        self.set_var_remap(binding.var, emit(rewritten))
+
+    def _create(self, call: relax.Call) -> relax.Call:
+        args = list(call.args[1:])
+        dtype = str(args[_DTYPE_EXAMPLE].ty.dtype)
+        if dtype != "float32":
+            raise ValueError(f"quantize_kv_cache: the q8 cache stores float32 models' keys and values, not {dtype}")
+        qo_heads, kv_heads, head_dim = (int(args[i].value) for i in (_QO_HEADS, _KV_HEADS, _QK_DIM))
+        self.rows = rows = Int8Rows(qo_heads, kv_heads, head_dim)
+        decode = self.mod[args[_DECODE].fields[1].name_hint]  # by name: an importer's cache was built apart
+        page_size = int(decode.params[1].shape[3])  # TVM's kernels are built for the page size the runtime uses
+        num_layers = int(self.mod[args[_DEBUG_READ].name_hint].params[2].shape[0])
+        if int(args[_ROPE_MODE].value) == _ROPE_NORMAL:
+            # The graph calls the cache's rotary kernel itself, its `apply_rope` flag bound to 1 (a call_tir
+            # passes no scalar after the outputs); the cache is handed ember's split instead.
+            rotary = self.mod[args[_SPLIT].name_hint]
+            self.replaced_rotary = args[_SPLIT].name_hint
+            self.rotary = self.builder_.add_func(rotary.specialize({rotary.params[-1]: tirx.IntImm("int64", 1)}),
+                                                 self.replaced_rotary + "_applied")
+        storage = Int8PageRows(rows, page_size)
+
+        def kernel(func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+            return self.builder_.add_func(func.with_attr(KERNEL_SOURCE_ATTR, __name__), name)
+
+        def attention(func: tirx.PrimFunc, name: str) -> relax.Tuple:
+            return relax.Tuple([tvm.ir.StringImm("tirx"), kernel(func, name)])
+
+        symbol = "ember_q8_kv_"
+        args[_QO_HEADS] = relax.prim_value(rows.stored_qo_heads)
+        args[_KV_HEADS] = relax.prim_value(rows.stored_kv_heads)
+        args[_QK_DIM] = args[_V_DIM] = relax.prim_value(1)
+        args[_ROPE_MODE] = relax.prim_value(0)
+        args[_APPEND] = kernel(kernels.append_rows(rows, page_size, dtype, symbol + "append"), symbol + "append")
+        args[_APPEND_MLA] = relax.op.null_value()
+        args[_RAGGED] = attention(ragged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, symbol + "ragged",
+                                                           rows=rows), symbol + "ragged")
+        args[_PREFILL] = attention(paged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, page_size,
+                                                           symbol + "prefill", storage), symbol + "prefill")
+        args[_DECODE] = attention(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes,
+                                                         symbol + "decode", storage), symbol + "decode")
+        for index in _UNUSED_ATTENTION:
+            args[index] = relax.Tuple([])
+        args[_MERGE] = relax.Tuple([kernel(kernels.merge_states(rows, dtype, symbol + "merge"), symbol + "merge")])
+        args[_SPLIT] = kernel(kernels.split_and_quantize(rows, dtype, symbol + "split"), symbol + "split")
+        args[_COPY_PAGE] = kernel(kernels.copy_page_rows(rows, page_size, dtype, symbol + "copy_page"),
+                                  symbol + "copy_page")
+        args[_DEBUG_READ] = kernel(kernels.read_rows(rows, num_layers, dtype, symbol + "read"), symbol + "read")
+        args[_COMPACT] = kernel(kernels.compact_rows(rows, page_size, dtype, symbol + "compact"), symbol + "compact")
+        return relax.call_pure_packed(CREATE, *args, ty_args=list(call.ty_args))
+
+    def _attention(self, call: relax.Call) -> relax.Expr:
+        """The call with q/k/v as word rows; the real output from the front of its word rows."""
+        if self.rows is None:
+            raise ValueError("quantize_kv_cache: attention before the module's create_paged_kv_cache")
+        rows = self.rows
+        cache, layer, scale, qkv = (self.visit_expr(arg) for arg in call.args[1].fields)
+        tokens = qkv.ty.shape[0]
+        dtype = str(qkv.ty.dtype)
+        if self.rotary is not None:
+            positions = self.builder_.emit(relax.call_pure_packed(
+                QUERY_POSITIONS, cache, ty_args=relax.TensorType((tokens,), "int32")))
+            heads = [rows.num_qo_heads, rows.num_kv_heads, rows.num_kv_heads]
+            rotated = self.builder_.emit(relax.call_tir(
+                self.rotary, relax.Tuple([qkv, positions]),
+                [relax.TensorType((tokens, count, rows.head_dim), dtype) for count in heads]))
+            qkv = self.builder_.emit(relax.op.concat([relax.TupleGetItem(rotated, i) for i in range(3)], axis=1))
+        words = self.builder_.emit(relax.op.reshape(qkv, (tokens, rows.stored_qo_heads + 2 * rows.stored_kv_heads, 1)))
+        output = self.builder_.emit(relax.call_dps_packed(
+            ATTENTION, relax.Tuple([cache, layer, scale, words]),
+            relax.TensorType((tokens, rows.stored_qo_heads, 1), dtype)))
+        flat = self.builder_.emit(relax.op.reshape(output, (tokens, rows.stored_qo_heads)))
+        real = self.builder_.emit(relax.op.strided_slice(flat, axes=[1], begin=[0],
+                                                         end=[rows.num_qo_heads * rows.head_dim]))
+        return relax.op.reshape(real, (tokens, rows.num_qo_heads, rows.head_dim))
+
+
+def _calls_packed(value: relax.Expr, name: str, op: str = "relax.call_pure_packed") -> bool:
+    """Whether `value` calls the packed function `name` through `op`."""
+    return (is_op(value, op) and isinstance(value.args[0], relax.ExternFunc)
+            and str(value.args[0].global_symbol) == name)

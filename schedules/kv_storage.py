@@ -1,0 +1,63 @@
+"""Where ember's CPU attention kernels find a cached key or value, as TIR expressions.
+
+Two page layouts share the kernels (`decode_attention.py`, `prefill_attention.py`):
+
+    FloatPages      TVM's: pages[page, K or V, kv head, slot, dim] in the model's dtype
+    Int8PageRows    the q8 cache's (`ember.ir.kv_cache.Int8Rows`): per page, side and slot a
+                    row of every KV head's int8 values, then their float32 scales
+
+A kernel declares its parameters in the layout's declared shapes (what TVM's runtime
+checks and allocates) and reads them through views in the real ones: `value` is an
+element as float32, `scale` multiplies a whole dot product or value row (1 for floats).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ember.ir.kv_cache import Int8Rows
+
+
+class FloatPages:
+    """TVM's paged layout: keys and values as the model computed them."""
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str) -> None:
+        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.q_heads, self.q_dim = num_qo_heads, head_dim  # queries and outputs: [tokens, q_heads, q_dim]
+        self.values_dtype = self.scales_dtype = dtype
+
+    def page_shape(self, num_pages):
+        return (num_pages, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    values_shape = scales_shape = page_shape
+
+    def value(self, values, page, part, slot, h, i):
+        return T.Cast("float32", values[page, part, h, slot, i])
+
+    def scale(self, scales, page, part, slot, h) -> tirx.PrimExpr:
+        return T.float32(1)
+
+
+class Int8PageRows:
+    """The q8 cache's layout: a row of int8 values and float32 scales per page slot and side."""
+
+    def __init__(self, rows: Int8Rows, page_size: int) -> None:
+        self.rows, self.head_dim, self.page_size = rows, rows.head_dim, page_size
+        self.q_heads, self.q_dim = rows.stored_qo_heads, 1
+        self.values_dtype, self.scales_dtype = "int8", "float32"
+
+    def page_shape(self, num_pages):
+        return (num_pages, 2, self.rows.stored_kv_heads, self.page_size, 1)
+
+    def values_shape(self, num_pages):
+        return (num_pages, 2, self.page_size, self.rows.row_bytes)
+
+    def scales_shape(self, num_pages):
+        return (num_pages, 2, self.page_size, self.rows.stored_kv_heads)
+
+    def value(self, values, page, part, slot, h, i):
+        return T.Cast("float32", values[page, part, slot, h * self.head_dim + i])
+
+    def scale(self, scales, page, part, slot, h):
+        return scales[page, part, slot, self.rows.scale_word + h]

@@ -1,0 +1,197 @@
+"""The q8 KV cache's own kernels: quantize new keys and values, store, copy and merge rows.
+
+TVM's cache runtime moves keys and values only through kernels it is handed; for the q8
+cache (`ir_passes/quantize_kv_cache.py`) these are ember's, over the rows of
+`ember.ir.kv_cache.Int8Rows` (the attention kernels that read them are
+`decode_attention.py` and `prefill_attention.py`, through `kv_storage.py`):
+
+    split_and_quantize   the fused q/k/v of the new tokens -> q as it is, k and v as int8
+                         rows: per token and head, scale = absmax / 127, values round(x / scale)
+    append_rows          each new token's k and v rows into its page slot
+    copy_page_rows       a page's first rows into another page (forking a sequence mid-page)
+    compact_rows         rows moved between positions (the runtime compacting a sequence)
+    read_rows            rows at positions, as stored (the runtime's debug read)
+    merge_states         two partial attention outputs by their log-sum-exps (base 2)
+
+Every kernel takes the shapes the runtime declares (word rows: see `Int8Rows`) and reads
+them through views of their real layout. Rotary embedding is applied before the split
+(the pass moves it into the graph), so `apply_rope` must be 0.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ember.ir.kv_cache import Int8Rows
+
+
+def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
+    """The cache's `f_split_rotary`: (qkv, positions, q, k, v, apply_rope), q copied, k and v quantized."""
+    heads, head_dim, words = rows.num_kv_heads, rows.head_dim, rows.stored_kv_heads
+    qo_floats = rows.num_qo_heads * head_dim
+    fused_words = rows.stored_qo_heads + 2 * words
+
+    @T.prim_func(s_tir=True)
+    def split(qkv_handle: T.handle, positions_handle: T.handle, q_handle: T.handle, k_handle: T.handle,
+              v_handle: T.handle, apply_rope: T.int64):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        n = T.int64()
+        positions_offset = T.int64()
+        qkv_words = T.match_buffer(qkv_handle, (n, fused_words, 1), dtype)
+        T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
+        q = T.match_buffer(q_handle, (n, rows.stored_qo_heads, 1), dtype)
+        k_words = T.match_buffer(k_handle, (n, words, 1), dtype)
+        v_words = T.match_buffer(v_handle, (n, words, 1), dtype)
+        assert apply_rope == 0, "the q8 KV cache needs rotary embedding applied before attention"
+        qkv = T.decl_buffer((n, (rows.num_qo_heads + 2 * heads) * head_dim), dtype, data=qkv_words.data)
+        k_values = T.decl_buffer((n, rows.row_bytes), "int8", data=k_words.data)
+        v_values = T.decl_buffer((n, rows.row_bytes), "int8", data=v_words.data)
+        k_scales = T.decl_buffer((n, words), "float32", data=k_words.data)
+        v_scales = T.decl_buffer((n, words), "float32", data=v_words.data)
+        for t in T.parallel(n):
+            with T.sblock("split"):
+                T.reads()
+                T.writes()
+                amax = T.sblock_alloc_buffer((1,), "float32")
+                for i in T.vectorized(qo_floats):
+                    q[t, i, 0] = qkv[t, i]
+                for part, h in T.grid(2, heads):
+                    first: T.let[T.int32] = qo_floats + (part * heads + h) * head_dim
+                    amax[0] = T.float32(0)
+                    for i in T.serial(head_dim):
+                        amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
+                    inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
+                    if part == 0:
+                        k_scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
+                        for i in T.vectorized(head_dim):
+                            k_values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
+                    else:
+                        v_scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
+                        for i in T.vectorized(head_dim):
+                            v_values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
+
+    return split
+
+
+def append_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+    """The cache's `f_transpose_append`: (pages, k rows, v rows, positions); position -1 is skipped."""
+    words = rows.stored_kv_heads
+
+    @T.prim_func(s_tir=True)
+    def append(pages_handle: T.handle, k_handle: T.handle, v_handle: T.handle, positions_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        n = T.int64()
+        num_pages = T.int64()
+        positions_offset = T.int32()
+        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        k = T.match_buffer(k_handle, (n, words, 1), dtype)
+        v = T.match_buffer(v_handle, (n, words, 1), dtype)
+        positions = T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
+        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        for t in T.parallel(n):
+            with T.sblock("append"):
+                T.reads()
+                T.writes()
+                position: T.let[T.int32] = positions[t]
+                if position != -1:
+                    for w in T.vectorized(words):
+                        pages[position // page_size, 0, position % page_size, w] = k[t, w, 0]
+                        pages[position // page_size, 1, position % page_size, w] = v[t, w, 0]
+
+    return append
+
+
+def copy_page_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+    """The cache's `f_copy_single_page`: (pages, source page, target page, rows to copy)."""
+    words = rows.stored_kv_heads
+
+    @T.prim_func(s_tir=True)
+    def copy_page(pages_handle: T.handle, source: T.int64, target: T.int64, length: T.int64):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        num_pages = T.int32()
+        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        for part, slot in T.grid(2, length):
+            for w in T.serial(words):
+                pages[target, part, slot, w] = pages[source, part, slot, w]
+
+    return copy_page
+
+
+def compact_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+    """The cache's `f_compact_copy`: (pages, per-sequence indptr, [2, n] source and target positions, batch)."""
+    words = rows.stored_kv_heads
+
+    @T.prim_func(s_tir=True)
+    def compact(pages_handle: T.handle, indptr_handle: T.handle, positions_handle: T.handle, batch_size: T.int32):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        num_pages = T.int32()
+        total = T.int32()
+        indptr_offset = T.int32()
+        positions_offset = T.int32()
+        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        indptr = T.match_buffer(indptr_handle, (batch_size + 1,), "int32", elem_offset=indptr_offset)
+        positions = T.match_buffer(positions_handle, (2, total), "int32", elem_offset=positions_offset)
+        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        for b in T.serial(batch_size):
+            for i in T.serial(indptr[b + 1] - indptr[b]):
+                source: T.let[T.int32] = positions[0, indptr[b] + i]
+                target: T.let[T.int32] = positions[1, indptr[b] + i]
+                for part, w in T.grid(2, words):
+                    pages[target // page_size, part, target % page_size, w] = (
+                        pages[source // page_size, part, source % page_size, w])
+
+    return compact
+
+
+def read_rows(rows: Int8Rows, num_layers: int, dtype: str, symbol: str):
+    """The cache's `f_debug_get_kv`: (pages, positions, k out, v out, layer), each row as stored."""
+    words = rows.stored_kv_heads
+
+    @T.prim_func(s_tir=True)
+    def read(pages_handle: T.handle, positions_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
+             layer: T.int64):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        n = T.int64()
+        page_size = T.int64()
+        num_pages = T.int64()
+        positions_offset = T.int64()
+        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        positions = T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
+        k = T.match_buffer(k_handle, (num_layers, n, words, 1), dtype)
+        v = T.match_buffer(v_handle, (num_layers, n, words, 1), dtype)
+        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        for t, w in T.grid(n, words):
+            k[layer, t, w, 0] = pages[positions[t] // page_size, 0, positions[t] % page_size, w]
+            v[layer, t, w, 0] = pages[positions[t] // page_size, 1, positions[t] % page_size, w]
+
+    return read
+
+
+def merge_states(rows: Int8Rows, dtype: str, symbol: str):
+    """The cache's `f_merge_inplace`: (o, lse, o other, lse other) -> o, lse of both, per real query head."""
+    heads, head_dim, q_words = rows.num_qo_heads, rows.head_dim, rows.stored_qo_heads
+
+    @T.prim_func(s_tir=True)
+    def merge(o_handle: T.handle, lse_handle: T.handle, o_other_handle: T.handle, lse_other_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
+        n = T.int32()
+        o_words = T.match_buffer(o_handle, (n, q_words, 1), dtype)
+        lse = T.match_buffer(lse_handle, (n, q_words), "float32")
+        o_other_words = T.match_buffer(o_other_handle, (n, q_words, 1), dtype)
+        lse_other = T.match_buffer(lse_other_handle, (n, q_words), "float32")
+        o = T.decl_buffer((n, heads, head_dim), dtype, data=o_words.data, strides=(q_words, head_dim, 1))
+        o_other = T.decl_buffer((n, heads, head_dim), dtype, data=o_other_words.data, strides=(q_words, head_dim, 1))
+        for t in T.parallel(n):
+            for h in T.serial(heads):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    top: T.let[T.float32] = T.max(lse[t, h], lse_other[t, h])
+                    mine: T.let[T.float32] = T.exp2(lse[t, h] - top)
+                    other: T.let[T.float32] = T.exp2(lse_other[t, h] - top)
+                    for i in T.vectorized(head_dim):
+                        o[t, h, i] = (o[t, h, i] * mine + o_other[t, h, i] * other) / (mine + other)
+                    lse[t, h] = T.log2(mine + other) + top
+
+    return merge
