@@ -115,8 +115,13 @@ class _Ragged:
         return kv[2][b + 1] - kv[2][b]
 
     def row(self, kv, start, pos, h, i, part):
-        """Element i of head h of the key (`part` 0) or value (1) at `pos` of the sequence at `start`."""
-        return kv[part][start + pos, h, i]
+        """Element i of head h of the key (`part` 0) or value (1) at `pos` of the sequence at `start`, as float32
+        before its scale."""
+        return T.Cast("float32", kv[part][start + pos, h, i])
+
+    def scale(self, kv, start, pos, h, part):
+        """The scale of that key's or value's row of head h (1: floats are stored as they are)."""
+        return T.float32(1)
 
 
 class _Int8Ragged(_Ragged):
@@ -127,8 +132,10 @@ class _Int8Ragged(_Ragged):
         self.rows = rows
 
     def row(self, kv, start, pos, h, i, part):
-        return (T.Cast("float32", kv[part][start + pos, h * self.rows.head_dim + i])
-                * kv[3 + part][start + pos, self.rows.scale_word + h])
+        return T.Cast("float32", kv[part][start + pos, h * self.rows.head_dim + i])
+
+    def scale(self, kv, start, pos, h, part):
+        return kv[3 + part][start + pos, self.rows.scale_word + h]
 
 
 class _Paged:
@@ -147,7 +154,11 @@ class _Paged:
 
     def row(self, kv, start, pos, h, i, part):
         page, slot = kv[2][start + pos // self.page_size], pos % self.page_size
-        return self.storage.value(kv[0], page, part, slot, h, i) * self.storage.scale(kv[4], page, part, slot, h)
+        return self.storage.value(kv[0], page, part, slot, h, i)
+
+    def scale(self, kv, start, pos, h, part):
+        page, slot = kv[2][start + pos // self.page_size], pos % self.page_size
+        return self.storage.scale(kv[4], page, part, slot, h)
 
 
 def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, source: _Ragged | _Paged):
@@ -166,6 +177,7 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, s
                 m = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
                 d = T.sblock_alloc_buffer((BLOCK_ROWS * group,), "float32")
                 kt = T.sblock_alloc_buffer((head_dim, KEYS), "float32")
+                key_scale = T.sblock_alloc_buffer((KEYS,), "float32")
                 vc = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
                 s = T.sblock_alloc_buffer((KEYS,), "float32")
                 p = T.sblock_alloc_buffer((KEYS,), "float32")
@@ -186,12 +198,15 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, s
                     start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
                     for chunk in T.serial((end + KEYS - 1) // KEYS):
                         keys: T.let[T.int32] = T.min(KEYS, end - chunk * KEYS)
+                        for j in T.serial(KEYS):
+                            key_scale[j] = T.if_then_else(j < keys, source.scale(
+                                kv, kv_start, chunk * KEYS + T.min(j, keys - 1), h, 0), T.float32(0))
                         for j, i in T.grid(KEYS, head_dim):
-                            kt[i, j] = T.if_then_else(j < keys, T.Cast("float32", source.row(
-                                kv, kv_start, chunk * KEYS + T.min(j, keys - 1), h, i, 0)), T.float32(0))
+                            kt[i, j] = source.row(kv, kv_start, chunk * KEYS + T.min(j, keys - 1), h, i, 0) * key_scale[j]
                         for j in T.serial(keys):
+                            value_scale: T.let[T.float32] = source.scale(kv, kv_start, chunk * KEYS + j, h, 1)
                             for i in T.vectorized(head_dim):
-                                vc[j, i] = T.Cast("float32", source.row(kv, kv_start, chunk * KEYS + j, h, i, 1))
+                                vc[j, i] = source.row(kv, kv_start, chunk * KEYS + j, h, i, 1) * value_scale
                         attend(qs, o, m, d, kt, vc, s, p, m_new, rows, keys, chunk * KEYS, limit_base, causal, kv_len)
                     finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
 
