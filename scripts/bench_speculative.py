@@ -204,6 +204,9 @@ def _shapes(model_dir: Path) -> list[tuple[int, ...]]:
 
 
 def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) -> None:
+    formats = [quant for quant in args.verify_quant.split(",") if quant]
+    if not formats:
+        return
     from ember.compiler import CompileOptions, compile_model
     from ember.runtime import Engine, load_artifact
 
@@ -213,7 +216,7 @@ def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) ->
     print(f"\n~110M Llama (random weights), context {args.context}: one forward of k + 1 tokens with all logits, "
           "through the verify entry and through prefill, over one decode step, median of 20")
     print(f"{'--quant':<9} {'forward':<8} {'decode ms':>9} " + " ".join(f"{f'k={k}':>6}" for k in range(1, 8)))
-    for quant in args.verify_quant.split(","):
+    for quant in formats:
         artifact = args.work_dir / "ember-bench-speculative" / f"llama110m-{quant}-{level.name}"
         if not artifact.exists():
             compile_model(model_dir, artifact, CompileOptions(target=level.ember_target, quantization=quant,
@@ -257,7 +260,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="prompts per task")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=128, help="cached tokens before the timed verify steps")
-    parser.add_argument("--verify-quant", default="q0f32,q4f32", help="formats of the 110M verify-cost table")
+    parser.add_argument("--verify-quant", default="q0f32,q4f32", help="formats of the 110M verify-cost table (empty: no table)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quiet-wait", type=float, default=60,
