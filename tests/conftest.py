@@ -281,16 +281,20 @@ class DemoBuilds:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def get(self, target: str, quantization: str, float_activations: bool = False) -> Path:
-        """The artifact of the demo for `target` in `quantization` (float activations: q0f32 has no others)."""
+    def get(self, target: str, quantization: str, float_activations: bool = False,
+            kv_quant: str | None = None) -> Path:
+        """The artifact of the demo for `target` in `quantization` (float activations: q0f32 has no others), with
+        `--kv-quant kv_quant` if given."""
         import ember
         from ember.compiler import CompileOptions, compile_model
 
         float_activations = float_activations or quantization == "q0f32"
-        artifact = self.root / f"{target}-{quantization}-{'float' if float_activations else 'int8'}"
+        artifact = self.root / (f"{target}-{quantization}-{'float' if float_activations else 'int8'}"
+                                + (f"-kv-{kv_quant}" if kv_quant else ""))
         if not artifact.exists():
             compile_model(ember.DEMO_MODEL_DIR, artifact, CompileOptions(
-                target=target, quantization=quantization, float_activations=float_activations, show_progress=False))
+                target=target, quantization=quantization, float_activations=float_activations, kv_quant=kv_quant,
+                show_progress=False))
         return artifact
 
 

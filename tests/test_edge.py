@@ -1,5 +1,6 @@
 """Edge deployment (issue #18): the demo model cross-compiled on this x86 machine for aarch64 boards runs under
-emulation with ember's runtime alone, and computes what the x86 artifact of the same format computes.
+emulation with ember's runtime alone, and computes what the x86 artifact of the same formats computes (weights,
+and for one build the q8 KV cache, whose kernels then run with NEON's vector width).
 
 scripts/setup_arm64.sh builds (once, cached) an arm64 Debian Python with the runtime's aarch64 wheels, run by
 `qemu-aarch64-static -cpu max` (every ARMv8/v9 feature, dotprod and i8mm included); the tests skip when it
@@ -37,9 +38,10 @@ LOGITS_TOLERANCE = 1e-4  # absolute (logits reach ~17): same arithmetic on both 
 # (q4f32) on logits up to ~17, greedy tokens identical. The bound leaves about 2x margin; tokens must match.
 INT8_ACTIVATION_LOGITS_TOLERANCE = 0.25
 ELF_MACHINE_AARCH64 = 183
-# (name, --target, --quant): the aarch64 builds, each checked against the x86 build of its format.
-ARM_BUILDS = [("aarch64-q0f32", "aarch64", "q0f32"), ("pi5-q0f32", "raspberry-pi-5", "q0f32"),
-              ("pi5-q8f32", "raspberry-pi-5", "q8f32"), ("pi5-q4f32", "raspberry-pi-5", "q4f32")]
+# (name, --target, --quant, --kv-quant): the aarch64 builds, each checked against the x86 build of its formats.
+ARM_BUILDS = [("aarch64-q0f32", "aarch64", "q0f32", None), ("pi5-q0f32", "raspberry-pi-5", "q0f32", None),
+              ("pi5-q8f32", "raspberry-pi-5", "q8f32", None), ("pi5-q4f32", "raspberry-pi-5", "q4f32", None),
+              ("pi5-q4f32-kv-q8", "raspberry-pi-5", "q4f32", "q8")]
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="cross-compiles from x86_64")
 
@@ -52,8 +54,8 @@ def prompt() -> list[int]:
     return ids[:PROMPT_TOKENS]
 
 
-def _x86_twin(quant: str, activations: str) -> str:
-    return f"x86-{quant}-{activations}"
+def _x86_twin(quant: str, activations: str, kv_quant: str | None) -> str:
+    return f"x86-{quant}-{activations}" + (f"-kv-{kv_quant}" if kv_quant else "")
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +63,11 @@ def builds(arm64_python, demo_builds) -> dict[str, Path]:
     """Every artifact: the ARM builds, and an x86 build of each of their formats with the same activations
     (int8 where the ARM target has an int8 dot-product kernel, float where it does not). After the aarch64
     setup (`arm64_python`), which installs the cross linker the ARM builds need, or skips."""
-    built = {name: demo_builds.get(target, quant) for name, target, quant in ARM_BUILDS}
-    for name, _, quant in ARM_BUILDS:
+    built = {name: demo_builds.get(target, quant, kv_quant=kv_quant) for name, target, quant, kv_quant in ARM_BUILDS}
+    for name, _, quant, kv_quant in ARM_BUILDS:
         activations = read_manifest(built[name]).activations
-        built[_x86_twin(quant, activations)] = demo_builds.get("cpu", quant, float_activations=activations == "float")
+        built[_x86_twin(quant, activations, kv_quant)] = demo_builds.get(
+            "cpu", quant, float_activations=activations == "float", kv_quant=kv_quant)
     return built
 
 
@@ -82,7 +85,7 @@ def _run(python: list[str], env: dict[str, str], prompt: list[int], artifacts: d
 def results(arm64_python, builds, prompt, tmp_path_factory) -> dict[str, tuple[np.ndarray, dict]]:
     """Logits and greedy tokens of every build: the ARM ones under qemu from a package, the x86 ones here."""
     root = tmp_path_factory.mktemp("edge-run")
-    first, *others = [name for name, _, _ in ARM_BUILDS]
+    first, *others = [name for name, *_ in ARM_BUILDS]
     board = package_artifact(builds[first], root / "board")
     arm = _run(arm64_python, {"PYTHONPATH": str(board), "TVM_USE_RUNTIME_LIB": "1"}, prompt,
                {first: board / "artifact", **{name: builds[name] for name in others}}, root / "arm")
@@ -91,24 +94,24 @@ def results(arm64_python, builds, prompt, tmp_path_factory) -> dict[str, tuple[n
 
 
 def test_arm_library_is_aarch64_and_recorded(builds) -> None:
-    for name, _, _ in ARM_BUILDS:
+    for name, *_ in ARM_BUILDS:
         header = (builds[name] / LIBRARY_NAME).read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == ELF_MACHINE_AARCH64, name
         assert json.loads((builds[name] / "manifest.json").read_text())["target"]["arch"] == "aarch64"
 
 
 def test_runtime_alone_runs_on_the_emulated_board(results) -> None:
-    for name, _, _ in ARM_BUILDS:
+    for name, *_ in ARM_BUILDS:
         ran = results[name][1]
         assert ran["machine"] == "aarch64"
         assert ran["heavy_modules"] == [] and not ran["compiler_library_loaded"], ran
 
 
-@pytest.mark.parametrize(("name", "target", "quant"), ARM_BUILDS, ids=[b[0] for b in ARM_BUILDS])
-def test_arm_build_matches_x86(builds, results, name, target, quant) -> None:
+@pytest.mark.parametrize(("name", "target", "quant", "kv_quant"), ARM_BUILDS, ids=[b[0] for b in ARM_BUILDS])
+def test_arm_build_matches_x86(builds, results, name, target, quant, kv_quant) -> None:
     activations = read_manifest(builds[name]).activations
     logits, ran = results[name]
-    x86_logits, x86 = results[_x86_twin(quant, activations)]
+    x86_logits, x86 = results[_x86_twin(quant, activations, kv_quant)]
     tolerance = INT8_ACTIVATION_LOGITS_TOLERANCE if activations == "int8" else LOGITS_TOLERANCE
     assert logits.shape == x86_logits.shape == (PROMPT_TOKENS, logits.shape[1])
     difference = float(np.abs(logits - x86_logits).max())
@@ -117,7 +120,7 @@ def test_arm_build_matches_x86(builds, results, name, target, quant) -> None:
         f"{activations} activations: greedy tokens {'equal' if same_tokens else 'differ'}, max |logit difference| {difference:.3g}"
 
 
-@pytest.mark.parametrize(("name", "target"), [(name, target) for name, target, quant in ARM_BUILDS if quant != "q0f32"])
+@pytest.mark.parametrize(("name", "target"), [(name, target) for name, target, quant, _ in ARM_BUILDS if quant != "q0f32"])
 def test_quantized_arm_builds_use_the_targets_int8_dot(builds, name, target) -> None:
     """q8f32/q4f32 round activations to int8 on an ARM target with an int8 dot product (dotprod, i8mm:
     `targets/int8_dot.py`), and keep them in float on one without."""
