@@ -23,6 +23,9 @@ Runs before legalization, so the reshapes and slices are fused like any others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import tvm
 from tvm import relax, tirx
 
@@ -106,33 +109,33 @@ class _Rewriter(relax.PyExprMutator):
                                                  self.replaced_rotary + "_applied")
         storage = Int8PageRows(rows, page_size)
 
-        def kernel(func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-            return self.builder_.add_func(func.with_attr(KERNEL_SOURCE_ATTR, __name__), name)
+        def kernel(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.GlobalVar:
+            """`build(symbol=...)`, added to the module under its exported symbol."""
+            symbol = f"ember_q8_kv_{name}"
+            return self.builder_.add_func(build(symbol=symbol).with_attr(KERNEL_SOURCE_ATTR, __name__), symbol)
 
-        def attention(func: tirx.PrimFunc, name: str) -> relax.Tuple:
-            return relax.Tuple([tvm.ir.StringImm("tirx"), kernel(func, name)])
+        def attention(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.Tuple:
+            return relax.Tuple([tvm.ir.StringImm("tirx"), kernel(name, build)])
 
-        symbol = "ember_q8_kv_"
         args[_QO_HEADS] = relax.prim_value(rows.stored_qo_heads)
         args[_KV_HEADS] = relax.prim_value(rows.stored_kv_heads)
         args[_QK_DIM] = args[_V_DIM] = relax.prim_value(1)
         args[_ROPE_MODE] = relax.prim_value(0)
-        args[_APPEND] = kernel(kernels.append_rows(rows, page_size, dtype, symbol + "append"), symbol + "append")
+        args[_APPEND] = kernel("append", partial(kernels.append_rows, storage, dtype))
         args[_APPEND_MLA] = relax.op.null_value()
-        args[_RAGGED] = attention(ragged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, symbol + "ragged",
-                                                           rows=rows), symbol + "ragged")
-        args[_PREFILL] = attention(paged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, page_size,
-                                                           symbol + "prefill", storage), symbol + "prefill")
-        args[_DECODE] = attention(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes,
-                                                         symbol + "decode", storage), symbol + "decode")
+        args[_RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
+                                                    rows=rows))
+        args[_PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
+                                                      page_size, storage=storage))
+        args[_DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim, dtype,
+                                                    page_size, self.lanes, storage=storage))
         for index in _UNUSED_ATTENTION:
             args[index] = relax.Tuple([])
-        args[_MERGE] = relax.Tuple([kernel(kernels.merge_states(rows, dtype, symbol + "merge"), symbol + "merge")])
-        args[_SPLIT] = kernel(kernels.split_and_quantize(rows, dtype, symbol + "split"), symbol + "split")
-        args[_COPY_PAGE] = kernel(kernels.copy_page_rows(rows, page_size, dtype, symbol + "copy_page"),
-                                  symbol + "copy_page")
-        args[_DEBUG_READ] = kernel(kernels.read_rows(rows, num_layers, dtype, symbol + "read"), symbol + "read")
-        args[_COMPACT] = kernel(kernels.compact_rows(rows, page_size, dtype, symbol + "compact"), symbol + "compact")
+        args[_MERGE] = relax.Tuple([kernel("merge", partial(kernels.merge_states, rows, dtype))])
+        args[_SPLIT] = kernel("split", partial(kernels.split_and_quantize, rows, dtype))
+        args[_COPY_PAGE] = kernel("copy_page", partial(kernels.copy_page_rows, storage, dtype))
+        args[_DEBUG_READ] = kernel("read", partial(kernels.read_rows, storage, num_layers, dtype))
+        args[_COMPACT] = kernel("compact", partial(kernels.compact_rows, storage, dtype))
         return relax.call_pure_packed(CREATE, *args, ty_args=list(call.ty_args))
 
     def _attention(self, call: relax.Call) -> relax.Expr:

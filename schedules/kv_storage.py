@@ -53,8 +53,11 @@ class Int8PageRows:
     def values_shape(self, num_pages):
         return (num_pages, 2, self.page_size, self.rows.row_bytes)
 
-    def scales_shape(self, num_pages):
+    def words_shape(self, num_pages):
+        """The pages as float32 words, a row of `stored_kv_heads` per slot: how the cache's own kernels move rows."""
         return (num_pages, 2, self.page_size, self.rows.stored_kv_heads)
+
+    scales_shape = words_shape  # the scales are the last words of each row
 
     def value(self, values, page, part, slot, h, i):
         return T.Cast("float32", values[page, part, slot, h * self.head_dim + i])

@@ -13,8 +13,8 @@ cache (`ir_passes/quantize_kv_cache.py`) these are ember's, over the rows of
     read_rows            rows at positions, as stored (the runtime's debug read)
     merge_states         two partial attention outputs by their log-sum-exps (base 2)
 
-Every kernel takes the shapes the runtime declares (word rows: see `Int8Rows`) and reads
-them through views of their real layout. Rotary embedding is applied before the split
+Every kernel takes the shapes the runtime declares (word rows: see `Int8Rows`; pages as
+`kv_storage.Int8PageRows` describes them) and reads them through views of their real layout. Rotary embedding is applied before the split
 (the pass moves it into the graph), so `apply_rope` must be 0.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ember.ir.kv_cache import Int8Rows
+from ember.schedules.kv_storage import Int8PageRows
 
 
 def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
@@ -30,6 +31,17 @@ def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
     heads, head_dim, words = rows.num_kv_heads, rows.head_dim, rows.stored_kv_heads
     qo_floats = rows.num_qo_heads * head_dim
     fused_words = rows.stored_qo_heads + 2 * words
+
+    @T.macro
+    def quantize(qkv, t, first, values, scales, h, amax):
+        """Head h of token t, at `first` in its fused qkv row, into a row's int8 values and scale."""
+        amax[0] = T.float32(0)
+        for i in T.serial(head_dim):
+            amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
+        inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
+        scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
+        for i in T.vectorized(head_dim):
+            values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
 
     @T.prim_func(s_tir=True)
     def split(qkv_handle: T.handle, positions_handle: T.handle, q_handle: T.handle, k_handle: T.handle,
@@ -55,27 +67,16 @@ def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
                 amax = T.sblock_alloc_buffer((1,), "float32")
                 for i in T.vectorized(qo_floats):
                     q[t, i, 0] = qkv[t, i]
-                for part, h in T.grid(2, heads):
-                    first: T.let[T.int32] = qo_floats + (part * heads + h) * head_dim
-                    amax[0] = T.float32(0)
-                    for i in T.serial(head_dim):
-                        amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
-                    inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
-                    if part == 0:
-                        k_scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
-                        for i in T.vectorized(head_dim):
-                            k_values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
-                    else:
-                        v_scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
-                        for i in T.vectorized(head_dim):
-                            v_values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
+                for h in T.serial(heads):
+                    quantize(qkv, t, qo_floats + h * head_dim, k_values, k_scales, h, amax)
+                    quantize(qkv, t, qo_floats + (heads + h) * head_dim, v_values, v_scales, h, amax)
 
     return split
 
 
-def append_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+def append_rows(storage: Int8PageRows, dtype: str, symbol: str):
     """The cache's `f_transpose_append`: (pages, k rows, v rows, positions); position -1 is skipped."""
-    words = rows.stored_kv_heads
+    words, page_size = storage.rows.stored_kv_heads, storage.page_size
 
     @T.prim_func(s_tir=True)
     def append(pages_handle: T.handle, k_handle: T.handle, v_handle: T.handle, positions_handle: T.handle):
@@ -83,11 +84,11 @@ def append_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
         n = T.int64()
         num_pages = T.int64()
         positions_offset = T.int32()
-        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        page_words = T.match_buffer(pages_handle, storage.page_shape(num_pages), dtype)
         k = T.match_buffer(k_handle, (n, words, 1), dtype)
         v = T.match_buffer(v_handle, (n, words, 1), dtype)
         positions = T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
-        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        pages = T.decl_buffer(storage.words_shape(num_pages), dtype, data=page_words.data)
         for t in T.parallel(n):
             with T.sblock("append"):
                 T.reads()
@@ -101,26 +102,25 @@ def append_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
     return append
 
 
-def copy_page_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+def copy_page_rows(storage: Int8PageRows, dtype: str, symbol: str):
     """The cache's `f_copy_single_page`: (pages, source page, target page, rows to copy)."""
-    words = rows.stored_kv_heads
 
     @T.prim_func(s_tir=True)
     def copy_page(pages_handle: T.handle, source: T.int64, target: T.int64, length: T.int64):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
         num_pages = T.int32()
-        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
-        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        page_words = T.match_buffer(pages_handle, storage.page_shape(num_pages), dtype)
+        pages = T.decl_buffer(storage.words_shape(num_pages), dtype, data=page_words.data)
         for part, slot in T.grid(2, length):
-            for w in T.serial(words):
+            for w in T.serial(storage.rows.stored_kv_heads):
                 pages[target, part, slot, w] = pages[source, part, slot, w]
 
     return copy_page
 
 
-def compact_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
+def compact_rows(storage: Int8PageRows, dtype: str, symbol: str):
     """The cache's `f_compact_copy`: (pages, per-sequence indptr, [2, n] source and target positions, batch)."""
-    words = rows.stored_kv_heads
+    page_size = storage.page_size
 
     @T.prim_func(s_tir=True)
     def compact(pages_handle: T.handle, indptr_handle: T.handle, positions_handle: T.handle, batch_size: T.int32):
@@ -129,38 +129,37 @@ def compact_rows(rows: Int8Rows, page_size: int, dtype: str, symbol: str):
         total = T.int32()
         indptr_offset = T.int32()
         positions_offset = T.int32()
-        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        page_words = T.match_buffer(pages_handle, storage.page_shape(num_pages), dtype)
         indptr = T.match_buffer(indptr_handle, (batch_size + 1,), "int32", elem_offset=indptr_offset)
         positions = T.match_buffer(positions_handle, (2, total), "int32", elem_offset=positions_offset)
-        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        pages = T.decl_buffer(storage.words_shape(num_pages), dtype, data=page_words.data)
         for b in T.serial(batch_size):
             for i in T.serial(indptr[b + 1] - indptr[b]):
                 source: T.let[T.int32] = positions[0, indptr[b] + i]
                 target: T.let[T.int32] = positions[1, indptr[b] + i]
-                for part, w in T.grid(2, words):
+                for part, w in T.grid(2, storage.rows.stored_kv_heads):
                     pages[target // page_size, part, target % page_size, w] = (
                         pages[source // page_size, part, source % page_size, w])
 
     return compact
 
 
-def read_rows(rows: Int8Rows, num_layers: int, dtype: str, symbol: str):
+def read_rows(storage: Int8PageRows, num_layers: int, dtype: str, symbol: str):
     """The cache's `f_debug_get_kv`: (pages, positions, k out, v out, layer), each row as stored."""
-    words = rows.stored_kv_heads
+    words, page_size = storage.rows.stored_kv_heads, storage.page_size
 
     @T.prim_func(s_tir=True)
     def read(pages_handle: T.handle, positions_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
              layer: T.int64):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
         n = T.int64()
-        page_size = T.int64()
         num_pages = T.int64()
         positions_offset = T.int64()
-        page_words = T.match_buffer(pages_handle, (num_pages, 2, words, page_size, 1), dtype)
+        page_words = T.match_buffer(pages_handle, storage.page_shape(num_pages), dtype)
         positions = T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
         k = T.match_buffer(k_handle, (num_layers, n, words, 1), dtype)
         v = T.match_buffer(v_handle, (num_layers, n, words, 1), dtype)
-        pages = T.decl_buffer((num_pages, 2, page_size, words), dtype, data=page_words.data)
+        pages = T.decl_buffer(storage.words_shape(num_pages), dtype, data=page_words.data)
         for t, w in T.grid(n, words):
             k[layer, t, w, 0] = pages[positions[t] // page_size, 0, positions[t] % page_size, w]
             v[layer, t, w, 0] = pages[positions[t] // page_size, 1, positions[t] % page_size, w]

@@ -46,7 +46,6 @@ from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.frontend.source import import_model, recorded_config_dir, recorded_formats, recorded_frontend
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
-from ember.ir.kv_cache import Int8Rows
 from ember.ir.quant_formats import FORMATS, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
 from ember.manifest import LIBRARY_NAME, Manifest
@@ -144,7 +143,7 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
     arch = Architecture(Path(artifact_dir).resolve().name, config)
     bits = tvm_runtime.DataType(manifest.model_dtype).bits
     # Weights at their stored width (a quantized format's bits per weight, scales included); likewise the KV cache.
-    precision = Precision(_stored_bits_per_weight(manifest, config), bits, _kv_bits(manifest, config, bits),
+    precision = Precision(_stored_bits_per_weight(manifest, config), bits, _kv_bits(manifest, config),
                           "bf16" if manifest.model_dtype == "bfloat16" else "fp16")
     kernels = rebuild_kernels(manifest)
 
@@ -187,12 +186,11 @@ def _stored_bits_per_weight(manifest: Manifest, config: ModelConfig) -> float:
     return sum(FORMATS[formats[name]].bits_per_weight * size for name, size in sizes.items()) / sum(sizes.values())
 
 
-def _kv_bits(manifest: Manifest, config: ModelConfig, model_bits: int) -> float:
-    """Bits per cached key or value element: the model dtype's, or the q8 cache's (int8 plus each row's scales)."""
-    if manifest.kv_cache["quantization"] != "q8":
-        return model_bits
-    rows = Int8Rows(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    return 8 * rows.row_bytes / (config.num_key_value_heads * config.head_dim)
+def _kv_bits(manifest: Manifest, config: ModelConfig) -> float:
+    """Bits per cached key or value element, from the bytes per token the artifact's memory report counted
+    (the model dtype's, or the q8 cache's int8 values and row scales)."""
+    elements = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return 8 * manifest.memory["kv_bytes_per_token"] / elements
 
 
 def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
