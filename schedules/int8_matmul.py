@@ -17,7 +17,10 @@ the one place a level is chosen):
     dotprod (aarch64)     sdot: s8 x s8 into int32 (int8 weights made signed again: v = stored xor 0x80)
 
 On aarch64 a block's 8 rows are two 128-bit registers of 4 rows (`Int8Dot.lanes`): the
-same weight bytes as x86, two loads and two dot products where x86 has one.
+same weight bytes as x86, two loads and two dot products where x86 has one. AVX512-VNNI's
+prefill goes the other way: one 512-bit vpdpbusd multiplies two blocks (16 rows), whose
+words are two 256-bit loads joined, and the convert, FMA and store of a group are 16 lanes
+wide (`kernel_dot`); the stored weights are the same at every level.
 SSE4.2-only CPUs and aarch64 without dotprod have no int8 path: the float path computes
 their projections.
 
@@ -106,18 +109,36 @@ def supports(fmt: QuantFormat, n: int, k: int) -> bool:
     return fmt.quantizes and fmt.dtype == "float32" and fmt.interleaves(n, k)
 
 
+def kernel_dot(dot: Int8Dot, n: int, many_tokens: bool) -> Int8Dot:
+    """The multiply the kernel of an [n, k] weight uses: the target's, but 256-bit for decode and
+    for weights whose rows are not whole 512-bit multiplies.
+
+    Decode streams the weight from memory. A 512-bit multiply reads two interleaved blocks at
+    once, two streams 2k bytes apart, which the CPU's prefetchers follow worse than the one
+    linear stream of the 256-bit form: measured on Zen 5, the ~110M q4f32 decode step at one
+    sequence took 1.2x to 1.3x longer (1.52 against 1.26 to 1.42 ms), and at 8 sequences,
+    where the 512-bit tile computes up to 2x faster from cache, the step gained only 1.15x to
+    1.25x, less than the losses at 1 to 3 sequences."""
+    if not many_tokens and dot.narrow is not None:
+        return dot.narrow
+    return dot.for_rows(n)
+
+
 def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) -> tuple[int, int]:
     """(activation rows, weight row blocks) of one register tile.
 
-    Prefill: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (measured on
+    Prefill, 512-bit multiplies (AVX512-VNNI, 16 rows each, `kernel_dot`): 4 x 4 blocks, 8 int32
+    and 8 float32 accumulators. Measured on Zen 5, the ~110M shapes, 128 tokens, hot caches:
+    1.3 to 1.5 TFLOP/s, 1.6x to 1.85x the 256-bit 4 x 2 tile, 1.15x to 1.35x the 512-bit 4 x 2.
+    Prefill, 256-bit: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (measured on
     Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI has 16, so 2 x 2.
     AVX2's steps hold more temporaries (the sign trick's |v| and signed q, int4's masked
     nibbles and int16 sums): its 2 x 2 tile spilled (haswell and znver3 code: 84 stack
     references in the q8 inner loop, 54 in q4's), so int8 takes 2 x 1 (5) and int4 1 x 4
     (3, the masked nibbles shared by 4 blocks). Measured on Zen 3, 128 tokens, znver3 code:
     1.7x to 1.9x 2 x 2's speed for q8, 1.6x to 2.4x for q4, on the ~110M and 1B shapes.
-    Decode: one row block, streamed once, and the sequences of a batch in pairs: each weight
-    word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for 2 sequences;
+    Decode, 256-bit: one row block, streamed once, and the sequences of a batch in pairs: each
+    weight word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for 2 sequences;
     one sequence, or the odd last one, takes a 1-row tile. Measured on Zen 3, znver3 code, the
     ~110M shapes at 2 to 8 sequences: 1.1x to 1.3x 1 x 1's speed, the same at 1 sequence; 4 x 1
     spilled registers and was slower than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1.
@@ -125,6 +146,8 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     The other levels are not measured: they take the same tile."""
     if not many_tokens:
         return DECODE_TOKENS, 1
+    if dot.lanes > INTERLEAVED_ROWS:
+        return 4, 4
     if vector_bits >= 512:
         return 4, 2
     if dot.accumulates:
@@ -135,6 +158,7 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
 def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[int]:
     """The knobs (`INT8_KNOBS`) for `bits`-bit weights the rule picks: `register_tile`, with
     the row blocks halved until they divide the weight's, and the word loop unrolled on VNNI only."""
+    dot = kernel_dot(dot, n, many_tokens)
     tokens, row_blocks = register_tile(vector_bits, many_tokens, dot, bits)
     while (n // INTERLEAVED_ROWS) % row_blocks:
         row_blocks //= 2
@@ -144,16 +168,21 @@ def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
 def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[list[int]]:
     """Every knob tuple the kernel of an [n, k] weight of `bits`-bit values takes, the rule's first.
 
-    Decode is tuned, and mostly run, with one sequence, which only the 1-row tile computes:
-    its row blocks and word loop are searched, and its token tile is the rule's, or the
-    largest beside the row blocks that the register budget holds."""
-    budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries: see the module docstring
+    Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned, and
+    mostly run, with one sequence, which only the 1-row tile computes: its row blocks and word
+    loop are searched, and its token tile is the rule's, or the largest beside the row blocks
+    that the register budget holds."""
+    dot = kernel_dot(dot, n, many_tokens)
+    budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries (multiplies): see the module docstring
+    per_unit = max(dot.lanes // INTERLEAVED_ROWS, 1)  # row blocks of one multiply
     rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
-    row_blocks = [blocks for blocks in (1, 2, 4) if (n // INTERLEAVED_ROWS) % blocks == 0]
+    row_blocks = [blocks for blocks in (1, 2, 4, 8)
+                  if blocks % per_unit == 0 and (n // INTERLEAVED_ROWS) % blocks == 0 and blocks // per_unit <= 4]
     if many_tokens:
-        tiles = [(tokens, blocks) for tokens in (1, 2, 4) for blocks in row_blocks if tokens * blocks <= budget]
+        tiles = [(tokens, blocks) for tokens in (1, 2, 4) for blocks in row_blocks
+                 if tokens * blocks * INTERLEAVED_ROWS // dot.lanes <= budget]
     else:
-        tiles = [(min(rule[0], budget // blocks), blocks) for blocks in row_blocks]
+        tiles = [(min(rule[0], budget * dot.lanes // (blocks * INTERLEAVED_ROWS)), blocks) for blocks in row_blocks]
     space = [[tokens, blocks, unroll] for tokens, blocks in tiles for unroll in (0, 1)]
     return [rule, *(knobs for knobs in space if knobs != rule)]
 
@@ -192,6 +221,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     rule's). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    dot = kernel_dot(dot, n, many_tokens)
     space = knob_space(n, dot, many_tokens, vector_bits, fmt.bits)
     knobs = space[0] if knobs is None else [int(knob) for knob in knobs]
     if knobs not in space:
@@ -208,20 +238,29 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     quantize_loop = T.parallel if many_tokens else T.serial
     word_loop = T.unroll if unroll else T.serial
-    vec = tirx.Ramp(0, 1, lanes)
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
-    # One `multiply` covers `dot.lanes` rows: a block's 8 rows are one 256-bit x86 register, two NEON ones.
-    halves = lanes // dot.lanes
-    int32s, bytes_ = f"int32x{dot.lanes}", f"int8x{4 * dot.lanes}"
+    # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
+    int16_sums = int4 and not dot.accumulates
+    # One multiply covers `dot.lanes` weight rows (a "unit"): half of an 8-row block on NEON, a block
+    # on 256-bit x86 registers, two blocks joined on 512-bit ones.
+    rows = dot.lanes
+    units = row_blocks * lanes // rows
+    vec = tirx.Ramp(0, 1, rows)
+    int32s, bytes_, floats = f"int32x{rows}", f"int8x{4 * rows}", f"float32x{rows}"
 
-    def half_of(h):
-        return tirx.Ramp(h * dot.lanes, 1, dot.lanes)
+    def unit_rows(buffer, first_row, index):
+        """The `rows` values at `index` of weight rows first_row.. (a multiple of `rows`) in an interleaved
+        [blocks, index, 8] buffer: part of one block's vector, or whole blocks' vectors joined."""
+        if rows <= lanes:
+            return buffer[first_row // lanes, index, tirx.Ramp(first_row % lanes, 1, rows)]
+        blocks = [buffer[first_row // lanes + b, index, tirx.Ramp(0, 1, lanes)] for b in range(rows // lanes)]
+        return tirx.Shuffle(blocks, [tirx.IntImm("int32", i) for i in range(rows)])
 
     def u32(value):
-        return tirx.Broadcast(tirx.const(value, "uint32"), dot.lanes)
+        return tirx.Broadcast(tirx.const(value, "uint32"), rows)
 
     def activations(xq_word):
-        return T.reinterpret(bytes_, tirx.Broadcast(xq_word, dot.lanes))
+        return T.reinterpret(bytes_, tirx.Broadcast(xq_word, rows))
 
     def pairs(unsigned, signed):
         """int16 x 16: sums of two u8 x s8 products (vpmaddubsw)."""
@@ -231,13 +270,10 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         """acc + the int16 pairs summed into int32 (vpmaddwd with ones)."""
         return acc + T.call_llvm_pure_intrin("int32x8", dot.widen, sums, tirx.Broadcast(T.int16(1), 2 * lanes))
 
-    # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
-    int16_sums = int4 and not dot.accumulates
-
-    def word_dot(acc, packed, xq, block, m, g, w, h=0):
-        """`acc` plus the products of the group's weight word w for each of the block's rows in
-        half h: int32 x `dot.lanes`, or int16 x 16 pairs where `int16_sums`."""
-        word = packed[block, g * words + w, half_of(h)]
+    def word_dot(acc, packed, xq, first_row, m, g, w):
+        """`acc` plus the products of the group's weight word w for the `rows` weight rows from
+        first_row: int32 x `rows`, or int16 x 16 pairs where `int16_sums`."""
+        word = unit_rows(packed, first_row, g * words + w)
         steps = [(word, xq[m, g * 8 + w])]  # (weight bytes, activation word): 4 products per row
         if int4:
             steps = [(tirx.bitwise_and(word, u32(0x0F0F0F0F)), xq[m, g * 8 + w]),  # values 4w..4w+3
@@ -263,49 +299,48 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         return acc
 
     @T.macro
-    def tile(first, count, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
-        # y for activation rows first .. first + count - 1 and the tile_n-th `row_blocks` blocks of weight rows.
+    def tile(first, count, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+        # y for activation rows first .. first + count - 1 and the weight rows of `row_blocks` blocks from first_block.
         with T.sblock("tile"):
             T.reads()
             T.writes()
-            dots = T.sblock_alloc_buffer((count, row_blocks, lanes), "int32")
-            sums = T.sblock_alloc_buffer((count, row_blocks, 2 * lanes), "int16")  # if int16_sums
-            acc = T.sblock_alloc_buffer((count, row_blocks, lanes), "float32")
-            for t, b in T.grid(count, row_blocks):
-                acc[t, b, vec] = T.Broadcast(T.float32(0), lanes)
+            dots = T.sblock_alloc_buffer((count, units, rows), "int32")
+            sums = T.sblock_alloc_buffer((count, units, 2 * lanes), "int16")  # if int16_sums
+            acc = T.sblock_alloc_buffer((count, units, rows), "float32")
+            for t, u in T.grid(count, units):
+                acc[t, u, vec] = T.Broadcast(T.float32(0), rows)
             for g in T.serial(groups):
                 for t in T.unroll(count):
-                    for b in T.unroll(row_blocks):
-                        dots[t, b, vec] = T.Broadcast(x_bias[first + t, g], lanes)
+                    for u in T.unroll(units):
+                        dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
                         if int16_sums:
-                            sums[t, b, wide] = T.Broadcast(T.int16(0), 2 * lanes)
+                            sums[t, u, wide] = T.Broadcast(T.int16(0), 2 * lanes)
                 # Word by word over the tile: each weight word is loaded (and transformed) once per
                 # tile. Without VNNI a step is several instructions, and a group unrolled spilled
                 # registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower), so the rule
                 # unrolls only on VNNI.
                 for w in word_loop(words):
                     for t in T.unroll(count):
-                        for b in T.unroll(row_blocks):
+                        for u in T.unroll(units):
                             if int16_sums:
-                                sums[t, b, wide] = word_dot(sums[t, b, wide], packed, xq, tile_n * row_blocks + b,
-                                                            first + t, g, w)
+                                sums[t, u, wide] = word_dot(sums[t, u, wide], packed, xq,
+                                                            first_block * lanes + u * rows, first + t, g, w)
                             else:
-                                for h in T.unroll(halves):
-                                    dots[t, b, half_of(h)] = word_dot(dots[t, b, half_of(h)], packed, xq,
-                                                                      tile_n * row_blocks + b, first + t, g, w, h)
+                                dots[t, u, vec] = word_dot(dots[t, u, vec], packed, xq,
+                                                           first_block * lanes + u * rows, first + t, g, w)
                 for t in T.unroll(count):
-                    for b in T.unroll(row_blocks):
+                    for u in T.unroll(units):
                         if int16_sums:
-                            dots[t, b, vec] = widen(dots[t, b, vec], sums[t, b, wide])
-                        acc[t, b, vec] = acc[t, b, vec] + T.Cast("float32x8", dots[t, b, vec]) * (
-                            T.Broadcast(x_scale[first + t, g], lanes)
-                            * T.Cast("float32x8", scale[tile_n * row_blocks + b, g, vec]))
+                            dots[t, u, vec] = widen(dots[t, u, vec], sums[t, u, wide])
+                        acc[t, u, vec] = acc[t, u, vec] + T.Cast(floats, dots[t, u, vec]) * (
+                            T.Broadcast(x_scale[first + t, g], rows)
+                            * T.Cast(floats, unit_rows(scale, first_block * lanes + u * rows, g)))
                         if zero_point:  # + the group's minimum times its activations' sum
-                            acc[t, b, vec] = acc[t, b, vec] + T.Broadcast(x_sum[first + t, g], lanes) * T.Cast(
-                                "float32x8", low[tile_n * row_blocks + b, g, vec])
-            for t, b in T.grid(count, row_blocks):
-                y[(first + t) // seq, (first + t) % seq, T.Ramp((tile_n * row_blocks + b) * lanes, 1, lanes)] = (
-                    acc[t, b, vec])
+                            acc[t, u, vec] = acc[t, u, vec] + T.Broadcast(x_sum[first + t, g], rows) * T.Cast(
+                                floats, unit_rows(low, first_block * lanes + u * rows, g))
+            for t, u in T.grid(count, units):
+                y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes + u * rows, 1, rows)] = (
+                    acc[t, u, vec])
 
     @T.macro
     def matmul(x_handle, packed, scale, low, y_handle):
@@ -343,10 +378,17 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
             for tile_n in T.parallel(n // (lanes * row_blocks)):
                 for tile_m in T.serial(batch * seq // tokens):
-                    tile(tile_m * tokens, tokens, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
-                if tokens > 1:  # the last rows, fewer than a tile: one at a time, each computed once
-                    for m in T.serial(batch * seq // tokens * tokens, batch * seq):
-                        tile(m, 1, tile_n, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
+                    tile(tile_m * tokens, tokens, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                         x_sum, y)
+                # The last rows, fewer than a tile: a tile of 2 if 2 or 3 remain of 4, then a tile of 1.
+                if tokens == 4:
+                    if batch * seq % 4 >= 2:
+                        tile(batch * seq // 4 * 4, 2, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                             x_sum, y)
+                if tokens > 1:
+                    if batch * seq % 2 == 1:
+                        tile(batch * seq - 1, 1, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                             x_sum, y)
 
     if zero_point:
         @T.prim_func(s_tir=True)

@@ -31,8 +31,13 @@ class Int8Dot:
     multiply: str  # LLVM intrinsic: byte products -> int32 sums of 4 (vpdpbusd, sdot), or int16 sums of 2 (vpmaddubsw)
     widen: str = ""  # LLVM intrinsic: int16 pairs -> int32 (vpmaddwd); empty when `multiply` gives int32
     sign: str = ""  # LLVM intrinsic: a byte negated where another is negative, zeroed where it is zero
-    lanes: int = 8  # int32 lanes of one `multiply`: 8 on 256-bit x86 registers, 4 on 128-bit NEON ones
+    lanes: int = 8  # int32 lanes of one `multiply` (weight rows): 16 on 512-bit, 8 on 256-bit, 4 on NEON registers
     signed_weights: bool = False  # `multiply` takes the weight bytes signed (sdot: s8 x s8)
+    narrow: Int8Dot | None = None  # the same products on half the lanes, for weights of fewer rows
+
+    def for_rows(self, rows: int) -> Int8Dot:
+        """This dot product, or its narrower form where `rows` weight rows are not whole multiplies."""
+        return self.narrow.for_rows(rows) if rows % self.lanes and self.narrow is not None else self
 
     @property
     def accumulates(self) -> bool:
@@ -42,13 +47,18 @@ class Int8Dot:
 
 _VNNI = {"multiply": "llvm.x86.avx512.vpdpbusd.256"}  # LLVM picks EVEX or, for AVX-VNNI, VEX by the features
 _PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd.wd", "sign": "llvm.x86.avx2.psign.b"}
-# The first level whose CPU features a target has is its int8 dot product. AVX-512 without
-# VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a larger tile):
-# a 512-bit form would need blocks of 16 rows in the weight layout for the same shuffle-free loads.
-# On aarch64, i8mm's usdot is vpdpbusd's u8 x s8 (the same offsets); dotprod's sdot needs int8
-# weights made signed again. Both read the same interleaved bytes as x86, 4 rows per register.
+# The first level whose CPU features a target has is its int8 dot product. AVX512-VNNI
+# multiplies 16 weight rows, two interleaved 8-row blocks, per 512-bit instruction: the
+# two blocks' words are two 256-bit loads joined (vinserti64x4), and everything after the
+# load (int4's nibble masks, the dot products, the group's convert and FMA, the store of 16
+# outputs) takes half the instructions of the 256-bit form. The int8 matmul uses it for
+# prefill, which is compute-bound (1.6x to 1.85x on Zen 5); decode keeps the 256-bit form
+# (`int8_matmul.kernel_dot`). CPUs that split 512-bit operations in two (Zen 4) are not measured.
+# AVX-512 without VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a
+# larger tile).
 _INT8_DOTS = (
-    (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", **_VNNI)),
+    (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", multiply="llvm.x86.avx512.vpdpbusd.512", lanes=16,
+                                         narrow=Int8Dot("avx512vnni", **_VNNI))),
     (("avxvnni",), Int8Dot("avxvnni", **_VNNI)),
     (("avx512bw", "avx512vl"), Int8Dot("avx512", **_PAIRS)),
     (("avx2",), Int8Dot("avx2", **_PAIRS)),

@@ -205,14 +205,17 @@ def test_each_level_compiles_to_its_instructions(level, name):
     target = resolve_target(f'{{"kind": "llvm", "mcpu": "{LEVELS[level][0]}"}}')
     bits = FORMATS[name].bits
     assert int8_matmul.register_tile(target.vector_bits, True, target.int8_dot, bits) == (
-        (4, 2) if level.startswith("avx512") else (2, 2) if level == "avxvnni" else (2, 1) if bits == 8 else (1, 4))
+        (4, 4) if level == "avx512vnni" else (4, 2) if level == "avx512" else (2, 2) if level == "avxvnni"
+        else (2, 1) if bits == 8 else (1, 4))
     assert int8_matmul.register_tile(target.vector_bits, False, target.int8_dot, bits) == (2, 1)
     func = int8_matmul.int8_dot_matmul(FORMATS[name], 8, 128, target.int8_dot, False, target.vector_bits)
     asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
     used, unused = INSTRUCTIONS[level]
+    # Decode multiplies on 256-bit registers at every level (one linear weight stream: see kernel_dot)
+    assert not [line for line in asm.splitlines() if multiply_of(used) in line and "zmm" in line]
     mnemonics = set(asm.split())
     assert used <= mnemonics and not unused & mnemonics
-    multiply = "vpmaddubsw" if "vpmaddubsw" in used else "vpdpbusd"
+    multiply = multiply_of(used)
     if "vpmaddubsw" in used:
         assert ("vpsignb" in mnemonics) == (name == "q8f32")
         assert asm.count("vpmaddubsw") == asm.count("vpmaddwd") * (1 if name == "q8f32" else 8)
@@ -220,6 +223,33 @@ def test_each_level_compiles_to_its_instructions(level, name):
         assert 0 < asm.count("vpsrld") < asm.count(multiply) / 2
     elif multiply == "vpmaddubsw":
         assert 0 < asm.count("vpabsb") < asm.count("vpsignb")
+
+
+def multiply_of(used: set[str]) -> str:
+    return "vpmaddubsw" if "vpmaddubsw" in used else "vpdpbusd"
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+def test_avx512_vnni_prefill_multiplies_16_rows(name):
+    """Compiled, not run: AVX512-VNNI prefill multiplies two interleaved blocks (16 rows) per 512-bit
+    vpdpbusd, their words joined from two 256-bit loads; a weight of one block (8 rows) and decode
+    keep the 256-bit multiply."""
+    target = resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}')
+    dot = target.int8_dot
+    assert dot.lanes == 16 and dot.for_rows(24).lanes == 8 and dot.for_rows(32).lanes == 16
+    assert int8_matmul.kernel_dot(dot, 32, many_tokens=False).lanes == 8
+
+    def multiplies(n: int) -> set[str]:
+        func = int8_matmul.int8_dot_matmul(FORMATS[name], n, 128, dot, True, target.vector_bits)
+        asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
+        lines = [line for line in asm.splitlines() if "vpdpbusd" in line]
+        assert lines
+        return {register for line in lines for register in ("ymm", "zmm") if register in line}
+
+    assert multiplies(32) == {"zmm"}
+    assert multiplies(8) == {"ymm"}
+    assert int8_matmul.knob_space(32, dot, True, 512, FORMATS[name].bits)[0] == [4, 4, 1]
+    assert all(knobs[1] % 2 == 0 for knobs in int8_matmul.knob_space(32, dot, True, 512, FORMATS[name].bits))
 
 
 @pytest.mark.parametrize("cpu", [None, "haswell", "nehalem"])
