@@ -173,16 +173,17 @@ def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
     loop are searched, and its token tile is the rule's, or the largest beside the row blocks
     that the register budget holds."""
     dot = kernel_dot(dot, n, many_tokens)
-    budget = (32 if vector_bits >= 512 else 16) // 4  # tile entries (multiplies): see the module docstring
-    per_unit = max(dot.lanes // INTERLEAVED_ROWS, 1)  # row blocks of one multiply
+    # Tile entries (see the module docstring): a row block per token, or a 512-bit multiply's two blocks.
+    budget = (32 if vector_bits >= 512 else 16) // 4
+    per_entry = max(dot.lanes // INTERLEAVED_ROWS, 1)  # row blocks of one entry
     rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
     row_blocks = [blocks for blocks in (1, 2, 4, 8)
-                  if blocks % per_unit == 0 and (n // INTERLEAVED_ROWS) % blocks == 0 and blocks // per_unit <= 4]
+                  if blocks % per_entry == 0 and (n // INTERLEAVED_ROWS) % blocks == 0 and blocks // per_entry <= 4]
     if many_tokens:
         tiles = [(tokens, blocks) for tokens in (1, 2, 4) for blocks in row_blocks
-                 if tokens * blocks * INTERLEAVED_ROWS // dot.lanes <= budget]
+                 if tokens * blocks // per_entry <= budget]
     else:
-        tiles = [(min(rule[0], budget * dot.lanes // (blocks * INTERLEAVED_ROWS)), blocks) for blocks in row_blocks]
+        tiles = [(min(rule[0], budget * per_entry // blocks), blocks) for blocks in row_blocks]
     space = [[tokens, blocks, unroll] for tokens, blocks in tiles for unroll in (0, 1)]
     return [rule, *(knobs for knobs in space if knobs != rule)]
 

@@ -58,6 +58,14 @@ def test_levels_follow_the_features():
                                "mattr": ["+neon"]})) is None
 
 
+def test_tiles_count_row_blocks_against_the_register_budget():
+    """A tile entry is a row block, two 128-bit multiplies on NEON: prefill tiles hold up to 4 entries
+    (tokens x blocks), as on 256-bit x86, where a 512-bit multiply's two blocks are one entry."""
+    dot = int8_dot_of(aarch64_target("dotprod"))
+    tiles = {(tokens, blocks) for tokens, blocks, _unroll in int8_matmul.knob_space(768, dot, True, 128, 4)}
+    assert tiles == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_matches_llama_cpp_arithmetic_under_emulation(level, arm64_python, tmp_path):
     target = aarch64_target(level)
