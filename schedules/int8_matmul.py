@@ -35,7 +35,7 @@ float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
       d = max|x| / 127,  q = round(x / d)
       xq[m, 8g:8g+8] = q as 8 words of 4 bytes;  x_scale[m, g] = d;  x_bias[m, g] = -offset * sum(q)
     parallel over blocks of `row_blocks` x 8 weight rows:
-      for each tile of `tokens` activation rows, then each of the last rows as a tile of one:
+      for each tile of `tokens` activation rows, then the last rows in tiles of tokens/2, tokens/4, .., 1:
         acc[tokens, row_blocks] = 0                           # float32 x 8, one lane per weight row
         for g:
           dot[t, b] = broadcast(x_bias[m_t, g])               # int32 x 8
@@ -48,15 +48,16 @@ float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
 The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
 AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
-decode's (2 sequences x 1 block) streams the weight once, linearly, and transforms each
-word once for 2 sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the
+decode's (8 sequences x 1 block with VNNI or AVX-512, 2 on AVX2) streams the weight once,
+linearly, and transforms each word once for all the tile's sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the
 offset back out: sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
 A zero-point format (q4f32_zp, llama.cpp's Q4_1) stores levels 0..15 with no offset and a
 minimum per group: sum(x * (scale * v + min)) = x_scale * (scale * sum(q * v) + min * sum(q)),
 so the quantize step also keeps x_sum = x_scale * sum(q) (llama.cpp's Q8_1 `s`) and each group
 adds one FMA with the 8 rows' minimums.
-Rows past the last whole tile (the only row of a 1-sequence decode) take a 1-row tile,
-a second copy of the loop nest: each row is computed once, whatever the batch.
+Rows past the last whole tile (the only row of a 1-sequence decode) take smaller tiles, each a
+copy of the loop nest: 7 rows past the 8-row tiles take one of 4, one of 2 and one of 1, so each
+row is computed once, whatever the batch.
 
 Knobs (`INT8_KNOBS`): `tokens`, `row_blocks` and `unroll` (the word loop unrolled, or a
 loop). The best tuple depends on the level, the CPU and the shape: AVX512-VNNI code on
@@ -101,7 +102,13 @@ _LEVELS = 127.0
 INT8_KNOBS = ("tokens", "row_blocks", "unroll")
 # On each kernel: {"format", "n", "k", "many_tokens"}, the arguments of `int8_dot_matmul` but the target's and the knobs.
 BUILD_ATTR = "ember.int8_matmul"
-DECODE_TOKENS = 2  # sequences in a decode register tile (`register_tile`)
+DECODE_TOKENS = 2  # sequences in AVX2's and NEON's decode register tile (`register_tile`)
+
+
+def tile_entries(vector_bits: int) -> int:
+    """Entries a register tile may have: a quarter of the level's vector registers, as each entry
+    holds an int32 and a float32 accumulator and, for int4 without VNNI, an int16 one."""
+    return (32 if vector_bits >= 512 else 16) // 4
 
 
 def supports(fmt: QuantFormat, n: int, k: int) -> bool:
@@ -137,14 +144,23 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     references in the q8 inner loop, 54 in q4's), so int8 takes 2 x 1 (5) and int4 1 x 4
     (3, the masked nibbles shared by 4 blocks). Measured on Zen 3, 128 tokens, znver3 code:
     1.7x to 1.9x 2 x 2's speed for q8, 1.6x to 2.4x for q4, on the ~110M and 1B shapes.
-    Decode, 256-bit: one row block, streamed once, and the sequences of a batch in pairs: each
-    weight word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for 2 sequences;
-    one sequence, or the odd last one, takes a 1-row tile. Measured on Zen 3, znver3 code, the
-    ~110M shapes at 2 to 8 sequences: 1.1x to 1.3x 1 x 1's speed, the same at 1 sequence; 4 x 1
-    spilled registers and was slower than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1.
-    (The dot products themselves, per sequence, are most of AVX2's work: pairs cannot halve it.)
-    The other levels are not measured: they take the same tile."""
+    Decode, 256-bit: one row block, streamed once, and the sequences of a batch in tiles: each
+    weight word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for the tile's
+    sequences; the last ones take tiles of 4, 2 and 1. With VNNI or AVX-512's 32 registers, the tile
+    holds as many sequences as the register budget has entries (`tile_entries`: 8 on AVX-512, 4 on
+    AVX-VNNI): each sequence's products are one dependent chain of vpdpbusd, and a 2-sequence tile
+    left the multiplier waiting on two chains. Measured on Zen 5 (cold caches, 2 threads, the ~110M
+    gate/up [4096, 768] and down [768, 2048] projections at 8 sequences): 8 x 1 ran 1.26x to 1.69x
+    as fast as 2 x 1 for q4f32, 1.69x and 0.91x for q8f32 (avx512vnni code), 1.17x to 1.65x with
+    skylake-avx512 code, 1.29x to 1.54x for 4 x 1 with alderlake's AVX-VNNI; the same speed at 1
+    sequence, which only the 1-row tile computes. The ~110M q4f32 decode step at 8 sequences took
+    3.69 ms against 4.61 (Zen 5). AVX2 keeps pairs: measured on Zen 3, znver3 code, the ~110M shapes
+    at 2 to 8 sequences, 2 x 1 ran 1.1x to 1.3x 1 x 1's speed; 4 x 1 spilled registers and was slower
+    than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The dot products themselves, per sequence,
+    are most of AVX2's work: wider tiles cannot halve it.) NEON (4-row multiplies) keeps pairs too."""
     if not many_tokens:
+        if dot.lanes >= INTERLEAVED_ROWS and (dot.accumulates or vector_bits >= 512):
+            return tile_entries(vector_bits), 1
         return DECODE_TOKENS, 1
     if dot.lanes > INTERLEAVED_ROWS:
         return 4, 4
@@ -168,13 +184,13 @@ def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
 def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[list[int]]:
     """Every knob tuple the kernel of an [n, k] weight of `bits`-bit values takes, the rule's first.
 
-    Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned, and
-    mostly run, with one sequence, which only the 1-row tile computes: its row blocks and word
+    Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned with
+    one sequence, which only the 1-row tile computes: its row blocks and word
     loop are searched, and its token tile is the rule's, or the largest beside the row blocks
     that the register budget holds."""
     dot = kernel_dot(dot, n, many_tokens)
-    # Tile entries (see the module docstring): a row block per token, or a 512-bit multiply's two blocks.
-    budget = (32 if vector_bits >= 512 else 16) // 4
+    # Tile entries: a row block per token, or a 512-bit multiply's two blocks.
+    budget = tile_entries(vector_bits)
     per_entry = max(dot.lanes // INTERLEAVED_ROWS, 1)  # row blocks of one entry
     rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
     row_blocks = [blocks for blocks in (1, 2, 4, 8)
@@ -381,12 +397,16 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                 for tile_m in T.serial(batch * seq // tokens):
                     tile(tile_m * tokens, tokens, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                          x_sum, y)
-                # The last rows, fewer than a tile: a tile of 2 if 2 or 3 remain of 4, then a tile of 1.
-                if tokens == 4:
+                # The last rows, fewer than a tile, in tiles of halving sizes: of 8 tokens, 7 rows take 4, 2 and 1.
+                if tokens >= 8:
+                    if batch * seq % 8 >= 4:
+                        tile(batch * seq // 8 * 8, 4, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                             x_sum, y)
+                if tokens >= 4:
                     if batch * seq % 4 >= 2:
                         tile(batch * seq // 4 * 4, 2, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                              x_sum, y)
-                if tokens > 1:
+                if tokens >= 2:
                     if batch * seq % 2 == 1:
                         tile(batch * seq - 1, 1, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                              x_sum, y)
