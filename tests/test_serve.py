@@ -449,6 +449,47 @@ def test_scheduler_interleaves_prefill_chunks_with_batched_decode(tiny_llama, ma
         assert got[-1].finish_reason == "length" and got[-1].completion_tokens == n
 
 
+def test_async_streams_wake_their_event_loop_once_per_step(tiny_llama):
+    """The events of every request an event loop awaits come in one callback per engine step
+    (not one per request and token), each stream still equal to its solo run; a request whose
+    event loop closed is cancelled and its pages freed."""
+    engine, calls = _recording_engine(tiny_llama.artifact)
+    jobs = [(prompt_ids(5 + 7 * i, seed=i), 12 + 3 * i) for i in range(4)]
+
+    async def run_all(scheduler):
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        send = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args, **kwargs: wakeups.append(1) or send(*args, **kwargs)
+
+        async def one(ids, n):
+            stream = await scheduler.submit(ids, _greedy(n, stop_token_ids=()))
+            return [event async for event in stream]
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(ids, n) for ids, n in jobs)), TIMEOUT)
+        return results, len(wakeups)
+
+    with Scheduler(engine) as scheduler:
+        results, wakeups = asyncio.run(run_all(scheduler))
+        events = sum(len(result) for result in results)
+        assert wakeups <= len(calls) < events, (wakeups, len(calls), events)
+        for (ids, n), result in zip(jobs, results):
+            reference = generate(Engine(tiny_llama.artifact), ids, _greedy(n, stop_token_ids=()))
+            list(reference.tokens())
+            assert [t for event in result for t in event.token_ids] == reference.token_ids
+
+        async def submit_and_leave():
+            await scheduler.submit(jobs[0][0], _greedy(200, stop_token_ids=()))
+
+        asyncio.run(submit_and_leave())  # the loop closes with the request running
+        deadline = time.monotonic() + TIMEOUT
+        while scheduler.stats().finished.get("cancelled", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = scheduler.stats()
+        assert stats.finished == {"length": 4, "cancelled": 1}
+        assert (stats.running, stats.kv_tokens_reserved) == (0, 0)
+
+
 def test_scheduler_logits_processor_cancel_and_failure(tiny_llama):
     engine = Engine(tiny_llama.artifact)
     ids = prompt_ids(12)
