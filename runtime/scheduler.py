@@ -33,7 +33,8 @@ With a `speculation` (`ember serve --speculate ngram` or `--draft`), a step in w
 request is decoding and no prompt is being read verifies that request's guessed tokens in one
 forward instead (`runtime/speculative.py`), cutting the cache back as each row is sampled;
 with more requests decoding, the batched step already reads the weights once for several tokens.
-`submit` (async) and `submit_sync` hand out the events of one request.
+`submit` (async) and `submit_sync` hand out the events of one request; an async caller's event
+loop gets the events of a step for all its requests in one callback after the step.
 """
 
 from __future__ import annotations
@@ -130,7 +131,11 @@ class SchedulerStats:
     speculative_accepted: int = 0  # of those, the ones the model agreed with
 
 
-def _put_events(batch: list[tuple[_Request, asyncio.Queue, StreamEvent | BaseException]]) -> None:
+# Events held for one event loop: (request, its queue, the event or the error that ends it).
+_Outbox = list[tuple["_Request", asyncio.Queue, "StreamEvent | BaseException"]]
+
+
+def _put_events(batch: _Outbox) -> None:
     for _request, events, item in batch:
         events.put_nowait(item)
 
@@ -188,7 +193,7 @@ class Scheduler:
         self._prefix_hit_tokens = 0
         self._closed = False
         # Events of async requests for each caller's event loop, sent once per step (engine thread only).
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Request, asyncio.Queue, StreamEvent | BaseException]]] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-scheduler", daemon=True)
         self._thread.start()
 

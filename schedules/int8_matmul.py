@@ -49,8 +49,9 @@ The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
 AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
 decode's (8 sequences x 1 block with VNNI or AVX-512, 2 on AVX2) streams the weight once,
-linearly, and transforms each word once for all the tile's sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the
-offset back out: sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
+linearly, and transforms each word once for all the tile's sequences. Values are stored
+unsigned (`v + offset`); `x_bias` takes the offset back out:
+sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
 A zero-point format (q4f32_zp, llama.cpp's Q4_1) stores levels 0..15 with no offset and a
 minimum per group: sum(x * (scale * v + min)) = x_scale * (scale * sum(q * v) + min * sum(q)),
 so the quantize step also keeps x_sum = x_scale * sum(q) (llama.cpp's Q8_1 `s`) and each group
@@ -148,12 +149,14 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     weight word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for the tile's
     sequences; the last ones take tiles of 4, 2 and 1. With VNNI or AVX-512's 32 registers, the tile
     holds as many sequences as the register budget has entries (`tile_entries`: 8 on AVX-512, 4 on
-    AVX-VNNI): each sequence's products are one dependent chain of vpdpbusd, and a 2-sequence tile
-    left the multiplier waiting on two chains. Measured on Zen 5 (cold caches, 2 threads, the ~110M
-    gate/up [4096, 768] and down [768, 2048] projections at 8 sequences): 8 x 1 ran 1.26x to 1.69x
-    as fast as 2 x 1 for q4f32, 1.69x and 0.91x for q8f32 (avx512vnni code), 1.17x to 1.65x with
-    skylake-avx512 code, 1.29x to 1.54x for 4 x 1 with alderlake's AVX-VNNI; the same speed at 1
-    sequence, which only the 1-row tile computes. The ~110M q4f32 decode step at 8 sequences took
+    AVX-VNNI): each sequence's products are one dependent chain of vpdpbusd, which a 2-sequence tile
+    runs two at a time, and each weight word serves 8 sequences, not 2. Measured on Zen 5 (cold
+    caches, 2 threads, the ~110M gate/up [4096, 768] and down [768, 2048] projections at 8
+    sequences): 8 x 1 ran 1.26x to 1.69x as fast as 2 x 1 for q4f32, 1.69x and 0.91x for q8f32
+    (avx512vnni code), 1.17x to 1.65x with skylake-avx512 code, 4 x 1 0.96x to 1.64x with
+    alderlake's AVX-VNNI code; the same speed at 1 sequence, which only the 1-row tile computes.
+    (Splitting each sequence's chain in two, int4's low and high nibbles apart, then gained
+    nothing: 0.95x to 1.02x.) The ~110M q4f32 decode step at 8 sequences took
     3.69 ms against 4.61 (Zen 5). AVX2 keeps pairs: measured on Zen 3, znver3 code, the ~110M shapes
     at 2 to 8 sequences, 2 x 1 ran 1.1x to 1.3x 1 x 1's speed; 4 x 1 spilled registers and was slower
     than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The dot products themselves, per sequence,
