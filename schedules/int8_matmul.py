@@ -156,10 +156,10 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     (avx512vnni code), 1.17x to 1.65x with skylake-avx512 code, 4 x 1 0.96x to 1.64x with
     alderlake's AVX-VNNI code; the same speed at 1 sequence, which only the 1-row tile computes.
     (Splitting each sequence's chain in two, int4's low and high nibbles apart, then gained
-    nothing: 0.95x to 1.02x.) The ~110M q4f32 decode step at 8 sequences took
-    3.69 ms against 4.61 (Zen 5). AVX2 keeps pairs: measured on Zen 3, znver3 code, the ~110M shapes
-    at 2 to 8 sequences, 2 x 1 ran 1.1x to 1.3x 1 x 1's speed; 4 x 1 spilled registers and was slower
-    than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The dot products themselves, per sequence,
+    nothing: 0.95x to 1.02x.) The ~110M q4f32 decode step at 8 sequences took 3.69 ms against
+    4.61 (Zen 5). AVX2 keeps pairs: measured on Zen 3, znver3 code, the ~110M shapes at 2 to 8
+    sequences, 2 x 1 ran 1.1x to 1.3x 1 x 1's speed; 4 x 1 spilled registers and was slower than
+    2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The dot products themselves, per sequence,
     are most of AVX2's work: wider tiles cannot halve it.) NEON (4-row multiplies) keeps pairs too."""
     if not many_tokens:
         if dot.lanes >= INTERLEAVED_ROWS and (dot.accumulates or vector_bits >= 512):
@@ -187,10 +187,9 @@ def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
 def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[list[int]]:
     """Every knob tuple the kernel of an [n, k] weight of `bits`-bit values takes, the rule's first.
 
-    Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned with
-    one sequence, which only the 1-row tile computes: its row blocks and word
-    loop are searched, and its token tile is the rule's, or the largest beside the row blocks
-    that the register budget holds."""
+    Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned with one
+    sequence, which only the 1-row tile computes: its row blocks and word loop are searched, and
+    its token tile is the rule's, or the largest beside the row blocks that the register budget holds."""
     dot = kernel_dot(dot, n, many_tokens)
     # Tile entries: a row block per token, or a 512-bit multiply's two blocks.
     budget = tile_entries(vector_bits)
@@ -363,6 +362,15 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     acc[t, u, vec])
 
     @T.macro
+    def last_rows(size, total, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+        # A tile of `size` rows where the `total` rows end `size` or more past a multiple of 2 * size, for tiles of
+        # more than `size` rows. Sizes 4, 2 and 1 in turn cover every tile `knob_space` takes (at most 8 rows).
+        if tokens > size:
+            if total % (2 * size) >= size:
+                tile(total // (2 * size) * (2 * size), size, first_block, seq, packed, scale, low, xq, x_scale, x_bias,
+                     x_sum, y)
+
+    @T.macro
     def matmul(x_handle, packed, scale, low, y_handle):
         batch = T.int64()
         seq = T.int64()
@@ -401,18 +409,9 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     tile(tile_m * tokens, tokens, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                          x_sum, y)
                 # The last rows, fewer than a tile, in tiles of halving sizes: of 8 tokens, 7 rows take 4, 2 and 1.
-                if tokens >= 8:
-                    if batch * seq % 8 >= 4:
-                        tile(batch * seq // 8 * 8, 4, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                             x_sum, y)
-                if tokens >= 4:
-                    if batch * seq % 4 >= 2:
-                        tile(batch * seq // 4 * 4, 2, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                             x_sum, y)
-                if tokens >= 2:
-                    if batch * seq % 2 == 1:
-                        tile(batch * seq - 1, 1, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                             x_sum, y)
+                last_rows(4, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
+                last_rows(2, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
+                last_rows(1, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
 
     if zero_point:
         @T.prim_func(s_tir=True)
