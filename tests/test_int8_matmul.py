@@ -201,7 +201,8 @@ def test_each_level_compiles_to_its_instructions(level, name):
     weights take the sign trick (vpsignb) and int4 groups widen once (a vpmaddwd per 8 vpmaddubsw).
     Decode's tile of sequences transforms each weight word once for all of them: fewer nibble
     shifts (int4) and |v| (the sign trick) than the dot products and signed activations they feed,
-    which a 1-sequence tile (the batch's last row) has one for one."""
+    which a 1-sequence tile (the batch's last row) has one for one. Decode prefetches the weight stream
+    ahead of its loads (`prefetch_distance`)."""
     target = resolve_target(f'{{"kind": "llvm", "mcpu": "{LEVELS[level][0]}"}}')
     bits = FORMATS[name].bits
     assert int8_matmul.register_tile(target.vector_bits, True, target.int8_dot, bits) == (
@@ -217,6 +218,7 @@ def test_each_level_compiles_to_its_instructions(level, name):
     assert not [line for line in asm.splitlines() if multiply_of(used) in line and "zmm" in line]
     mnemonics = set(asm.split())
     assert used <= mnemonics and not unused & mnemonics
+    assert "prefetcht0" in mnemonics
     multiply = multiply_of(used)
     if "vpmaddubsw" in used:
         assert ("vpsignb" in mnemonics) == (name == "q8f32")
@@ -235,7 +237,7 @@ def multiply_of(used: set[str]) -> str:
 def test_avx512_vnni_prefill_multiplies_16_rows(name):
     """Compiled, not run: AVX512-VNNI prefill multiplies two interleaved blocks (16 rows) per 512-bit
     vpdpbusd, their words joined from two 256-bit loads; a weight of one block (8 rows) and decode
-    keep the 256-bit multiply."""
+    keep the 256-bit multiply. Prefill, which reads its weights from cache, prefetches nothing."""
     target = resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}')
     dot = target.int8_dot
     assert dot.lanes == 16 and dot.for_rows(24).lanes == 8 and dot.for_rows(32).lanes == 16
@@ -245,7 +247,7 @@ def test_avx512_vnni_prefill_multiplies_16_rows(name):
         func = int8_matmul.int8_dot_matmul(FORMATS[name], n, 128, dot, True, target.vector_bits)
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
         lines = [line for line in asm.splitlines() if "vpdpbusd" in line]
-        assert lines
+        assert lines and "prefetch" not in asm
         return {register for line in lines for register in ("ymm", "zmm") if register in line}
 
     assert multiplies(32) == {"zmm"}
