@@ -63,12 +63,12 @@ def builds(arm64_python, demo_builds) -> dict[str, Path]:
     """Every artifact: the ARM builds, and an x86 build of each of their formats with the same activations
     (int8 where the ARM target has an int8 dot-product kernel, float where it does not). After the aarch64
     setup (`arm64_python`), which installs the cross linker the ARM builds need, or skips."""
-    built = {name: demo_builds.get(target, quant, kv_quant=kv_quant) for name, target, quant, kv_quant in ARM_BUILDS}
-    for name, _, quant, kv_quant in ARM_BUILDS:
-        activations = read_manifest(built[name]).activations
-        built[_x86_twin(quant, activations, kv_quant)] = demo_builds.get(
-            "cpu", quant, float_activations=activations == "float", kv_quant=kv_quant)
-    return built
+    arm = demo_builds.get_many([(target, quant, False, kv_quant) for _, target, quant, kv_quant in ARM_BUILDS])
+    built = {name: path for (name, *_), path in zip(ARM_BUILDS, arm)}
+    formats = {(quant, read_manifest(built[name]).activations, kv_quant) for name, _, quant, kv_quant in ARM_BUILDS}
+    x86 = demo_builds.get_many([("cpu", quant, activations == "float", kv_quant)
+                                for quant, activations, kv_quant in formats])
+    return {**built, **{_x86_twin(*twin): path for twin, path in zip(formats, x86)}}
 
 
 def _run(python: list[str], env: dict[str, str], prompt: list[int], artifacts: dict[str, Path], out: Path) -> dict:
