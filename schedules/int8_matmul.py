@@ -358,7 +358,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                         for line in T.unroll(max(words // line_words, 1)):
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(packed_flat[T.min(
                                 (first_block + b) * block_words + g * words + line * line_words + ahead,
-                                n // lanes * block_words - 1) * lanes]), 0, 3, 1))
+                                n // lanes * block_words - 1) * lanes]), 0, 3, 1))  # a read, kept in every cache level, data
                 for t in T.unroll(count):
                     for u in T.unroll(units):
                         dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
