@@ -346,19 +346,22 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         with T.sblock("tile"):
             T.reads()
             T.writes()
-            packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)  # what `ahead` reads through
             dots = T.sblock_alloc_buffer((count, units, rows), "int32")
             sums = T.sblock_alloc_buffer((count, units, 2 * lanes), "int16")  # if int16_sums
             acc = T.sblock_alloc_buffer((count, units, rows), "float32")
             for t, u in T.grid(count, units):
                 acc[t, u, vec] = T.Broadcast(T.float32(0), rows)
             for g in T.serial(groups):
-                if ahead > 0:  # the lines `ahead` words past the group's, in each block (the last block: its own end)
-                    for b in T.unroll(row_blocks):
-                        for line in T.unroll(max(words // line_words, 1)):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(packed_flat[T.min(
-                                (first_block + b) * block_words + g * words + line * line_words + ahead,
-                                n // lanes * block_words - 1) * lanes]), 0, 3, 1))  # a read, kept in every cache level, data
+                # The lines `ahead` words past the group's, in each block (the last block: its own end), by the
+                # block's first tile only: the tiles after it read the same words.
+                if ahead > 0:
+                    if first == 0:
+                        packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
+                        for b in T.unroll(row_blocks):
+                            for line in T.unroll(max(words // line_words, 1)):
+                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(packed_flat[T.min(
+                                    (first_block + b) * block_words + g * words + line * line_words + ahead,
+                                    n // lanes * block_words - 1) * lanes]), 0, 3, 1))  # a read, kept in all caches, data
                 for t in T.unroll(count):
                     for u in T.unroll(units):
                         dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
