@@ -113,6 +113,12 @@ SHOWN_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx5
                "avx512_vnni", "avx512_bf16", "amx_int8")
 
 
+
+def host_line() -> str:
+    """`host: CPU; ISA flags: ...`: the line a benchmark table starts with (`SHOWN_FLAGS` this host has)."""
+    flags = build_llama_cpp.host_flags()
+    return f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in SHOWN_FLAGS if f in flags)}"
+
 def print_table(title: str, rows: dict[str, peers.Measurement], bytes_per_token: dict[str, int | None],
                 bandwidth: float, reference: list[int] | None) -> None:
     """One ISA level's table, then its ember/llama.cpp ratios per format and q4/q8 decode ratios."""
@@ -229,7 +235,7 @@ def main() -> None:
     print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
           f"{args.new_tokens} new tokens, median of {args.repeats}, round-robin   "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured in this run)")
-    print(f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in SHOWN_FLAGS if f in flags)}; "
+    print(f"{host_line()}; "
           f"lacks: {' '.join(f for f in SHOWN_FLAGS if f not in flags) or 'none of these'}")
     for line in skipped:
         print(line)

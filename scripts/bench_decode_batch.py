@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ember.runtime import Engine, load_artifact
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cpu  # noqa: E402
 
 
 def step_times(engine: Engine, seq_ids: list[int], prompt: int, steps: int) -> list[float]:
@@ -63,6 +67,7 @@ def main() -> None:
                 samples[path, b] += step_times(engine, sequences[path][:b], args.prompt, args.steps)
     median = {key: statistics.median(values) for key, values in samples.items()}
     first = args.artifacts[0]
+    print(bench_cpu.host_line())
     print(f"decode steps, {args.prompt}-token prompts, median of {args.repeats} x {args.steps} steps, round-robin")
     print(f"{'artifact':<40} {'batch':>5} {'ms/step':>8} {'tok/s':>8} {f'x batch {batches[0]}':>9} {'first/this':>10}")
     for path in engines:

@@ -53,10 +53,9 @@ def main() -> None:
     if args.make and not (args.model / "config.json").exists():
         _make(args.make, args.model)
     bandwidth = bench_cpu.read_bandwidth()
-    flags = set(open("/proc/cpuinfo").read().split())
     print(f"{args.model}   threads: {args.threads}   prompt {args.prompt_len} + {args.new_tokens} new tokens, "
           f"median of {args.repeats}, round-robin   read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print("host ISA flags: " + " ".join(f for f in bench_cpu.SHOWN_FLAGS if f in flags))
+    print(bench_cpu.host_line())
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 1000, args.prompt_len)]
     with tempfile.TemporaryDirectory(prefix="ember-frontends-") as tmp:
         onnx_file = None

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.targets.hardware import cpu_fingerprint
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
@@ -163,8 +162,7 @@ def main() -> None:
     if missing:
         parser.error(f"--isa {args.isa}: this host cannot execute it (no {', '.join(missing)})")
     package = build_llama_cpp.ensure_built(level)
-    flags = build_llama_cpp.host_flags()
-    print(f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in bench_cpu.SHOWN_FLAGS if f in flags)}; "
+    print(f"{bench_cpu.host_line()}; "
           f"read bandwidth {bench_cpu.read_bandwidth() / 1e9:.1f} GB/s; threads {args.threads}; ember --target "
           f"{level.ember_target}; llama.cpp {package.name}")
 

@@ -26,10 +26,8 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_cpu  # noqa: E402
-import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
 
-from ember.machine import cpu_fingerprint  # noqa: E402
 
 CONTEXTS = (2048, 8192)
 WINDOW = 8448  # the longest context plus room for the decoded tokens
@@ -91,12 +89,10 @@ def main() -> None:
         del engines
 
     bandwidth = bench_cpu.read_bandwidth()
-    flags = build_llama_cpp.host_flags()
     print(f"\n{args.model} (110M shape, --quant {args.quant})   threads: {args.threads}   {args.new_tokens} decoded "
           f"tokens after each context, median of {args.repeats}, round-robin   read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s (measured in this run)")
-    print(f"host: {cpu_fingerprint()['cpu']}; ISA flags: "
-          f"{' '.join(f for f in bench_cpu.SHOWN_FLAGS if f in flags)}")
+    print(bench_cpu.host_line())
     print("compile: " + ", ".join(f"{cache} cache {seconds:.1f} s" for cache, (_, seconds) in builds.items()))
     per_token = {cache: read_manifest(artifact).memory["kv_bytes_per_token"] for cache, (artifact, _) in builds.items()}
     print(f"KV bytes per token: float32 {per_token['float32']}, q8 {per_token['q8']} "

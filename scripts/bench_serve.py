@@ -53,7 +53,6 @@ from pathlib import Path
 import numpy as np
 
 import ember
-from ember.targets.hardware import cpu_fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu  # noqa: E402
@@ -380,9 +379,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     shapes = [(int(rng.integers(lengths["prompt_len"][0], lengths["prompt_len"][1] + 1)),
                int(rng.integers(lengths["output_len"][0], lengths["output_len"][1] + 1))) for _ in range(args.requests)]
-    flags = build_llama_cpp.host_flags()
-    print(f"host: {cpu_fingerprint()['cpu']}; threads per server: {args.threads}; ISA flags: "
-          f"{' '.join(f for f in bench_cpu.SHOWN_FLAGS if f in flags)}")
+    print(f"{bench_cpu.host_line()}; threads per server: {args.threads}")
     print(f"{args.requests} requests per level, prompt {lengths['prompt_len']} and max_tokens {lengths['output_len']} "
           f"tokens (seed {args.seed}), greedy, streamed; llama.cpp: llama_cpp.server from {package}")
 

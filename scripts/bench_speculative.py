@@ -45,7 +45,6 @@ import gguf_files  # noqa: E402
 import peers  # noqa: E402
 
 import ember  # noqa: E402
-from ember.targets.hardware import cpu_fingerprint  # noqa: E402
 
 DRAFT_DIR = Path(ember.DEMO_DRAFT_DIR)
 
@@ -274,8 +273,7 @@ def main() -> None:
         parser.error(f"--isa {args.isa}: this host cannot execute it (no {', '.join(missing)})")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     package = build_llama_cpp.ensure_built(level)
-    flags = build_llama_cpp.host_flags()
-    print(f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in bench_cpu.SHOWN_FLAGS if f in flags)}; "
+    print(f"{bench_cpu.host_line()}; "
           f"read bandwidth {bench_cpu.read_bandwidth() / 1e9:.1f} GB/s; threads {args.threads}; ember --target "
           f"{level.ember_target}; llama.cpp {package.name}")
     demo_table(args, level, package)
