@@ -20,7 +20,8 @@ On aarch64 a block's 8 rows are two 128-bit registers of 4 rows (`Int8Dot.lanes`
 same weight bytes as x86, two loads and two dot products where x86 has one. AVX512-VNNI's
 prefill goes the other way: one 512-bit vpdpbusd multiplies two blocks (16 rows), whose
 words are two 256-bit loads joined, and the convert, FMA and store of a group are 16 lanes
-wide (`kernel_dot`); the stored weights are the same at every level.
+wide (`kernel_dot`); so does int4 decode's whole tile of 8 sequences (`wide_decode_tiles`).
+The stored weights are the same at every level.
 SSE4.2-only CPUs and aarch64 without dotprod have no int8 path: the float path computes
 their projections.
 
@@ -49,9 +50,9 @@ float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
 The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
 AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
-decode's (8 sequences x 1 block with VNNI or AVX-512, 2 on AVX2) streams the weight once,
-linearly, and transforms each word once for all the tile's sequences. Values are stored
-unsigned (`v + offset`); `x_bias` takes the offset back out:
+decode's (8 sequences x 1 block with VNNI or AVX-512, 2 on AVX2; int4 on AVX512-VNNI 8 x 2
+blocks) streams the weight once, linearly, and transforms each word once for all the tile's
+sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the offset back out:
 sum((v + offset) * q) - offset * sum(q) = sum(v * q), exact in integers.
 A zero-point format (q4f32_zp, llama.cpp's Q4_1) stores levels 0..15 with no offset and a
 minimum per group: sum(x * (scale * v + min)) = x_scale * (scale * sum(q * v) + min * sum(q)),
@@ -130,10 +131,29 @@ def kernel_dot(dot: Int8Dot, n: int, many_tokens: bool) -> Int8Dot:
     linear stream of the 256-bit form: measured on Zen 5, the ~110M q4f32 decode step at one
     sequence took 1.2x to 1.3x longer (1.52 against 1.26 to 1.42 ms), and at 8 sequences,
     where the 512-bit tile computes up to 2x faster from cache, the step gained only 1.15x to
-    1.25x, less than the losses at 1 to 3 sequences."""
+    1.25x, less than the losses at 1 to 3 sequences. Only whole tiles of sequences take it
+    (`wide_decode_tiles`)."""
     if not many_tokens and dot.narrow is not None:
         return dot.narrow
     return dot.for_rows(n)
+
+
+def wide_decode_tiles(n: int, dot: Int8Dot, many_tokens: bool, bits: int) -> bool:
+    """Whether decode's whole tiles of sequences multiply pairs of blocks on 512-bit registers.
+
+    One sequence streams the weight best as one linear stream of 256-bit multiplies
+    (`kernel_dot`), but a whole tile of sequences (8 with AVX512-VNNI) computes from cache
+    between its loads, and there a 512-bit multiply does the work of two: the rule then takes
+    tiles of 8 sequences x 2 blocks, one 512-bit multiply each (`tile_entries`), and the
+    sequences past the whole tiles take 256-bit tiles, one block and then the next, so a
+    1-sequence step reads one linear stream as before. Int4 only: its nibble masks, shifts and
+    dot products all halve. Measured on Zen 5 (2 threads, the ~110M q4f32 model): the whole
+    decode step at 8 sequences 2.88 against 3.46 ms (1.20x), 9: 1.21x, 16: 5.26 against 6.88
+    (1.31x), at 1 and 4 sequences the same (1.26 against 1.28 ms, 2.02 against 1.97); each
+    kernel at 8 sequences from cold caches 1.15x ([768, 2048]) to 1.47x ([32000, 768]). The
+    two blocks' 256-bit tiles are a loop, not unrolled: unrolled, the 1-sequence step took 7%
+    longer. Int8's 512-bit tile measured 0.77x to 1.23x: not taken."""
+    return not many_tokens and bits == 4 and dot.narrow is not None and dot.for_rows(n) is dot
 
 
 def prefetch_distance(many_tokens: bool) -> int:
@@ -197,6 +217,8 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
 def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: int) -> list[int]:
     """The knobs (`INT8_KNOBS`) for `bits`-bit weights the rule picks: `register_tile`, with
     the row blocks halved until they divide the weight's, and the word loop unrolled on VNNI only."""
+    if wide_decode_tiles(n, dot, many_tokens, bits):
+        return [tile_entries(vector_bits), 2, 1]
     dot = kernel_dot(dot, n, many_tokens)
     tokens, row_blocks = register_tile(vector_bits, many_tokens, dot, bits)
     while (n // INTERLEAVED_ROWS) % row_blocks:
@@ -209,12 +231,15 @@ def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
 
     Row blocks come in whole multiplies (two blocks for a 512-bit one). Decode is tuned with one
     sequence, which only the 1-row tile computes: its row blocks and word loop are searched, and
-    its token tile is the rule's, or the largest beside the row blocks that the register budget holds."""
+    its token tile is the rule's, or the largest beside the row blocks that the register budget holds.
+    With `wide_decode_tiles`, the rule's 512-bit tile of 2 blocks reads one block at a time at one
+    sequence, as 1 block does; its word loop is searched too."""
+    rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
+    wide = wide_decode_tiles(n, dot, many_tokens, bits)
     dot = kernel_dot(dot, n, many_tokens)
     # Tile entries: a row block per token, or a 512-bit multiply's two blocks.
     budget = tile_entries(vector_bits)
     per_entry = max(dot.lanes // INTERLEAVED_ROWS, 1)  # row blocks of one entry
-    rule = rule_knobs(n, dot, many_tokens, vector_bits, bits)
     row_blocks = [blocks for blocks in (1, 2, 4, 8)
                   if blocks % per_entry == 0 and (n // INTERLEAVED_ROWS) % blocks == 0 and blocks // per_entry <= 4]
     if many_tokens:
@@ -222,6 +247,7 @@ def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
                  if tokens * blocks // per_entry <= budget]
     else:
         tiles = [(min(rule[0], budget * per_entry // blocks), blocks) for blocks in row_blocks]
+        tiles = [(rule[0], rule[1])] * wide + tiles
     space = [[tokens, blocks, unroll] for tokens, blocks in tiles for unroll in (0, 1)]
     return [rule, *(knobs for knobs in space if knobs != rule)]
 
@@ -260,8 +286,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     rule's). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
-    dot = kernel_dot(dot, n, many_tokens)
-    space = knob_space(n, dot, many_tokens, vector_bits, fmt.bits)
+    target_dot, dot = dot, kernel_dot(dot, n, many_tokens)
+    space = knob_space(n, target_dot, many_tokens, vector_bits, fmt.bits)
     knobs = space[0] if knobs is None else [int(knob) for knob in knobs]
     if knobs not in space:
         raise ValueError(f"int8 matmul knobs {dict(zip(INT8_KNOBS, knobs))} are not among {space}")
@@ -283,116 +309,130 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
     # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
     int16_sums = int4 and not dot.accumulates
-    # One multiply covers `dot.lanes` weight rows (a "unit"): half of an 8-row block on NEON, a block
-    # on 256-bit x86 registers, two blocks joined on 512-bit ones.
-    rows = dot.lanes
-    units = row_blocks * lanes // rows
-    vec = tirx.Ramp(0, 1, rows)
-    int32s, bytes_, floats = f"int32x{rows}", f"int8x{4 * rows}", f"float32x{rows}"
+    def tile_of(dot: Int8Dot, blocks: int):
+        """The register tile macro of `blocks` weight row blocks multiplied with `dot`."""
+        # One multiply covers `dot.lanes` weight rows (a "unit"): half of an 8-row block on NEON, a block
+        # on 256-bit x86 registers, two blocks joined on 512-bit ones.
+        rows = dot.lanes
+        units = blocks * lanes // rows
+        vec = tirx.Ramp(0, 1, rows)
+        int32s, bytes_, floats = f"int32x{rows}", f"int8x{4 * rows}", f"float32x{rows}"
 
-    def unit_rows(buffer, first_row, index):
-        """The `rows` values at `index` of weight rows first_row.. (a multiple of `rows`) in an interleaved
-        [blocks, index, 8] buffer: part of one block's vector, or whole blocks' vectors joined."""
-        if rows <= lanes:
-            return buffer[first_row // lanes, index, tirx.Ramp(first_row % lanes, 1, rows)]
-        blocks = [buffer[first_row // lanes + b, index, tirx.Ramp(0, 1, lanes)] for b in range(rows // lanes)]
-        return tirx.Shuffle(blocks, [tirx.IntImm("int32", i) for i in range(rows)])
+        def unit_rows(buffer, first_row, index):
+            """The `rows` values at `index` of weight rows first_row.. (a multiple of `rows`) in an interleaved
+            [blocks, index, 8] buffer: part of one block's vector, or whole blocks' vectors joined."""
+            if rows <= lanes:
+                return buffer[first_row // lanes, index, tirx.Ramp(first_row % lanes, 1, rows)]
+            blocks = [buffer[first_row // lanes + b, index, tirx.Ramp(0, 1, lanes)] for b in range(rows // lanes)]
+            return tirx.Shuffle(blocks, [tirx.IntImm("int32", i) for i in range(rows)])
 
-    def u32(value):
-        return tirx.Broadcast(tirx.const(value, "uint32"), rows)
+        def u32(value):
+            return tirx.Broadcast(tirx.const(value, "uint32"), rows)
 
-    def activations(xq_word):
-        return T.reinterpret(bytes_, tirx.Broadcast(xq_word, rows))
+        def activations(xq_word):
+            return T.reinterpret(bytes_, tirx.Broadcast(xq_word, rows))
 
-    def pairs(unsigned, signed):
-        """int16 x 16: sums of two u8 x s8 products (vpmaddubsw)."""
-        return T.call_llvm_pure_intrin("int16x16", dot.multiply, unsigned, signed)
+        def pairs(unsigned, signed):
+            """int16 x 16: sums of two u8 x s8 products (vpmaddubsw)."""
+            return T.call_llvm_pure_intrin("int16x16", dot.multiply, unsigned, signed)
 
-    def widen(acc, sums):
-        """acc + the int16 pairs summed into int32 (vpmaddwd with ones)."""
-        return acc + T.call_llvm_pure_intrin("int32x8", dot.widen, sums, tirx.Broadcast(T.int16(1), 2 * lanes))
+        def widen(acc, sums):
+            """acc + the int16 pairs summed into int32 (vpmaddwd with ones)."""
+            return acc + T.call_llvm_pure_intrin("int32x8", dot.widen, sums, tirx.Broadcast(T.int16(1), 2 * lanes))
 
-    def word_dot(acc, packed, xq, first_row, m, g, w):
-        """`acc` plus the products of the group's weight word w for the `rows` weight rows from
-        first_row: int32 x `rows`, or int16 x 16 pairs where `int16_sums`."""
-        word = unit_rows(packed, first_row, g * words + w)
-        steps = [(word, xq[m, g * 8 + w])]  # (weight bytes, activation word): 4 products per row
-        if int4:
-            steps = [(tirx.bitwise_and(word, u32(0x0F0F0F0F)), xq[m, g * 8 + w]),  # values 4w..4w+3
-                     (tirx.bitwise_and(tirx.shift_right(word, u32(4)), u32(0x0F0F0F0F)), xq[m, g * 8 + 4 + w])]
-        for weight, xq_word in steps:
-            if dot.accumulates:
-                if dot.signed_weights and not int4:  # stored v + 128, xor 0x80: v
-                    weight = tirx.bitwise_xor(weight, u32(0x80808080))
-                acc = T.call_llvm_pure_intrin(int32s, dot.multiply, acc, T.reinterpret(bytes_, weight),
-                                              activations(xq_word))
-            elif int4:
-                # Nibbles 0..15 times |q| <= 127: each int16 lane sums 16 products a group, at most
-                # 16 * 15 * 127 = 30480 <= 32767 in magnitude.
-                acc = acc + pairs(T.reinterpret("int8x32", weight), activations(xq_word))
-            else:
-                # Stored v + 128, xor 0x80 gives v back. |v| as the unsigned operand and q with v's sign
-                # as the signed one: each product is |v| * |q| <= 128 * 127, a pair at most 32512 <= 32767.
-                # (v + 128 times q would reach 2 * 255 * 127 = 64770 and saturate.) A pair per int16 lane:
-                # widened at once. abs(-128) stays -128, whose byte read unsigned is 128.
-                signed_weight = T.reinterpret("int8x32", tirx.bitwise_xor(weight, u32(0x80808080)))
-                signed_x = T.call_llvm_pure_intrin("int8x32", dot.sign, activations(xq_word), signed_weight)
-                acc = widen(acc, pairs(T.abs(signed_weight), signed_x))
-        return acc
+        def word_dot(acc, packed, xq, first_row, m, g, w):
+            """`acc` plus the products of the group's weight word w for the `rows` weight rows from
+            first_row: int32 x `rows`, or int16 x 16 pairs where `int16_sums`."""
+            word = unit_rows(packed, first_row, g * words + w)
+            steps = [(word, xq[m, g * 8 + w])]  # (weight bytes, activation word): 4 products per row
+            if int4:
+                steps = [(tirx.bitwise_and(word, u32(0x0F0F0F0F)), xq[m, g * 8 + w]),  # values 4w..4w+3
+                         (tirx.bitwise_and(tirx.shift_right(word, u32(4)), u32(0x0F0F0F0F)), xq[m, g * 8 + 4 + w])]
+            for weight, xq_word in steps:
+                if dot.accumulates:
+                    if dot.signed_weights and not int4:  # stored v + 128, xor 0x80: v
+                        weight = tirx.bitwise_xor(weight, u32(0x80808080))
+                    acc = T.call_llvm_pure_intrin(int32s, dot.multiply, acc, T.reinterpret(bytes_, weight),
+                                                  activations(xq_word))
+                elif int4:
+                    # Nibbles 0..15 times |q| <= 127: each int16 lane sums 16 products a group, at most
+                    # 16 * 15 * 127 = 30480 <= 32767 in magnitude.
+                    acc = acc + pairs(T.reinterpret("int8x32", weight), activations(xq_word))
+                else:
+                    # Stored v + 128, xor 0x80 gives v back. |v| as the unsigned operand and q with v's sign
+                    # as the signed one: each product is |v| * |q| <= 128 * 127, a pair at most 32512 <= 32767.
+                    # (v + 128 times q would reach 2 * 255 * 127 = 64770 and saturate.) A pair per int16 lane:
+                    # widened at once. abs(-128) stays -128, whose byte read unsigned is 128.
+                    signed_weight = T.reinterpret("int8x32", tirx.bitwise_xor(weight, u32(0x80808080)))
+                    signed_x = T.call_llvm_pure_intrin("int8x32", dot.sign, activations(xq_word), signed_weight)
+                    acc = widen(acc, pairs(T.abs(signed_weight), signed_x))
+            return acc
 
-    @T.macro
-    def tile(first, count, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
-        # y for activation rows first .. first + count - 1 and the weight rows of `row_blocks` blocks from first_block.
-        with T.sblock("tile"):
-            T.reads()
-            T.writes()
-            dots = T.sblock_alloc_buffer((count, units, rows), "int32")
-            sums = T.sblock_alloc_buffer((count, units, 2 * lanes), "int16")  # if int16_sums
-            acc = T.sblock_alloc_buffer((count, units, rows), "float32")
-            for t, u in T.grid(count, units):
-                acc[t, u, vec] = T.Broadcast(T.float32(0), rows)
-            for g in T.serial(groups):
-                # The lines `ahead` words past the group's, in each block (the last block: its own end), by the
-                # block's first tile only: the tiles after it read the same words.
-                if ahead > 0:
-                    if first == 0:
-                        packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
-                        for b in T.unroll(row_blocks):
-                            for line in T.unroll(max(words // line_words, 1)):
-                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(packed_flat[T.min(
-                                    (first_block + b) * block_words + g * words + line * line_words + ahead,
-                                    n // lanes * block_words - 1) * lanes]), 0, 3, 1))  # a read, kept in all caches, data
-                for t in T.unroll(count):
-                    for u in T.unroll(units):
-                        dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
-                        if int16_sums:
-                            sums[t, u, wide] = T.Broadcast(T.int16(0), 2 * lanes)
-                # Word by word over the tile: each weight word is loaded (and transformed) once per
-                # tile. Without VNNI a step is several instructions, and a group unrolled spilled
-                # registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower), so the rule
-                # unrolls only on VNNI.
-                for w in word_loop(words):
+        @T.macro
+        def tile(first, count, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+            # y for activation rows first .. first + count - 1 and the weight rows of `blocks` blocks from first_block.
+            with T.sblock("tile"):
+                T.reads()
+                T.writes()
+                dots = T.sblock_alloc_buffer((count, units, rows), "int32")
+                sums = T.sblock_alloc_buffer((count, units, 2 * lanes), "int16")  # if int16_sums
+                acc = T.sblock_alloc_buffer((count, units, rows), "float32")
+                for t, u in T.grid(count, units):
+                    acc[t, u, vec] = T.Broadcast(T.float32(0), rows)
+                for g in T.serial(groups):
+                    # The lines `ahead` words past the group's, in each block (the last block: its own end), by the
+                    # block's first tile only: the tiles after it read the same words.
+                    if ahead > 0:
+                        if first == 0:
+                            packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
+                            for b in T.unroll(blocks):
+                                for line in T.unroll(max(words // line_words, 1)):
+                                    word = T.min(
+                                        (first_block + b) * block_words + g * words + line * line_words + ahead,
+                                        n // lanes * block_words - 1)
+                                    # A read (0), kept in all caches (3), of data (1).
+                                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch",
+                                                                  T.address_of(packed_flat[word * lanes]), 0, 3, 1))
+                    for t in T.unroll(count):
+                        for u in T.unroll(units):
+                            dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
+                            if int16_sums:
+                                sums[t, u, wide] = T.Broadcast(T.int16(0), 2 * lanes)
+                    # Word by word over the tile: each weight word is loaded (and transformed) once per
+                    # tile. Without VNNI a step is several instructions, and a group unrolled spilled
+                    # registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower), so the rule
+                    # unrolls only on VNNI.
+                    for w in word_loop(words):
+                        for t in T.unroll(count):
+                            for u in T.unroll(units):
+                                if int16_sums:
+                                    sums[t, u, wide] = word_dot(sums[t, u, wide], packed, xq,
+                                                                first_block * lanes + u * rows, first + t, g, w)
+                                else:
+                                    dots[t, u, vec] = word_dot(dots[t, u, vec], packed, xq,
+                                                               first_block * lanes + u * rows, first + t, g, w)
                     for t in T.unroll(count):
                         for u in T.unroll(units):
                             if int16_sums:
-                                sums[t, u, wide] = word_dot(sums[t, u, wide], packed, xq,
-                                                            first_block * lanes + u * rows, first + t, g, w)
-                            else:
-                                dots[t, u, vec] = word_dot(dots[t, u, vec], packed, xq,
-                                                           first_block * lanes + u * rows, first + t, g, w)
-                for t in T.unroll(count):
-                    for u in T.unroll(units):
-                        if int16_sums:
-                            dots[t, u, vec] = widen(dots[t, u, vec], sums[t, u, wide])
-                        acc[t, u, vec] = acc[t, u, vec] + T.Cast(floats, dots[t, u, vec]) * (
-                            T.Broadcast(x_scale[first + t, g], rows)
-                            * T.Cast(floats, unit_rows(scale, first_block * lanes + u * rows, g)))
-                        if zero_point:  # + the group's minimum times its activations' sum
-                            acc[t, u, vec] = acc[t, u, vec] + T.Broadcast(x_sum[first + t, g], rows) * T.Cast(
-                                floats, unit_rows(low, first_block * lanes + u * rows, g))
-            for t, u in T.grid(count, units):
-                y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes + u * rows, 1, rows)] = (
-                    acc[t, u, vec])
+                                dots[t, u, vec] = widen(dots[t, u, vec], sums[t, u, wide])
+                            acc[t, u, vec] = acc[t, u, vec] + T.Cast(floats, dots[t, u, vec]) * (
+                                T.Broadcast(x_scale[first + t, g], rows)
+                                * T.Cast(floats, unit_rows(scale, first_block * lanes + u * rows, g)))
+                            if zero_point:  # + the group's minimum times its activations' sum
+                                acc[t, u, vec] = acc[t, u, vec] + T.Broadcast(x_sum[first + t, g], rows) * T.Cast(
+                                    floats, unit_rows(low, first_block * lanes + u * rows, g))
+                for t, u in T.grid(count, units):
+                    y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes + u * rows, 1, rows)] = (
+                        acc[t, u, vec])
+
+        return tile
+
+    # Whole tiles and the last rows' tiles: the same tile, but see `wide_decode_tiles`.
+    wide_tiles = wide_decode_tiles(n, target_dot, many_tokens, fmt.bits) and (tokens, row_blocks) == (
+        tile_entries(vector_bits), 2)
+    rest_blocks = 1 if wide_tiles else row_blocks
+    rest = tile_of(dot, rest_blocks)
+    whole = tile_of(target_dot, row_blocks) if wide_tiles else rest
 
     @T.macro
     def last_rows(size, total, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
@@ -400,7 +440,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         # more than `size` rows. Sizes 4, 2 and 1 in turn cover every tile `knob_space` takes (at most 8 rows).
         if tokens > size:
             if total % (2 * size) >= size:
-                tile(total // (2 * size) * (2 * size), size, first_block, seq, packed, scale, low, xq, x_scale, x_bias,
+                rest(total // (2 * size) * (2 * size), size, first_block, seq, packed, scale, low, xq, x_scale, x_bias,
                      x_sum, y)
 
     @T.macro
@@ -439,12 +479,17 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
             for tile_n in T.parallel(n // (lanes * row_blocks)):
                 for tile_m in T.serial(batch * seq // tokens):
-                    tile(tile_m * tokens, tokens, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                         x_sum, y)
-                # The last rows, fewer than a tile, in tiles of halving sizes: of 8 tokens, 7 rows take 4, 2 and 1.
-                last_rows(4, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
-                last_rows(2, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
-                last_rows(1, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
+                    whole(tile_m * tokens, tokens, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                          x_sum, y)
+                # The last rows, fewer than a tile, in tiles of halving sizes: of 8 tokens, 7 rows take 4, 2 and 1
+                # (with `wide_decode_tiles`, for one block and then the next).
+                for part in T.serial(row_blocks // rest_blocks):
+                    last_rows(4, batch * seq, tile_n * row_blocks + part * rest_blocks, seq, packed, scale, low, xq,
+                              x_scale, x_bias, x_sum, y)
+                    last_rows(2, batch * seq, tile_n * row_blocks + part * rest_blocks, seq, packed, scale, low, xq,
+                              x_scale, x_bias, x_sum, y)
+                    last_rows(1, batch * seq, tile_n * row_blocks + part * rest_blocks, seq, packed, scale, low, xq,
+                              x_scale, x_bias, x_sum, y)
 
     if zero_point:
         @T.prim_func(s_tir=True)

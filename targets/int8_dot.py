@@ -52,8 +52,9 @@ _PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd
 # two blocks' words are two 256-bit loads joined (vinserti64x4), and everything after the
 # load (int4's nibble masks, the dot products, the group's convert and FMA, the store of 16
 # outputs) takes half the instructions of the 256-bit form. The int8 matmul uses it for
-# prefill, which is compute-bound (1.6x to 1.85x on Zen 5); decode keeps the 256-bit form
-# (`int8_matmul.kernel_dot`). CPUs that split 512-bit operations in two (Zen 4) are not measured.
+# prefill, which is compute-bound (1.6x to 1.85x on Zen 5), and for int4 decode's whole tiles of
+# sequences; one sequence keeps the 256-bit form (`int8_matmul.kernel_dot`, `wide_decode_tiles`).
+# CPUs that split 512-bit operations in two (Zen 4) are not measured.
 # AVX-512 without VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a
 # larger tile).
 _INT8_DOTS = (

@@ -105,15 +105,17 @@ def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens
 @pytest.mark.parametrize("level", INT8_LEVELS)
 @pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
-    """One decode kernel run with 1 to 11 sequences: whole tiles of sequences, a tail of fewer
-    than a tile (each row computed once, by tiles of halving sizes down to 1 row), or both."""
+    """One decode kernel run with 1 to 17 sequences: whole tiles of sequences, a tail of fewer
+    than a tile (each row computed once, by tiles of halving sizes down to 1 row), or both.
+    AVX512-VNNI's int4 whole tiles multiply pairs of blocks on 512-bit registers, their tails
+    each block on 256-bit ones (`wide_decode_tiles`)."""
     target = level_target(level)
     fmt = FORMATS[name]
-    n, k = 40, 160  # 5 row blocks, 5 groups
+    n, k = 48, 160  # 6 row blocks, 5 groups
     rng = np.random.default_rng(k)
     parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
     lib = _compile(target, fmt, n, k, many_tokens=False)
-    for batch in range(1, 12):
+    for batch in range(1, 18):
         x = rng.standard_normal((batch, k)).astype(np.float32) * rng.uniform(0.1, 10, (batch, 1)).astype(np.float32)
         expected, _exact = _llama_cpp_reference(fmt, parts, x, k)
         np.testing.assert_allclose(_call(lib, fmt, parts, x, n, batch), expected, rtol=0,
@@ -214,7 +216,7 @@ def test_each_level_compiles_to_its_instructions(level, name):
     func = int8_matmul.int8_dot_matmul(FORMATS[name], 8, 128, target.int8_dot, False, target.vector_bits)
     asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
     used, unused = INSTRUCTIONS[level]
-    # Decode multiplies on 256-bit registers at every level (one linear weight stream: see kernel_dot)
+    # A one-block weight's decode multiplies on 256-bit registers at every level (see kernel_dot)
     assert not [line for line in asm.splitlines() if multiply_of(used) in line and "zmm" in line]
     mnemonics = set(asm.split())
     assert used <= mnemonics and not unused & mnemonics
@@ -236,8 +238,8 @@ def multiply_of(used: set[str]) -> str:
 @pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 def test_avx512_vnni_prefill_multiplies_16_rows(name):
     """Compiled, not run: AVX512-VNNI prefill multiplies two interleaved blocks (16 rows) per 512-bit
-    vpdpbusd, their words joined from two 256-bit loads; a weight of one block (8 rows) and decode
-    keep the 256-bit multiply. Prefill, which reads its weights from cache, prefetches nothing."""
+    vpdpbusd, their words joined from two 256-bit loads; a weight of one block (8 rows) and decode's
+    single sequences keep the 256-bit multiply. Prefill, which reads its weights from cache, prefetches nothing."""
     target = resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}')
     dot = target.int8_dot
     assert dot.lanes == 16 and dot.for_rows(24).lanes == 8 and dot.for_rows(32).lanes == 16
@@ -254,6 +256,26 @@ def test_avx512_vnni_prefill_multiplies_16_rows(name):
     assert multiplies(8) == {"ymm"}
     assert int8_matmul.knob_space(32, dot, True, 512, FORMATS[name].bits)[0] == [4, 4, 1]
     assert all(knobs[1] % 2 == 0 for knobs in int8_matmul.knob_space(32, dot, True, 512, FORMATS[name].bits))
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+def test_avx512_vnni_int4_decode_multiplies_16_rows_for_whole_tiles_of_sequences(name):
+    """Compiled, not run: AVX512-VNNI int4 decode's whole tiles of 8 sequences multiply two blocks per
+    512-bit vpdpbusd and the rows past them one block per 256-bit one, each tile prefetching its stream;
+    int8 decode and a weight of an odd number of blocks stay on 256-bit multiplies (`wide_decode_tiles`)."""
+    target = resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}')
+    bits = FORMATS[name].bits
+
+    def multiplies(n: int) -> set[str]:
+        func = int8_matmul.int8_dot_matmul(FORMATS[name], n, 128, target.int8_dot, False, target.vector_bits)
+        asm = tvm.compile(tvm.IRModule({"main": func}), target=target.target).mod.inspect_source("asm")
+        assert "prefetcht0" in asm
+        lines = [line for line in asm.splitlines() if "vpdpbusd" in line]
+        return {register for line in lines for register in ("ymm", "zmm") if register in line}
+
+    assert multiplies(32) == ({"ymm", "zmm"} if bits == 4 else {"ymm"})
+    assert multiplies(24) == {"ymm"}
+    assert int8_matmul.rule_knobs(32, target.int8_dot, False, 512, bits) == ([8, 2, 1] if bits == 4 else [8, 1, 1])
 
 
 @pytest.mark.parametrize("cpu", [None, "haswell", "nehalem"])
@@ -321,7 +343,7 @@ def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, 
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     """Each knob tuple `ember tune` may choose (register tile, row blocks, word loop unrolled or not),
-    prefill at 7 tokens (partial tiles) and decode at 7 sequences (tiles and a tail), equals the numpy reference."""
+    prefill at 7 tokens (partial tiles) and decode at 11 sequences (tiles and a tail), equals the numpy reference."""
     target = level_target(level)
     fmt = FORMATS[name]
     n, k = 32, 96  # 4 row blocks, 3 groups
@@ -329,7 +351,7 @@ def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
     expected = {}
     kernels = {}
-    for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (7, 1))):
+    for many_tokens, (batch, seq) in ((True, (1, 7)), (False, (11, 1))):
         x = rng.standard_normal((batch, seq, k)).astype(np.float32)
         expected[many_tokens] = (x, q8_0_activations(x) @ fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64).T)
         space = int8_matmul.knob_space(n, target.int8_dot, many_tokens, target.vector_bits, fmt.bits)
