@@ -8,9 +8,13 @@ build (default `native`) of `build_llama_cpp.py` (cached under ~/.cache/ember/ll
 on PYTHONPATH). Each server runs alone in its own process on `--threads` threads, and serves the same requests: random
 prompt and output lengths drawn once from `--seed`, greedy, streamed through the official
 `openai` client, at each `--concurrency` (that many clients, each sending its next request
-when the previous one ends). Per server and concurrency: total output tok/s (tokens over the
-level's wall time), p50/p99 time to first token and time per output token (per request, the
-time between its first and last token over its tokens after the first).
+when the previous one ends). The levels run round-robin, `--rounds` times (this host's speed
+drifts by up to 20% over minutes, and a ratio of two levels measured minutes apart would show
+it). Per server and concurrency, from the round of median throughput: total output tok/s
+(tokens over the level's wall time), p50/p99 time to first token and time per output token
+(per request, the time between its first and last token over its tokens after the first);
+beside it the lowest and highest tok/s of the rounds, and ember's throughput over its lowest
+concurrency's, the median of each round's ratio.
 
 Both servers read the same token ids. The GGUF's vocabulary is placeholder pieces with byte
 fallback, so a prompt is random letters that llama.cpp's server tokenizes (/extras/tokenize)
@@ -299,22 +303,36 @@ def level_row(replies: list[Reply], wall: float) -> dict[str, float]:
             "tpot50": percentile(tpots, 50), "tpot99": percentile(tpots, 99)}
 
 
-def print_table(title: str, rows: dict[tuple[str, int], dict[str, float]], concurrencies: list[int]) -> None:
+def median_round(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The round of median throughput (the lower middle one of an even count), with the rounds' lowest and
+    highest tok/s."""
+    ordered = sorted(rounds, key=lambda row: row["tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "low": ordered[0]["tok_s"], "high": ordered[-1]["tok_s"]}
+
+
+def print_table(title: str, rounds: dict[tuple[str, int], list[dict[str, float]]], concurrencies: list[int]) -> None:
     print(f"\n{title}")
-    print(f"{'server':<10} {'conc':>4} {'out tokens':>10} {'tok/s':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
-          f"{'TPOT p50 ms':>11} {'TPOT p99 ms':>11}")
+    print(f"{'server':<10} {'conc':>4} {'out tokens':>10} {'tok/s':>8} {'rounds':>15} {'TTFT p50 ms':>11} "
+          f"{'TTFT p99 ms':>11} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11}")
+    rows = {key: median_round(values) for key, values in rounds.items()}
     for (server, concurrency), row in rows.items():
-        print(f"{server:<10} {concurrency:>4} {row['tokens']:>10} {row['tok_s']:>8.1f} {row['ttft50'] * 1e3:>11.1f} "
-              f"{row['ttft99'] * 1e3:>11.1f} {row['tpot50'] * 1e3:>11.1f} {row['tpot99'] * 1e3:>11.1f}")
-    ember = {c: row["tok_s"] for (server, c), row in rows.items() if server == "ember"}
+        spread = f"{row['low']:.0f}-{row['high']:.0f}"
+        print(f"{server:<10} {concurrency:>4} {row['tokens']:>10} {row['tok_s']:>8.1f} {spread:>15} "
+              f"{row['ttft50'] * 1e3:>11.1f} {row['ttft99'] * 1e3:>11.1f} {row['tpot50'] * 1e3:>11.1f} "
+              f"{row['tpot99'] * 1e3:>11.1f}")
+    ember = {c: values for (server, c), values in rounds.items() if server == "ember"}
     llama = {c: row["tok_s"] for (server, c), row in rows.items() if server == "llama.cpp"}
     if ember:
         first = min(ember)
-        print("  ember tok/s over its concurrency " + str(first) + ": "
-              + ", ".join(f"c{c} {ember[c] / ember[first]:.2f}x" for c in concurrencies if c in ember))
+        # Each round's ratio: its levels ran minutes apart at most, the rounds further apart.
+        ratios = {c: statistics.median(row["tok_s"] / base["tok_s"] for row, base in zip(values, ember[first]))
+                  for c, values in ember.items()}
+        print(f"  ember tok/s over its concurrency {first} (median of the rounds' ratios): "
+              + ", ".join(f"c{c} {ratios[c]:.2f}x" for c in concurrencies if c in ratios))
     if ember and llama:
         print("  ember / llama.cpp tok/s: "
-              + ", ".join(f"c{c} {ember[c] / llama[c]:.2f}x" for c in concurrencies if c in ember and c in llama))
+              + ", ".join(f"c{c} {rows['ember', c]['tok_s'] / llama[c]:.2f}x"
+                          for c in concurrencies if c in ember and c in llama))
 
 
 def main() -> None:
@@ -325,6 +343,7 @@ def main() -> None:
     parser.add_argument("--quant", default="q4f32,q8f32", help=f"ember formats ({', '.join(GGUF_TYPES)})")
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--rounds", type=int, default=3, help="times each level runs, round-robin over the levels")
     parser.add_argument("--prompt-len", default="16,128", help="MIN,MAX prompt tokens (uniform, seeded)")
     parser.add_argument("--output-len", default="16,96", help="MIN,MAX max_tokens (uniform, seeded)")
     parser.add_argument("--stall-prompt", type=int, default=2000, help="tokens of the prompt that arrives mid-stream")
@@ -350,6 +369,8 @@ def main() -> None:
     shared_prefix = tuple(int(v) for v in parts) if all(v.strip().isdigit() for v in parts) else ()
     if len(shared_prefix) != 3 or min(shared_prefix) < 1 or shared_prefix[2] < 2:
         parser.error(f"--shared-prefix {args.shared_prefix}: PREFIX,SUFFIX,COUNT, positive, COUNT at least 2")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     servers = split(args.servers)
     unknown = [q for q in split(args.quant) if q not in GGUF_TYPES]
     if unknown:
@@ -416,11 +437,13 @@ def main() -> None:
                 requests = [(prompt[pick], out) for prompt, (_, out) in zip(prompts, shapes)]
                 try:
                     asyncio.run(run_level(served, requests[:1], 1))  # warm-up
-                    for concurrency in concurrencies:
-                        # Two busy cores slow any server, and llama.cpp's spinning threads far more than ember's.
-                        busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
-                        rows[server, concurrency] = level_row(*asyncio.run(run_level(served, requests, concurrency)))
-                        print(f"  {server} c{concurrency}: {rows[server, concurrency]['tok_s']:.1f} tok/s", flush=True)
+                    for round_ in range(args.rounds):
+                        for concurrency in concurrencies:
+                            # Two busy cores slow any server, and llama.cpp's spinning threads far more than ember's.
+                            busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+                            row = level_row(*asyncio.run(run_level(served, requests, concurrency)))
+                            rows.setdefault((server, concurrency), []).append(row)
+                            print(f"  {server} round {round_ + 1} c{concurrency}: {row['tok_s']:.1f} tok/s", flush=True)
                     if stall_prompts:
                         short, long = (prompt[pick] for prompt in stall_prompts)
                         stalls[server] = asyncio.run(measure_stall(served, short, long, min(256, context - 16)))
@@ -431,7 +454,8 @@ def main() -> None:
                     served.stop()
             print_table(f"{model_name} {fmt} (llama.cpp {qtype}), {args.threads} threads", rows, concurrencies)
             if busy:
-                print(f"  warning: {busy} of {len(rows) + len(prefixes)} measurements started on a busy machine")
+                print(f"  warning: {busy} of {sum(map(len, rows.values())) + len(prefixes)} measurements started on a "
+                      "busy machine")
             for server, stall in stalls.items():
                 print(f"  {server}: a {args.stall_prompt}-token prompt arriving mid-stream: longest gap of the running "
                       f"stream {stall['stall'] * 1e3:.0f} ms (median gap before {stall['median_gap'] * 1e3:.0f} ms); "
