@@ -147,12 +147,13 @@ def wide_decode_tiles(n: int, dot: Int8Dot, many_tokens: bool, bits: int) -> boo
     tiles of 8 sequences x 2 blocks, one 512-bit multiply each (`tile_entries`), and the
     sequences past the whole tiles take 256-bit tiles, one block and then the next, so a
     1-sequence step reads one linear stream as before. Int4 only: its nibble masks, shifts and
-    dot products all halve. Measured on Zen 5 (2 threads, the ~110M q4f32 model): the whole
-    decode step at 8 sequences 2.88 against 3.46 ms (1.20x), 9: 1.21x, 16: 5.26 against 6.88
-    (1.31x), at 1 and 4 sequences the same (1.26 against 1.28 ms, 2.02 against 1.97); each
-    kernel at 8 sequences from cold caches 1.15x ([768, 2048]) to 1.47x ([32000, 768]). The
-    two blocks' 256-bit tiles are a loop, not unrolled: unrolled, the 1-sequence step took 7%
-    longer. Int8's 512-bit tile measured 0.77x to 1.23x: not taken."""
+    dot products all halve. Measured on Zen 5 (2 threads, the ~110M q4f32 model, one run): the
+    whole decode step at 8 sequences 2.92 against 3.56 ms (1.22x), 9: 3.36 against 4.12, 16: 5.21
+    against 6.71 (1.29x), at 1, 4 and 7 sequences the same within 3% (1.24 against 1.22 ms, 2.05
+    against 1.99, 3.43 against 3.38); each kernel at 8 sequences from cold caches 1.15x ([768,
+    2048]) to 1.47x ([32000, 768]). The two blocks' 256-bit tiles are a loop, not unrolled:
+    unrolled, the 1-sequence step took 7% longer. Int8's 512-bit tile measured 0.77x to 1.23x:
+    not taken."""
     return not many_tokens and bits == 4 and dot.narrow is not None and dot.for_rows(n) is dot
 
 
@@ -247,7 +248,8 @@ def knob_space(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
                  if tokens * blocks // per_entry <= budget]
     else:
         tiles = [(min(rule[0], budget * per_entry // blocks), blocks) for blocks in row_blocks]
-        tiles = [(rule[0], rule[1])] * wide + tiles
+        if wide:  # the rule's 512-bit tile, its word loop unrolled or not
+            tiles.insert(0, (rule[0], rule[1]))
     space = [[tokens, blocks, unroll] for tokens, blocks in tiles for unroll in (0, 1)]
     return [rule, *(knobs for knobs in space if knobs != rule)]
 
@@ -323,8 +325,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
             [blocks, index, 8] buffer: part of one block's vector, or whole blocks' vectors joined."""
             if rows <= lanes:
                 return buffer[first_row // lanes, index, tirx.Ramp(first_row % lanes, 1, rows)]
-            blocks = [buffer[first_row // lanes + b, index, tirx.Ramp(0, 1, lanes)] for b in range(rows // lanes)]
-            return tirx.Shuffle(blocks, [tirx.IntImm("int32", i) for i in range(rows)])
+            vectors = [buffer[first_row // lanes + b, index, tirx.Ramp(0, 1, lanes)] for b in range(rows // lanes)]
+            return tirx.Shuffle(vectors, [tirx.IntImm("int32", i) for i in range(rows)])
 
         def u32(value):
             return tirx.Broadcast(tirx.const(value, "uint32"), rows)
