@@ -8,15 +8,24 @@ Two page layouts share the kernels (`decode_attention.py`, `prefill_attention.py
 
 A kernel declares its parameters in the layout's declared shapes (what TVM's runtime
 checks and allocates) and reads them through views in the real ones: `value` is an
-element as float32, `scale` multiplies a whole dot product or value row (1 for floats).
+element as float32, `scale` multiplies a whole dot product or value row (1 for floats),
+and `prefetch` asks for the cache lines of one token's key or value of one KV head.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.kv_cache import Int8Rows
+
+LINE_BYTES = 64
+
+
+def prefetch(address: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A prefetch of the line at `address`: a read (0), kept in all caches (3), of data (1)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch", address, 0, 3, 1)
 
 
 class FloatPages:
@@ -37,6 +46,21 @@ class FloatPages:
 
     def scale(self, scales, page, part, slot, h) -> tirx.PrimExpr:
         return T.float32(1)
+
+    @property
+    def prefetch(self):
+        """A macro: prefetches of the lines of the head's row, `head_dim` contiguous elements."""
+        head_dim, element_bytes = self.head_dim, tvm.DataType(self.values_dtype).bits // 8
+        per_line = LINE_BYTES // element_bytes
+        # Rows follow each other, so they start on a line when they fill whole lines.
+        lines = _lines_touched(head_dim * element_bytes, aligned=head_dim * element_bytes % LINE_BYTES == 0)
+
+        @T.macro
+        def prefetch_row(values, scales, page, part, slot, h):
+            for line in T.unroll(lines):
+                T.evaluate(prefetch(T.address_of(values[page, part, h, slot, T.min(line * per_line, head_dim - 1)])))
+
+        return prefetch_row
 
 
 class Int8PageRows:
@@ -64,3 +88,24 @@ class Int8PageRows:
 
     def scale(self, scales, page, part, slot, h):
         return scales[page, part, slot, self.rows.scale_word + h]
+
+    @property
+    def prefetch(self):
+        """A macro: prefetches of the lines of the head's int8 values and of the line with its scale."""
+        head_dim, scale_word, per_line = self.head_dim, self.rows.scale_word, LINE_BYTES
+        lines = _lines_touched(head_dim, aligned=False)  # rows of `row_bytes`, heads in them: anywhere in a line
+
+        @T.macro
+        def prefetch_row(values, scales, page, part, slot, h):
+            for line in T.unroll(lines):
+                T.evaluate(prefetch(T.address_of(values[page, part, slot, h * head_dim + T.min(
+                    line * per_line, head_dim - 1)])))
+            T.evaluate(prefetch(T.address_of(scales[page, part, slot, scale_word + h])))
+
+        return prefetch_row
+
+
+def _lines_touched(row_bytes: int, aligned: bool) -> int:
+    """Cache lines a row of `row_bytes` can touch: one more than it fills when it may start inside a line
+    (the prefetches step a line at a time and the last aims at the row's last element)."""
+    return -(-row_bytes // LINE_BYTES) + (0 if aligned else 1)

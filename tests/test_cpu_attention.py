@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -119,3 +121,60 @@ def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
                for _, func in kernels.functions_items() if (func.attrs or {}).get("global_symbol") in swapped}
     assert sources == {**dict.fromkeys(ATTENTION_SYMBOLS, "ember.ir_passes.specialize_cpu_attention"),
                        ROPE_SYMBOL: "ember.ir_passes.specialize_cpu_rope"}
+
+
+def _prefetched_lines(storage, page: int, part: int, slot: int, head: int) -> set[int]:
+    """The 64-byte lines, counted from the start of the pages, that `storage.prefetch` asks for."""
+    from tvm.script import tirx as T
+
+    num_pages = page + 1
+    views = {"values": (storage.values_shape(num_pages), storage.values_dtype),
+             "scales": (storage.scales_shape(num_pages), storage.scales_dtype)}
+
+    @T.prim_func(s_tir=True)
+    def prefetch_one(pages_handle: T.handle):
+        pages = T.match_buffer(pages_handle, storage.page_shape(num_pages), "float32")
+        values = T.decl_buffer(*views["values"], data=pages.data)
+        scales = T.decl_buffer(*views["scales"], data=pages.data)
+        storage.prefetch(values, scales, page, part, slot, head)
+
+    mod = tvm.IRModule({"main": prefetch_one})
+    with tvm.transform.PassContext(config={"tirx.UnrollLoop": {"explicit_unroll": True}}):
+        mod = tvm.tirx.transform.StmtSimplify()(tvm.tirx.transform.UnrollLoop()(mod))
+    # TIR has no visitor in TVM 0.27's Python API: read the constant indices off the printed script.
+    loads = re.findall(r"llvm.prefetch.*?T.address_of\((values|scales)\[([\d, ]+)\]\)", str(mod))
+    assert loads
+    lines = set()
+    for view, indices in loads:
+        shape, dtype = views[view]
+        flat = np.ravel_multi_index([int(i) for i in indices.split(",")], [int(d) for d in shape])
+        lines.add(int(flat) * np.dtype(dtype).itemsize // 64)
+    return lines
+
+
+@pytest.mark.parametrize("storage", ["float32 64", "float16 64", "float32 24", "q8 4x64", "q8 2x80"])
+def test_kv_prefetch_covers_every_line_a_token_reads(storage):
+    """Decode attention prefetches a token's key and value rows ahead: every line they touch, in each layout."""
+    from ember.ir.kv_cache import Int8Rows
+    from ember.schedules.kv_storage import FloatPages, Int8PageRows
+
+    kind, size = storage.split()
+    if kind == "q8":
+        kv_heads, head_dim = map(int, size.split("x"))
+        layout = Int8PageRows(Int8Rows(kv_heads * 3, kv_heads, head_dim), PAGE)
+        row_bytes = layout.rows.row_bytes
+
+        def read(page, part, slot, head):  # the head's int8 values, then its float32 scale
+            row = ((page * 2 + part) * PAGE + slot) * row_bytes
+            scale = row + layout.rows.scale_word * 4 + head * 4
+            return set(range(row + head * head_dim, row + (head + 1) * head_dim)) | set(range(scale, scale + 4))
+    else:
+        kv_heads, head_dim, element = 2, int(size), np.dtype(kind).itemsize
+        layout = FloatPages(kv_heads * 2, kv_heads, head_dim, PAGE, kind)
+
+        def read(page, part, slot, head):
+            row = (((page * 2 + part) * kv_heads + head) * PAGE + slot) * head_dim * element
+            return set(range(row, row + head_dim * element))
+    for page, part, slot, head in [(0, 0, 0, 0), *((2, 1, slot, head) for slot in range(PAGE) for head in range(kv_heads))]:
+        touched = {byte // 64 for byte in read(page, part, slot, head)}  # slots put rows at every offset in a line
+        assert touched <= _prefetched_lines(layout, page, part, slot, head), (page, part, slot, head)
