@@ -7,6 +7,7 @@ from tvm.runtime import DataType
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
 from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
+from tvm.script import tirx as T
 from tvm.target import Target
 
 
@@ -161,3 +162,8 @@ def _reduction_loop(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> s_tir.LoopRV:
     if position != len(loops) - 1:
         sch.reorder(*loops[position + 1:], loops[position])
     return loops[position]
+
+
+def prefetch(address: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A software prefetch of the cache line at `address`: a read (0), kept in all caches (3), of data (1)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch", address, 0, 3, 1)

@@ -99,6 +99,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
+from ember.schedules.common import prefetch
 from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0
@@ -389,11 +390,10 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                             packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
                             for b in T.unroll(blocks):
                                 for line in T.unroll(max(words // line_words, 1)):
-                                    # A read (0), kept in all caches (3), of data (1). (Inline: the same index
-                                    # bound to a name first made the 4-sequence step 1.2x slower.)
-                                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch", T.address_of(packed_flat[
+                                    # (The index inline: bound to a name first, it made the 4-sequence step 1.2x slower.)
+                                    T.evaluate(prefetch(T.address_of(packed_flat[
                                         T.min((first_block + b) * block_words + g * words + line * line_words + ahead,
-                                              n // lanes * block_words - 1) * lanes]), 0, 3, 1))
+                                              n // lanes * block_words - 1) * lanes])))
                     for t in T.unroll(count):
                         for u in T.unroll(units):
                             dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)

@@ -14,18 +14,14 @@ and `prefetch` asks for the cache lines of one token's key or value of one KV he
 
 from __future__ import annotations
 
-import tvm
 from tvm import tirx
+from tvm.runtime import DataType
 from tvm.script import tirx as T
 
 from ember.ir.kv_cache import Int8Rows
+from ember.schedules.common import prefetch
 
 LINE_BYTES = 64
-
-
-def prefetch(address: tirx.PrimExpr) -> tirx.PrimExpr:
-    """A prefetch of the line at `address`: a read (0), kept in all caches (3), of data (1)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch", address, 0, 3, 1)
 
 
 class FloatPages:
@@ -50,7 +46,7 @@ class FloatPages:
     @property
     def prefetch(self):
         """A macro: prefetches of the lines of the head's row, `head_dim` contiguous elements."""
-        head_dim, element_bytes = self.head_dim, tvm.DataType(self.values_dtype).bits // 8
+        head_dim, element_bytes = self.head_dim, DataType(self.values_dtype).bits // 8
         per_line = LINE_BYTES // element_bytes
         # Rows follow each other, so they start on a line when they fill whole lines.
         lines = _lines_touched(head_dim * element_bytes, aligned=head_dim * element_bytes % LINE_BYTES == 0)
