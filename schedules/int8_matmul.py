@@ -145,7 +145,7 @@ def wide_decode_tiles(n: int, dot: Int8Dot, many_tokens: bool, bits: int) -> boo
     One sequence streams the weight best as one linear stream of 256-bit multiplies
     (`kernel_dot`), but a whole tile of sequences (8 with AVX512-VNNI) computes from cache
     between its loads, and there a 512-bit multiply does the work of two: the rule then takes
-    tiles of 8 sequences x 2 blocks, one 512-bit multiply each (`tile_entries`), and the
+    tiles of 8 sequences x 2 blocks, one 512-bit multiply each (`wide_decode_tile`), and the
     sequences past the whole tiles take 256-bit tiles, one block and then the next, so a
     1-sequence step reads one linear stream as before. Int4 only: its nibble masks, shifts and
     dot products all halve. Measured on Zen 5 (2 threads, the ~110M q4f32 model, one run): the
@@ -156,6 +156,11 @@ def wide_decode_tiles(n: int, dot: Int8Dot, many_tokens: bool, bits: int) -> boo
     unrolled, the 1-sequence step took 7% longer. Int8's 512-bit tile measured 0.77x to 1.23x:
     not taken."""
     return not many_tokens and bits == 4 and dot.narrow is not None and dot.for_rows(n) is dot
+
+
+def wide_decode_tile(vector_bits: int) -> tuple[int, int]:
+    """(sequences, row blocks) of `wide_decode_tiles`' tile: a full tile, one 512-bit multiply's 2 blocks."""
+    return tile_entries(vector_bits), 2
 
 
 def prefetch_distance(many_tokens: bool) -> int:
@@ -220,7 +225,7 @@ def rule_knobs(n: int, dot: Int8Dot, many_tokens: bool, vector_bits: int, bits: 
     """The knobs (`INT8_KNOBS`) for `bits`-bit weights the rule picks: `register_tile`, with
     the row blocks halved until they divide the weight's, and the word loop unrolled on VNNI only."""
     if wide_decode_tiles(n, dot, many_tokens, bits):
-        return [tile_entries(vector_bits), 2, 1]
+        return [*wide_decode_tile(vector_bits), 1]
     dot = kernel_dot(dot, n, many_tokens)
     tokens, row_blocks = register_tile(vector_bits, many_tokens, dot, bits)
     while (n // INTERLEAVED_ROWS) % row_blocks:
@@ -429,8 +434,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         return tile
 
     # Whole tiles and the last rows' tiles: the same tile, but see `wide_decode_tiles`.
-    wide_tiles = wide_decode_tiles(n, target_dot, many_tokens, fmt.bits) and (tokens, row_blocks) == (
-        tile_entries(vector_bits), 2)
+    wide_tiles = wide_decode_tiles(n, target_dot, many_tokens, fmt.bits) and (
+        tokens, row_blocks) == wide_decode_tile(vector_bits)
     rest_blocks = 1 if wide_tiles else row_blocks
     rest = tile_of(dot, rest_blocks)
     whole = tile_of(target_dot, row_blocks) if wide_tiles else rest
