@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ember.errors import EmberError
 from ember.runtime import Engine, load_artifact
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,16 +51,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = [int(b) for b in args.batch.split(",") if b.strip().isdigit() and int(b) > 0]
+    if not batches or len(batches) != len(args.batch.split(",")):
+        parser.error(f"--batch {args.batch}: comma-separated positive integers")
+    for option in ("prompt", "steps", "repeats"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} {getattr(args, option)}: at least 1")
     engines, sequences = {}, {}
     for path in args.artifacts:
-        engine = Engine(load_artifact(path, threads=args.threads))
-        prompt = np.random.default_rng(0).integers(3, engine.vocab_size, args.prompt).tolist()
-        sequences[path] = [engine.add_sequence() for _ in range(max(batches))]
-        for seq_id in sequences[path]:
-            engine.prefill(seq_id, prompt)
+        try:
+            engine = Engine(load_artifact(path, threads=args.threads))
+            prompt = np.random.default_rng(0).integers(3, engine.vocab_size, args.prompt).tolist()
+            sequences[path] = [engine.add_sequence() for _ in range(max(batches))]
+            for seq_id in sequences[path]:
+                engine.prefill(seq_id, prompt)
+            step_times(engine, sequences[path], args.prompt, args.steps)  # warm-up, as far as the rounds go
+        except EmberError as err:  # not an artifact, a batch past its --max-batch, a prompt past its context
+            parser.error(str(err) if str(path) in str(err) else f"{path}: {err}")
         engines[path] = engine
-        step_times(engine, sequences[path], args.prompt, 3)  # warm-up
     samples = {(path, b): [] for path in engines for b in batches}
     for _ in range(args.repeats):
         for b in batches:

@@ -150,6 +150,21 @@ def test_runtime_commands_refuse_a_bad_thread_count(tmp_path, command, threads):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "1,x"], "--batch 1,x: comma-separated positive integers"),
+    (["--steps", "0"], "--steps 0: at least 1"),
+    ([], "not an ember artifact (manifest.json is missing)"),
+])
+def test_decode_batch_benchmark_refuses_bad_input(tmp_path, args, message):
+    """scripts/bench_decode_batch.py: one line naming the option or the artifact, exit 2, no traceback."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_batch.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "no-artifact"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
 def test_interrupted_compile_leaves_nothing(tiny_models, tmp_path):
     """Ctrl-C (SIGINT) once the compile has made its staging directory: exit 130, no OUT, no staging directory."""
     out_parent = tmp_path / "out"
