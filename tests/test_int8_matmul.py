@@ -106,9 +106,11 @@ def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens
 @pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
     """One decode kernel run with 1 to 17 sequences: whole tiles of sequences, a tail of fewer
-    than a tile (each row computed once, by tiles of halving sizes down to 1 row), or both.
-    AVX512-VNNI's int4 whole tiles multiply pairs of blocks on 512-bit registers, their tails
-    each block on 256-bit ones (`wide_decode_tiles`)."""
+    than a tile (by tiles of halving sizes down to 1 row, or past a few rows of an 8-row tile
+    one more whole tile over padded activations: `padded_tail_rows`), or both.
+    AVX512-VNNI's int4 whole tiles multiply pairs of blocks on 512-bit registers, their halving
+    tails each block on 256-bit ones (`wide_decode_tiles`). Each row is the same to the bit as
+    that sequence decoded alone: a server's batch never changes a request's tokens."""
     target = level_target(level)
     fmt = FORMATS[name]
     n, k = 48, 160  # 6 row blocks, 5 groups
@@ -118,8 +120,11 @@ def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
     for batch in range(1, 18):
         x = rng.standard_normal((batch, k)).astype(np.float32) * rng.uniform(0.1, 10, (batch, 1)).astype(np.float32)
         expected, _exact = _llama_cpp_reference(fmt, parts, x, k)
-        np.testing.assert_allclose(_call(lib, fmt, parts, x, n, batch), expected, rtol=0,
-                                   atol=1e-5 * np.abs(expected).max(), err_msg=f"{batch} sequences")
+        actual = _call(lib, fmt, parts, x, n, batch)
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
+                                   err_msg=f"{batch} sequences")
+        alone = np.concatenate([_call(lib, fmt, parts, x[row:row + 1], n) for row in range(batch)])
+        np.testing.assert_array_equal(actual, alone, err_msg=f"{batch} sequences against each alone")
 
 
 def _integer_weight(fmt, values):
