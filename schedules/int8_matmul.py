@@ -174,9 +174,11 @@ def padded_tail_rows(tokens: int, wide_tiles: bool, many_tokens: bool) -> int | 
     `wide_decode_tiles` 2.27 against 2.39 ms at 5 sequences, 2.40 against 2.70 at 6, 2.49 against
     3.06 at 7 (1.23x), 4.77 against 5.57 at 15 (1.17x), and every tail padded, 2.27 against 2.02 at
     4; q8f32 (256-bit 8-row tiles) 3.38 against 3.78 at 7 (1.12x), 6.59 against 6.80 at 15, but
-    3.51 against 3.42 at 6 when padded. 1, 4, 8, 12 and 16 sequences: the same within 2.5%. Each
-    row's arithmetic is the same in every tile, so the logits are the same to the bit. Prefill's
-    tails, a few rows of many, and tiles of fewer rows keep the halving tiles."""
+    3.51 against 3.42 at 6 when padded. 1, 4, 8, 12 and 16 sequences: the same within 2.5%.
+    skylake-avx512 code (8-row tiles without VNNI, compute-bound): q4f32 and q8f32 at 7 and 15
+    sequences the same within 1.5% padded or not. Each row's arithmetic is the same in every tile,
+    so the logits are the same to the bit. Prefill's tails, a few rows of many, and tiles of fewer
+    rows keep the halving tiles."""
     if many_tokens or tokens != 8:
         return None
     return 5 if wide_tiles else 7
