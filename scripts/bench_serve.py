@@ -16,6 +16,10 @@ it). Per server and concurrency, from the round of median throughput: total outp
 beside it the lowest and highest tok/s of the rounds, and ember's throughput over its lowest
 concurrency's, the median of each round's ratio.
 
+`--servers` may add `ember-api`: the same requests through ember's Python API (`Scheduler.submit`,
+the object `ember serve` wraps) in a process of its own, no HTTP and no `openai` client. Its rows
+show what batching gives before the HTTP stack and the client take their share of the cores.
+
 Both servers read the same token ids. The GGUF's vocabulary is placeholder pieces with byte
 fallback, so a prompt is random letters that llama.cpp's server tokenizes (/extras/tokenize)
 into exactly the drawn length; ember gets those ids (a token-id prompt on /v1/completions).
@@ -48,6 +52,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -64,6 +69,7 @@ import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
 
 GGUF_TYPES = dict((ours, theirs) for ours, theirs in bench_cpu.FORMAT_PAIRS)
+SERVERS = ("ember", "ember-api", "llama.cpp")
 LLAMA_SERVER_MODULES = ("sse_starlette", "starlette_context", "pydantic_settings", "fastapi", "uvicorn")
 START_TIMEOUT = 300  # seconds for a server to load its model and answer
 
@@ -214,6 +220,62 @@ async def run_level(served: Served, requests: list[tuple[str | list[int], int]],
     return replies, wall
 
 
+def run_api_levels(artifact: Path, requests: list[tuple[list[int], int]], concurrencies: list[int], rounds: int,
+                   threads: int, quiet_wait: float) -> tuple[dict[int, list[dict[str, float]]], int]:
+    """Every level of `rounds` rounds through ember's Python API in a fresh process (TVM's thread count is fixed
+    per process, and this one compiled the models): rows by concurrency, and how many started on a busy machine."""
+    with tempfile.TemporaryDirectory(prefix="ember-api-") as tmp:
+        request, response = Path(tmp) / "request.json", Path(tmp) / "response.json"
+        request.write_text(json.dumps({"artifact": str(artifact), "requests": requests, "concurrencies": concurrencies,
+                                       "rounds": rounds, "threads": threads, "quiet_wait": quiet_wait}))
+        code = "import sys; sys.path.insert(0, sys.argv[1]); import bench_serve; bench_serve._api_child(*sys.argv[2:])"
+        proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(request),
+                               str(response)])
+        if proc.returncode != 0:
+            raise RuntimeError(f"ember-api failed (exit {proc.returncode}); its output is above")
+        result = json.loads(response.read_text())
+    return {int(c): rows for c, rows in result["rows"].items()}, result["busy"]
+
+
+def _api_child(request_path: str, response_path: str) -> None:
+    """`run_api_levels`' process: `Scheduler` as `ember serve` makes it, greedy, each stream's tokens timed."""
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.sampling import SamplingParams
+    from ember.runtime.scheduler import Scheduler
+
+    spec = json.loads(Path(request_path).read_text())
+    requests = [(prompt, max_tokens) for prompt, max_tokens in spec["requests"]]
+    engine = Engine(load_artifact(spec["artifact"], threads=spec["threads"]))
+    with Scheduler(engine) as scheduler:
+        async def one(prompt: list[int], max_tokens: int) -> Reply:
+            sent, times = time.perf_counter(), []
+            async for event in await scheduler.submit(prompt, SamplingParams(temperature=0.0,
+                                                                             max_new_tokens=max_tokens)):
+                times += [time.perf_counter()] * len(event.token_ids)
+            return Reply(sent, times, len(times))
+
+        async def level(todo: list[tuple[list[int], int]], concurrency: int) -> tuple[list[Reply], float]:
+            pending, replies = iter(todo), []
+
+            async def worker() -> None:
+                for prompt, max_tokens in pending:
+                    replies.append(await one(prompt, max_tokens))
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return replies, time.perf_counter() - start
+
+        asyncio.run(level(requests[:1], 1))  # warm-up
+        rows, busy = {}, 0
+        for round_ in range(spec["rounds"]):
+            for concurrency in spec["concurrencies"]:
+                busy += not peers.wait_for_quiet_machine(timeout_s=spec["quiet_wait"])
+                row = level_row(*asyncio.run(level(requests, concurrency)))
+                rows.setdefault(concurrency, []).append(row)
+                print(f"  ember-api round {round_ + 1} c{concurrency}: {row['tok_s']:.1f} tok/s", flush=True)
+    Path(response_path).write_text(json.dumps({"rows": rows, "busy": busy}))
+
+
 async def measure_stall(served: Served, short: str | list[int], long: str | list[int], max_tokens: int
                         ) -> dict[str, float]:
     """The longest gap of a stream of `max_tokens` while a long prompt arrives, its median gap before, the long TTFT."""
@@ -320,15 +382,17 @@ def print_table(title: str, rounds: dict[tuple[str, int], list[dict[str, float]]
         print(f"{server:<10} {concurrency:>4} {row['tokens']:>10} {row['tok_s']:>8.1f} {spread:>15} "
               f"{row['ttft50'] * 1e3:>11.1f} {row['ttft99'] * 1e3:>11.1f} {row['tpot50'] * 1e3:>11.1f} "
               f"{row['tpot99'] * 1e3:>11.1f}")
-    ember = {c: values for (server, c), values in rounds.items() if server == "ember"}
+    for name in ("ember", "ember-api"):
+        levels = {c: values for (server, c), values in rounds.items() if server == name}
+        if levels:
+            first = min(levels)
+            # Each round's ratio: its levels ran minutes apart at most, the rounds further apart.
+            ratios = {c: statistics.median(row["tok_s"] / base["tok_s"] for row, base in zip(values, levels[first]))
+                      for c, values in levels.items()}
+            print(f"  {name} tok/s over its concurrency {first} (median of the rounds' ratios): "
+                  + ", ".join(f"c{c} {ratios[c]:.2f}x" for c in concurrencies if c in ratios))
+    ember = {c for (server, c) in rounds if server == "ember"}
     llama = {c: row["tok_s"] for (server, c), row in rows.items() if server == "llama.cpp"}
-    if ember:
-        first = min(ember)
-        # Each round's ratio: its levels ran minutes apart at most, the rounds further apart.
-        ratios = {c: statistics.median(row["tok_s"] / base["tok_s"] for row, base in zip(values, ember[first]))
-                  for c, values in ember.items()}
-        print(f"  ember tok/s over its concurrency {first} (median of the rounds' ratios): "
-              + ", ".join(f"c{c} {ratios[c]:.2f}x" for c in concurrencies if c in ratios))
     if ember and llama:
         print("  ember / llama.cpp tok/s: "
               + ", ".join(f"c{c} {rows['ember', c]['tok_s'] / llama[c]:.2f}x"
@@ -353,7 +417,8 @@ def main() -> None:
                              "PREFIX is cut to fit the context")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--servers", default="ember,llama.cpp")
+    parser.add_argument("--servers", default="ember,llama.cpp",
+                        help=f"of {', '.join(SERVERS)}; ember-api: ember's Python API, no HTTP (see above)")
     parser.add_argument("--llama-cpp-level", default="native", choices=tuple(build_llama_cpp.LEVELS),
                         help="the llama.cpp build (scripts/build_llama_cpp.py's ISA levels; default native, "
                              "-march=native, built on first use in ~10 minutes)")
@@ -372,6 +437,8 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
     servers = split(args.servers)
+    if not servers or any(server not in SERVERS for server in servers):
+        parser.error(f"--servers {args.servers}: a list of {', '.join(SERVERS)}")
     unknown = [q for q in split(args.quant) if q not in GGUF_TYPES]
     if unknown:
         parser.error(f"--quant: {unknown[0]} has no llama.cpp type beside it (known: {', '.join(GGUF_TYPES)})")
@@ -402,7 +469,8 @@ def main() -> None:
                int(rng.integers(lengths["output_len"][0], lengths["output_len"][1] + 1))) for _ in range(args.requests)]
     print(f"{bench_cpu.host_line()}; threads per server: {args.threads}")
     print(f"{args.requests} requests per level, prompt {lengths['prompt_len']} and max_tokens {lengths['output_len']} "
-          f"tokens (seed {args.seed}), greedy, streamed; llama.cpp: llama_cpp.server from {package}")
+          f"tokens (seed {args.seed}), greedy, streamed" + (f"; llama.cpp: llama_cpp.server from {package}" if package
+                                                             else ""))
 
     for model_name, checkpoint in checkpoints.items():
         context = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings", 2048)
@@ -431,6 +499,14 @@ def main() -> None:
                     tokenizer.stop()
             rows, stalls, prefixes, busy = {}, {}, {}, 0
             for server in servers:
+                if server == "ember-api":
+                    requests = [(prompt[1], out) for prompt, (_, out) in zip(prompts, shapes)]
+                    api_rows, api_busy = run_api_levels(artifact, requests, concurrencies, args.rounds, args.threads,
+                                                        args.quiet_wait)
+                    for concurrency, levels in api_rows.items():
+                        rows[server, concurrency] = levels
+                    busy += api_busy
+                    continue
                 served = (start_ember(artifact, args.threads, args.work_dir) if server == "ember" else
                           start_llama_cpp(gguf, package, context, args.threads, args.work_dir))
                 pick = 1 if server == "ember" else 0  # ember reads the token ids, llama.cpp the text
