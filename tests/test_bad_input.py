@@ -165,6 +165,18 @@ def test_decode_batch_benchmark_refuses_bad_input(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_serve_benchmark_refuses_an_unknown_server(tmp_path):
+    """scripts/bench_serve.py: a --servers name it does not know is one line and exit 2, before any compile
+    (it used to start llama.cpp's server for any name but ember)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
+    result = subprocess.run([sys.executable, str(script), "--servers", "ember,vllm", "--work-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--servers ember,vllm: a list of ember, ember-api, llama.cpp" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_interrupted_compile_leaves_nothing(tiny_models, tmp_path):
     """Ctrl-C (SIGINT) once the compile has made its staging directory: exit 130, no OUT, no staging directory."""
     out_parent = tmp_path / "out"
