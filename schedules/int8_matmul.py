@@ -468,13 +468,19 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     rest_blocks = 1 if wide_tiles else row_blocks
     pad_from = padded_tail_rows(tokens, wide_tiles, many_tokens)
     rest = tile_of(dot, rest_blocks)
-    whole = tile_of(target_dot if wide_tiles else dot, row_blocks, guarded=pad_from is not None) if (
-        wide_tiles or pad_from is not None) else rest
+    if wide_tiles or pad_from is not None:
+        whole = tile_of(target_dot if wide_tiles else dot, row_blocks, guarded=pad_from is not None)
+    else:
+        whole = rest  # the same tile
 
     def whole_tiles(rows):
         """Whole tiles of `rows` activation rows: with `padded_tail_rows`, a tail of pad_from rows or more is one.
         (An expression inline in the loop: bound to a TIR name, it made the 8- and 16-sequence steps 3-9% slower.)"""
         return rows // tokens if pad_from is None else (rows + tokens - pad_from) // tokens
+
+    def halving_tail(rows):
+        """Whether the rows past `rows`' whole tiles take the halving tiles: always, or below pad_from rows."""
+        return True if pad_from is None else rows % tokens < pad_from
 
     def tiled_rows(rows):
         """`rows` activation rows, or with `padded_tail_rows` rounded up to whole tiles."""
@@ -545,13 +551,9 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                 for tile_m in T.serial(whole_tiles(batch * seq)):
                     whole(tile_m * tokens, tokens, batch * seq - 1, tile_n * row_blocks, seq, packed, scale, low, xq,
                           x_scale, x_bias, x_sum, y)
-                if pad_from is None:
+                if halving_tail(batch * seq):
                     halving_tails(batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                                   x_sum, y)
-                else:
-                    if batch * seq % tokens < pad_from:
-                        halving_tails(batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                                      x_sum, y)
 
     if zero_point:
         @T.prim_func(s_tir=True)
