@@ -52,12 +52,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -202,78 +203,70 @@ def client_of(served: Served):
     return openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-async def run_level(served: Served, requests: list[tuple[str | list[int], int]], concurrency: int
-                    ) -> tuple[list[Reply], float]:
-    """Every request, `concurrency` at a time; the replies and the wall time."""
-    client = client_of(served)
+async def run_concurrently(send: Callable[[str | list[int], int], Awaitable[Reply]],
+                           requests: list[tuple[str | list[int], int]], concurrency: int) -> tuple[list[Reply], float]:
+    """Every request through `send`, `concurrency` at a time (each client sends its next request when the previous
+    one ends); the replies and the wall time."""
     pending = iter(requests)
     replies: list[Reply] = []
 
     async def worker() -> None:
         for prompt, max_tokens in pending:
-            replies.append(await stream(client, served, prompt, max_tokens))
+            replies.append(await send(prompt, max_tokens))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
+    return replies, time.perf_counter() - start
+
+
+async def run_level(served: Served, requests: list[tuple[str | list[int], int]], concurrency: int
+                    ) -> tuple[list[Reply], float]:
+    """Every request to `served`, `concurrency` at a time; the replies and the wall time."""
+    client = client_of(served)
+    result = await run_concurrently(lambda prompt, max_tokens: stream(client, served, prompt, max_tokens), requests,
+                                    concurrency)
     await client.close()
-    return replies, wall
+    return result
 
 
 def run_api_levels(artifact: Path, requests: list[tuple[list[int], int]], concurrencies: list[int], rounds: int,
                    threads: int, quiet_wait: float) -> tuple[dict[int, list[dict[str, float]]], int]:
     """Every level of `rounds` rounds through ember's Python API in a fresh process (TVM's thread count is fixed
     per process, and this one compiled the models): rows by concurrency, and how many started on a busy machine."""
-    with tempfile.TemporaryDirectory(prefix="ember-api-") as tmp:
-        request, response = Path(tmp) / "request.json", Path(tmp) / "response.json"
-        request.write_text(json.dumps({"artifact": str(artifact), "requests": requests, "concurrencies": concurrencies,
-                                       "rounds": rounds, "threads": threads, "quiet_wait": quiet_wait}))
-        code = "import sys; sys.path.insert(0, sys.argv[1]); import bench_serve; bench_serve._api_child(*sys.argv[2:])"
-        proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(request),
-                               str(response)])
-        if proc.returncode != 0:
-            raise RuntimeError(f"ember-api failed (exit {proc.returncode}); its output is above")
-        result = json.loads(response.read_text())
-    return {int(c): rows for c, rows in result["rows"].items()}, result["busy"]
+    result = peers._run_isolated("bench_serve._api_levels_worker", artifact=str(artifact), requests=requests,
+                                 concurrencies=concurrencies, rounds=rounds, threads=threads, quiet_wait=quiet_wait)
+    rows = {int(c): levels for c, levels in result["rows"].items()}
+    for round_ in range(rounds):
+        for concurrency in concurrencies:
+            print(f"  ember-api round {round_ + 1} c{concurrency}: {rows[concurrency][round_]['tok_s']:.1f} tok/s")
+    return rows, result["busy"]
 
 
-def _api_child(request_path: str, response_path: str) -> None:
+def _api_levels_worker(artifact: str, requests: list[list], concurrencies: list[int], rounds: int, threads: int,
+                       quiet_wait: float) -> dict[str, Any]:
     """`run_api_levels`' process: `Scheduler` as `ember serve` makes it, greedy, each stream's tokens timed."""
     from ember.runtime import Engine, load_artifact
     from ember.runtime.sampling import SamplingParams
     from ember.runtime.scheduler import Scheduler
 
-    spec = json.loads(Path(request_path).read_text())
-    requests = [(prompt, max_tokens) for prompt, max_tokens in spec["requests"]]
-    engine = Engine(load_artifact(spec["artifact"], threads=spec["threads"]))
-    with Scheduler(engine) as scheduler:
-        async def one(prompt: list[int], max_tokens: int) -> Reply:
+    todo = [(prompt, max_tokens) for prompt, max_tokens in requests]
+    with Scheduler(Engine(load_artifact(artifact, threads=threads))) as scheduler:
+        async def send(prompt: list[int], max_tokens: int) -> Reply:
             sent, times = time.perf_counter(), []
             async for event in await scheduler.submit(prompt, SamplingParams(temperature=0.0,
                                                                              max_new_tokens=max_tokens)):
                 times += [time.perf_counter()] * len(event.token_ids)
             return Reply(sent, times, len(times))
 
-        async def level(todo: list[tuple[list[int], int]], concurrency: int) -> tuple[list[Reply], float]:
-            pending, replies = iter(todo), []
-
-            async def worker() -> None:
-                for prompt, max_tokens in pending:
-                    replies.append(await one(prompt, max_tokens))
-
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return replies, time.perf_counter() - start
-
-        asyncio.run(level(requests[:1], 1))  # warm-up
-        rows, busy = {}, 0
-        for round_ in range(spec["rounds"]):
-            for concurrency in spec["concurrencies"]:
-                busy += not peers.wait_for_quiet_machine(timeout_s=spec["quiet_wait"])
-                row = level_row(*asyncio.run(level(requests, concurrency)))
-                rows.setdefault(concurrency, []).append(row)
-                print(f"  ember-api round {round_ + 1} c{concurrency}: {row['tok_s']:.1f} tok/s", flush=True)
-    Path(response_path).write_text(json.dumps({"rows": rows, "busy": busy}))
+        asyncio.run(run_concurrently(send, todo[:1], 1))  # warm-up
+        rows: dict[int, list[dict[str, float]]] = {}
+        busy = 0
+        for _ in range(rounds):
+            for concurrency in concurrencies:
+                busy += not peers.wait_for_quiet_machine(timeout_s=quiet_wait)
+                rows.setdefault(concurrency, []).append(level_row(*asyncio.run(run_concurrently(send, todo,
+                                                                                                concurrency))))
+    return {"rows": rows, "busy": busy}
 
 
 async def measure_stall(served: Served, short: str | list[int], long: str | list[int], max_tokens: int

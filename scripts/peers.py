@@ -31,6 +31,7 @@ Run as a script for a table of the peers::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -261,7 +262,8 @@ def format_table(rows: Sequence[Measurement]) -> str:
 
 
 def _run_isolated(worker: str, **kwargs: Any) -> dict[str, Any]:
-    """Call ``peers.<worker>(**kwargs)`` in a fresh interpreter and return its dict.
+    """Call ``peers.<worker>(**kwargs)`` (or ``<module>.<function>`` for a "module.function" worker of
+    another script beside this one) in a fresh interpreter and return its dict.
 
     A plain subprocess rather than a multiprocessing spawn: spawn re-imports the
     parent's ``__main__`` in the child, which would load the calling benchmark's
@@ -294,7 +296,8 @@ def _run_isolated(worker: str, **kwargs: Any) -> dict[str, Any]:
 def _child_main(request_path: str, response_path: str) -> None:
     """Entry point of an isolated child: run the requested worker, save its result."""
     request = json.loads(Path(request_path).read_text())
-    worker: Callable[..., dict[str, Any]] = globals()[request["worker"]]
+    module, _, name = request["worker"].rpartition(".")
+    worker: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), name) if module else globals()[name]
     result = worker(**request["kwargs"])
     if "peak_rss_mb" in result:
         result["peak_rss_mb"] = _peak_rss_mb()
