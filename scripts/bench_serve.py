@@ -421,8 +421,17 @@ def main() -> None:
                         help="artifacts, GGUF files and server logs")
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-    concurrencies = sorted(int(c) for c in split(args.concurrency))
-    lengths = {name: tuple(int(v) for v in getattr(args, name).split(",")) for name in ("prompt_len", "output_len")}
+    whole = lambda text: [int(v) if v.strip().isdigit() else 0 for v in text.split(",")]  # noqa: E731
+    concurrencies = sorted(whole(args.concurrency))
+    if min(concurrencies) < 1:
+        parser.error(f"--concurrency {args.concurrency}: comma-separated whole numbers, at least 1")
+    lengths = {name: tuple(whole(getattr(args, name))) for name in ("prompt_len", "output_len")}
+    for name, bounds in lengths.items():
+        if len(bounds) != 2 or not 1 <= bounds[0] <= bounds[1]:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: MIN,MAX whole numbers, 1 <= MIN <= MAX")
+    for option in ("requests", "stall_prompt", "threads"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: at least 1")
     parts = args.shared_prefix.split(",")
     shared_prefix = tuple(int(v) for v in parts) if all(v.strip().isdigit() for v in parts) else ()
     if len(shared_prefix) != 3 or min(shared_prefix) < 1 or shared_prefix[2] < 2:

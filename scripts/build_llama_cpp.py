@@ -118,7 +118,6 @@ def ensure_built(level: Level, version: str = VERSION, log: TextIO = sys.stderr)
     dest = build_dir(level, version)
     if (dest / "llama_cpp").is_dir():
         return dest
-    CACHE.mkdir(parents=True, exist_ok=True)
     sdist = _sdist(version, log)
     partial = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=CACHE))
     try:
@@ -141,6 +140,7 @@ def _sdist(version: str, log: TextIO) -> Path:
     """The registry's sdist of llama-cpp-python ``version``, downloaded once into the cache."""
     path = CACHE / f"llama_cpp_python-{version}.tar.gz"
     if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)  # a cold cache: the GGUF tests' converter comes here first
         print(f"downloading the llama-cpp-python {version} sdist", file=log, flush=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",

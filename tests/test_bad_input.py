@@ -165,14 +165,24 @@ def test_decode_batch_benchmark_refuses_bad_input(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_serve_benchmark_refuses_an_unknown_server(tmp_path):
-    """scripts/bench_serve.py: a --servers name it does not know is one line and exit 2, before any compile
-    (it used to start llama.cpp's server for any name but ember)."""
+@pytest.mark.parametrize("args, message", [
+    (["--servers", "ember,vllm"], "--servers ember,vllm: a list of ember, ember-api, llama.cpp"),
+    (["--stall-prompt", "0"], "--stall-prompt 0: at least 1"),
+    (["--prompt-len", "64,16"], "--prompt-len 64,16: MIN,MAX whole numbers, 1 <= MIN <= MAX"),
+    (["--output-len", "0,8"], "--output-len 0,8: MIN,MAX whole numbers, 1 <= MIN <= MAX"),
+    (["--concurrency", "1,x"], "--concurrency 1,x: comma-separated whole numbers, at least 1"),
+    (["--requests", "0"], "--requests 0: at least 1"),
+])
+def test_serve_benchmark_refuses_bad_options(tmp_path, args, message):
+    """scripts/bench_serve.py: a --servers name it does not know (it used to start llama.cpp's server for any
+    name but ember), or lengths and counts it cannot draw requests from (tracebacks after the first compile),
+    are one line and exit 2 before any compile."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
-    result = subprocess.run([sys.executable, str(script), "--servers", "ember,vllm", "--work-dir", str(tmp_path)],
+    # --servers ember first (the last of an option counts): no llama.cpp build is needed to get to the check
+    result = subprocess.run([sys.executable, str(script), "--servers", "ember", *args, "--work-dir", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--servers ember,vllm: a list of ember, ember-api, llama.cpp" in result.stderr.strip().splitlines()[-1]
+    assert message in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())
 

@@ -331,3 +331,26 @@ def test_cli_compiles_inspects_and_analyzes_a_gguf_file(demo_gguf, tmp_path) -> 
                          "--gen-len", "128")
     assert analyzed.returncode == 0, analyzed.stderr
     assert "demo-Q4_K_M" in analyzed.stdout
+
+
+def test_llama_cpp_sources_come_into_an_empty_cache(tmp_path, monkeypatch) -> None:
+    """On a machine that never ran the suite, ~/.cache/ember/llama-cpp/ does not exist: the sdist download
+    (the converter's first step, before any build) makes it, rather than failing every GGUF test with
+    FileNotFoundError as it did on a fresh machine. pip is replaced by a stand-in that writes the file."""
+    build = gguf_files._build_script()
+    cache = tmp_path / "cold" / "llama-cpp"
+    monkeypatch.setattr(build, "CACHE", cache)
+    downloads = []
+
+    def pip_download(command, check):
+        folder = Path(command[command.index("-d") + 1])
+        (folder / f"llama_cpp_python-{build.VERSION}.tar.gz").write_bytes(b"sdist")
+        downloads.append(command)
+
+    monkeypatch.setattr(build.subprocess, "run", pip_download)
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        path = build._sdist(build.VERSION, out)
+        assert build._sdist(build.VERSION, out) == path  # downloaded once
+    assert path.parent == cache and path.read_bytes() == b"sdist" and len(downloads) == 1
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no download folder left behind
