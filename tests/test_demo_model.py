@@ -11,7 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ember import DEMO_MODEL_DIR
-from ember.compiler import CompileOptions, compile_model
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
 from ember.runtime.evaluate import compare, perplexity, scoring_windows
 
@@ -20,10 +19,9 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def demo_engine(tmp_path_factory) -> Engine:
-    artifact = tmp_path_factory.mktemp("demo") / "demo-cpu"
-    compile_model(DEMO_MODEL_DIR, artifact, CompileOptions(show_progress=False, max_batch=2))
-    return Engine(load_artifact(artifact))
+def demo_engine(demo_builds) -> Engine:
+    """The demo as `ember compile demo` builds it (the session's shared build)."""
+    return Engine(load_artifact(demo_builds.get("cpu", "q0f32")))
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +71,12 @@ def test_demo_perplexity_matches_transformers(demo_engine, reference, validation
     assert perplexity(demo_engine, validation_windows).perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
 
 
-def test_demo_quantized_quality(demo_engine, validation_windows, tmp_path_factory) -> None:
+def test_demo_quantized_quality(demo_engine, validation_windows, demo_builds) -> None:
     """q8 within 1% of float32 perplexity, q4 within 10%, and q4_zp closer to float32 than q4."""
-    results = {}
-    for quantization in ("q8f32", "q4f32", "q4f32_zp"):
-        artifact = tmp_path_factory.mktemp("demo") / quantization
-        compile_model(DEMO_MODEL_DIR, artifact, CompileOptions(quantization=quantization, show_progress=False,
-                                                               max_batch=2))
-        engine = Engine(load_artifact(artifact))
-        results[quantization] = compare(engine, demo_engine, validation_windows)
+    formats = ("q8f32", "q4f32", "q4f32_zp")  # compiled side by side, and shared with the edge tests
+    artifacts = demo_builds.get_many([("cpu", quantization, False, None) for quantization in formats])
+    results = {quantization: compare(Engine(load_artifact(artifact)), demo_engine, validation_windows)
+               for quantization, artifact in zip(formats, artifacts)}
     baseline = results["q8f32"].reference.perplexity
     assert results["q8f32"].candidate.perplexity <= baseline * 1.01
     assert results["q4f32"].candidate.perplexity <= baseline * 1.10

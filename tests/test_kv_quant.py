@@ -80,12 +80,10 @@ def test_q8_cache_batches_forks_and_rolls_back_like_one_sequence(tiny_models):
     assert_logits_close(again, forked, "q8 cache: decoded again after truncate", tol=1e-6)
 
 
-def test_demo_q8_cache_perplexity_and_bytes(demo_builds, tmp_path):
+def test_demo_q8_cache_perplexity_and_bytes(demo_builds):
     """The demo model's perplexity on its validation text within 0.5% of the float cache's, in the same run; the
     memory report (and `inspect`) at <= 0.3x the float32 cache's bytes per token."""
-    q8 = tmp_path / "demo-kv-q8"
-    compile_model(ember.DEMO_MODEL_DIR, q8, CompileOptions(kv_quant="q8", show_progress=False))
-    reference = demo_builds.get("cpu", "q0f32")
+    q8, reference = demo_builds.get_many([("cpu", "q0f32", True, "q8"), ("cpu", "q0f32", True, None)])
     result = run_ember("eval", str(q8), "--perplexity", str(ember.DEMO_MODEL_DIR / "validation.txt"),
                        "--reference", str(reference), "--no-progress")
     assert result.returncode == 0, result.stderr

@@ -24,7 +24,6 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-import ember
 from ember.cli import main
 from ember.errors import GenerationError
 from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
@@ -98,13 +97,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    """The demo model compiled with max_batch 4 (its context window is 256)."""
-    from ember.compiler import CompileOptions, compile_model
-
-    out = tmp_path_factory.mktemp("serve") / "demo"
-    compile_model(ember.DEMO_MODEL_DIR, out, CompileOptions(max_batch=4, show_progress=False))
-    return out
+def demo_dir(demo_builds):
+    """The demo model as `ember compile demo` builds it (the session's shared build; context window 256)."""
+    return demo_builds.get("cpu", "q0f32")
 
 
 @pytest.fixture(scope="module")
