@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from ember import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ember.errors import EmberError
 from ember.ir.quant_formats import FORMATS
+from ember.without_torch import hide_torch_from_tvm
 
 
 _EPILOG = """\
@@ -50,6 +51,7 @@ or `demo-draft` (the demo's 2-layer draft for speculative decoding).
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ember` console script."""
+    hide_torch_from_tvm()
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

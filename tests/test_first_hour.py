@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ember.tvm_log import tvm_warnings_hidden
-from helpers import REPO_ROOT, run_ember
+from helpers import REPO_ROOT, run_ember, run_python
 
 TVM_WARNING = b"[11:47:13] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when there are\n"
 
@@ -81,3 +81,29 @@ def test_analyze_usage_says_hardware_is_required():
     usage = result.stdout.split("\n\n")[0]
     assert "ember analyze MODEL --hardware NAME" in usage and "[--hardware" not in usage
     assert "ember analyze ARTIFACT --measure" in usage
+
+
+def test_the_cli_runs_without_loading_torch_and_torch_still_works_after(tiny_llama):
+    """TVM imports torch when it is installed (tvm_ffi's and relax's optional torch interop): 1.8 s and
+    200 MB more for every `ember` command. The CLI keeps it out, and torch imported afterwards still works,
+    with TVM too (its tensors through DLPack)."""
+    code = ("import sys\nfrom ember.cli import main\n"
+            f"code = main(['generate', {str(tiny_llama.artifact_dir)!r}, '--prompt', 'Hello', '--max-new-tokens', '4',"
+            " '--seed', '1'])\n"
+            "print(code, 'torch' in sys.modules)\n"
+            "import torch, tvm\n"
+            "print(tvm.runtime.from_dlpack(torch.arange(3, dtype=torch.float32)).numpy().tolist())")
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-3:] == ["0 False", "[0.0, 1.0, 2.0]", ""], result.stdout
+
+
+def test_a_torch_export_compile_loads_torch_after_tvm(tiny_models, tmp_path):
+    """`ember compile --frontend torch-export` imports torch itself once TVM is loaded without it, traces and
+    compiles, and the artifact runs."""
+    out = tmp_path / "exported"
+    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(out), "--frontend", "torch-export",
+                       "--prefill-chunk", "32", "--max-batch", "2", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    generated = run_ember("generate", str(out), "--prompt", "Hello", "--max-new-tokens", "4", "--temperature", "0")
+    assert generated.returncode == 0 and "[prefill" in generated.stderr + generated.stdout, generated.stderr
