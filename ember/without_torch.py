@@ -5,10 +5,12 @@ optional fast exchange of torch tensors, and `tvm.relax.base_py_module` for modu
 torch functions; ember uses neither. On a machine that has torch (an ML developer's, or ember's
 test extra) that made `import tvm` take 2.45 s and 397 MB instead of 0.70 s and 195 MB, so every
 `ember` command started 1.8 s late and `ember serve` held 200 MB more (2 cores of an AMD EPYC,
-torch 2.13.0). Both try the import and go on without torch when it fails, so the CLI installs a
-finder that fails it for them, and only while TVM itself is being imported: torch stays
-importable afterwards, and TVM takes torch tensors through DLPack like any other
-(`ember compile --frontend torch-export` works the same).
+torch 2.13.0). Both try the import and go on without torch when it fails, so the CLI and the
+runtime package (`ember.runtime`, which a device server or a script imports) install a finder
+that fails it for them, and only while TVM itself is being imported: torch stays importable
+afterwards, and TVM takes torch tensors through DLPack like any other (`ember compile
+--frontend torch-export` works the same). A process that imported torch or TVM first is left
+as it is.
 """
 
 from __future__ import annotations

@@ -8,11 +8,15 @@ A device joins a farm with `python -m ember.runtime.rpc_device` (TVM's RPC serve
 ember's device functions), which runs `ember.runtime.bench` for `ember bench`.
 """
 
-from ember.runtime.artifact import Artifact, load_artifact
-from ember.runtime.engine import Engine
-from ember.runtime.generate import Generation, generate
-from ember.runtime.sampling import SamplingParams
-from ember.runtime.scheduler import Scheduler, StreamEvent
+from ember.without_torch import hide_torch_from_tvm
+
+hide_torch_from_tvm()  # before TVM is imported: where torch is installed, TVM would load it too
+
+from ember.runtime.artifact import Artifact, load_artifact  # noqa: E402
+from ember.runtime.engine import Engine  # noqa: E402
+from ember.runtime.generate import Generation, generate  # noqa: E402
+from ember.runtime.sampling import SamplingParams  # noqa: E402
+from ember.runtime.scheduler import Scheduler, StreamEvent  # noqa: E402
 
 __all__ = ["Artifact", "Engine", "Generation", "SamplingParams", "Scheduler", "StreamEvent", "generate",
            "load_artifact"]

@@ -98,6 +98,13 @@ def test_the_cli_runs_without_loading_torch_and_torch_still_works_after(tiny_lla
     assert result.stdout.split("\n")[-3:] == ["0 False", "[0.0, 1.0, 2.0]", ""], result.stdout
 
 
+def test_the_runtime_loads_no_torch():
+    """`import ember.runtime` (a device server, `ember serve`'s process, a script) loads TVM without torch."""
+    result = run_python("-c", "import sys, ember.runtime; print('torch' in sys.modules, 'tvm' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"], result.stdout
+
+
 def test_a_torch_export_compile_loads_torch_after_tvm(tiny_models, tmp_path):
     """`ember compile --frontend torch-export` imports torch itself once TVM is loaded without it, traces and
     compiles, and the artifact runs."""
