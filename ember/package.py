@@ -1,8 +1,8 @@
 """`ember package ARTIFACT -o DIR`: what to copy to a device that runs an artifact without the compiler.
 
 DIR holds the artifact (`DIR/artifact/`), ember's runtime as an importable package
-(`DIR/ember/`: the import-free `__init__`, `errors`, `manifest`, `machine` and `runtime/`, none of
-which imports the compiler, torch or transformers) and `requirements-runtime.txt`. On the
+(`DIR/ember/`: the import-free `__init__`, `errors`, `manifest`, `machine`, `without_torch` and
+`runtime/`, none of which imports the compiler, torch or transformers) and `requirements-runtime.txt`. On the
 device: `pip install -r DIR/requirements-runtime.txt`, then with `PYTHONPATH=DIR` and
 `TVM_USE_RUNTIME_LIB=1` (TVM's runtime library only) `ember.runtime.load_artifact("DIR/artifact")`.
 Written into a staging directory and renamed, so DIR is never half-written.
@@ -20,7 +20,7 @@ from ember.errors import EmberError
 from ember.manifest import read_manifest
 
 # The modules of the `ember` package the runtime imports (it needs nothing else from it).
-RUNTIME_MODULES = ("__init__.py", "errors.py", "manifest.py", "machine.py")
+RUNTIME_MODULES = ("__init__.py", "errors.py", "manifest.py", "machine.py", "without_torch.py")
 REQUIREMENTS = Path(ember.__file__).parent.parent / "requirements-runtime.txt"
 ARTIFACT_SUBDIR = "artifact"
 
