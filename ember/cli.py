@@ -51,7 +51,7 @@ or `demo-draft` (the demo's 2-layer draft for speculative decoding).
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ember` console script."""
-    hide_torch_from_tvm()
+    hide_torch_from_tvm()  # before anything imports TVM: compile does directly, option checks through the runtime
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

@@ -421,7 +421,7 @@ def main() -> None:
                         help="artifacts, GGUF files and server logs")
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-    whole = lambda text: [int(v) if v.strip().isdigit() else 0 for v in text.split(",")]  # noqa: E731
+    whole = lambda text: [int(v) if v.strip().isdigit() else 0 for v in split(text)]  # noqa: E731
     concurrencies = sorted(whole(args.concurrency))
     if min(concurrencies) < 1:
         parser.error(f"--concurrency {args.concurrency}: comma-separated whole numbers, at least 1")
