@@ -124,9 +124,9 @@ class _Rewriter(relax.PyExprMutator):
         args[_APPEND] = kernel("append", partial(kernels.append_rows, storage, dtype))
         args[_APPEND_MLA] = relax.op.null_value()
         args[_RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
-                                                    rows=rows))
+                                                    self.lanes, rows=rows))
         args[_PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
-                                                      page_size, storage=storage))
+                                                      page_size, self.lanes, storage=storage))
         args[_DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim, dtype,
                                                     page_size, self.lanes, storage=storage))
         for index in _UNUSED_ATTENTION:

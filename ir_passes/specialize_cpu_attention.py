@@ -50,12 +50,12 @@ def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
             keys, values = original.params[2:4]  # [tokens, kv heads, head dim]
             if int(keys.shape[2]) != head_dim or int(values.shape[2]) != head_dim:
                 return None  # different key and value widths (MLA): keep TVM's
-            return ragged_prefill_attention(int(keys.shape[1]), num_qo_heads, head_dim, dtype, symbol)
+            return ragged_prefill_attention(int(keys.shape[1]), num_qo_heads, head_dim, dtype, lanes, symbol)
         pages = original.params[1 if symbol == DECODE_ATTENTION_SYMBOL else 2]
         num_kv_heads, page_size = int(pages.shape[2]), int(pages.shape[3])
         if symbol == DECODE_ATTENTION_SYMBOL:
             return paged_decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol)
-        return paged_prefill_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, symbol)
+        return paged_prefill_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol)
 
     @tvm.transform.module_pass(opt_level=0, name="SpecializeCPUAttention")
     def _specialize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -11,10 +12,11 @@ from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
 from ember.schedules.decode_attention import CHUNK, paged_decode_attention
-from ember.schedules.prefill_attention import BLOCK_ROWS, KEYS, paged_prefill_attention, ragged_prefill_attention
+from ember.schedules.prefill_attention import BLOCK_ROWS, paged_prefill_attention, prefill_tile, ragged_prefill_attention
 from ember.targets.registry import resolve_target
 
 PAGE = 16
+HOST_LANES = resolve_target("cpu").vector_bits // 32  # float32 lanes of this machine's vectors
 
 
 def _run(func: tvm.tirx.PrimFunc, q: np.ndarray, inputs: list[np.ndarray], flags: list[int]):
@@ -62,46 +64,79 @@ def test_decode_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype
     total_pages = sum(-(-length // PAGE) for length in lengths) + 2
     q = rng.standard_normal((len(lengths), qo_heads, head_dim)).astype(dtype)
     pages = rng.standard_normal((total_pages, 2, kv_heads, PAGE, head_dim)).astype(dtype)
-    lanes = resolve_target("cpu").vector_bits // 32
-    ours = _decode(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, lanes, "ours"), q, pages, lengths)
+    ours = _decode(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, HOST_LANES, "ours"), q, pages,
+                   lengths)
     theirs = _decode(_attention_decode_cpu(kv_heads, qo_heads, head_dim, dtype, False, {}), q, pages, lengths)
     _assert_same(ours, theirs, dtype)
 
 
 PREFILL_CASES = [
-    (4, 12, 64, "float32", [128], 1),  # the 110M benchmark's prompt: 16 query blocks, 4 key chunks
-    (2, 2, 32, "float32", [1, KEYS + 1, BLOCK_ROWS - 1, 100], 1),  # batch: one token, block and chunk edges
+    (4, 12, 64, "float32", [128], 1),  # the 110M benchmark's prompt: 4 query blocks, 2 or 4 key chunks
+    # batch: one token, key chunk edges (32 and 64 keys), query block edges
+    (2, 2, 32, "float32", [1, 33, 65, BLOCK_ROWS - 1, BLOCK_ROWS + 1, 100], 1),
     (1, 4, 12, "float32", [17, 3], 0),  # not causal; head dim not a multiple of the vector width
     (2, 4, 16, "float16", [40], 1),
+    (1, 6, 128, "float32", [70], 1),  # a long head dim: fewer pairs per register tile; groups of 6 fill tiles unevenly
 ]
+# Float32 lanes of AVX-512, AVX2 and NEON: each register tile the kernels take (`prefill_tile`).
+LANES = (16, 8, 4)
+# Every case at this machine's lanes; the batch edges and the long head dim at every level's.
+PREFILL_RUNS = [(case, lanes) for case in range(len(PREFILL_CASES)) for lanes in LANES
+                if lanes == HOST_LANES or case in (1, 4)]
 
 
-@pytest.mark.parametrize("kv_heads, qo_heads, head_dim, dtype, lengths, causal", PREFILL_CASES)
-def test_ragged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype, lengths, causal):
+def test_prefill_tiles_fit_the_vector_registers():
+    """Score and output accumulators of a register tile stay within half the registers of each level."""
+    assert prefill_tile(16, 64) == (4, 64) and prefill_tile(16, 128) == (2, 64)
+    assert prefill_tile(8, 64) == (1, 64) and prefill_tile(4, 64) == (1, 32)
+    for lanes in LANES:
+        for head_dim in (12, 32, 64, 80, 128, 256):
+            row_tile, keys = prefill_tile(lanes, head_dim)
+            registers = 32 if lanes >= 16 else 16
+            assert row_tile >= 1 and keys & (keys - 1) == 0 and keys <= 64
+            assert row_tile * keys // lanes <= registers // 2
+            assert row_tile == 1 or row_tile * -(-head_dim // lanes) <= registers // 2
+
+
+def _ragged_case(case: int) -> tuple[np.ndarray, list[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Queries, inputs and TVM's output for PREFILL_CASES[case], new tokens attending to each other."""
+    kv_heads, qo_heads, head_dim, dtype, lengths, causal = PREFILL_CASES[case]
     rng = np.random.default_rng(0)
     q = rng.standard_normal((sum(lengths), qo_heads, head_dim)).astype(dtype)
     k, v = rng.standard_normal((2, sum(lengths), kv_heads, head_dim)).astype(dtype)
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = [indptr, k, v, indptr, np.zeros(sum(lengths), np.int32), np.zeros(len(lengths), np.int32)]
-    ours = _run(ragged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, "ours"), q, inputs, [causal, 0])
     theirs = _run(_attention_prefill_ragged_cpu(kv_heads, qo_heads, head_dim, head_dim, dtype, {}), q, inputs,
                   [causal, 0])
-    _assert_same(ours, theirs, dtype)
+    return q, inputs, theirs
 
 
-@pytest.mark.parametrize("kv_heads, qo_heads, head_dim, dtype, lengths, causal", PREFILL_CASES)
-def test_paged_prefill_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype, lengths, causal):
-    """A later prompt chunk: the new queries against everything cached, new tokens included."""
+def _paged_case(case: int) -> tuple[np.ndarray, list[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """As `_ragged_case`, for a later prompt chunk: the new queries against everything cached, new tokens included."""
+    kv_heads, qo_heads, head_dim, dtype, lengths, causal = PREFILL_CASES[case]
     rng = np.random.default_rng(0)
-    cached = [length + extra for length, extra in zip(lengths, (37, 0, 5, 16))]
+    cached = [length + extra for length, extra in zip(lengths, (37, 0, 5, 16, 64, 3))]
     pages = rng.standard_normal((sum(-(-n // PAGE) for n in cached) + 2, 2, kv_heads, PAGE, head_dim)).astype(dtype)
     q = rng.standard_normal((sum(lengths), qo_heads, head_dim)).astype(dtype)
     q_indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = [q_indptr, pages, *_page_table(pages, cached), np.zeros(len(lengths), np.int32),
               np.zeros(sum(lengths), np.int32)]
-    ours = _run(paged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, "ours"), q, inputs, [causal, 0])
     theirs = _run(_attention_prefill_cpu(kv_heads, qo_heads, head_dim, dtype, False, {}), q, inputs, [causal, 0])
-    _assert_same(ours, theirs, dtype)
+    return q, inputs, theirs
+
+
+# TVM's kernel runs once per case, whatever the lanes of ours.
+_REFERENCES = {"ragged": functools.cache(_ragged_case), "paged": functools.cache(_paged_case)}
+
+
+@pytest.mark.parametrize("case, lanes", PREFILL_RUNS)
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_prefill_attention_matches_tvm_kernel(kind, case, lanes):
+    kv_heads, qo_heads, head_dim, dtype, _lengths, causal = PREFILL_CASES[case]
+    q, inputs, theirs = _REFERENCES[kind](case)
+    kernel = (ragged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, lanes, "ours") if kind == "ragged" else
+              paged_prefill_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, lanes, "ours"))
+    _assert_same(_run(kernel, q, inputs, [causal, 0]), theirs, dtype)
 
 
 def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
