@@ -47,7 +47,7 @@ from ember.schedules.vector_math import exp2
 
 # Query rows per task: each chunk of keys is transposed once for all their (row, head) pairs.
 BLOCK_ROWS = 32
-# Keys per softmax rescale, at most (`max_lanes` folds 64 lanes at most).
+# Keys per softmax rescale, at most (`reduce_lanes` folds 64 lanes at most).
 MAX_KEYS = 64
 # Initial running max, as in TVM's kernels: a row without keys gets output 0, lse -5e4.
 _START_MAX = -5e4
@@ -90,38 +90,26 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 o[rg, i] = T.float32(0)
 
     @T.macro
-    def fold_max(red, half):
-        """red[:half] = max(red[:half], red[half:2 * half]), one vector op."""
+    def fold(red, half, use_max):
+        """red[:half] = max or sum of red[:half] and red[half:2 * half], one vector op (none for half 0)."""
         if half >= 1:
-            for j in T.vectorized(half):
-                red[j] = T.max(red[j], red[j + half])
+            if use_max:
+                for j in T.vectorized(half):
+                    red[j] = T.max(red[j], red[j + half])
+            else:
+                for j in T.vectorized(half):
+                    red[j] = red[j] + red[j + half]
 
     @T.macro
-    def fold_sum(red, half):
-        """red[:half] += red[half:2 * half], one vector add."""
-        if half >= 1:
-            for j in T.vectorized(half):
-                red[j] = red[j] + red[j + half]
-
-    @T.macro
-    def max_lanes(red):
-        """red[0] = max(red[:key_chunk]): halves folded as vectors, log2(key_chunk) steps."""
-        fold_max(red, key_chunk // 2)
-        fold_max(red, key_chunk // 4)
-        fold_max(red, key_chunk // 8)
-        fold_max(red, key_chunk // 16)
-        fold_max(red, key_chunk // 32)
-        fold_max(red, key_chunk // 64)
-
-    @T.macro
-    def sum_lanes(red):
-        """red[0] = sum(red[:key_chunk]), as `max_lanes`."""
-        fold_sum(red, key_chunk // 2)
-        fold_sum(red, key_chunk // 4)
-        fold_sum(red, key_chunk // 8)
-        fold_sum(red, key_chunk // 16)
-        fold_sum(red, key_chunk // 32)
-        fold_sum(red, key_chunk // 64)
+    def reduce_lanes(red, use_max):
+        """red[0] = the max (`use_max`) or the sum of red[:key_chunk]: halves folded as vectors, log2(key_chunk)
+        steps (key_chunk <= MAX_KEYS = 64)."""
+        fold(red, key_chunk // 2, use_max)
+        fold(red, key_chunk // 4, use_max)
+        fold(red, key_chunk // 8, use_max)
+        fold(red, key_chunk // 16, use_max)
+        fold(red, key_chunk // 32, use_max)
+        fold(red, key_chunk // 64, use_max)
 
     @T.macro
     def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, limit_base, causal, kv_len):
@@ -140,13 +128,13 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 limit: T.let[T.int32] = T.if_then_else(causal > 0, limit_base + rg // group + 1, kv_len)
                 for j in T.vectorized(key_chunk):
                     red[j] = T.if_then_else(first_key + j < limit, s[r, j], T.float32(_START_MAX))
-                max_lanes(red)
+                reduce_lanes(red, True)
                 m_new: T.let[T.float32] = T.max(m[rg], red[0])
                 rescale: T.let[T.float32] = exp2(m[rg] - m_new)
                 for j in T.vectorized(key_chunk):
                     p[r, j] = T.if_then_else(first_key + j < limit, exp2(s[r, j] - m_new), T.float32(0))
                     red[j] = p[r, j]
-                sum_lanes(red)
+                reduce_lanes(red, False)
                 d[rg] = d[rg] * rescale + red[0]
                 m[rg] = m_new
                 for i in T.vectorized(head_dim):
