@@ -25,7 +25,7 @@ The sizes are measured (Zen 5, 2 threads, the ~110M shape: 4 KV heads of 3 query
 64): 256 queries over 1,792 cached keys took 13.2 ms a layer with one pair at a time, 8-row blocks
 and 32-key chunks, whose two 16-lane score chains waited on the FMA latency, and 5.2 ms with these
 (32-row blocks transpose each key chunk once for 96 pairs; 64-key chunks halve the softmax's share);
-a 72-token prompt's causal attention 115 -> 65 us a layer.
+a 72-token prompt's causal attention 115 -> 65 us a layer (`scripts/bench_attention.py`).
 
 Causal blocks grow in cost with their position, and TVM's thread pool hands each
 thread one contiguous range of tasks, so tasks visit the blocks in the order
