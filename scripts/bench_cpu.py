@@ -103,7 +103,7 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 def read_bandwidth() -> float:
     """Best of five measurements of this machine's read bandwidth, bytes/s."""
-    return max(measure_host(matmul_size=64).memory_bandwidth for _ in range(5))
+    return max(measure_host(matmul_size=64).hardware.memory_bandwidth for _ in range(5))
 
 
 # Pairs of the same bits per weight: ember's --quant and llama.cpp's GGUF type.

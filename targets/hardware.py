@@ -6,8 +6,12 @@ numbers come from (a datasheet, a whitepaper, or a derivation from core counts a
 clocks when the vendor publishes none). The JSON uses the units spec sheets use
 (TFLOP/s, GB/s, GiB, KiB); `Hardware` holds SI base units (op/s, bytes/s, bytes).
 
-`host` is this machine, measured once (a multi-threaded numpy copy for bandwidth, a
-float32 matmul for peak FLOP/s) and cached under `~/.cache/ember/`.
+`host` is this machine, measured once (multi-threaded numpy dot products for bandwidth, a
+float32 matmul for peak FLOP/s) and cached under `~/.cache/ember/`. A measurement during which
+other processes (or the hypervisor: steal time) took more than `BUSY_SHARE` of the CPUs is used
+but not cached: cached, it would hold a low roofline for good. One cached on this project's
+2-core machine while other work ran held 39 GB/s and 125 GFLOP/s where the quiet machine
+measures 44-79 GB/s and 250 GFLOP/s; one busy loop beside the measurement halves the FLOP/s.
 """
 
 from __future__ import annotations
@@ -189,6 +193,24 @@ def _llvm_target(data: dict[str, Any], origin: str) -> dict[str, Any]:
 
 
 BANDWIDTH_METHOD = "threaded numpy dot of two 256 MiB float32 streams"
+# Part of the cache's fingerprint: caches from before measurements were checked for other work
+# (which may hold a busy machine's figures) are measured again.
+MEASUREMENT_CHECK = "other processes' share of the CPUs (/proc/stat) <= 0.2"
+# The largest share of the CPUs other work may take during a measurement that is cached.
+BUSY_SHARE = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMeasurement:
+    """This machine's roofline as measured, and how much of the CPUs other work took meanwhile."""
+
+    hardware: Hardware
+    others_share: float | None  # CPU time of other processes and steal over wall time x CPUs; None: unknown
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the figures are this machine's own (unknown counts as quiet: nothing to check with)."""
+        return self.others_share is None or self.others_share <= BUSY_SHARE
 
 
 def host_cache_path() -> Path:
@@ -209,19 +231,25 @@ def load_host() -> Hardware:
         pass  # absent or damaged: measure again (as when it was measured on another machine)
     print(f"measuring this machine's memory bandwidth and peak FLOP/s (cached in {path}) ...",
           file=sys.stderr)
-    hardware = measure_host()
+    measurement = measure_host()
+    if not measurement.quiet:
+        print(f"ember: warning: other work took {measurement.others_share:.0%} of the CPUs while this machine was "
+              "measured, so its roofline may be low; not cached (measured again next time)", file=sys.stderr)
+        return measurement.hardware
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**hardware.to_json(), "fingerprint": fingerprint}, indent=2))
+        path.write_text(json.dumps({**measurement.hardware.to_json(), "fingerprint": fingerprint}, indent=2))
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
-    return hardware
+    return measurement.hardware
 
 
-def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats: int = 3) -> Hardware:
-    """Measure read bandwidth (threaded dot products) and fp32 peak (numpy matmul) on this machine."""
+def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats: int = 3) -> HostMeasurement:
+    """Measure read bandwidth (threaded dot products) and fp32 peak (numpy matmul) on this machine, and the
+    share of the CPUs other work took meanwhile."""
     import numpy as np
 
+    others = _OtherWork()
     threads = host_cores()
     # Two streams far larger than the caches, read in one chunk per core. Read
     # bandwidth is what weight-streaming kernels (decode GEMVs) can reach; a copy
@@ -245,7 +273,7 @@ def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats
     fp32 = 2 * matmul_size**3 / matmul_s
 
     l2 = _sysconf("SC_LEVEL2_CACHE_SIZE") or _KIB * _KIB
-    return Hardware(
+    hardware = Hardware(
         name="host",
         description=f"this machine ({cpu_model()}, {threads} cores)",
         kind="cpu",
@@ -257,6 +285,7 @@ def measure_host(read_bytes: int = 512 * 2**20, matmul_size: int = 2048, repeats
         notes=f"measured on {time.strftime('%Y-%m-%d')}; numpy's BLAS may reach less than the "
               "vector units' peak, so this is an attainable rather than a theoretical roofline",
     )
+    return HostMeasurement(hardware, others.share())
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -269,9 +298,40 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+# /proc/stat counts in clock ticks (10 ms): a shorter span than this tells nothing.
+_SHORTEST_SPAN_S = 0.25
+
+
+class _OtherWork:
+    """From its creation to `share()`: the CPU time every process ran (and the hypervisor stole), less this
+    process's own, over wall time x CPUs. Linux's /proc/stat; unknown (None) elsewhere and over spans too
+    short for its clock ticks (a measurement of a few MiB)."""
+
+    def __init__(self) -> None:
+        self._start = (_system_busy_seconds(), time.process_time(), time.perf_counter())
+
+    def share(self) -> float | None:
+        busy, own, wall = _system_busy_seconds(), time.process_time(), time.perf_counter()
+        if busy is None or self._start[0] is None or wall - self._start[2] < _SHORTEST_SPAN_S:
+            return None
+        others = (busy - self._start[0]) - (own - self._start[1])
+        return max(others, 0.0) / ((wall - self._start[2]) * (os.cpu_count() or 1))
+
+
+def _system_busy_seconds() -> float | None:
+    """CPU seconds all CPUs have spent on work (user, nice, system, irq, softirq) or lost to the hypervisor (steal)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()  # "cpu user nice system idle iowait irq softirq steal ..."
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _host_fingerprint() -> dict[str, Any]:
     return {**cpu_fingerprint(), "memory": host_memory_bytes(),
-            "method": BANDWIDTH_METHOD}
+            "method": BANDWIDTH_METHOD, "check": MEASUREMENT_CHECK}
 
 
 def host_memory_bytes() -> int:
