@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ember.analyze import cli
-from ember.analyze.measure import attention_work, implemented_operators, measure, moved_bytes
+from ember.analyze.measure import attention_work, implemented_operators, measure, moved_bytes, with_int8_peak
 from ember.analyze.operators import (
     Architecture,
     Precision,
@@ -30,6 +30,7 @@ from ember.analyze.roofline import Workload, analyze, evaluate, kv_cache_bytes, 
 from ember.errors import ArtifactError, EmberError, ModelError, TargetError
 from ember.targets import hardware as hw_module
 from ember.targets.hardware import Hardware, hardware_presets, load_hardware
+from ember.targets.registry import resolve_target
 from helpers import run_python
 
 FP16 = Precision(16, 16, 16)
@@ -523,6 +524,22 @@ def test_measure_maps_quantized_kernels_to_the_operators(tiny_models):
         implemented = {name for k in stage.kernels for name in k.implements}
         assert set(PROJECTIONS) | {"embed_tokens", "lm_head"} <= implemented
         assert all(k.seconds > 0 for k in stage.kernels)
+    # Projections of int8 activations are placed as int8 work (on the int8 roof where the device has one).
+    int8 = resolve_target("cpu").int8_dot is not None
+    assert m.precision.int8_projections == int8
+    for k in m.prefill.kernels + m.decode.kernels:
+        projection = bool(k.implements) and set(k.implements) <= set(PROJECTIONS) | {"lm_head"}
+        assert k.point.op.dtype == ("int8" if int8 and projection else "fp32"), k.name
+
+
+def test_the_host_gets_an_int8_roof_from_embers_int8_matmul():
+    """numpy measures no int8 peak: ember's int8 prefill matmul on this CPU gives it, beside the fp32 one."""
+    measured = with_int8_peak(GENEROUS, "cpu", shape=(16, 64, 64))
+    if resolve_target("cpu").int8_dot is None:  # no int8 dot product here: nothing to measure it with
+        assert measured == GENEROUS
+        return
+    assert measured.peak_flops["fp32"] == GENEROUS.peak_flops["fp32"] and measured.peak("int8") > 1e8
+    assert measured.compute_dtype("int8") == "int8" and "int8 peak: ember's int8 prefill matmul" in measured.source
 
 
 @pytest.mark.parametrize("stage_name", ["prefill", "decode"])

@@ -42,7 +42,9 @@ peak activations). Times are ideal: each kernel at its roofline, one after anoth
 With --measure, MODEL is an artifact directory from `ember compile`: its prefill and
 one decode step run on this machine, every kernel is timed, and the table shows each
 kernel's operations, bytes, measured time and the share of its roofline it reaches on
-the measured `host` roofline, next to analyze's prediction for the same model."""
+the measured `host` roofline, next to analyze's prediction for the same model. The int8
+matmuls of a quantized artifact (int8 activations) are placed on an int8 roof, measured
+with ember's own int8 matmul; every other kernel on the fp32 roof."""
 
 # Options that describe a hypothetical deployment: an artifact fixes them itself.
 _NOT_MEASURED = ("quant", "wbits", "abits", "kvbits", "gen_len", "context", "flash_attention")
