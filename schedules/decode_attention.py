@@ -30,7 +30,7 @@ import math
 from tvm.script import tirx as T
 
 from ember.schedules.kv_storage import FloatPages, Int8PageRows
-from ember.schedules.vector_math import exp2
+from ember.schedules.vector_math import exp2, reduce_lanes
 
 # Cached tokens scored per softmax rescale.
 CHUNK = 32
@@ -42,26 +42,6 @@ AHEAD = 16
 _START_MAX = -5e4
 
 
-@T.macro
-def add_upper_half(acc, half):
-    """acc[:half] += acc[half:2 * half], one vector add."""
-    for i in T.vectorized(half):
-        acc[i] = acc[i] + acc[i + half]
-
-
-@T.macro
-def sum_lanes(acc, lanes):
-    """acc[0] = the sum of acc[:lanes], a power of two up to 16: halves added as vectors, log2(lanes) adds."""
-    if lanes >= 16:
-        add_upper_half(acc, 8)
-    if lanes >= 8:
-        add_upper_half(acc, 4)
-    if lanes >= 4:
-        add_upper_half(acc, 2)
-    if lanes >= 2:
-        add_upper_half(acc, 1)
-
-
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                            page_size: int, lanes: int, symbol: str, storage: FloatPages | Int8PageRows | None = None):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
@@ -70,7 +50,7 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
     the page layout (`kv_storage.py`), TVM's float pages by default."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     group = num_qo_heads // num_kv_heads
-    lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # 16: the widest `sum_lanes`
+    lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # a power of two, at most 16
     while head_dim % lanes:
         lanes //= 2
     log2e = math.log2(math.e)
@@ -160,7 +140,7 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                                 for i in T.vectorized(lanes):
                                     acc[i] = acc[i] + q[g, i_o * lanes + i] * storage.value(
                                         values, token_page[t], 0, token_slot[t], h, i_o * lanes + i)
-                            sum_lanes(acc, lanes)
+                            reduce_lanes(acc, lanes, False)
                             s[g, t] = acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h)
                     for g in T.serial(group):
                         m_new[0] = m[g]

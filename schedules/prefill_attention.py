@@ -43,12 +43,12 @@ from tvm.script import tirx as T
 
 from ember.ir.kv_cache import Int8Rows
 from ember.schedules.kv_storage import FloatPages, Int8PageRows
-from ember.schedules.vector_math import exp2
+from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
 
 # Query rows per task: each chunk of keys is transposed once for all their (row, head) pairs.
 BLOCK_ROWS = 32
-# Keys per softmax rescale, at most (`reduce_lanes` folds 64 lanes at most).
-MAX_KEYS = 64
+# Keys per softmax rescale, at most: the scores' max and sum fold that many lanes (`reduce_lanes`).
+MAX_KEYS = MAX_REDUCED_LANES
 # Initial running max, as in TVM's kernels: a row without keys gets output 0, lse -5e4.
 _START_MAX = -5e4
 
@@ -72,10 +72,9 @@ def _padded(rows: int, row_tile: int) -> int:
     return -(-rows // row_tile) * row_tile
 
 
-def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int):
-    """The parts both kernels share, as TVMScript macros."""
+def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int, block: int):
+    """The parts both kernels share, as TVMScript macros; `block` is a task's (row, head) pairs in whole tiles."""
     log2e = math.log2(math.e)
-    block = _padded(BLOCK_ROWS * group, row_tile)
 
     @T.macro
     def start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d):
@@ -88,28 +87,6 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                     q_start + row0 + T.min(rg, rows * group - 1) // group, h * group + rg % group, i]), T.float32(0)
                 ) * sm_scale * T.float32(log2e)
                 o[rg, i] = T.float32(0)
-
-    @T.macro
-    def fold(red, half, use_max):
-        """red[:half] = max or sum of red[:half] and red[half:2 * half], one vector op (none for half 0)."""
-        if half >= 1:
-            if use_max:
-                for j in T.vectorized(half):
-                    red[j] = T.max(red[j], red[j + half])
-            else:
-                for j in T.vectorized(half):
-                    red[j] = red[j] + red[j + half]
-
-    @T.macro
-    def reduce_lanes(red, use_max):
-        """red[0] = the max (`use_max`) or the sum of red[:key_chunk]: halves folded as vectors, log2(key_chunk)
-        steps (key_chunk <= MAX_KEYS = 64)."""
-        fold(red, key_chunk // 2, use_max)
-        fold(red, key_chunk // 4, use_max)
-        fold(red, key_chunk // 8, use_max)
-        fold(red, key_chunk // 16, use_max)
-        fold(red, key_chunk // 32, use_max)
-        fold(red, key_chunk // 64, use_max)
 
     @T.macro
     def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, limit_base, causal, kv_len):
@@ -128,13 +105,13 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 limit: T.let[T.int32] = T.if_then_else(causal > 0, limit_base + rg // group + 1, kv_len)
                 for j in T.vectorized(key_chunk):
                     red[j] = T.if_then_else(first_key + j < limit, s[r, j], T.float32(_START_MAX))
-                reduce_lanes(red, True)
+                reduce_lanes(red, key_chunk, True)
                 m_new: T.let[T.float32] = T.max(m[rg], red[0])
                 rescale: T.let[T.float32] = exp2(m[rg] - m_new)
                 for j in T.vectorized(key_chunk):
                     p[r, j] = T.if_then_else(first_key + j < limit, exp2(s[r, j] - m_new), T.float32(0))
                     red[j] = p[r, j]
-                reduce_lanes(red, False)
+                reduce_lanes(red, key_chunk, False)
                 d[rg] = d[rg] * rescale + red[0]
                 m[rg] = m_new
                 for i in T.vectorized(head_dim):
@@ -226,7 +203,8 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                      source: _Ragged | _Paged):
     """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task."""
     row_tile, key_chunk = prefill_tile(lanes, head_dim)
-    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk)
+    block = _padded(BLOCK_ROWS * group, row_tile)  # a task's (row, head) pairs, in whole register tiles
+    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block)
 
     @T.macro
     def attention_tasks(q, q_indptr, kv, output, lse, causal, sm_scale, batch_size, qo_len):
@@ -235,10 +213,10 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
             with T.sblock("attention"):
                 T.reads()
                 T.writes()
-                qs = T.sblock_alloc_buffer((_padded(BLOCK_ROWS * group, row_tile), head_dim), "float32")
-                o = T.sblock_alloc_buffer((_padded(BLOCK_ROWS * group, row_tile), head_dim), "float32")
-                m = T.sblock_alloc_buffer((_padded(BLOCK_ROWS * group, row_tile),), "float32")
-                d = T.sblock_alloc_buffer((_padded(BLOCK_ROWS * group, row_tile),), "float32")
+                qs = T.sblock_alloc_buffer((block, head_dim), "float32")
+                o = T.sblock_alloc_buffer((block, head_dim), "float32")
+                m = T.sblock_alloc_buffer((block,), "float32")
+                d = T.sblock_alloc_buffer((block,), "float32")
                 kt = T.sblock_alloc_buffer((head_dim, key_chunk), "float32")
                 key_scale = T.sblock_alloc_buffer((key_chunk,), "float32")
                 vc = T.sblock_alloc_buffer((key_chunk, head_dim), "float32")

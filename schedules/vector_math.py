@@ -1,4 +1,4 @@
-"""Transcendental functions as plain TIR arithmetic, so they vectorize.
+"""Transcendental functions as plain TIR arithmetic, so they vectorize; and lane reductions in vectors.
 
 LLVM lowers `T.exp2` (and `exp`, `sigmoid`) on a vector to one libm call per lane: a
 softmax over a chunk of attention scores then costs a scalar function call per score. These versions are
@@ -42,3 +42,31 @@ def exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     gives 0 below and inf above); within 2e-7 relative, plus the rounding of x * log2(e)
     (|x| * 6e-8 relative: 5e-6 at x = 80)."""
     return exp2(T.min(x * T.float32(_LOG2_E), T.float32(_LARGEST_EXPONENT)))
+
+
+# The widest buffer `reduce_lanes` folds.
+MAX_REDUCED_LANES = 64
+
+
+@T.macro
+def _fold(buf, half, use_max):
+    """buf[:half] = the max or the sum of buf[:half] and buf[half:2 * half], one vector op (none for half 0)."""
+    if half >= 1:
+        if use_max:
+            for i in T.vectorized(half):
+                buf[i] = T.max(buf[i], buf[i + half])
+        else:
+            for i in T.vectorized(half):
+                buf[i] = buf[i] + buf[i + half]
+
+
+@T.macro
+def reduce_lanes(buf, lanes, use_max):
+    """buf[0] = the max (`use_max`) or the sum of buf[:lanes], a power of two up to MAX_REDUCED_LANES: halves
+    folded as vectors, log2(lanes) ops instead of a scalar loop (attention's dot products and softmax)."""
+    _fold(buf, lanes // 2, use_max)
+    _fold(buf, lanes // 4, use_max)
+    _fold(buf, lanes // 8, use_max)
+    _fold(buf, lanes // 16, use_max)
+    _fold(buf, lanes // 32, use_max)
+    _fold(buf, lanes // 64, use_max)

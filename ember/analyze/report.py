@@ -277,7 +277,8 @@ def format_measurement(m: Measurement, wide: bool = False) -> str:
         f"{m.artifact} measured on {hw.name}: {hw.description}",
         f"  model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
         f"{c.num_key_value_heads} KV heads, ffn {c.intermediate_size}, vocab {c.vocab_size}; {m.precision.label()}",
-        f"  roofline: {peaks}, memory {_si(hw.memory_bandwidth, 'B/s', 4)} (ridge {hw.ridge_point('fp32'):.3g} op/B for fp32); {hw.source}",
+        f"  roofline: {peaks}, memory {_si(hw.memory_bandwidth, 'B/s', 4)} "
+        f"(ridge {hw.ridge_point('fp32'):.3g} op/B for fp32); {hw.source}",
         f"  each kernel timed on its own with cold caches ({m.cache_flush_bytes / 2**20:.0f} MiB copied before each "
         f"run), best of {m.repeats}; 'of roof' = roofline time / measured time; 'predicted' = analyze's "
         "operators on this roofline",
