@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from ember.errors import EmberError
 from ember.schedules import prefill_attention
 from ember.targets.registry import TargetSpec, resolve_target
 
@@ -72,11 +73,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
-    if not args.baseline.is_file():
-        parser.error(f"--baseline {args.baseline}: no such file")
+    if args.threads < 1 or args.repeats < 1:
+        parser.error(f"--threads {args.threads} --repeats {args.repeats}: each must be at least 1")
+    if not args.baseline.is_file() or args.baseline.suffix != ".py":
+        parser.error(f"--baseline {args.baseline}: no such Python file")
+    try:
+        target = resolve_target(args.target)
+    except EmberError as err:
+        parser.error(str(err))
+    if target.is_gpu or target.foreign_architecture:
+        parser.error(f"--target {args.target}: the kernels are timed here, so the target must be this machine's "
+                     "kind of CPU (a lower ISA level, e.g. mcpu znver3 or haswell, runs too)")
+    try:
+        baseline = load_file(args.baseline, "baseline_prefill_attention")
+    except Exception as err:  # any error of someone else's file: say which file, in one line
+        parser.error(f"--baseline {args.baseline}: cannot be loaded ({type(err).__name__}: {err})")
+    if not all(callable(getattr(baseline, name, None)) for name in ("ragged_prefill_attention", "paged_prefill_attention")):
+        parser.error(f"--baseline {args.baseline}: not a version of schedules/prefill_attention.py "
+                     "(no ragged_prefill_attention and paged_prefill_attention)")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # unset, TVM's pool takes half the cores
-    target = resolve_target(args.target)
-    versions = {"baseline": load_file(args.baseline, "baseline_prefill_attention"), "new": prefill_attention}
+    versions = {"baseline": baseline, "new": prefill_attention}
     rng = np.random.default_rng(0)
     print(bench_cpu.host_line())
     print(f"target {target.describe()}, {args.threads} threads, median of {args.repeats} rounds")

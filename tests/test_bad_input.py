@@ -187,6 +187,33 @@ def test_serve_benchmark_refuses_bad_options(tmp_path, args, message):
     assert not any(tmp_path.iterdir())
 
 
+ATTENTION_KERNELS = Path(__file__).resolve().parents[1] / "schedules" / "prefill_attention.py"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--baseline", "missing.py"], "--baseline missing.py: no such Python file"),
+    (["--baseline", "README.md"], "--baseline README.md: no such Python file"),
+    (["--baseline", "not_python.py"], "--baseline not_python.py: cannot be loaded (SyntaxError"),
+    (["--baseline", "other.py"], "--baseline other.py: not a version of schedules/prefill_attention.py"),
+    (["--baseline", str(ATTENTION_KERNELS), "--target", "bogus"], "--target 'bogus' is not known"),
+    (["--baseline", str(ATTENTION_KERNELS), "--target", "raspberry-pi-5"],
+     "--target raspberry-pi-5: the kernels are timed here"),
+    (["--baseline", str(ATTENTION_KERNELS), "--threads", "0"], "--threads 0 --repeats 5: each must be at least 1"),
+])
+def test_attention_benchmark_refuses_bad_options(tmp_path, args, message):
+    """scripts/bench_attention.py: a baseline that is no version of the kernel file, a target it cannot time here,
+    or a count below 1 is one line and exit 2 before any kernel is built (tracebacks before)."""
+    (tmp_path / "README.md").write_text("# not a kernel file\n")
+    (tmp_path / "not_python.py").write_text("def (:\n")
+    (tmp_path / "other.py").write_text("def unrelated():\n    return 1\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
 def test_interrupted_compile_leaves_nothing(tiny_models, tmp_path):
     """Ctrl-C (SIGINT) once the compile has made its staging directory: exit 130, no OUT, no staging directory."""
     out_parent = tmp_path / "out"
