@@ -538,7 +538,8 @@ def test_the_host_gets_an_int8_roof_from_embers_int8_matmul():
     if resolve_target("cpu").int8_dot is None:  # no int8 dot product here: nothing to measure it with
         assert measured == GENEROUS
         return
-    assert measured.peak_flops["fp32"] == GENEROUS.peak_flops["fp32"] and measured.peak("int8") > 1e8
+    # Its figure is a timing, so only its presence is asserted (speed is the benchmarks' business).
+    assert measured.peak_flops["fp32"] == GENEROUS.peak_flops["fp32"] and 0 < measured.peak("int8") < float("inf")
     assert measured.compute_dtype("int8") == "int8" and "int8 peak: ember's int8 prefill matmul" in measured.source
 
 
