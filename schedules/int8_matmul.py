@@ -32,7 +32,7 @@ values is 8 (int8) or 4 x 2 (int4 nibbles) instructions into one int32 vector wi
 shuffles, then one convert and one FMA with the 8 rows' scales, loaded as a vector (of
 float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
 
-    per activation row m, per group g (parallel over m x g in prefill, serial in decode):
+    per activation row m, per group g (parallel over m x g, serially for a decode of 1-3 sequences):
       d = max|x| / 127,  q = round(x / d)
       xq[m, 8g:8g+8] = q as 8 words of 4 bytes;  x_scale[m, g] = d;  x_bias[m, g] = -offset * sum(q)
     parallel over blocks of `row_blocks` x 8 weight rows:
@@ -111,6 +111,11 @@ DECODE_TOKENS = 2  # sequences in AVX2's and NEON's decode register tile (`regis
 # How far ahead of its loads decode prefetches the weight stream (`prefetch_distance`), and the line it fetches.
 PREFETCH_BYTES = 4096
 CACHE_LINE_BYTES = 64
+# Decode quantizes its activation rows in parallel from this many sequences: at 8 sequences the serial
+# loop had the other thread wait (Zen 5, 2 threads, hot caches, the ~110M q4f32 [768, 2048] weight 25 ->
+# 22 us, [768, 768] 1.08x, [1280, 768] 1.05x; q8f32 1.02x to 1.07x), at 2 the parallel launch cost more
+# than it saved (0.95x to 0.97x), at 4 it was even (0.98x to 1.05x).
+PARALLEL_QUANTIZE_ROWS = 4
 
 
 def tile_entries(vector_bits: int) -> int:
@@ -333,7 +338,6 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     zero_point = fmt.zero_point
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
-    quantize_loop = T.parallel if many_tokens else T.serial
     word_loop = T.unroll if unroll else T.serial
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
     # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
@@ -508,6 +512,28 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                       x_sum, y)
 
     @T.macro
+    def quantize(mg, seq, x, xq, x_scale, x_bias, x_sum):
+        with T.sblock("quantize"):
+            T.reads()
+            T.writes()
+            q = T.sblock_alloc_buffer((32,), "int32")
+            m: T.let[T.int64] = mg // groups
+            g: T.let[T.int64] = mg % groups
+            top: T.let[T.float32] = T.call_llvm_pure_intrin(
+                "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
+            inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
+                                                       T.float32(0))
+            q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
+                x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+            total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
+                                                            q[T.Ramp(0, 1, 32)])
+            x_scale[m, g] = top / T.float32(_LEVELS)
+            x_bias[m, g] = total * (-offset)
+            if zero_point:
+                x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
+            xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+
+    @T.macro
     def matmul(x_handle, packed, scale, low, y_handle):
         batch = T.int64()
         seq = T.int64()
@@ -522,26 +548,12 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
             x_bias = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "int32")
             # With a zero point: x_scale * sum(q), what the group's minimum multiplies (llama.cpp's Q8_1 `s`).
             x_sum = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups) if zero_point else (1, 1), "float32")
-            for mg in quantize_loop(batch * seq * groups):
-                with T.sblock("quantize"):
-                    T.reads()
-                    T.writes()
-                    q = T.sblock_alloc_buffer((32,), "int32")
-                    m: T.let[T.int64] = mg // groups
-                    g: T.let[T.int64] = mg % groups
-                    top: T.let[T.float32] = T.call_llvm_pure_intrin(
-                        "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
-                    inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
-                                                               T.float32(0))
-                    q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
-                        x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
-                    total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
-                                                                    q[T.Ramp(0, 1, 32)])
-                    x_scale[m, g] = top / T.float32(_LEVELS)
-                    x_bias[m, g] = total * (-offset)
-                    if zero_point:
-                        x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
-                    xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+            if many_tokens or batch * seq >= PARALLEL_QUANTIZE_ROWS:
+                for mg in T.parallel(batch * seq * groups):
+                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
+            else:
+                for mg in T.serial(batch * seq * groups):
+                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
             if pad_from is not None:  # the missing rows' products, never stored, start from scales of 0, not garbage
                 for m, g in T.grid(tiled_rows(batch * seq) - batch * seq, groups):
                     x_scale[batch * seq + m, g] = T.float32(0)
