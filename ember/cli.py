@@ -137,11 +137,12 @@ def _build_parser() -> argparse.ArgumentParser:
                                "row is rounded to int8 per group of 32, as llama.cpp does for Q8_0/Q4_0, and "
                                "multiplied in integers (decode projections 1.2-2x, prefill projections ~4x faster "
                                "than float)")
-    compile_.add_argument("--kv-quant", choices=["q8"], default=None,
-                          help="CPU targets: store the KV cache's keys and values as int8 with a float32 scale per "
-                               "token and head (0.27x the bytes of float32 at a head dim of 64): longer contexts in "
-                               "the same memory, and less to read per decoded token at long contexts. Default: the "
-                               "model's dtype")
+    compile_.add_argument("--kv-quant", choices=["q8", "f16"], default=None,
+                          help="float32 models on CPU targets: store the KV cache's keys and values packed, for "
+                               "longer contexts in the same memory and less to read per decoded token. q8: int8 "
+                               "with a float32 scale per token and head (0.27x the bytes of float32 at a head dim "
+                               "of 64); f16: float16 (0.5x, llama.cpp's default cache type; the faster one for "
+                               "batches of short contexts). Default: the model's dtype")
     compile_.add_argument("--prefill-chunk", type=int, default=256,
                           help="largest number of prompt tokens per prefill call (default 256)")
     compile_.add_argument("--max-batch", type=int, default=8,
@@ -792,7 +793,8 @@ def _one_line(text: str) -> str:
 
 def _kv_storage(kv: dict) -> str:
     """How an artifact's KV cache stores keys and values, for `inspect`."""
-    return f"{kv['dtype']} as int8 rows, a float32 scale per token and head" if kv["quantization"] == "q8" else kv["dtype"]
+    stored = {"q8": "as int8 rows, a float32 scale per token and head", "f16": "as float16 rows"}
+    return f"{kv['dtype']} {stored[kv['quantization']]}" if kv["quantization"] else kv["dtype"]
 
 
 def _mib(n: int) -> str:

@@ -29,7 +29,7 @@ from ember.frontend.config import ModelConfig
 from ember.frontend import source as model_source
 from ember.frontend.gguf import conversion_summary
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
-from ember.ir.kv_cache import Int8Rows
+from ember.ir.kv_cache import KV_ROWS
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
@@ -66,7 +66,7 @@ class CompileOptions:
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     frontend: str = "builtin"  # a checkpoint directory's importer: "builtin" (hand-written) or "torch-export"
     tokenizer_dir: Path | None = None  # an ONNX file's tokenizer and config.json (default: the file's directory)
-    kv_quant: str | None = None  # "q8": int8 keys and values in the KV cache (CPU targets); None: the model's dtype
+    kv_quant: str | None = None  # "q8"/"f16": int8/float16 keys and values in the KV cache (CPU targets); None: the model's dtype
     show_progress: bool = True
 
 
@@ -110,7 +110,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         config = _attention_as_built(mod, imported.config)
         if options.kv_quant and config.sliding_window:
             raise EmberError(f"--kv-quant {options.kv_quant}: {model_dir} attends through a sliding window of "
-                             f"{config.sliding_window} tokens, which the q8 KV cache does not support")
+                             f"{config.sliding_window} tokens, which the {options.kv_quant} KV cache does not support")
         prefill_chunk = min(options.prefill_chunk, config.context_window)
         tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}
 
@@ -163,7 +163,7 @@ def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
                                num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
 
 
-KV_QUANTIZATIONS = ("q8",)
+KV_QUANTIZATIONS = tuple(KV_ROWS)
 
 
 def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:
@@ -177,14 +177,15 @@ def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:
                          f"{target.describe()} is a GPU target")
     if FORMATS[options.quantization].dtype != "float32":
         raise EmberError(f"--kv-quant {options.kv_quant}: --quant {options.quantization} computes in "
-                         f"{FORMATS[options.quantization].dtype}; the q8 KV cache is built for float32 models")
+                         f"{FORMATS[options.quantization].dtype}; the {options.kv_quant} KV cache is built for float32 "
+                         "models")
 
 
 def _kv_bytes_per_token(config: ModelConfig, model_dtype: str, kv_quant: str | None) -> int:
-    """Bytes the KV cache holds per token: keys and values of every layer, in the model's dtype or as int8 rows."""
-    if kv_quant == "q8":
-        return Int8Rows(config.num_attention_heads, config.num_key_value_heads,
-                        config.head_dim).bytes_per_token(config.num_hidden_layers)
+    """Bytes the KV cache holds per token: keys and values of every layer, in the model's dtype or as packed rows."""
+    if kv_quant:
+        return KV_ROWS[kv_quant](config.num_attention_heads, config.num_key_value_heads,
+                                 config.head_dim).bytes_per_token(config.num_hidden_layers)
     return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
             * tvm.runtime.DataType(model_dtype).bits // 8)
 

@@ -261,7 +261,7 @@ SCHEMA: dict[str, Any] = {
         "kind": _one_of("tir_paged"), "page_size": _POSITIVE, "prefill_chunk": _POSITIVE, "max_batch": _POSITIVE,
         "max_context": _POSITIVE, "max_total_tokens": _POSITIVE, "memory_budget": _optional(_POSITIVE),
         "num_layers": _POSITIVE, "num_kv_heads": _POSITIVE, "head_dim": _POSITIVE, "dtype": _TEXT,
-        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT, "quantization": _optional(_one_of("q8")),
+        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT, "quantization": _optional(_one_of("q8", "f16")),
     },
     "params": _list_of(_TEXT),
     "memory": {

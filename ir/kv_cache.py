@@ -9,7 +9,7 @@ graphs, where `ir_passes/specialize_attention.py` adds it with the graph rotatin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import tvm
 from tvm import relax, tirx
@@ -78,14 +78,12 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
 
 
 @dataclass(frozen=True)
-class Int8Rows:
-    """How the q8 KV cache (`--kv-quant q8`, `ir_passes/quantize_kv_cache.py`) stores a token.
+class KVRows:
+    """How a packed KV cache (`--kv-quant`, `ir_passes/quantize_kv_cache.py`) stores a token.
 
-    Per layer, token and side (K or V), one row of bytes: each KV head's `head_dim` int8
-    values, then the heads' float32 scales (symmetric, absmax / 127, one per token and head:
-    the attention kernels multiply a whole dot product by it, and a new token is quantized
-    alone, with no group statistics to update). That is `head_dim + 4` bytes per head where
-    float32 takes `4 * head_dim`: 0.27x at a head dim of 64, 0.26x at 128.
+    Per layer, token and side (K or V), one row of bytes: each KV head's `head_dim` values
+    in `value_dtype`, then, where the format has them, the heads' float32 scales (one per
+    token and head: the attention kernels multiply a whole dot product by it).
 
     TVM's cache runtime allocates pages in the dtype of the q/k/v it is handed and checks
     that tensor against its head counts and head dim, so the cache is declared with a head
@@ -98,10 +96,21 @@ class Int8Rows:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+    value_dtype: ClassVar[str]
+    scale_bytes: ClassVar[int]  # per head: 4 (a float32 scale) or 0 (values stored as they are)
+
+    @property
+    def value_bytes(self) -> int:
+        return tvm.runtime.DataType(self.value_dtype).bits // 8
 
     @property
     def row_bytes(self) -> int:
-        return self.num_kv_heads * (self.head_dim + 4)
+        return self.num_kv_heads * (self.head_dim * self.value_bytes + self.scale_bytes)
+
+    @property
+    def row_values(self) -> int:
+        """A row's length in values (its scales, if any, counted in value-sized pieces)."""
+        return self.row_bytes // self.value_bytes
 
     @property
     def stored_kv_heads(self) -> int:
@@ -109,8 +118,8 @@ class Int8Rows:
 
     @property
     def scale_word(self) -> int:
-        """The word of a row where the scales start (after every head's int8 values)."""
-        return self.num_kv_heads * self.head_dim // 4
+        """The word of a row where the scales start (after every head's values)."""
+        return self.num_kv_heads * self.head_dim * self.value_bytes // 4
 
     @property
     def stored_qo_heads(self) -> int:
@@ -118,6 +127,27 @@ class Int8Rows:
 
     def bytes_per_token(self, num_layers: int) -> int:
         return 2 * num_layers * self.row_bytes
+
+
+class Int8Rows(KVRows):
+    """`--kv-quant q8`: int8 values and a float32 scale per token and head (symmetric, absmax / 127;
+    a new token is quantized alone, with no group statistics to update). That is `head_dim + 4`
+    bytes per head where float32 takes `4 * head_dim`: 0.27x at a head dim of 64, 0.26x at 128."""
+
+    value_dtype = "int8"
+    scale_bytes = 4
+
+
+class Float16Rows(KVRows):
+    """`--kv-quant f16`: float16 values, no scales (llama.cpp's default cache type): 0.5x the
+    bytes of float32, and each value read back with one conversion (`vcvtph2ps` on x86)."""
+
+    value_dtype = "float16"
+    scale_bytes = 0
+
+
+# `--kv-quant` choices and the rows each stores.
+KV_ROWS: dict[str, type[KVRows]] = {"q8": Int8Rows, "f16": Float16Rows}
 
 
 def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:

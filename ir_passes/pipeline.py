@@ -62,7 +62,7 @@ class LowerOptions:
     int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
     # Checkpoint tensor -> the name of its own format, in place of `quantization` (a GGUF file's per-tensor types).
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
-    kv_quant: str | None = None  # "q8": the KV cache stores int8 rows (`quantize_kv_cache`); None: the model's dtype
+    kv_quant: str | None = None  # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype
 
 
 def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
@@ -88,8 +88,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
         # then chains of reshapes (heads views around attention) become one each.
         fold_split_concat,
-        # With --kv-quant q8, the cache is created with ember's int8 kernels and attention hands it q/k/v as words.
-        *([quantize_kv_cache(target)] if options.kv_quant == "q8" else []),
+        # With --kv-quant, the cache is created with ember's kernels for its rows and attention hands it q/k/v as words.
+        *([quantize_kv_cache(target, options.kv_quant)] if options.kv_quant else []),
         relax.transform.RemoveRedundantReshape(),
         # After fusion, so a fused projection is packed as one weight.
         quantize_weights(options.quantization, options.keep_embedding, options.keep_lm_head,

@@ -1,9 +1,11 @@
-"""The paged KV cache stores keys and values as int8 (`--kv-quant q8`).
+"""The paged KV cache stores keys and values packed: int8 (`--kv-quant q8`) or float16 (`f16`).
 
-At long contexts decode reads more KV cache than weights (a 110M model at 8,192 tokens:
-192 MiB of float32 keys and values per token, 60 MiB of q4 weights). This pass makes
-the cache hold int8 rows with a float32 scale per token and head (`ir.kv_cache.Int8Rows`:
-0.27x the bytes at a head dim of 64) while TVM's cache runtime keeps managing pages,
+Decode reads every cached key and value of every sequence once per token: at long
+contexts more than the weights (a 110M model at 8,192 tokens: 192 MiB of float32 keys
+and values, 60 MiB of q4 weights), and at 8 sequences of ~130 tokens already a quarter
+of a step. This pass makes a float32 model's cache hold rows of `ir.kv_cache.KV_ROWS`:
+int8 with a float32 scale per token and head (`Int8Rows`, 0.27x the bytes at a head dim
+of 64) or float16 (`Float16Rows`, 0.5x), while TVM's cache runtime keeps managing pages,
 sequences, forks and rollbacks. That runtime allocates pages in the dtype of the q/k/v
 it is handed and checks head counts and head dim, and moves data only through kernels
 it is given; so:
@@ -30,11 +32,11 @@ import tvm
 from tvm import relax, tirx
 
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
-from ember.ir.kv_cache import Int8Rows
+from ember.ir.kv_cache import KV_ROWS, KVRows
 from ember.ir.module_utils import is_op
 from ember.schedules import quantized_kv_cache as kernels
 from ember.schedules.decode_attention import paged_decode_attention
-from ember.schedules.kv_storage import Int8PageRows
+from ember.schedules.kv_storage import PackedPageRows
 from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
 from ember.targets.registry import TargetSpec
 
@@ -49,13 +51,14 @@ _MERGE, _SPLIT, _COPY_PAGE, _DEBUG_READ, _COMPACT = 23, 24, 25, 26, 27
 _ROPE_NORMAL = 1
 
 
-def quantize_kv_cache(target: TargetSpec) -> tvm.transform.Pass:
-    """The pass for `target` (a CPU: the kernels are ember's CPU kernels)."""
+def quantize_kv_cache(target: TargetSpec, kv_quant: str) -> tvm.transform.Pass:
+    """The pass for `target` (a CPU: the kernels are ember's CPU kernels) and a `KV_ROWS` format."""
     lanes = max(target.vector_bits // 32, 1)
+    rows_format = KV_ROWS[kv_quant]
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeKVCache")
     def _quantize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod, lanes)
+        rewriter = _Rewriter(mod, lanes, rows_format, kv_quant)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
@@ -71,10 +74,10 @@ def quantize_kv_cache(target: TargetSpec) -> tvm.transform.Pass:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, lanes: int) -> None:
+    def __init__(self, mod: tvm.IRModule, lanes: int, rows_format: type[KVRows], kv_quant: str) -> None:
         super().__init__(mod)
-        self.mod, self.lanes = mod, lanes
-        self.rows: Int8Rows | None = None
+        self.mod, self.lanes, self.rows_format, self.kv_quant = mod, lanes, rows_format, kv_quant
+        self.rows: KVRows | None = None
         self.rotary: relax.GlobalVar | None = None  # the module's rotary kernel, where the cache applied it
         self.replaced_rotary: str | None = None  # that kernel's name as the cache took it (same exported symbol)
 
@@ -94,9 +97,10 @@ class _Rewriter(relax.PyExprMutator):
         args = list(call.args[1:])
         dtype = str(args[_DTYPE_EXAMPLE].ty.dtype)
         if dtype != "float32":
-            raise ValueError(f"quantize_kv_cache: the q8 cache stores float32 models' keys and values, not {dtype}")
+            raise ValueError(f"quantize_kv_cache: the {self.kv_quant} cache stores float32 models' keys and values, "
+                             f"not {dtype}")
         qo_heads, kv_heads, head_dim = (int(args[i].value) for i in (_QO_HEADS, _KV_HEADS, _QK_DIM))
-        self.rows = rows = Int8Rows(qo_heads, kv_heads, head_dim)
+        self.rows = rows = self.rows_format(qo_heads, kv_heads, head_dim)
         decode = self.mod[args[_DECODE].fields[1].name_hint]  # by name: an importer's cache was built apart
         page_size = int(decode.params[1].shape[3])  # TVM's kernels are built for the page size the runtime uses
         num_layers = int(self.mod[args[_DEBUG_READ].name_hint].params[2].shape[0])
@@ -107,11 +111,11 @@ class _Rewriter(relax.PyExprMutator):
             self.replaced_rotary = args[_SPLIT].name_hint
             self.rotary = self.builder_.add_func(rotary.specialize({rotary.params[-1]: tirx.IntImm("int64", 1)}),
                                                  self.replaced_rotary + "_applied")
-        storage = Int8PageRows(rows, page_size)
+        storage = PackedPageRows(rows, page_size)
 
         def kernel(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.GlobalVar:
             """`build(symbol=...)`, added to the module under its exported symbol."""
-            symbol = f"ember_q8_kv_{name}"
+            symbol = f"ember_{self.kv_quant}_kv_{name}"
             return self.builder_.add_func(build(symbol=symbol).with_attr(KERNEL_SOURCE_ATTR, __name__), symbol)
 
         def attention(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.Tuple:

@@ -6,8 +6,8 @@ rescale of the whole output row for every cached token. On the 110M benchmark mo
 it took 9.5% of a decode step (132 us a layer for 129 cached tokens).
 
 This kernel has the same signature and results, so the KV cache runtime calls it
-unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in). It also reads the q8
-cache's int8 rows (`kv_storage.py`), a dot product or value row times its scale:
+unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in). It also reads a `--kv-quant`
+cache's rows (`kv_storage.py`; the q8 cache's: a dot product or value row times its scale):
 
     parallel (sequence, kv head)          # the query heads sharing a KV head go together
       q[g, :] = Q[b, head g] * scale * log2(e)
@@ -29,7 +29,7 @@ import math
 
 from tvm.script import tirx as T
 
-from ember.schedules.kv_storage import FloatPages, Int8PageRows
+from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import exp2, reduce_lanes
 
 # Cached tokens scored per softmax rescale.
@@ -43,7 +43,7 @@ _START_MAX = -5e4
 
 
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                           page_size: int, lanes: int, symbol: str, storage: FloatPages | Int8PageRows | None = None):
+                           page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
     `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`

@@ -3,8 +3,8 @@
 Two page layouts share the kernels (`decode_attention.py`, `prefill_attention.py`):
 
     FloatPages      TVM's: pages[page, K or V, kv head, slot, dim] in the model's dtype
-    Int8PageRows    the q8 cache's (`ember.ir.kv_cache.Int8Rows`): per page, side and slot a
-                    row of every KV head's int8 values, then their float32 scales
+    PackedPageRows  a `--kv-quant` cache's (`ember.ir.kv_cache.KVRows`): per page, side and slot a
+                    row of every KV head's values (int8 or float16), then any float32 scales
 
 A kernel declares its parameters in the layout's declared shapes (what TVM's runtime
 checks and allocates) and reads them through views in the real ones: `value` is an
@@ -18,7 +18,7 @@ from tvm import tirx
 from tvm.runtime import DataType
 from tvm.script import tirx as T
 
-from ember.ir.kv_cache import Int8Rows
+from ember.ir.kv_cache import KVRows
 from ember.schedules.common import prefetch
 
 LINE_BYTES = 64
@@ -59,19 +59,19 @@ class FloatPages:
         return prefetch_row
 
 
-class Int8PageRows:
-    """The q8 cache's layout: a row of int8 values and float32 scales per page slot and side."""
+class PackedPageRows:
+    """A `--kv-quant` cache's layout: a row of values (and scales, if the rows have them) per page slot and side."""
 
-    def __init__(self, rows: Int8Rows, page_size: int) -> None:
+    def __init__(self, rows: KVRows, page_size: int) -> None:
         self.rows, self.head_dim, self.page_size = rows, rows.head_dim, page_size
         self.q_heads, self.q_dim = rows.stored_qo_heads, 1
-        self.values_dtype, self.scales_dtype = "int8", "float32"
+        self.values_dtype, self.scales_dtype = rows.value_dtype, "float32"
 
     def page_shape(self, num_pages):
         return (num_pages, 2, self.rows.stored_kv_heads, self.page_size, 1)
 
     def values_shape(self, num_pages):
-        return (num_pages, 2, self.page_size, self.rows.row_bytes)
+        return (num_pages, 2, self.page_size, self.rows.row_values)
 
     def words_shape(self, num_pages):
         """The pages as float32 words, a row of `stored_kv_heads` per slot: how the cache's own kernels move rows."""
@@ -83,20 +83,27 @@ class Int8PageRows:
         return T.Cast("float32", values[page, part, slot, h * self.head_dim + i])
 
     def scale(self, scales, page, part, slot, h):
+        if self.rows.scale_bytes == 0:
+            return T.float32(1)
         return scales[page, part, slot, self.rows.scale_word + h]
 
     @property
     def prefetch(self):
-        """A macro: prefetches of the lines of the head's int8 values and of the line with its scale."""
-        head_dim, scale_word, per_line = self.head_dim, self.rows.scale_word, LINE_BYTES
-        lines = _lines_touched(head_dim, aligned=False)  # rows of `row_bytes`, heads in them: anywhere in a line
+        """A macro: prefetches of the lines of the head's values and of the line with its scale, if any."""
+        head_dim, scale_word, has_scales = self.head_dim, self.rows.scale_word, self.rows.scale_bytes > 0
+        value_bytes = self.rows.value_bytes
+        per_line = LINE_BYTES // value_bytes
+        # Rows of `row_bytes` hold the heads: a head's values start on a line only if every row and head does.
+        aligned = self.rows.row_bytes % LINE_BYTES == 0 and head_dim * value_bytes % LINE_BYTES == 0
+        lines = _lines_touched(head_dim * value_bytes, aligned=aligned)
 
         @T.macro
         def prefetch_row(values, scales, page, part, slot, h):
             for line in T.unroll(lines):
                 T.evaluate(prefetch(T.address_of(values[page, part, slot, h * head_dim + T.min(
                     line * per_line, head_dim - 1)])))
-            T.evaluate(prefetch(T.address_of(scales[page, part, slot, scale_word + h])))
+            if has_scales:
+                T.evaluate(prefetch(T.address_of(scales[page, part, slot, scale_word + h])))
 
         return prefetch_row
 

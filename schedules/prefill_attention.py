@@ -31,8 +31,8 @@ Causal blocks grow in cost with their position, and TVM's thread pool hands each
 thread one contiguous range of tasks, so tasks visit the blocks in the order
 0, n-1, 1, n-2, ... that balances the two halves. Rotary embedding must already be
 applied to q and k (ember's models use `RopeMode.NORMAL`); the kernels check it.
-Both kernels also read the q8 cache's int8 rows (`kv_storage.py`), dequantized as a
-chunk of keys and values is loaded.
+Both kernels also read a `--kv-quant` cache's rows (`kv_storage.py`: int8 with scales, or
+float16), converted to float32 as a chunk of keys and values is loaded.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import math
 
 from tvm.script import tirx as T
 
-from ember.ir.kv_cache import Int8Rows
-from ember.schedules.kv_storage import FloatPages, Int8PageRows
+from ember.ir.kv_cache import KVRows
+from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
 
 # Query rows per task: each chunk of keys is transposed once for all their (row, head) pairs.
@@ -162,17 +162,19 @@ class _Ragged:
         return T.float32(1)
 
 
-class _Int8Ragged(_Ragged):
-    """As `_Ragged`, for the q8 cache's new tokens: kv = [k, v, kv_indptr, k scales, v scales], k and v
-    int8 rows of [tokens, heads * dim] (`Int8Rows`) with float32 scales [tokens, words of a row]."""
+class _PackedRagged(_Ragged):
+    """As `_Ragged`, for a `--kv-quant` cache's new tokens: kv = [k, v, kv_indptr, k scales, v scales], k and v
+    rows of [tokens, values of a row] (`KVRows`) with any float32 scales in [tokens, words of a row]."""
 
-    def __init__(self, rows: Int8Rows) -> None:
+    def __init__(self, rows: KVRows) -> None:
         self.rows = rows
 
     def row(self, kv, start, pos, h, i, part):
         return T.Cast("float32", kv[part][start + pos, h * self.rows.head_dim + i])
 
     def scale(self, kv, start, pos, h, part):
+        if self.rows.scale_bytes == 0:
+            return T.float32(1)
         return kv[3 + part][start + pos, self.rows.scale_word + h]
 
 
@@ -180,7 +182,7 @@ class _Paged:
     """As `_Ragged`, with kv = [values, page_indptr, page_values, last_page_len, scales]: keys and values
     in cache pages, read through `storage` (`kv_storage.py`)."""
 
-    def __init__(self, storage: FloatPages | Int8PageRows) -> None:
+    def __init__(self, storage: FloatPages | PackedPageRows) -> None:
         self.storage, self.page_size = storage, storage.page_size
 
     def start(self, kv, b):
@@ -255,15 +257,15 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
 
 
 def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, lanes: int,
-                             symbol: str, rows: Int8Rows | None = None):
+                             symbol: str, rows: KVRows | None = None):
     """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]; with `rows`,
-    the q8 cache's: k and v quantized as it stores them, q and the output at the front of its word rows.
+    a `--kv-quant` cache's: k and v rows as it stores them, q and the output at the front of its word rows.
     `lanes` is the float32 vector width."""
-    source = _Int8Ragged(rows) if rows else _Ragged()
+    source = _PackedRagged(rows) if rows else _Ragged()
     q_heads, q_dim = (rows.stored_qo_heads, 1) if rows else (num_qo_heads, head_dim)
     kv_shape = (rows.stored_kv_heads, 1) if rows else (num_kv_heads, head_dim)
-    # The new tokens' keys and values as the kernel reads them: as given, or int8 values and float32 scales.
-    kv_values = ((rows.row_bytes,), "int8") if rows else ((num_kv_heads, head_dim), dtype)
+    # The new tokens' keys and values as the kernel reads them: as given, or the rows' values and float32 scales.
+    kv_values = ((rows.row_values,), rows.value_dtype) if rows else ((num_kv_heads, head_dim), dtype)
     kv_scales = ((rows.stored_kv_heads,), "float32") if rows else ((num_kv_heads, head_dim), dtype)
     attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes, source)
 
@@ -317,7 +319,7 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
 
 
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
-                            lanes: int, symbol: str, storage: FloatPages | Int8PageRows | None = None):
+                            lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages,
     laid out as `storage` says (`kv_storage.py`; TVM's float pages by default). `lanes` is the float32 vector width."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)

@@ -1,20 +1,23 @@
-"""The q8 KV cache's own kernels: quantize new keys and values, store, copy and merge rows.
+"""A `--kv-quant` cache's own kernels: quantize new keys and values, store, copy and merge rows.
 
-TVM's cache runtime moves keys and values only through kernels it is handed; for the q8
-cache (`ir_passes/quantize_kv_cache.py`) these are ember's, over the rows of
-`ember.ir.kv_cache.Int8Rows` (the attention kernels that read them are
+TVM's cache runtime moves keys and values only through kernels it is handed; for the
+packed caches (`ir_passes/quantize_kv_cache.py`) these are ember's, over the rows of
+`ember.ir.kv_cache.KVRows` (the attention kernels that read them are
 `decode_attention.py` and `prefill_attention.py`, through `kv_storage.py`):
 
-    split_and_quantize   the fused q/k/v of the new tokens -> q as it is, k and v as int8
-                         rows: per token and head, scale = absmax / 127, values round(x / scale)
+    split_and_quantize   the fused q/k/v of the new tokens -> q as it is, k and v as rows:
+                         q8, per token and head, scale = absmax / 127, values round(x / scale);
+                         f16, each value rounded to the nearest float16
     append_rows          each new token's k and v rows into its page slot
     copy_page_rows       a page's first rows into another page (forking a sequence mid-page)
     compact_rows         rows moved between positions (the runtime compacting a sequence)
     read_rows            rows at positions, as stored (the runtime's debug read)
     merge_states         two partial attention outputs by their log-sum-exps (base 2)
 
-Every kernel takes the shapes the runtime declares (word rows: see `Int8Rows`; pages as
-`kv_storage.Int8PageRows` describes them) and reads them through views of their real layout. Rotary embedding is applied before the split
+Only the split knows the rows' format; the others move whole rows as words. Every kernel
+takes the shapes the runtime declares (word rows: see `KVRows`; pages as
+`kv_storage.PackedPageRows` describes them) and reads them through views of their real
+layout. Rotary embedding is applied before the split
 (the pass moves it into the graph), so `apply_rope` must be 0.
 """
 
@@ -22,11 +25,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ember.ir.kv_cache import Int8Rows
-from ember.schedules.kv_storage import Int8PageRows
+from ember.ir.kv_cache import KVRows
+from ember.schedules.kv_storage import PackedPageRows
 
 
-def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
+def split_and_quantize(rows: KVRows, dtype: str, symbol: str):
     """The cache's `f_split_rotary`: (qkv, positions, q, k, v, apply_rope), q copied, k and v quantized."""
     heads, head_dim, words = rows.num_kv_heads, rows.head_dim, rows.stored_kv_heads
     qo_floats = rows.num_qo_heads * head_dim
@@ -34,14 +37,18 @@ def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
 
     @T.macro
     def quantize(qkv, t, first, values, scales, h, amax):
-        """Head h of token t, at `first` in its fused qkv row, into a row's int8 values and scale."""
-        amax[0] = T.float32(0)
-        for i in T.serial(head_dim):
-            amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
-        inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
-        scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
-        for i in T.vectorized(head_dim):
-            values[t, h * head_dim + i] = T.Cast("int8", T.round(qkv[t, first + i] * inverse))
+        """Head h of token t, at `first` in its fused qkv row, into a row's values (and scale)."""
+        if rows.scale_bytes > 0:
+            amax[0] = T.float32(0)
+            for i in T.serial(head_dim):
+                amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
+            inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
+            scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
+            for i in T.vectorized(head_dim):
+                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, T.round(qkv[t, first + i] * inverse))
+        else:
+            for i in T.vectorized(head_dim):
+                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, qkv[t, first + i])
 
     @T.prim_func(s_tir=True)
     def split(qkv_handle: T.handle, positions_handle: T.handle, q_handle: T.handle, k_handle: T.handle,
@@ -54,10 +61,10 @@ def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
         q = T.match_buffer(q_handle, (n, rows.stored_qo_heads, 1), dtype)
         k_words = T.match_buffer(k_handle, (n, words, 1), dtype)
         v_words = T.match_buffer(v_handle, (n, words, 1), dtype)
-        assert apply_rope == 0, "the q8 KV cache needs rotary embedding applied before attention"
+        assert apply_rope == 0, "ember's packed KV cache needs rotary embedding applied before attention"
         qkv = T.decl_buffer((n, (rows.num_qo_heads + 2 * heads) * head_dim), dtype, data=qkv_words.data)
-        k_values = T.decl_buffer((n, rows.row_bytes), "int8", data=k_words.data)
-        v_values = T.decl_buffer((n, rows.row_bytes), "int8", data=v_words.data)
+        k_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=k_words.data)
+        v_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=v_words.data)
         k_scales = T.decl_buffer((n, words), "float32", data=k_words.data)
         v_scales = T.decl_buffer((n, words), "float32", data=v_words.data)
         for t in T.parallel(n):
@@ -74,7 +81,7 @@ def split_and_quantize(rows: Int8Rows, dtype: str, symbol: str):
     return split
 
 
-def append_rows(storage: Int8PageRows, dtype: str, symbol: str):
+def append_rows(storage: PackedPageRows, dtype: str, symbol: str):
     """The cache's `f_transpose_append`: (pages, k rows, v rows, positions); position -1 is skipped."""
     words, page_size = storage.rows.stored_kv_heads, storage.page_size
 
@@ -102,7 +109,7 @@ def append_rows(storage: Int8PageRows, dtype: str, symbol: str):
     return append
 
 
-def copy_page_rows(storage: Int8PageRows, dtype: str, symbol: str):
+def copy_page_rows(storage: PackedPageRows, dtype: str, symbol: str):
     """The cache's `f_copy_single_page`: (pages, source page, target page, rows to copy)."""
 
     @T.prim_func(s_tir=True)
@@ -118,7 +125,7 @@ def copy_page_rows(storage: Int8PageRows, dtype: str, symbol: str):
     return copy_page
 
 
-def compact_rows(storage: Int8PageRows, dtype: str, symbol: str):
+def compact_rows(storage: PackedPageRows, dtype: str, symbol: str):
     """The cache's `f_compact_copy`: (pages, per-sequence indptr, [2, n] source and target positions, batch)."""
     page_size = storage.page_size
 
@@ -144,7 +151,7 @@ def compact_rows(storage: Int8PageRows, dtype: str, symbol: str):
     return compact
 
 
-def read_rows(storage: Int8PageRows, num_layers: int, dtype: str, symbol: str):
+def read_rows(storage: PackedPageRows, num_layers: int, dtype: str, symbol: str):
     """The cache's `f_debug_get_kv`: (pages, positions, k out, v out, layer), each row as stored."""
     words, page_size = storage.rows.stored_kv_heads, storage.page_size
 
@@ -167,7 +174,7 @@ def read_rows(storage: Int8PageRows, num_layers: int, dtype: str, symbol: str):
     return read
 
 
-def merge_states(rows: Int8Rows, dtype: str, symbol: str):
+def merge_states(rows: KVRows, dtype: str, symbol: str):
     """The cache's `f_merge_inplace`: (o, lse, o other, lse other) -> o, lse of both, per real query head."""
     heads, head_dim, q_words = rows.num_qo_heads, rows.head_dim, rows.stored_qo_heads
 

@@ -195,9 +195,9 @@ class TinyModels:
         `--float-activations`), once per session."""
         return self._compiled(name, quantization, float_activations, "torch-export")
 
-    def kv_quantized(self, name: str, frontend: str = "builtin") -> TinyModel:
-        """The tiny model `name` compiled (q0f32, through `frontend`) with `--kv-quant q8`, once per session."""
-        return self._compiled(name, "q0f32", False, frontend, kv_quant="q8")
+    def kv_quantized(self, name: str, frontend: str = "builtin", kv_quant: str = "q8") -> TinyModel:
+        """The tiny model `name` compiled (q0f32, through `frontend`) with `--kv-quant kv_quant`, once per session."""
+        return self._compiled(name, "q0f32", False, frontend, kv_quant=kv_quant)
 
     def _compiled(self, name: str, quantization: str, float_activations: bool, frontend: str,
                   kv_quant: str | None = None) -> TinyModel:

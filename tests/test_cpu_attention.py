@@ -187,22 +187,24 @@ def _prefetched_lines(storage, page: int, part: int, slot: int, head: int) -> se
     return lines
 
 
-@pytest.mark.parametrize("storage", ["float32 64", "float16 64", "float32 24", "q8 4x64", "q8 2x80"])
+@pytest.mark.parametrize("storage", ["float32 64", "float16 64", "float32 24", "q8 4x64", "q8 2x80", "f16 4x64",
+                                     "f16 2x24"])
 def test_kv_prefetch_covers_every_line_a_token_reads(storage):
     """Decode attention prefetches a token's key and value rows ahead: every line they touch, in each layout."""
-    from ember.ir.kv_cache import Int8Rows
-    from ember.schedules.kv_storage import FloatPages, Int8PageRows
+    from ember.ir.kv_cache import KV_ROWS
+    from ember.schedules.kv_storage import FloatPages, PackedPageRows
 
     kind, size = storage.split()
-    if kind == "q8":
+    if kind in KV_ROWS:
         kv_heads, head_dim = map(int, size.split("x"))
-        layout = Int8PageRows(Int8Rows(kv_heads * 3, kv_heads, head_dim), PAGE)
-        row_bytes = layout.rows.row_bytes
+        layout = PackedPageRows(KV_ROWS[kind](kv_heads * 3, kv_heads, head_dim), PAGE)
+        rows = layout.rows
 
-        def read(page, part, slot, head):  # the head's int8 values, then its float32 scale
-            row = ((page * 2 + part) * PAGE + slot) * row_bytes
-            scale = row + layout.rows.scale_word * 4 + head * 4
-            return set(range(row + head * head_dim, row + (head + 1) * head_dim)) | set(range(scale, scale + 4))
+        def read(page, part, slot, head):  # the head's values, then its float32 scale if the rows have scales
+            row = ((page * 2 + part) * PAGE + slot) * rows.row_bytes
+            values = set(range(row + head * head_dim * rows.value_bytes, row + (head + 1) * head_dim * rows.value_bytes))
+            scale = row + rows.scale_word * 4 + head * 4
+            return values | (set(range(scale, scale + 4)) if rows.scale_bytes else set())
     else:
         kv_heads, head_dim, element = 2, int(size), np.dtype(kind).itemsize
         layout = FloatPages(kv_heads * 2, kv_heads, head_dim, PAGE, kind)
