@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ember.ir.attributes import KERNEL_SOURCE_ATTR, ROPE_ATTR
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.module_utils import replace_functions
 from ember.schedules import rope
 
@@ -23,22 +23,14 @@ from ember.schedules import rope
 @tvm.transform.module_pass(opt_level=0, name="SpecializeCPURope")
 def specialize_cpu_rope(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """Replace the KV cache's `fused_rope` with `schedules/rope.py`'s kernel."""
-    record = (mod.attrs or {}).get(ROPE_ATTR)
-    if record is None or record.get("mode") == "in-graph":  # an imported graph rotates q and k itself
-        return mod
-    scaling = {str(key): str(value) if isinstance(value, str) else value for key, value in record["scaling"].items()}
-    if not rope.supports(scaling):
-        return mod
     updates = {}
     for gv, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and (func.attrs or {}).get("global_symbol") == rope.ROPE_SYMBOL:
             qkv, _, queries, keys = func.params[:4]  # buffer-typed parameters: [tokens, heads, head dim]
-            kernel = rope.fused_qkv_rope(
-                num_q_heads=int(queries.shape[1]), num_kv_heads=int(keys.shape[1]), head_dim=int(qkv.shape[2]),
-                dtype=str(qkv.dtype), theta=float(record["theta"]), rope_scaling=scaling,
-                rotary_dim=int(record["rotary_dim"]),
-            )
-            if len(func.params) < len(kernel.params):  # its `apply_rope` bound (`quantize_kv_cache`): bind ours too
-                kernel = kernel.specialize({kernel.params[-1]: tirx.IntImm("int64", 1)})
+            rotary = rope.recorded_rotary(mod, head_dim=int(qkv.shape[2]), dtype=str(qkv.dtype))
+            if rotary is None:
+                return mod
+            kernel = rope.fused_qkv_rope(num_q_heads=int(queries.shape[1]), num_kv_heads=int(keys.shape[1]),
+                                         rotary=rotary)
             updates[gv.name_hint] = kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)
     return replace_functions(mod, updates) if updates else mod

@@ -27,28 +27,35 @@ from tvm.script import tirx as T
 
 from ember.ir.kv_cache import KVRows
 from ember.schedules.kv_storage import PackedPageRows
+from ember.schedules.rope import Rotary
 
 
-def split_and_quantize(rows: KVRows, dtype: str, symbol: str):
-    """The cache's `f_split_rotary`: (qkv, positions, q, k, v, apply_rope), q copied, k and v quantized."""
+def split_and_quantize(rows: KVRows, dtype: str, symbol: str, rotary: Rotary | None = None):
+    """The cache's `f_split_rotary`: (qkv, positions, q, k, v, apply_rope), q copied, k and v quantized. With
+    `rotary`, q and k are rotated first where apply_rope > 0 (the runtime passes 1 for `RopeMode.NORMAL`):
+    one kernel where the rotation would otherwise be one more and a concatenation of its outputs."""
     heads, head_dim, words = rows.num_kv_heads, rows.head_dim, rows.stored_kv_heads
-    qo_floats = rows.num_qo_heads * head_dim
+    qo_heads = rows.num_qo_heads
     fused_words = rows.stored_qo_heads + 2 * words
 
+    def rotated(qkv, cos_t, sin_t, apply_rope, t, h, i):
+        """Element i of q or k head h of token t's fused q/k/v, rotated where `rotary` rotates."""
+        return qkv[t, h, i] if rotary is None else rotary.rotate(qkv, cos_t, sin_t, apply_rope, t, h, i)
+
     @T.macro
-    def quantize(qkv, t, first, values, scales, h, amax):
-        """Head h of token t, at `first` in its fused qkv row, into a row's values (and scale)."""
+    def quantize(head, t, h, values, scales, amax):
+        """A staged head (`head_dim` floats) into row h's values (and scale) of token t."""
         if rows.scale_bytes > 0:
             amax[0] = T.float32(0)
             for i in T.serial(head_dim):
-                amax[0] = T.max(amax[0], T.fabs(qkv[t, first + i]))
+                amax[0] = T.max(amax[0], T.fabs(head[i]))
             inverse: T.let[T.float32] = T.if_then_else(amax[0] > 0, T.float32(127) / amax[0], T.float32(0))
             scales[t, rows.scale_word + h] = amax[0] / T.float32(127)
             for i in T.vectorized(head_dim):
-                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, T.round(qkv[t, first + i] * inverse))
+                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, T.round(head[i] * inverse))
         else:
             for i in T.vectorized(head_dim):
-                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, qkv[t, first + i])
+                values[t, h * head_dim + i] = T.Cast(rows.value_dtype, head[i])
 
     @T.prim_func(s_tir=True)
     def split(qkv_handle: T.handle, positions_handle: T.handle, q_handle: T.handle, k_handle: T.handle,
@@ -57,12 +64,14 @@ def split_and_quantize(rows: KVRows, dtype: str, symbol: str):
         n = T.int64()
         positions_offset = T.int64()
         qkv_words = T.match_buffer(qkv_handle, (n, fused_words, 1), dtype)
-        T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
-        q = T.match_buffer(q_handle, (n, rows.stored_qo_heads, 1), dtype)
+        positions = T.match_buffer(positions_handle, (n,), "int32", elem_offset=positions_offset)
+        q_words = T.match_buffer(q_handle, (n, rows.stored_qo_heads, 1), dtype)
         k_words = T.match_buffer(k_handle, (n, words, 1), dtype)
         v_words = T.match_buffer(v_handle, (n, words, 1), dtype)
-        assert apply_rope == 0, "ember's packed KV cache needs rotary embedding applied before attention"
-        qkv = T.decl_buffer((n, (rows.num_qo_heads + 2 * heads) * head_dim), dtype, data=qkv_words.data)
+        if rotary is None:
+            assert apply_rope == 0, "this packed KV cache needs rotary embedding applied before attention"
+        qkv = T.decl_buffer((n, qo_heads + 2 * heads, head_dim), dtype, data=qkv_words.data)
+        q = T.decl_buffer((n, qo_heads, head_dim), dtype, data=q_words.data, strides=(rows.stored_qo_heads, head_dim, 1))
         k_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=k_words.data)
         v_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=v_words.data)
         k_scales = T.decl_buffer((n, words), "float32", data=k_words.data)
@@ -71,12 +80,22 @@ def split_and_quantize(rows: KVRows, dtype: str, symbol: str):
             with T.sblock("split"):
                 T.reads()
                 T.writes()
+                head = T.sblock_alloc_buffer((head_dim,), dtype)
                 amax = T.sblock_alloc_buffer((1,), "float32")
-                for i in T.vectorized(qo_floats):
-                    q[t, i, 0] = qkv[t, i]
+                cos_t = T.sblock_alloc_buffer((head_dim,), "float32")
+                sin_t = T.sblock_alloc_buffer((head_dim,), "float32")
+                if rotary is not None:
+                    rotary.fill_angles(cos_t, sin_t, positions[t])
+                for h in T.serial(qo_heads):
+                    for i in T.vectorized(head_dim):
+                        q[t, h, i] = rotated(qkv, cos_t, sin_t, apply_rope, t, h, i)
                 for h in T.serial(heads):
-                    quantize(qkv, t, qo_floats + h * head_dim, k_values, k_scales, h, amax)
-                    quantize(qkv, t, qo_floats + (heads + h) * head_dim, v_values, v_scales, h, amax)
+                    for i in T.vectorized(head_dim):
+                        head[i] = rotated(qkv, cos_t, sin_t, apply_rope, t, qo_heads + h, i)
+                    quantize(head, t, h, k_values, k_scales, amax)
+                    for i in T.vectorized(head_dim):
+                        head[i] = qkv[t, qo_heads + heads + h, i]
+                    quantize(head, t, h, v_values, v_scales, amax)
 
     return split
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import tvm
 from tvm import tirx
 from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
 from tvm.script import tirx as T
+
+from ember.ir.attributes import ROPE_ATTR
 
 # The exported symbol of TVM's kernel, which the KV cache runtime calls.
 ROPE_SYMBOL = "fused_rope"
@@ -35,31 +38,65 @@ def supports(rope_scaling: dict[str, Any]) -> bool:
     return rope_scaling.get("rope_type", "default") in ("default", "llama3")
 
 
-def fused_qkv_rope(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: str, theta: float,
-                   rope_scaling: dict[str, Any], rotary_dim: int | None = None):
-    """Replacement for TVM's `fused_rope`: qkv [tokens, q + 2 kv heads, head_dim] -> q, k, v."""
-    if not supports(rope_scaling):
-        raise ValueError(f"ember's rotary embedding does not compute rope_type {rope_scaling.get('rope_type')!r}")
-    rotary_dim = rotary_dim or head_dim
-    half = rotary_dim // 2
-    fused_heads = num_q_heads + 2 * num_kv_heads
-    rotated_heads = num_q_heads + num_kv_heads
-    angle = switch_rope_freq_func(rope_scaling)
+class Rotary:
+    """The rotation of one model's q and k heads, as TIR pieces a kernel over fused q/k/v rows uses:
+    `fill_angles` a token's cos and sin tables, `rotate` one element of a head from them."""
 
-    def cos_sin(position, d):
-        """TVM's (cos, sin) of the rotation angle at `position` for dim `d`."""
-        cos, sin, bindings = angle(T.Cast("float32", position), d, rotary_dim, theta, "float32")
-        for var, value in bindings.items():
-            cos, sin = tirx.Let(var, value, cos), tirx.Let(var, value, sin)
-        return cos, sin
+    def __init__(self, head_dim: int, dtype: str, theta: float, rope_scaling: dict[str, Any],
+                 rotary_dim: int | None = None) -> None:
+        if not supports(rope_scaling):
+            raise ValueError(f"ember's rotary embedding does not compute rope_type {rope_scaling.get('rope_type')!r}")
+        self.head_dim, self.dtype = head_dim, dtype
+        self.rotary_dim = rotary_dim or head_dim
+        self.half = self.rotary_dim // 2
+        angle = switch_rope_freq_func(rope_scaling)
+        rotary_dim, half = self.rotary_dim, self.half
 
-    def rotate(qkv, cos_t, sin_t, apply_rope, s, h, d):
-        """Element d of head h, rotated as TVM's kernel rotates it (rotate-half pairs)."""
+        def cos_sin(position, d):
+            """TVM's (cos, sin) of the rotation angle at `position` for dim `d`."""
+            cos, sin, bindings = angle(T.Cast("float32", position), d, rotary_dim, theta, "float32")
+            for var, value in bindings.items():
+                cos, sin = tirx.Let(var, value, cos), tirx.Let(var, value, sin)
+            return cos, sin
+
+        @T.macro
+        def fill_angles(cos_t, sin_t, position):
+            for d in T.serial(half):  # dims d and d + half rotate by the same angle
+                cos_t[d] = cos_sin(position, d)[0]
+                sin_t[d] = cos_sin(position, d)[1]
+                cos_t[d + half] = cos_t[d]
+                sin_t[d + half] = sin_t[d]
+
+        self.fill_angles = fill_angles
+
+    def rotate(self, qkv, cos_t, sin_t, apply_rope, s, h, d):
+        """Element d of head h of token s in qkv [tokens, heads, head_dim], rotated as TVM's kernel rotates it
+        (rotate-half pairs) where apply_rope > 0; cos_t and sin_t hold the token's angles (`head_dim` floats)."""
+        head_dim, half, rotary_dim, dtype = self.head_dim, self.half, self.rotary_dim, self.dtype
         x = qkv[s, h, d]
         partner = T.if_then_else(d < half, -qkv[s, h, T.min(d + half, head_dim - 1)], qkv[s, h, T.max(d - half, 0)])
         column = T.min(d, rotary_dim - 1)
         rotated = cos_t[column] * T.Cast("float32", x) + sin_t[column] * T.Cast("float32", partner)
         return T.if_then_else(tirx.all(apply_rope > 0, d < rotary_dim), T.Cast(dtype, rotated), x)
+
+
+def recorded_rotary(mod: tvm.IRModule, head_dim: int, dtype: str) -> Rotary | None:
+    """The rotation the frontend recorded on `mod` (`ROPE_ATTR`), if the cache applies it and this module computes
+    it; None for an imported graph (it rotates q and k itself), no record, or another RoPE variant."""
+    record = (mod.attrs or {}).get(ROPE_ATTR)
+    if record is None or record.get("mode") == "in-graph":
+        return None
+    scaling = {str(key): str(value) if isinstance(value, str) else value for key, value in record["scaling"].items()}
+    if not supports(scaling):
+        return None
+    return Rotary(head_dim, dtype, float(record["theta"]), scaling, int(record["rotary_dim"]))
+
+
+def fused_qkv_rope(num_q_heads: int, num_kv_heads: int, rotary: Rotary):
+    """Replacement for TVM's `fused_rope`: qkv [tokens, q + 2 kv heads, head_dim] -> q, k, v."""
+    head_dim, dtype = rotary.head_dim, rotary.dtype
+    fused_heads = num_q_heads + 2 * num_kv_heads
+    rotated_heads = num_q_heads + num_kv_heads
 
     @T.prim_func(s_tir=True)
     def rope(qkv_handle: T.handle, position_map_handle: T.handle, q_handle: T.handle, k_handle: T.handle,
@@ -79,17 +116,13 @@ def fused_qkv_rope(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: st
                 T.writes()
                 cos_t = T.sblock_alloc_buffer((head_dim,), "float32")
                 sin_t = T.sblock_alloc_buffer((head_dim,), "float32")
-                for d in T.serial(half):  # dims d and d + half rotate by the same angle
-                    cos_t[d] = cos_sin(position_map[s], d)[0]
-                    sin_t[d] = cos_sin(position_map[s], d)[1]
-                    cos_t[d + half] = cos_t[d]
-                    sin_t[d + half] = sin_t[d]
+                rotary.fill_angles(cos_t, sin_t, position_map[s])
                 for h in T.serial(num_q_heads):
                     for d in T.vectorized(head_dim):
-                        q[s, h, d] = rotate(qkv, cos_t, sin_t, apply_rope, s, h, d)
+                        q[s, h, d] = rotary.rotate(qkv, cos_t, sin_t, apply_rope, s, h, d)
                 for h in T.serial(num_kv_heads):
                     for d in T.vectorized(head_dim):
-                        k[s, h, d] = rotate(qkv, cos_t, sin_t, apply_rope, s, num_q_heads + h, d)
+                        k[s, h, d] = rotary.rotate(qkv, cos_t, sin_t, apply_rope, s, num_q_heads + h, d)
                 for h, d in T.grid(num_kv_heads, head_dim):
                     v[s, h, d] = qkv[s, rotated_heads + h, d]
 

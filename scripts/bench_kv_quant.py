@@ -1,12 +1,12 @@
-"""The q8 KV cache (`--kv-quant q8`) against the float32 cache, side by side in one run.
+"""The packed KV caches (`--kv-quant q8` and `f16`) against the float32 cache, side by side in one run.
 
 On the ~110M random-weight Llama of `bench_cpu.py` with a context window of 8,448 tokens,
-compiled twice with the same `--quant` (default q4f32: weights small, so attention's reads
+compiled three times with the same `--quant` (default q4f32: weights small, so attention's reads
 matter), once per cache: decode tok/s at contexts of 2,048 and 8,192 tokens (a random
 prompt of that length prefilled, then `--new-tokens` decoded greedily and rolled back,
 round-robin over `--repeats` passes, each after waiting for a quiet machine; the median
 pass), and the KV cache's bytes: per token (the memory report) and held at that context.
-The greedy tokens of the two caches are compared, as a share that agree.
+The greedy tokens of each packed cache are compared with the float32 cache's, as a share that agree.
 
     python scripts/bench_kv_quant.py --threads 2 --repeats 3
 """
@@ -52,11 +52,11 @@ def main() -> None:
     from ember.runtime import Engine, load_artifact
 
     builds = {}
-    for cache in ("float32", "q8"):
+    for cache in ("float32", "q8", "f16"):
         artifact = args.model.with_name(f"{args.model.name}-{args.quant}-kv-{cache}")
         start = time.perf_counter()
         compile_model(args.model, artifact, CompileOptions(quantization=args.quant, max_batch=1,
-                                                           kv_quant=None if cache == "float32" else "q8",
+                                                           kv_quant=None if cache == "float32" else cache,
                                                            show_progress=False))
         builds[cache] = (artifact, time.perf_counter() - start)
 
@@ -95,9 +95,9 @@ def main() -> None:
     print(bench_cpu.host_line())
     print("compile: " + ", ".join(f"{cache} cache {seconds:.1f} s" for cache, (_, seconds) in builds.items()))
     per_token = {cache: read_manifest(artifact).memory["kv_bytes_per_token"] for cache, (artifact, _) in builds.items()}
-    print(f"KV bytes per token: float32 {per_token['float32']}, q8 {per_token['q8']} "
-          f"({per_token['q8'] / per_token['float32']:.3f}x)")
-    print(f"{'context':>8} {'cache':>8} {'prefill s':>10} {'decode tok/s':>13} {'q8/float32':>11} "
+    print("KV bytes per token: " + ", ".join(f"{cache} {size} ({size / per_token['float32']:.3f}x)"
+                                             for cache, size in per_token.items()))
+    print(f"{'context':>8} {'cache':>8} {'prefill s':>10} {'decode tok/s':>13} {'/ float32':>11} "
           f"{'KV held':>10} {'tokens agree':>13}")
     for context in CONTEXTS:
         base = statistics.median(results[context, "float32"])

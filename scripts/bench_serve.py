@@ -408,6 +408,9 @@ def main() -> None:
                         help="PREFIX,SUFFIX,COUNT: COUNT prompts of one PREFIX-token prefix and SUFFIX distinct "
                              "tokens, one at a time, timed against COUNT that share nothing (prefix caching); "
                              "PREFIX is cut to fit the context")
+    parser.add_argument("--kv-quant", choices=["none", "q8", "f16"], default="f16",
+                        help="ember's KV cache (compile --kv-quant; none: float32). Default f16, the type of "
+                             "llama.cpp's cache beside it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="ember,llama.cpp",
@@ -478,13 +481,14 @@ def main() -> None:
         context = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings", 2048)
         for fmt in split(args.quant):
             qtype = GGUF_TYPES[fmt]
-            artifact = args.work_dir / f"{model_name}-{fmt}"
+            kv_quant = None if args.kv_quant == "none" else args.kv_quant
+            artifact = args.work_dir / (f"{model_name}-{fmt}" + (f"-kv-{kv_quant}" if kv_quant else ""))
             gguf = args.work_dir / f"{model_name}-{qtype}.gguf"
             start = time.perf_counter()
             compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=max(concurrencies),
-                                                               show_progress=False))
+                                                               kv_quant=kv_quant, show_progress=False))
             print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
-                  f"{max(concurrencies)}, context {context})", flush=True)
+                  f"{max(concurrencies)}, context {context}, KV cache {kv_quant or 'float32'})", flush=True)
             if not gguf.exists():
                 peers._run_isolated("_write_gguf_worker", model_dir=str(checkpoint), out_path=str(gguf), qtype=qtype)
             # The prompts are read by llama.cpp's tokenizer once, for both servers.

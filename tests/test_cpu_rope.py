@@ -7,7 +7,7 @@ import pytest
 import tvm
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
-from ember.schedules.rope import fused_qkv_rope
+from ember.schedules.rope import Rotary, fused_qkv_rope
 from ember.targets.registry import resolve_target
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,7 +33,8 @@ def test_rope_matches_tvm_kernel(scaling, tokens, dtype, apply_rope):
     qkv = rng.standard_normal((tokens, q_heads + 2 * kv_heads, head_dim)).astype(dtype)
     positions = rng.permutation(4 * tokens)[:tokens].astype(np.int32) + 3000  # past llama3's smoothing band
     heads = (q_heads, kv_heads, kv_heads)
-    ours = _rope(fused_qkv_rope(q_heads, kv_heads, head_dim, dtype, theta, scaling), qkv, positions, heads, apply_rope)
+    ours = _rope(fused_qkv_rope(q_heads, kv_heads, Rotary(head_dim, dtype, theta, scaling)), qkv, positions, heads,
+                 apply_rope)
     theirs = _rope(llama_rope_with_position_map(theta, 1.0, head_dim, q_heads, kv_heads, dtype, scaling), qkv,
                    positions, heads, apply_rope)
     tol = 1e-5 if dtype == "float32" else 1e-3
