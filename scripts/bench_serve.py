@@ -6,9 +6,11 @@ if missing, and the demo model) and each `--quant` format, ember compiles the ch
 matching GGUF type (q8f32 -> Q8_0, q4f32 -> Q4_0); llama.cpp is the `--llama-cpp-level`
 build (default `native`) of `build_llama_cpp.py` (cached under ~/.cache/ember/llama-cpp/, put
 on PYTHONPATH). Each server runs alone in its own process on `--threads` threads, and serves the same requests: random
-prompt and output lengths drawn once from `--seed`, greedy, streamed through the official
-`openai` client, at each `--concurrency` (that many clients, each sending its next request
-when the previous one ends). The levels run round-robin, `--rounds` times (this host's speed
+prompt and output lengths drawn once from `--seed`, greedy, streamed (read by `sse_client.py`, a lean
+client: the official `openai` client's own CPU time, on the cores the server computes on, was up to
+a quarter of a level's time; `--client openai` uses it), at each `--concurrency` (that many clients,
+each sending its next request when the previous one ends). ember's KV cache is `--kv-quant`
+(default f16, as llama.cpp's). The levels run round-robin, `--rounds` times (this host's speed
 drifts by up to 20% over minutes, and a ratio of two levels measured minutes apart would show
 it). Per server and concurrency, from the round of median throughput: total output tok/s
 (tokens over the level's wall time), p50/p99 time to first token and time per output token
@@ -17,7 +19,7 @@ beside it the lowest and highest tok/s of the rounds, and ember's throughput ove
 concurrency's, the median of each round's ratio.
 
 `--servers` may add `ember-api`: the same requests through ember's Python API (`Scheduler.submit`,
-the object `ember serve` wraps) in a process of its own, no HTTP and no `openai` client. Its rows
+the object `ember serve` wraps) in a process of its own, no HTTP and no HTTP client. Its rows
 show what batching gives before the HTTP stack and the client take their share of the cores.
 
 Both servers read the same token ids. The GGUF's vocabulary is placeholder pieces with byte
@@ -68,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu  # noqa: E402
 import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
+import sse_client  # noqa: E402
 
 GGUF_TYPES = dict((ours, theirs) for ours, theirs in bench_cpu.FORMAT_PAIRS)
 SERVERS = ("ember", "ember-api", "llama.cpp")
@@ -94,11 +97,12 @@ class Reply:
 
 
 class Served:
-    """A server process (ember's or llama.cpp's) on a free loopback port, and how to ask it for tokens."""
+    """A server process (ember's or llama.cpp's) on a free loopback port, and how to ask it for tokens (`client`:
+    `client_of`'s kind)."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, model: str,
-                 log_path: Path) -> None:
-        self.name, self.model, self.port = name, model, port
+                 log_path: Path, client: str = "raw") -> None:
+        self.name, self.model, self.port, self.client = name, model, port, client
         self.base = f"http://127.0.0.1:{port}"
         self._log = log_path.open("w")
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -139,14 +143,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_ember(artifact: Path, threads: int, log_dir: Path) -> Served:
+def start_ember(artifact: Path, threads: int, log_dir: Path, client: str) -> Served:
     port = free_port()
     command = [sys.executable, "-m", "ember", "serve", str(artifact), "--port", str(port), "--threads", str(threads),
                "--max-queue", "4096"]
-    return Served("ember", command, dict(os.environ), port, artifact.name, log_dir / f"ember-{artifact.name}.log")
+    return Served("ember", command, dict(os.environ), port, artifact.name, log_dir / f"ember-{artifact.name}.log",
+                  client)
 
 
-def start_llama_cpp(gguf: Path, package: Path, context: int, threads: int, log_dir: Path) -> Served:
+def start_llama_cpp(gguf: Path, package: Path, context: int, threads: int, log_dir: Path,
+                    client: str = "raw") -> Served:
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", gguf.stem,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(context), "--n_batch", "512",
@@ -154,7 +160,7 @@ def start_llama_cpp(gguf: Path, package: Path, context: int, threads: int, log_d
                # By default a new request interrupts the one streaming: under load most would end cut short.
                "--interrupt_requests", "False"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
-    return Served("llama.cpp", command, env, port, gguf.stem, log_dir / f"llama-cpp-{gguf.stem}.log")
+    return Served("llama.cpp", command, env, port, gguf.stem, log_dir / f"llama-cpp-{gguf.stem}.log", client)
 
 
 def random_letters(count: int, rng: np.random.Generator) -> str:
@@ -176,31 +182,52 @@ def prompt_of_length(server: Served, length: int, rng: np.random.Generator) -> t
 async def stream(client, served: Served, prompt: str | list[int], max_tokens: int,
                  times: list[float] | None = None, stop: asyncio.Event | None = None) -> Reply:
     """Send one greedy streamed completion and time its tokens into `times`; close it early once `stop` is set."""
-    extra = {"stream_options": {"include_usage": True}} if served.name == "ember" else {}
+    body = {"model": served.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    if served.name == "ember":
+        body["stream_options"] = {"include_usage": True}
     times = [] if times is None else times
     usage = None
     sent = time.perf_counter()
-    response = await client.completions.create(model=served.model, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0.0, stream=True, **extra)
-    async for chunk in response:
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
+    events = client.events("/v1/completions", body)
+    async for chunk in events:
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
         # A token's chunk, unless it is a closing one with no text (llama.cpp's; ember's last token, without a
         # tokenizer, is missed too: a stream's time per token is over the gaps between the chunks timed).
-        choice = chunk.choices[0] if chunk.choices else None
-        if choice and (choice.text or choice.finish_reason is None or not times):
+        choice = chunk["choices"][0] if chunk.get("choices") else None
+        if choice and (choice.get("text") or choice.get("finish_reason") is None or not times):
             times.append(time.perf_counter())
         if stop is not None and stop.is_set():
-            await response.close()
+            await events.aclose()
             break
     return Reply(sent, times, usage if usage is not None else len(times))
 
 
-def client_of(served: Served):
-    """An asynchronous `openai` client of `served`, without retries."""
-    import openai
+class OpenAIClient:
+    """The official `openai` client (`--client openai`), without retries; its chunks as the dicts `stream` reads."""
 
-    return openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    def __init__(self, served: Served) -> None:
+        import openai
+
+        self._client = openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def events(self, path: str, body: dict[str, Any]):
+        assert path == "/v1/completions"
+        response = await self._client.completions.create(**body)
+        try:
+            async for chunk in response:
+                yield {"usage": chunk.usage and {"completion_tokens": chunk.usage.completion_tokens},
+                       "choices": [{"text": c.text, "finish_reason": c.finish_reason} for c in chunk.choices]}
+        finally:
+            await response.close()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def client_of(served: Served):
+    """A client of `served`: `sse_client`'s lean one (raw) or the official `openai` client."""
+    return sse_client.ConnectionPool("127.0.0.1", served.port) if served.client == "raw" else OpenAIClient(served)
 
 
 async def run_concurrently(send: Callable[[str | list[int], int], Awaitable[Reply]],
@@ -411,6 +438,10 @@ def main() -> None:
     parser.add_argument("--kv-quant", choices=["none", "q8", "f16"], default="f16",
                         help="ember's KV cache (compile --kv-quant; none: float32). Default f16, the type of "
                              "llama.cpp's cache beside it")
+    parser.add_argument("--client", choices=["raw", "openai"], default="raw",
+                        help="the load's HTTP client: raw, sse_client.py's (asyncio streams and json, as load "
+                             "generators read streams), or the official openai client (pydantic objects per chunk: "
+                             "CPU time taken from the server on a small host)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default="ember,llama.cpp",
@@ -513,8 +544,8 @@ def main() -> None:
                         rows[server, concurrency] = levels
                     busy += api_busy
                     continue
-                served = (start_ember(artifact, args.threads, args.work_dir) if server == "ember" else
-                          start_llama_cpp(gguf, package, context, args.threads, args.work_dir))
+                served = (start_ember(artifact, args.threads, args.work_dir, args.client) if server == "ember" else
+                          start_llama_cpp(gguf, package, context, args.threads, args.work_dir, args.client))
                 pick = 1 if server == "ember" else 0  # ember reads the token ids, llama.cpp the text
                 requests = [(prompt[pick], out) for prompt, (_, out) in zip(prompts, shapes)]
                 try:

@@ -625,3 +625,51 @@ def test_connections_send_each_chunk_at_once():
             await server.wait_closed()
 
     assert asyncio.run(accept_one()) != 0
+
+
+def test_bench_client_reads_streams_as_the_openai_client_does(demo):
+    """scripts/sse_client.py, `bench_serve.py`'s lean load generator, against the official client on one server:
+    the same chunks' texts and usage; an error answer raises with its status and OpenAI-shaped body; a stream left
+    early is cancelled on the server and its pages freed; the pool's connection serves request after request."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import sse_client
+
+    ids = prompt_ids(12, seed=3)
+    body = {"model": demo.name, "prompt": ids, "max_tokens": 16, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    expected = list(demo.client.completions.create(**body))
+    theirs = [chunk.choices[0].text for chunk in expected if chunk.choices]
+
+    async def read_all() -> tuple[list[list[str]], list[int], int]:
+        pool = sse_client.ConnectionPool(demo.server.host, demo.server.port)
+        texts, usages = [], []
+        try:
+            for _ in range(2):  # the second request on the first one's kept-alive connection
+                chunks = [chunk async for chunk in pool.events("/v1/completions", body)]
+                texts.append([chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]])
+                usages.append(chunks[-1]["usage"]["completion_tokens"])
+            with pytest.raises(sse_client.HTTPStatusError) as refused:
+                async for _ in pool.events("/v1/completions", {**body, "max_tokens": -1}):
+                    pass
+            assert json.loads(refused.value.body)["error"]["param"] == "max_tokens"
+            events = pool.events("/v1/completions", {**body, "max_tokens": 200, "temperature": 1.0, "seed": 0})
+            await events.__anext__()
+            await events.aclose()  # leaves mid-stream: the connection closes
+            return texts, usages, refused.value.status
+        finally:
+            await pool.close()
+
+    before = demo.metrics()
+    texts, usages, status = asyncio.run(asyncio.wait_for(read_all(), TIMEOUT))
+    assert texts == [theirs, theirs] and "".join(theirs)
+    assert usages == [expected[-1].usage.completion_tokens] * 2
+    assert status == 400
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        now = demo.metrics()
+        cancelled = now.get('ember_requests_finished_total{reason="cancelled"}', 0)
+        if cancelled > before.get('ember_requests_finished_total{reason="cancelled"}', 0):
+            break
+        assert time.monotonic() < deadline, "the stream left early was never cancelled"
+        time.sleep(0.02)
+    assert now["ember_running_sequences"] == 0 and now["ember_kv_cache_tokens_used"] == 0
