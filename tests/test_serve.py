@@ -324,6 +324,16 @@ def test_api_key_is_required(tiny, key):
     _still_serving(tiny)
 
 
+def _after_a_cancel(served: Served, before: dict[str, float]) -> dict[str, float]:
+    """/metrics once a request has finished cancelled since the `before` metrics (within TIMEOUT)."""
+    key = 'ember_requests_finished_total{reason="cancelled"}'
+    deadline = time.monotonic() + TIMEOUT
+    while (now := served.metrics()).get(key, 0) <= before.get(key, 0):
+        assert time.monotonic() < deadline, "the stream left early was never cancelled"
+        time.sleep(0.02)
+    return now
+
+
 def test_disconnect_mid_stream_frees_the_sequence(tiny):
     before = tiny.metrics()
     connection = http.client.HTTPConnection(tiny.server.host, tiny.server.port, timeout=TIMEOUT)
@@ -334,14 +344,7 @@ def test_disconnect_mid_stream_frees_the_sequence(tiny):
     assert response.status == 200 and response.readline().startswith(b"data: ")
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        now = tiny.metrics()
-        cancelled = now.get('ember_requests_finished_total{reason="cancelled"}', 0)
-        if cancelled > before.get('ember_requests_finished_total{reason="cancelled"}', 0):
-            break
-        assert time.monotonic() < deadline, "the disconnected stream was never cancelled"
-        time.sleep(0.02)
+    now = _after_a_cancel(tiny, before)
     assert now["ember_running_sequences"] == 0 and now["ember_kv_cache_tokens_used"] == 0
     assert now["ember_kv_cache_tokens_free"] == tiny.scheduler.engine.kv_capacity
     _still_serving(tiny)
@@ -664,12 +667,5 @@ def test_bench_client_reads_streams_as_the_openai_client_does(demo):
     assert texts == [theirs, theirs] and "".join(theirs)
     assert usages == [expected[-1].usage.completion_tokens] * 2
     assert status == 400
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        now = demo.metrics()
-        cancelled = now.get('ember_requests_finished_total{reason="cancelled"}', 0)
-        if cancelled > before.get('ember_requests_finished_total{reason="cancelled"}', 0):
-            break
-        assert time.monotonic() < deadline, "the stream left early was never cancelled"
-        time.sleep(0.02)
+    now = _after_a_cancel(demo, before)
     assert now["ember_running_sequences"] == 0 and now["ember_kv_cache_tokens_used"] == 0
