@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from ember import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from ember.errors import EmberError
 from ember.ir.quant_formats import FORMATS
+from ember.manifest import KV_QUANTIZATIONS
 from ember.without_torch import hide_torch_from_tvm
 
 
@@ -137,7 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                "row is rounded to int8 per group of 32, as llama.cpp does for Q8_0/Q4_0, and "
                                "multiplied in integers (decode projections 1.2-2x, prefill projections ~4x faster "
                                "than float)")
-    compile_.add_argument("--kv-quant", choices=["q8", "f16"], default=None,
+    compile_.add_argument("--kv-quant", choices=KV_QUANTIZATIONS, default=None,
                           help="float32 models on CPU targets: store the KV cache's keys and values packed, for "
                                "longer contexts in the same memory and less to read per decoded token. q8: int8 "
                                "with a float32 scale per token and head (0.27x the bytes of float32 at a head dim "

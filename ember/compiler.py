@@ -34,7 +34,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
-from ember.manifest import FORMAT_VERSION, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.manifest import FORMAT_VERSION, KV_QUANTIZATIONS, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
@@ -161,9 +161,6 @@ def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
     built = {key: int(value) for key, value in mod.attrs[KV_CACHE_ATTR].items()}
     return dataclasses.replace(config, num_hidden_layers=built["num_layers"], num_attention_heads=built["num_heads"],
                                num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
-
-
-KV_QUANTIZATIONS = tuple(KV_ROWS)
 
 
 def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:

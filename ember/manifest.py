@@ -43,6 +43,9 @@ MAX_MANIFEST_BYTES = 64 * 2**20
 # The names of `ember.ir.quant_formats.FORMATS`, repeated here because the runtime
 # reads manifests and must not import the compiler (a test keeps the two equal).
 QUANTIZATIONS = ("q0f32", "q0f16", "q8f32", "q8f16", "q4f32", "q4f16", "q4f32_zp", "q4f16_zp")
+# kv_cache.quantization's values besides null (`compile --kv-quant`): the keys of `ember.ir.kv_cache.KV_ROWS`,
+# repeated for the same reason (the same test keeps them equal).
+KV_QUANTIZATIONS = ("q8", "f16")
 
 
 @dataclass
@@ -261,7 +264,7 @@ SCHEMA: dict[str, Any] = {
         "kind": _one_of("tir_paged"), "page_size": _POSITIVE, "prefill_chunk": _POSITIVE, "max_batch": _POSITIVE,
         "max_context": _POSITIVE, "max_total_tokens": _POSITIVE, "memory_budget": _optional(_POSITIVE),
         "num_layers": _POSITIVE, "num_kv_heads": _POSITIVE, "head_dim": _POSITIVE, "dtype": _TEXT,
-        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT, "quantization": _optional(_one_of("q8", "f16")),
+        "sliding_window": _optional(_POSITIVE), "rope": _OBJECT, "quantization": _optional(_one_of(*KV_QUANTIZATIONS)),
     },
     "params": _list_of(_TEXT),
     "memory": {

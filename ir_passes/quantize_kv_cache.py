@@ -57,11 +57,10 @@ _ROPE_NORMAL = 1
 def quantize_kv_cache(target: TargetSpec, kv_quant: str) -> tvm.transform.Pass:
     """The pass for `target` (a CPU: the kernels are ember's CPU kernels) and a `KV_ROWS` format."""
     lanes = max(target.vector_bits // 32, 1)
-    rows_format = KV_ROWS[kv_quant]
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeKVCache")
     def _quantize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod, lanes, rows_format, kv_quant)
+        rewriter = _Rewriter(mod, lanes, kv_quant)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
@@ -77,9 +76,9 @@ def quantize_kv_cache(target: TargetSpec, kv_quant: str) -> tvm.transform.Pass:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, lanes: int, rows_format: type[KVRows], kv_quant: str) -> None:
+    def __init__(self, mod: tvm.IRModule, lanes: int, kv_quant: str) -> None:
         super().__init__(mod)
-        self.mod, self.lanes, self.rows_format, self.kv_quant = mod, lanes, rows_format, kv_quant
+        self.mod, self.lanes, self.kv_quant = mod, lanes, kv_quant
         self.rows: KVRows | None = None
         self.replaced_split: str | None = None  # the cache's own split kernel's name (ember's split replaces it)
 
@@ -102,7 +101,7 @@ class _Rewriter(relax.PyExprMutator):
             raise ValueError(f"quantize_kv_cache: the {self.kv_quant} cache stores float32 models' keys and values, "
                              f"not {dtype}")
         qo_heads, kv_heads, head_dim = (int(args[i].value) for i in (_QO_HEADS, _KV_HEADS, _QK_DIM))
-        self.rows = rows = self.rows_format(qo_heads, kv_heads, head_dim)
+        self.rows = rows = KV_ROWS[self.kv_quant](qo_heads, kv_heads, head_dim)
         decode = self.mod[args[_DECODE].fields[1].name_hint]  # by name: an importer's cache was built apart
         page_size = int(decode.params[1].shape[3])  # TVM's kernels are built for the page size the runtime uses
         num_layers = int(self.mod[args[_DEBUG_READ].name_hint].params[2].shape[0])

@@ -143,7 +143,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_ember(artifact: Path, threads: int, log_dir: Path, client: str) -> Served:
+def start_ember(artifact: Path, threads: int, log_dir: Path, client: str = "raw") -> Served:
     port = free_port()
     command = [sys.executable, "-m", "ember", "serve", str(artifact), "--port", str(port), "--threads", str(threads),
                "--max-queue", "4096"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ember.errors import ArtifactError
-from ember.manifest import QUANTIZATIONS, SCHEMA, manifest_digest, read_manifest, verify_files, write_manifest
+from ember.manifest import KV_QUANTIZATIONS, QUANTIZATIONS, SCHEMA, manifest_digest, read_manifest, verify_files, write_manifest
 from ember.runtime import load_artifact
 from helpers import assert_one_line_error, run_ember, tree_snapshot
 
@@ -266,9 +266,11 @@ def test_fresh_artifact_verifies(tiny_llama):
 
 def test_manifest_schema_matches_its_sources():
     """The names the manifest checks without importing the compiler are the compiler's: the quantization
-    formats and the model config's fields."""
+    formats, the KV cache's packed formats and the model config's fields."""
     from ember.frontend.config import ModelConfig
+    from ember.ir.kv_cache import KV_ROWS
     from ember.ir.quant_formats import FORMATS
 
     assert set(QUANTIZATIONS) == set(FORMATS)
+    assert set(KV_QUANTIZATIONS) == set(KV_ROWS)
     assert set(SCHEMA["model"]) == {field.name for field in dataclasses.fields(ModelConfig)}
