@@ -1,7 +1,8 @@
 """`ember serve` under load next to llama.cpp's own server (llama-cpp-python's `llama_cpp.server`): one run.
 
 For each model (the ~110M Llama shape with random weights, made by `peers.make_random_llama`
-if missing, and the demo model) and each `--quant` format, ember compiles the checkpoint
+if missing, and the demo model; `--models 1b` adds the Llama-3.2-1B shape, whose weights outgrow
+any CPU cache as real models do) and each `--quant` format, ember compiles the checkpoint
 (`--max-batch` = the highest concurrency) and `peers.write_gguf` writes the same weights as the
 matching GGUF type (q8f32 -> Q8_0, q4f32 -> Q4_0); llama.cpp is the `--llama-cpp-level`
 build (default `native`) of `build_llama_cpp.py` (cached under ~/.cache/ember/llama-cpp/, put
@@ -421,9 +422,13 @@ def print_table(title: str, rounds: dict[tuple[str, int], list[dict[str, float]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="110m,demo", help="110m (random weights, --model) and/or demo")
+    parser.add_argument("--models", default="110m,demo",
+                        help="110m and 1b (random weights, --model, --model-1b) and/or demo")
     parser.add_argument("--model", type=Path, default=Path("/tmp/llama110m"),
                         help="the 110m checkpoint dir; created with random weights if missing")
+    parser.add_argument("--model-1b", type=Path, default=Path("/tmp/llama1b"),
+                        help="the 1b checkpoint dir (the Llama-3.2-1B shape, 1.2B parameters, 5 GB of float32 "
+                             "safetensors); created with random weights if missing")
     parser.add_argument("--quant", default="q4f32,q8f32", help=f"ember formats ({', '.join(GGUF_TYPES)})")
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
@@ -491,14 +496,15 @@ def main() -> None:
 
     checkpoints = {}
     for name in split(args.models):
-        if name == "110m":
-            if not (args.model / "config.json").exists():
-                peers.make_random_llama(args.model, **bench_cpu.SHAPES["110m"])
-            checkpoints[name] = args.model
+        if name in ("110m", "1b"):
+            directory = args.model if name == "110m" else args.model_1b
+            if not (directory / "config.json").exists():
+                peers.make_random_llama(directory, **bench_cpu.SHAPES[name])
+            checkpoints[name] = directory
         elif name == "demo":
             checkpoints[name] = ember.DEMO_MODEL_DIR
         else:
-            parser.error(f"--models: unknown model {name!r} (110m, demo)")
+            parser.error(f"--models: unknown model {name!r} (110m, 1b, demo)")
 
     rng = np.random.default_rng(args.seed)
     shapes = [(int(rng.integers(lengths["prompt_len"][0], lengths["prompt_len"][1] + 1)),
