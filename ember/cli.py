@@ -295,6 +295,12 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
     serve.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
                        help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
+    serve.add_argument("--max-decode-stall", type=_seconds, metavar="SECONDS",
+                       help="how long reading an arriving prompt may hold back the running streams' next token: "
+                            "prompts are read, while others stream, in chunks of what the engine prefills in that "
+                            "time. Shorter keeps streams smoother, longer reads prompts in fewer chunks (each "
+                            "streams every weight once more) and serves more tokens a second under load; 0: a KV "
+                            "page at a time, inf: whole prompts (default 0.1)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="free each request's KV pages when it ends instead of reusing them for later prompts "
                             "that start the same way (outputs then never depend on other requests, not even "
@@ -676,8 +682,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ember.runtime.scheduler import Scheduler
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
     with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
-                   speculation=_speculation(args, engine)) as scheduler:
+                   speculation=_speculation(args, engine), **stall) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key)
         print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
         server.run()
@@ -736,6 +743,17 @@ def _whole_number(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _whole_number(1)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0, `inf` included."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {text!r}")
+    return value
 
 
 def _sampling_option(field: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:

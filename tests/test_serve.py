@@ -589,6 +589,31 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", artifact, "--api-key", "a", "--api-key-file", str(empty)])
     assert exit_info.value.code == 2
+    capsys.readouterr()
+    for stall in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", artifact, "--max-decode-stall", stall])
+        assert exit_info.value.code == 2
+        assert f"--max-decode-stall: not a number of seconds >= 0: '{stall}'" in capsys.readouterr().err
+
+
+def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):
+    """`--max-decode-stall` is the scheduler's bound, and without it the scheduler's default, which the help names."""
+    from ember.runtime import scheduler as scheduler_module
+    from ember.runtime import server as server_module
+
+    seen = []
+    # In place of serving until Ctrl-C: note the bound, return (and the server shuts down).
+    monkeypatch.setattr(server_module.Server, "run", lambda server: seen.append(server.scheduler.max_decode_stall))
+    for options, expected in (([], scheduler_module.DEFAULT_MAX_DECODE_STALL), (["--max-decode-stall", "0.25"], 0.25),
+                              (["--max-decode-stall", "inf"], math.inf)):
+        assert main(["serve", str(tiny_llama.artifact_dir), "--port", "0", *options]) == 0
+        assert seen.pop() == expected
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {scheduler_module.DEFAULT_MAX_DECODE_STALL:g})" in help_text
 
 
 def test_runtime_imports_without_the_serve_extra():
