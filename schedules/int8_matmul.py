@@ -216,9 +216,9 @@ def tile_prefetch_distance(distance: int, blocks: int, block_words: int) -> int:
     starts from memory. Measured on Zen 5 (2 threads, 100-token prompts, whole decode steps, round-robin,
     two runs): at 8 sequences the 1B-shape q4f32 step took 23.26-23.37 against 24.05-24.28 ms (1.03x-1.04x)
     and the ~110M's 2.27-2.50 against 2.32-2.62 (1.03x-1.05x); at 16, 37.54 against 40.93 ms (1.09x) and
-    4.08 against 4.29 (1.05x); at 1 and 4 sequences, which take one-block tiles, within 2%. Each kernel at 8 sequences
-    from cold weights: [3072, 2048], [2048, 2048], [768, 2048] and [2048, 8192] 1.13x to 1.16x,
-    [4096, 768] and [768, 768] within 2%."""
+    4.08 against 4.29 (1.05x); at 1 and 4 sequences, which take one-block tiles, within 2%. Each kernel at
+    8 sequences from cold weights: [3072, 2048], [2048, 2048], [768, 2048] and [2048, 8192] 1.13x to
+    1.16x, [4096, 768] and [768, 768] within 2%."""
     if distance == 0 or blocks == 1:
         return distance
     return max(distance, blocks * block_words)
