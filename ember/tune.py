@@ -15,7 +15,9 @@ every `TRIALS_PER_COMMIT` measurements to the database. Each round starts from t
 trials already on disk, so rerunning a killed job continues it, and no new round
 starts after `--budget` minutes. An int8 matmul's few knob tuples are built and timed
 in order, the rule's first, by the same builder and runner, each round skipping the
-tuples already on disk. After a kernel's last round, its best
+tuples already on disk; a decode kernel's at one sequence and at `--max-batch` (or a
+verify step's tokens), its time the sum, so that knobs fast for one stream cannot
+slow a batch (`schedules/tuning.py`, `timed_rows`). After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
 times and flags a record that disagrees numerically (compile would reject it), and
 if the rule is faster, a record of the rule's own knobs is added so that the
@@ -66,7 +68,8 @@ from ember.runtime.device import use_cpu_threads
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import (
     BUILD_FUNCTION, EXPORT_FUNCTION, Comparison, KernelLoader, compare, enumerated_space, is_tunable, load_here,
-    record_knobs, register_build_function, knobs_record, schedule_with, space_size, tuning_space, workload,
+    record_knobs, register_build_function, knobs_record, schedule_with, space_size, timed_rows, tuning_space,
+    workload,
 )
 from ember.schedules.tuning_db import TuningDatabase, check_for_tuning, describe
 from ember.targets.registry import TargetSpec, resolve_target
@@ -354,7 +357,10 @@ def _import_tensor_intrinsics() -> None:
 
 def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase, target: TargetSpec,
                         measurer: Measurer, progress: _Progress) -> bool:
-    """Build, time and record the next `count` knob tuples of an int8 matmul not on disk; False if none is left."""
+    """Build, time and record the next `count` knob tuples of an int8 matmul not on disk; False if none is left.
+
+    A decode kernel's tuple is timed at each of its `timed_rows` (one sequence and a full batch), and its
+    record's time is their sum."""
     func = kernel.workload["main"]
     entry = database.records.commit_workload(kernel.workload)
     tried = [record_knobs(record) for record in database.records.get_all_tuning_records()
@@ -362,7 +368,8 @@ def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase,
     todo = [knobs for knobs in enumerated_space(func, target) if knobs not in tried][:count]
     if not todo:
         return False
-    candidates = [workload(schedule_with(func, knobs, target)) for knobs in todo]
+    rows = timed_rows(func) or (1,)
+    candidates = [workload(schedule_with(func, knobs, target), batch) for knobs in todo for batch in rows]
     builds = measurer.builder.build([ms.builder.BuilderInput(candidate, target.target) for candidate in candidates])
     built = [(build, candidate) for build, candidate in zip(builds, candidates) if not build.error_msg]
     futures = iter(measurer.runner.run([ms.runner.RunnerInput(build.artifact_path, target.name,
@@ -370,13 +377,23 @@ def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase,
                                         for build, candidate in built]))
     runs = [ms.runner.RunnerResult(None, build.error_msg) if build.error_msg else next(futures).result()
             for build in builds]
-    for knobs, build, run in zip(todo, builds, runs):
-        seconds = None if run.error_msg or not run.run_secs else sum(map(float, run.run_secs)) / len(run.run_secs)
+    times = [_mean_seconds(run) for run in runs]
+    summed = []
+    for index, knobs in enumerate(todo):
+        parts = times[index * len(rows): (index + 1) * len(rows)]
+        seconds = None if None in parts else sum(parts)
         database.records.commit_tuning_record(knobs_record(kernel.workload, database, target, seconds, knobs))
+        summed.append(seconds)
+    for build in builds:
         if not build.error_msg:
             ms.utils.remove_build_dir(build.artifact_path)
-    progress.count(runs)
+    progress.count(summed)
     return True
+
+
+def _mean_seconds(run: ms.runner.RunnerResult) -> float | None:
+    """A run's mean time, or None if it failed."""
+    return None if run.error_msg or not run.run_secs else sum(map(float, run.run_secs)) / len(run.run_secs)
 
 
 BUILD_SECONDS = 120.0
@@ -392,13 +409,12 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         self.done, self.wanted, self.best, self.serving = done, wanted, math.inf, serving
 
     def apply(self, _scheduler, _task_id, _candidates, _builds, runs) -> None:
-        self.count(runs)
+        self.count([_mean_seconds(run) for run in runs])
 
-    def count(self, runs: list[ms.runner.RunnerResult]) -> None:
-        """Count a batch of measurements and print the trials so far."""
-        self.done += len(runs)
-        times = [sum(map(float, run.run_secs)) / len(run.run_secs) for run in runs if run.run_secs]
-        self.best = min([self.best, *times])
+    def count(self, times: list[float | None]) -> None:
+        """Count a batch of trials (their times, None for a failed one) and print the trials so far."""
+        self.done += len(times)
+        self.best = min([self.best, *(seconds for seconds in times if seconds is not None)])
         best = f", best {_ms(self.best)}" if self.best < math.inf else ""
         _progress(f"    {self.done}/{self.wanted} trials{best}{self.serving()}")
 

@@ -28,6 +28,16 @@ decisions (plain integers) are then replayed through the same rule on the symbol
 kernel, which the rule handles at any size. Replaying decisions rather than the
 trace is what makes a static-shape record apply to a symbolic kernel.
 
+An int8 decode kernel serves one stream and a full batch with the same knobs, and
+the fastest knobs for one row can lose at a batch: timed at one sequence only, `ember
+tune` took a one-block tile for the ~110M q4f32 down projection (1.01x at one row),
+which gives up AVX512-VNNI's 8 x 2-block tile, and the tuned model's 8-sequence step
+took 2.73 against 2.56 ms (Zen 5, 2 threads). So each trial of such a kernel is timed
+at one row and at the most rows a call of it takes (`timed_rows`: the artifact's
+`--max-batch`, or a verify step's tokens), and its time is the sum. Those rows are
+part of its workload (`TIMED_ROWS_ATTR`): a record measured for one batch bound does
+not apply to another's kernels.
+
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
 on the same random inputs at a size that exercises the symbolic tails (37 tokens,
 5 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
@@ -60,6 +70,7 @@ from ember.targets.registry import TargetSpec
 log = logging.getLogger("ember")
 
 SCHEDULE_SOURCE_ATTR = "ember.schedule_source"
+TIMED_ROWS_ATTR = "ember.tuning.timed_rows"  # an int8 decode kernel's workload: the rows its trials are timed at
 TUNE_SEQ_LEN = 128  # prefill kernels are tuned at this many tokens (or their bound, if smaller)
 # Sizes the numerical check runs symbolic kernels at: not multiples of any tile (and for the
 # int8 matmul's decode, a whole tile of sequences and a tail).
@@ -68,9 +79,10 @@ _TUNE_SIZES = {"seq_len": TUNE_SEQ_LEN, "num_logits": TUNE_SEQ_LEN, "batch_size"
 RTOL = 1e-4
 
 
-def workload(func: tirx.PrimFunc) -> tvm.IRModule | None:
-    """The static-shaped module `func` is tuned as, or None if it has sizes ember does not tune."""
-    sizes = _sizes(func, _TUNE_SIZES)
+def workload(func: tirx.PrimFunc, rows: int = 1) -> tvm.IRModule | None:
+    """The static-shaped module `func` is tuned as (its records' key), or None if it has sizes ember does
+    not tune; for an int8 decode kernel, `rows` sets its activation rows (a decode batch) for timing."""
+    sizes = _sizes(func, {**_TUNE_SIZES, "batch_size": rows})
     if sizes is None:
         return None
     static = func.specialize(_static_buffers(func, sizes)) if sizes else func
@@ -78,7 +90,24 @@ def workload(func: tirx.PrimFunc) -> tvm.IRModule | None:
     attrs = {"global_symbol": "main", "tirx.noalias": True}
     if int8_matmul.BUILD_ATTR in (func.attrs or {}):
         attrs[int8_matmul.BUILD_ATTR] = func.attrs[int8_matmul.BUILD_ATTR]
+    if timed := timed_rows(func):
+        attrs[TIMED_ROWS_ATTR] = list(timed)
     return tvm.IRModule({"main": bare.with_attrs(attrs)})
+
+
+def timed_rows(func: tirx.PrimFunc) -> tuple[int, ...]:
+    """The activation rows an int8 decode kernel's trials are timed at (their times summed): one, and the most
+    a call of it takes when that is more (its batch bound, or a verify step's tokens); () for other kernels,
+    timed at their workload's shape."""
+    attrs = func.attrs or {}
+    if TIMED_ROWS_ATTR in attrs:  # a workload, or a kernel rebuilt from one
+        return tuple(int(rows) for rows in attrs[TIMED_ROWS_ATTR])
+    built = int8_matmul.built_as(func)
+    if built is None or built["many_tokens"]:
+        return ()
+    bounds = {str(name): int(bound) for name, bound in dict(attrs.get("tir_var_upper_bound", {})).items()}
+    most = bounds.get("batch", 1) * bounds.get("seq", 1)  # decode: [batch, 1]; verify: [1, tokens]
+    return (1, most) if most > 1 else (1,)
 
 
 def is_tunable(func: tirx.PrimFunc, target: TargetSpec) -> bool:
@@ -204,7 +233,8 @@ def schedule_with(func: tirx.PrimFunc, knobs: list[int] | None, target: TargetSp
 
 @dataclass(frozen=True)
 class Comparison:
-    """Tuned against rule-based on the same inputs: worst error and, if timed, seconds per call."""
+    """Tuned against rule-based on the same inputs: worst error and, if timed, seconds per call (an int8
+    decode kernel's: a call at each of its `timed_rows`, summed, as its trials were timed)."""
 
     max_error: float
     scale: float
@@ -226,24 +256,29 @@ def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bo
     if sizes is None or tuned is None or rule is None:
         return None
     inputs = _random_arguments(func, sizes)
-    runs = []
+    # Timed on the check's inputs, or an int8 decode kernel at each of its `timed_rows` (the times summed).
+    timing = [_random_arguments(rule, _sizes(rule, {**_TUNE_SIZES, "batch_size": rows}))
+              for rows in timed_rows(func)] if timed else []
+    runs, results = [], []
     for scheduled in (rule, tuned):
         module, device = load(tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
                                           target.target))
         arguments = [tvm.runtime.tensor(array, device) for array in inputs]
         module["main"](*arguments)
-        runs.append((module.time_evaluator("main", device, number=10, repeat=1, min_repeat_ms=50), arguments))
-    results = [[argument.numpy() for argument in arguments] for _timer, arguments in runs]
-    seconds = [math.inf, math.inf]
+        results.append([argument.numpy() for argument in arguments])
+        timed_arguments = [[tvm.runtime.tensor(array, device) for array in arrays] for arrays in timing] or [arguments]
+        runs.append((module.time_evaluator("main", device, number=10, repeat=1, min_repeat_ms=50), timed_arguments))
+    best = [[math.inf] * len(timed_arguments) for _timer, timed_arguments in runs]
     # Alternated, best of three each: a machine whose memory bandwidth drifts (shared hosts)
     # then slows both schedules alike, which back-to-back runs of one then the other do not.
     for _round in range(3 if timed else 0):
-        for index, (timer, arguments) in enumerate(runs):
-            seconds[index] = min(seconds[index], timer(*arguments).results[0])
+        for index, (timer, timed_arguments) in enumerate(runs):
+            best[index] = [min(seconds, timer(*arguments).results[0])
+                           for seconds, arguments in zip(best[index], timed_arguments)]
     scale = max(1.0, max(float(np.abs(a).max(initial=0)) for a in results[0] if a.dtype.kind == "f"))
     error = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
                 for a, b in zip(*results))
-    return Comparison(error, scale, *(seconds if timed else [None, None]))
+    return Comparison(error, scale, *([sum(seconds) for seconds in best] if timed else [None, None]))
 
 
 def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.transform.Pass:

@@ -3,6 +3,7 @@ are ignored, and a killed tuning job resumes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from types import SimpleNamespace
 
 import pytest
 import tvm
 import tvm_ffi
 from tvm import te, tirx
+from tvm.s_tir import meta_schedule as ms
 
 from ember.errors import TuningError
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
@@ -23,11 +27,12 @@ from ember.ir.quant_formats import FORMATS
 from ember.schedules import int8_matmul, schedule_passes
 from ember.schedules.tuning import (
     SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, enumerated_space, is_tunable, knobs_record,
-    record_knobs, rule_knobs, schedule_sources, space_size, workload,
+    load_here,
+    record_knobs, rule_knobs, schedule_sources, schedule_with, space_size, timed_rows, workload,
 )
 from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
 from ember.targets.registry import resolve_target
-from ember.tune import HotKernel, tune_kernel
+from ember.tune import HotKernel, Measurer, tune_kernel
 from helpers import REPO_ROOT
 from test_int8_matmul import level_target
 
@@ -207,6 +212,64 @@ def test_int8_records_are_checked_and_applied(tmp_path, caplog, level):
         refused = applied([4, 8, 1] if level == "avx512vnni" else [4, 4, 1], 1e-5)
     assert "does not fit; using the rule" in caplog.text
     assert schedule_sources(refused) == ScheduleSources(tuned=0, rule_won=0, untuned=2)
+
+
+class _StubMeasurer:
+    """meta_schedule's builder and runner as `tune_kernel` calls them: nothing is built or run, and each candidate
+    takes the time `seconds(candidate module)` gives."""
+
+    def __init__(self, seconds, scratch):
+        self.seconds, self.scratch, self.candidates = seconds, scratch, {}
+
+    def build(self, inputs):
+        results = []
+        for built in inputs:
+            path = os.path.join(tempfile.mkdtemp(dir=self.scratch), "kernel.so")
+            self.candidates[path] = built.mod
+            results.append(SimpleNamespace(artifact_path=path, error_msg=None))
+        return results
+
+    def run(self, inputs):
+        return [SimpleNamespace(result=lambda mod=self.candidates[run.artifact_path]: ms.runner.RunnerResult(
+            [self.seconds(mod)], None)) for run in inputs]
+
+
+def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path):
+    """An int8 decode kernel's knob tuples are timed at one sequence and at the most rows its calls take, and a
+    record's time is the sum: a tuple that wins at one sequence but loses more at a full batch does not become
+    the database's best. Those rows are part of the workload: a record for one batch bound is not another's."""
+    target = level_target("avx2")
+    decode = _int8_kernel(target, many_tokens=False)
+    batch4, batch8 = (decode.with_attr("tir_var_upper_bound", {"batch": rows}) for rows in (4, 8))
+    verify = decode.with_attr("tir_var_upper_bound", {"seq": 8})  # a verify step's tokens, one sequence
+    assert (timed_rows(batch4), timed_rows(verify), timed_rows(_int8_kernel(target)), timed_rows(nt_matmul())) == \
+        ((1, 4), (1, 8), (), ())
+    assert tvm_ffi.structural_equal(workload(batch8), workload(verify))
+    assert not tvm_ffi.structural_equal(workload(batch4), workload(batch8))
+
+    kernel = HotKernel("int8_dot_matmul", "decode", 1, workload(batch4), 1.0)
+    func = kernel.workload["main"]
+    space = enumerated_space(func, target)
+    candidates = {(index, rows): workload(schedule_with(func, knobs, target), rows)
+                  for index, knobs in enumerate(space) for rows in (1, 4)}
+    # The rule: 1 ms at one sequence, 2 at four; the last tuple 0.9 and 2.5; the others 5 and 5.
+    times = {(0, 1): 1e-3, (0, 4): 2e-3, (len(space) - 1, 1): 0.9e-3, (len(space) - 1, 4): 2.5e-3}
+    timed = []
+
+    def seconds(mod):
+        (key,) = [key for key, candidate in candidates.items() if tvm_ffi.structural_equal(candidate, mod)]
+        timed.append(key)
+        return times.get(key, 5e-3)
+
+    stub = _StubMeasurer(seconds, tmp_path)
+    database = TuningDatabase.for_tuning(tmp_path / "db")
+    measurer = Measurer(stub, stub, lambda: contextlib.nullcontext(load_here))
+    assert tune_kernel(kernel, len(space), database, target, time.monotonic() + 300, measurer) == len(space)
+    assert sorted(timed) == sorted(candidates)  # every tuple at 1 and 4 rows
+    recorded = {tuple(record_knobs(record)): float(record.run_secs[0])
+                for record in database.records.get_all_tuning_records()}
+    assert recorded[tuple(space[0])] == pytest.approx(3e-3) and recorded[tuple(space[-1])] == pytest.approx(3.4e-3)
+    assert record_knobs(database.best(kernel.workload, target.target)) == space[0]
 
 
 @pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
