@@ -105,7 +105,7 @@ def timed_rows(func: tirx.PrimFunc) -> tuple[int, ...]:
     built = int8_matmul.built_as(func)
     if built is None or built["many_tokens"]:
         return ()
-    bounds = {str(name): int(bound) for name, bound in dict(attrs.get("tir_var_upper_bound", {})).items()}
+    bounds = _bounds(func)
     most = bounds.get("batch", 1) * bounds.get("seq", 1)  # decode: [batch, 1]; verify: [1, tokens]
     return (1, most) if most > 1 else (1,)
 
@@ -293,11 +293,13 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
             log.warning("tuning database %s was made on %s, not a %s CPU; ignoring it", database.path,
                         describe(database.fingerprint), target.arch)
             return mod
-        updates = {}
+        updates, untuned_rows = {}, set()
         for gv, func in _tunable_kernels(mod):
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None or (device and record.target.export() != target.target.export()):
+                if "batch" in _bounds(func):  # a decode kernel (not a verify step's copy), for the notice below
+                    untuned_rows.add(timed_rows(func))
                 continue
             knobs = record_knobs(record)
             if knobs == rule_knobs(func, target):
@@ -320,9 +322,23 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
                 log.warning("tuning record for %s (%s) does not fit; using the rule", gv.name_hint, knobs)
                 continue
             updates[gv.name_hint] = scheduled.with_attr(SCHEDULE_SOURCE_ATTR, "tuning")
+        _explain_other_decode_rows(database, untuned_rows)
         return replace_functions(mod, updates)
 
     return _apply
+
+
+def _explain_other_decode_rows(database: TuningDatabase, untuned: set[tuple[int, ...]]) -> None:
+    """A notice when int8 decode kernels timed at `untuned` rows found no record while the database has decode
+    records timed at others: tuned for another --max-batch (or, by an earlier ember, at one sequence only)."""
+    recorded = {timed_rows(main) for record in database.records.get_all_tuning_records()
+                if (built := int8_matmul.built_as(main := record.workload.mod["main"])) and not built["many_tokens"]}
+    if not untuned or not recorded or recorded & untuned:
+        return
+    wanted = max(max(rows) for rows in untuned)
+    log.warning("tuning database %s has decode kernels tuned for --max-batch %s, not this compile's %d: they keep "
+                "the rules' schedules (`ember tune --max-batch %d` tunes them)", database.path,
+                " and ".join(sorted({str(max(rows)) for rows in recorded}, key=int)), wanted, wanted)
 
 
 @dataclass(frozen=True)
@@ -386,7 +402,7 @@ def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.I
     built = int8_matmul.built_as(func)
     if built is not None:  # its [batch, seq] is a decode step's [batch_size, 1] or a prefill chunk's
         values = {"batch": values["batch_size"], "seq": values["seq_len"] if built["many_tokens"] else 1}
-    bounds = {str(k): int(v) for k, v in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
+    bounds = _bounds(func)
     sizes = {}
     for param in func.params:
         if getattr(param, "shape", None) is None:  # a scalar parameter: not a kernel ember tunes
@@ -400,6 +416,11 @@ def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.I
             elif not isinstance(dim, tirx.IntImm):
                 return None
     return sizes
+
+
+def _bounds(func: tirx.PrimFunc) -> dict[str, int]:
+    """The upper bound of each bounded symbolic size of `func`, by name."""
+    return {str(name): int(bound) for name, bound in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
 
 
 def _static_buffers(func: tirx.PrimFunc, sizes: dict[tirx.Var, tirx.IntImm]) -> dict[tirx.Var, tirx.Buffer]:

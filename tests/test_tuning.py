@@ -234,10 +234,11 @@ class _StubMeasurer:
             [self.seconds(mod)], None)) for run in inputs]
 
 
-def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path):
+def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path, caplog):
     """An int8 decode kernel's knob tuples are timed at one sequence and at the most rows its calls take, and a
     record's time is the sum: a tuple that wins at one sequence but loses more at a full batch does not become
-    the database's best. Those rows are part of the workload: a record for one batch bound is not another's."""
+    the database's best. Those rows are part of the workload: a record for one batch bound is not another's,
+    and a compile for another says so."""
     target = level_target("avx2")
     decode = _int8_kernel(target, many_tokens=False)
     batch4, batch8 = (decode.with_attr("tir_var_upper_bound", {"batch": rows}) for rows in (4, 8))
@@ -270,6 +271,16 @@ def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path):
                 for record in database.records.get_all_tuning_records()}
     assert recorded[tuple(space[0])] == pytest.approx(3e-3) and recorded[tuple(space[-1])] == pytest.approx(3.4e-3)
     assert record_knobs(database.best(kernel.workload, target.target)) == space[0]
+
+    def compiled(func):
+        with caplog.at_level(logging.WARNING, logger="ember"), target.target:
+            mod = apply_tuning_database(TuningDatabase.for_compiling(tmp_path / "db"), target)(
+                tvm.IRModule({"int8_dot_matmul": func}))
+        return schedule_sources(mod)
+
+    assert compiled(batch4) == ScheduleSources(tuned=0, rule_won=1, untuned=0) and not caplog.text
+    assert compiled(batch8) == ScheduleSources(tuned=0, rule_won=0, untuned=1)
+    assert "tuned for --max-batch 4, not this compile's 8" in caplog.text
 
 
 @pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
