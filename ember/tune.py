@@ -16,8 +16,8 @@ trials already on disk, so rerunning a killed job continues it, and no new round
 starts after `--budget` minutes. An int8 matmul's few knob tuples are built and timed
 in order, the rule's first, by the same builder and runner, each round skipping the
 tuples already on disk; a decode kernel's at one sequence and at `--max-batch` (or a
-verify step's tokens), its time the sum, so that knobs fast for one stream cannot
-slow a batch (`schedules/tuning.py`, `timed_rows`). After a kernel's last round, its best
+verify step's tokens), its time the sum, so that knobs a little faster for one stream
+cannot win by slowing a batch more (`schedules/tuning.py`, `timed_rows`). After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
 times and flags a record that disagrees numerically (compile would reject it), and
 if the rule is faster, a record of the rule's own knobs is added so that the

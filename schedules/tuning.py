@@ -331,9 +331,11 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
 def _explain_other_decode_rows(database: TuningDatabase, untuned: set[tuple[int, ...]]) -> None:
     """A notice when int8 decode kernels timed at `untuned` rows found no record while the database has decode
     records timed at others: tuned for another --max-batch (or, by an earlier ember, at one sequence only)."""
+    if not untuned:
+        return
     recorded = {timed_rows(main) for record in database.records.get_all_tuning_records()
                 if (built := int8_matmul.built_as(main := record.workload.mod["main"])) and not built["many_tokens"]}
-    if not untuned or not recorded or recorded & untuned:
+    if not recorded or recorded & untuned:
         return
     wanted = max(max(rows) for rows in untuned)
     log.warning("tuning database %s has decode kernels tuned for --max-batch %s, not this compile's %d: they keep "
