@@ -247,6 +247,9 @@ def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path, 
         ((1, 4), (1, 8), (), ())
     assert tvm_ffi.structural_equal(workload(batch8), workload(verify))
     assert not tvm_ffi.structural_equal(workload(batch4), workload(batch8))
+    # One sequence at most (--max-batch 1): timed at one row, under the key ember gave every decode kernel before.
+    batch1 = decode.with_attr("tir_var_upper_bound", {"batch": 1})
+    assert timed_rows(batch1) == (1,) and "ember.tuning.timed_rows" not in workload(batch1)["main"].attrs
 
     kernel = HotKernel("int8_dot_matmul", "decode", 1, workload(batch4), 1.0)
     func = kernel.workload["main"]
