@@ -35,8 +35,8 @@ which gives up AVX512-VNNI's 8 x 2-block tile, and the tuned model's 8-sequence 
 took 2.73 against 2.56 ms (Zen 5, 2 threads). So each trial of such a kernel is timed
 at one row and at the most rows a call of it takes (`timed_rows`: the artifact's
 `--max-batch`, or a verify step's tokens), and its time is the sum. Those rows are
-part of its workload (`TIMED_ROWS_ATTR`): a record measured for one batch bound does
-not apply to another's kernels.
+part of its workload (`TIMED_ROWS_ATTR`, absent at one row, the key every decode kernel
+had before): a record measured for one batch bound does not apply to another's kernels.
 
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
 on the same random inputs at a size that exercises the symbolic tails (37 tokens,
