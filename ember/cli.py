@@ -180,8 +180,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tune at most this many of the hottest kernels (default 8)")
     tune.add_argument("--prefill-chunk", type=int, default=256, help="as for compile (default 256)")
     tune.add_argument("--max-batch", type=int, default=8,
-                      help="as for compile (default 8): decode kernels are timed at one sequence and at this "
-                           "many, and their records apply to compiles with the same --max-batch")
+                      help="as for compile (default 8): int8 decode kernels (q8f32/q4f32) are timed at one "
+                           "sequence and at this many, and their records apply to compiles with the same "
+                           "--max-batch")
     tune.add_argument("--float-activations", action="store_true",
                       help="as for compile: q8f32/q4f32 projections stay float kernels, which tuning can search")
     _add_graph_arguments(tune)
