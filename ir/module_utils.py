@@ -27,6 +27,11 @@ def schedulable_kernels(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, t
             yield gv, func
 
 
+def upper_bounds(func: tirx.PrimFunc) -> dict[str, int]:
+    """The upper bound of each bounded symbolic size of `func` (its `tir_var_upper_bound`), by name."""
+    return {str(name): int(bound) for name, bound in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
+
+
 def is_op(expr: relax.Expr, name: str) -> bool:
     """Whether `expr` calls the Relax operator `name` (e.g. "relax.matmul")."""
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name

@@ -10,6 +10,8 @@ from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ember.ir.module_utils import upper_bounds
+
 
 class CPURule(ScheduleRule):
     """A rule for llvm targets; `schedule` sees a normalized PrimFunc's blocks and its size bounds."""
@@ -27,10 +29,8 @@ class CPURule(ScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos:
             return None
-        attrs = sch.mod["main"].attrs or {}
-        bounds = {str(name): int(bound) for name, bound in dict(attrs.get("tir_var_upper_bound", {})).items()}
         try:
-            return self.schedule(sch, infos, bounds)
+            return self.schedule(sch, infos, upper_bounds(sch.mod["main"]))
         except s_tir.ScheduleError:
             return None
 

@@ -61,7 +61,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
-from ember.ir.module_utils import replace_functions, schedulable_kernels
+from ember.ir.module_utils import replace_functions, schedulable_kernels, upper_bounds
 from ember.schedules import int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase, describe
@@ -105,7 +105,7 @@ def timed_rows(func: tirx.PrimFunc) -> tuple[int, ...]:
     built = int8_matmul.built_as(func)
     if built is None or built["many_tokens"]:
         return ()
-    bounds = _bounds(func)
+    bounds = upper_bounds(func)
     most = bounds.get("batch", 1) * bounds.get("seq", 1)  # decode: [batch, 1]; verify: [1, tokens]
     return (1, most) if most > 1 else (1,)
 
@@ -298,7 +298,7 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None or (device and record.target.export() != target.target.export()):
-                if "batch" in _bounds(func):  # a decode kernel (not a verify step's copy), for the notice below
+                if "batch" in upper_bounds(func):  # a decode kernel (not a verify step's copy), for the notice below
                     untuned_rows.add(timed_rows(func))
                 continue
             knobs = record_knobs(record)
@@ -404,7 +404,7 @@ def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.I
     built = int8_matmul.built_as(func)
     if built is not None:  # its [batch, seq] is a decode step's [batch_size, 1] or a prefill chunk's
         values = {"batch": values["batch_size"], "seq": values["seq_len"] if built["many_tokens"] else 1}
-    bounds = _bounds(func)
+    bounds = upper_bounds(func)
     sizes = {}
     for param in func.params:
         if getattr(param, "shape", None) is None:  # a scalar parameter: not a kernel ember tunes
@@ -418,11 +418,6 @@ def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.I
             elif not isinstance(dim, tirx.IntImm):
                 return None
     return sizes
-
-
-def _bounds(func: tirx.PrimFunc) -> dict[str, int]:
-    """The upper bound of each bounded symbolic size of `func`, by name."""
-    return {str(name): int(bound) for name, bound in dict((func.attrs or {}).get("tir_var_upper_bound", {})).items()}
 
 
 def _static_buffers(func: tirx.PrimFunc, sizes: dict[tirx.Var, tirx.IntImm]) -> dict[tirx.Var, tirx.Buffer]:
