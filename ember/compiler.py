@@ -81,6 +81,14 @@ class CompileResult:
     schedules: ScheduleSources  # how many kernels were scheduled from tuning records, by the rules
 
 
+def check_sizes(prefill_chunk: int, max_batch: int) -> None:
+    """Refuse a --prefill-chunk or --max-batch outside what the kernels are built for (compile's and tune's)."""
+    if not 1 <= prefill_chunk <= MAX_PREFILL_CHUNK:
+        raise EmberError(f"--prefill-chunk {prefill_chunk}: must be between 1 and {MAX_PREFILL_CHUNK}")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise EmberError(f"--max-batch {max_batch}: must be between 1 and {MAX_BATCH}")
+
+
 def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
     """Compile `model_dir`, a Hugging Face checkpoint directory or a GGUF file, into an artifact at `output_dir`."""
     start = time.perf_counter()
@@ -91,10 +99,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
     cross_linker(target)  # a missing cross toolchain is refused before any work
     if options.quantization not in FORMATS:
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if not 1 <= options.prefill_chunk <= MAX_PREFILL_CHUNK:
-        raise EmberError(f"--prefill-chunk {options.prefill_chunk}: must be between 1 and {MAX_PREFILL_CHUNK}")
-    if not 1 <= options.max_batch <= MAX_BATCH:
-        raise EmberError(f"--max-batch {options.max_batch}: must be between 1 and {MAX_BATCH}")
+    check_sizes(options.prefill_chunk, options.max_batch)
     _check_kv_quant(options, target)
     check_output_dir(output_dir)
     tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None

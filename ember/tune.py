@@ -57,6 +57,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ember.codegen import cross_linker
+from ember.compiler import check_sizes
 from ember.errors import FarmError, TuningError
 from ember.farm import Farm, runner_arguments, runner_session
 from ember.frontend import source as model_source
@@ -143,6 +144,7 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         raise TuningError(f"--quant {quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     if options.trials < 1 or options.kernels < 1 or options.budget_minutes <= 0:
         raise TuningError("--trials, --kernels and --budget must be positive")
+    check_sizes(options.prefill_chunk, options.max_batch)  # as compile refuses them
     deadline = time.monotonic() + 60 * options.budget_minutes
     if options.farm is None:
         fingerprint = cpu_fingerprint()

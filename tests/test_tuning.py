@@ -172,6 +172,20 @@ def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
     assert not db.exists()
 
 
+@pytest.mark.parametrize("option, value", [("--max-batch", "0"), ("--max-batch", "-1"), ("--max-batch", "2000"),
+                                           ("--prefill-chunk", "-5")])
+def test_tune_refuses_sizes_compile_refuses_and_writes_no_database(tmp_path, option, value):
+    """--max-batch and --prefill-chunk are checked as compile checks them: one line, exit 1, no database (a batch of
+    0 ended in TVM's divide-by-zero, -1 in an internal error after creating the database, a chunk of -5 tuned)."""
+    from helpers import run_ember
+
+    db = tmp_path / "db"
+    result = run_ember("tune", "demo", "--db", str(db), option, value, "--trials", "1")
+    assert result.returncode == 1 and result.stderr.strip() == f"ember: error: {option} {value}: must be between 1 " \
+        f"and {65536 if option == '--prefill-chunk' else 1024}", result.stderr
+    assert not db.exists()
+
+
 def _int8_kernel(target, many_tokens=True):
     """A q4f32 int8 matmul as the quantization pass adds it to a model (built by the rule, tagged)."""
     func = int8_matmul.int8_dot_matmul(FORMATS["q4f32"], 64, 256, target.int8_dot, many_tokens, target.vector_bits)
