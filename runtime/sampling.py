@@ -80,11 +80,15 @@ def _is_whole(value: object) -> bool:
 def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: list[int],
                  generated: Sequence[int] = ()) -> int:
     """Pick one token id from a [vocab] logits vector; `history` is prompt + `generated`."""
+    occurrence_penalty = bool(params.presence_penalty or params.frequency_penalty) and len(generated) > 0
+    repetition_penalty = params.repetition_penalty != 1.0 and len(history) > 0
+    if params.temperature == 0 and not occurrence_penalty and not repetition_penalty:
+        return int(np.argmax(logits))  # what the float64 copy below would pick, without copying the vocabulary
     logits = logits.astype(np.float64, copy=True)
-    if (params.presence_penalty or params.frequency_penalty) and generated:
+    if occurrence_penalty:
         seen, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         logits[seen] -= counts * params.frequency_penalty + params.presence_penalty
-    if params.repetition_penalty != 1.0 and history:
+    if repetition_penalty:
         seen = np.unique(np.asarray(history, dtype=np.int64))
         values = logits[seen]
         logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
