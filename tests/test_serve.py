@@ -540,6 +540,9 @@ def test_presence_and_frequency_penalties_follow_openai():
     # presence: 5 - 2 = 3, 4 - 2 = 2, 3.5: token 2 wins; without generated tokens nothing changes
     assert sample_token(logits, _greedy(1, presence_penalty=2.0), rng, generated, generated) == 2
     assert sample_token(logits, _greedy(1, presence_penalty=2.0), rng, generated) == 0
+    # repetition (over the prompt too, as in transformers): 5 / 2 = 2.5, 4 / 2 = 2: token 2 wins
+    assert sample_token(logits, _greedy(1, repetition_penalty=2.0), rng, [0, 1]) == 2
+    assert logits.tolist() == [5.0, 4.0, 3.5, 0.0]  # the caller's logits (the engine's buffer) are not changed
     with pytest.raises(GenerationError, match="frequency_penalty"):
         _greedy(1, frequency_penalty=2.5)
 
