@@ -62,6 +62,9 @@ class Decoding:
         tokenizer = engine.artifact.tokenizer
         if params.stop_strings and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer; this artifact has none")
+        if params.logit_bias and max(params.logit_bias) >= engine.vocab_size:
+            raise GenerationError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary of "
+                                  f"{engine.vocab_size} tokens")
         self._stop_ids = set(params.stop_token_ids) if params.stop_token_ids is not None else \
             end_of_sequence_ids(engine.artifact)
         self.params = params

@@ -3,10 +3,10 @@ presence and frequency penalties; log-probabilities of the chosen and likeliest 
 
 Semantics follow Hugging Face's logits processors in their order (repetition
 penalty, temperature, top-k, top-p), so a seed-free greedy run matches
-`transformers.generate` token for token. Presence and frequency penalties are
-OpenAI's, applied first: each token's logit drops by `frequency_penalty` times the
-number of times it was generated, plus `presence_penalty` if it was generated at all
-(the prompt does not count).
+`transformers.generate` token for token. OpenAI's `logit_bias` comes first (each listed
+token's logit plus its bias), then its presence and frequency penalties: each token's
+logit drops by `frequency_penalty` times the number of times it was generated, plus
+`presence_penalty` if it was generated at all (the prompt does not count).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # record each token's log-probability and this many likeliest alternatives
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,6 +60,10 @@ class SamplingParams:
              "a number in [-2, 2]"),
             ("logprobs", self.logprobs is None or _is_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
              f"a whole number in [0, {MAX_LOGPROBS}]"),
+            ("logit_bias", self.logit_bias is None or all(
+                _is_whole(token) and token >= 0 and _is_number(bias) and abs(bias) <= MAX_LOGIT_BIAS
+                for token, bias in self.logit_bias.items()),
+             f"token ids >= 0 mapped to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
         )
         for name, valid, expected in checks:
             if not valid:
@@ -67,6 +72,7 @@ class SamplingParams:
 
 MAX_SEED = 2**63  # seeds are int64 in most APIs (OpenAI's, transformers'); numpy takes any
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 
 
 def _is_number(value: object) -> bool:
@@ -82,9 +88,12 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     """Pick one token id from a [vocab] logits vector; `history` is prompt + `generated`."""
     occurrence_penalty = bool(params.presence_penalty or params.frequency_penalty) and len(generated) > 0
     repetition_penalty = params.repetition_penalty != 1.0 and len(history) > 0
-    if params.temperature == 0 and not occurrence_penalty and not repetition_penalty:
+    if params.temperature == 0 and not occurrence_penalty and not repetition_penalty and not params.logit_bias:
         return int(np.argmax(logits))  # what the float64 copy below would pick, without copying the vocabulary
     logits = logits.astype(np.float64, copy=True)
+    if params.logit_bias:
+        tokens = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
+        logits[tokens] += np.fromiter(params.logit_bias.values(), dtype=np.float64, count=len(tokens))
     if occurrence_penalty:
         seen, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         logits[seen] -= counts * params.frequency_penalty + params.presence_penalty

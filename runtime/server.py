@@ -27,12 +27,12 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from ember.errors import EmberError, GenerationError
 from ember.runtime.constrained import JsonConstraints
 from ember.runtime.generate import LogitsProcessor
-from ember.runtime.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
+from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.scheduler import Histogram, QueueFullError, Scheduler, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class _Fields(BaseModel):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
 
 
 class _TextPart(BaseModel):
@@ -223,9 +224,22 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
                 temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                 repetition_penalty=fields.repetition_penalty, presence_penalty=fields.presence_penalty,
                 frequency_penalty=fields.frequency_penalty, seed=fields.seed, stop_strings=tuple(stop),
-                max_new_tokens=max_tokens or context - prompt_len or 1, logprobs=logprobs)
+                max_new_tokens=max_tokens or context - prompt_len or 1, logprobs=logprobs,
+                logit_bias=logit_bias(fields.logit_bias))
         except GenerationError as err:
             raise ApiError(400, str(err), code="invalid_value") from None
+
+    def logit_bias(biases: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token ids as JSON keys) with ids checked against the vocabulary."""
+        if not biases:
+            return None
+        parsed = {}
+        for key, bias in biases.items():
+            if not (key.isascii() and key.isdigit() and int(key) < engine.vocab_size):
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary "
+                                    f"(0 to {engine.vocab_size - 1})", param="logit_bias", code="invalid_value")
+            parsed[int(key)] = bias
+        return parsed
 
     async def tokenize(work: Callable[[], list[int]]) -> list[int]:
         if tokenizer is None:

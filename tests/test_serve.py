@@ -174,6 +174,23 @@ def test_demo_stop_logprobs_and_penalties(demo, demo_reference):
     assert repeated.choices[0].text != _reference(demo_reference, prompt, 40)[0]
 
 
+def test_demo_logit_bias_moves_the_pick_as_openai_documents(demo, demo_reference):
+    """A bias is added to a token's logit before sampling: -100 hands a greedy pick to the runner-up, +100 forces."""
+    prompt = "And the LORD said unto Moses"
+    _, generation = _reference(demo_reference, prompt, 1)
+    first = generation.token_ids[0]
+    engine = Engine(demo_reference)
+    logits = engine.prefill(engine.add_sequence(), generation.prompt_ids).astype(np.float64)
+    logits[first] -= 100
+    runner_up = int(np.argmax(logits))
+    banned = demo.client.completions.create(model=demo.name, prompt=prompt, max_tokens=1, temperature=0,
+                                            logit_bias={str(first): -100})
+    assert banned.choices[0].text == demo_reference.tokenizer.decode([runner_up]) != generation.text()
+    forced = demo.client.chat.completions.create(model=demo.name, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, temperature=0, logit_bias={"5": 100})
+    assert forced.choices[0].message.content == demo_reference.tokenizer.decode([5, 5, 5])
+
+
 @pytest.fixture(scope="module")
 def long_served(tiny_llama_long):
     served = Served(tiny_llama_long.artifact_dir)
@@ -262,6 +279,9 @@ BAD_REQUESTS = {
                              "presence_penalty"),
     "too many logprobs": ("/v1/completions", {"logprobs": 21}, 400, ("logprobs",), "logprobs"),
     "n above one": ("/v1/completions", {"n": 2}, 400, ("n",), "n"),
+    "logit_bias above 100": ("/v1/completions", {"logit_bias": {"5": 101}}, 400, ("logit_bias",), "logit_bias"),
+    "logit_bias of no token": ("/v1/chat/completions", {"logit_bias": {"99999999": 1}}, 400,
+                               ("logit_bias", "vocabulary"), "logit_bias"),
     "empty stop": ("/v1/completions", {"stop": [""]}, 400, ("stop",), "stop"),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ("token ids",), None),
     "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ("one prompt",), "prompt"),
@@ -542,9 +562,15 @@ def test_presence_and_frequency_penalties_follow_openai():
     assert sample_token(logits, _greedy(1, presence_penalty=2.0), rng, generated) == 0
     # repetition (over the prompt too, as in transformers): 5 / 2 = 2.5, 4 / 2 = 2: token 2 wins
     assert sample_token(logits, _greedy(1, repetition_penalty=2.0), rng, [0, 1]) == 2
+    # logit_bias: 5 - 100 loses to 4; 0 + 10 beats 5
+    assert sample_token(logits, _greedy(1, logit_bias={0: -100}), rng, []) == 1
+    assert sample_token(logits, _greedy(1, logit_bias={3: 10.0}), rng, []) == 3
     assert logits.tolist() == [5.0, 4.0, 3.5, 0.0]  # the caller's logits (the engine's buffer) are not changed
     with pytest.raises(GenerationError, match="frequency_penalty"):
         _greedy(1, frequency_penalty=2.5)
+    for bad in ({-1: 1.0}, {2: 100.5}, {2: float("nan")}):
+        with pytest.raises(GenerationError, match="logit_bias"):
+            _greedy(1, logit_bias=bad)
 
 
 def test_token_logprob_is_the_log_softmax():
