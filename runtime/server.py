@@ -110,6 +110,7 @@ class _ChatBody(_Fields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None  # refused when given: a model that silently ignored them would mislead
+    functions: list[Any] | None = None  # the same, in OpenAI's older form
 
 
 class _CompletionBody(_Fields):
@@ -346,8 +347,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request) -> Any:
         fields = await parse(request, _ChatBody)
-        if fields.tools:
-            raise ApiError(400, "tools (function calling) are not supported", param="tools", code="unsupported_value")
+        for name in ("tools", "functions"):
+            if getattr(fields, name):
+                raise ApiError(400, f"{name} (function calling) are not supported", param=name,
+                               code="unsupported_value")
         if fields.top_logprobs is not None and not fields.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         messages = [{"role": "system" if m.role == "developer" else m.role,

@@ -307,6 +307,7 @@ BAD_REQUESTS = {
     "lone surrogate": ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}',
                        400, ("UTF-8",), None),
     "tools": ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, ("tools",), "tools"),
+    "functions": ("/v1/chat/completions", {"functions": [{"name": "f"}]}, 400, ("functions",), "functions"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"top_logprobs": 2}, 400, ("logprobs",),
                                       "top_logprobs"),
 }
