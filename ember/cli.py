@@ -296,6 +296,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on /v1/ requests")
     key.add_argument("--api-key-file", type=Path, metavar="FILE",
                      help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
+    serve.add_argument("--allow-origin", type=_web_origin, action="append", default=[], metavar="ORIGIN",
+                       help="a web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts may "
+                            "call the API from a browser (CORS); repeat for more, or * for any page the browser "
+                            "opens, the internet's included, so pair it with --api-key. Default: none but the "
+                            "server's own chat page at /")
     serve.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
                        help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
     serve.add_argument("--max-decode-stall", type=_seconds, metavar="SECONDS",
@@ -688,7 +693,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
     with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
                    speculation=_speculation(args, engine), **stall) as scheduler:
-        server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key)
+        server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
+                        allowed_origins=args.allow_origin)
         print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
         server.run()
     return 0
@@ -776,6 +782,13 @@ def _sampling_option(field: str, parse: Callable[[str], Any]) -> Callable[[str],
         return value
 
     return convert
+
+
+def _web_origin(text: str) -> str:
+    """An argparse type: `*` or a web origin, scheme://host[:port] (what a browser sends as `Origin`)."""
+    if text == "*" or re.fullmatch(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"not a web origin (scheme://host[:port], no path or trailing slash) or *: {text!r}")
 
 
 def _text(text: str) -> str:

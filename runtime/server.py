@@ -1,9 +1,10 @@
 """`ember serve`: an OpenAI-compatible HTTP API over the scheduler (FastAPI + uvicorn, the `serve` extra).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent
-events ending in `data: [DONE]`, or whole), GET /v1/models, /health and /metrics
-(Prometheus text), and a web chat page at / (static/chat.html, which streams through
-/v1/chat/completions). Every request runs through one `Scheduler`, which this module
+events ending in `data: [DONE]`, or whole), GET /v1/models and /v1/models/NAME, /health
+and /metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams
+through /v1/chat/completions); CORS answers for the web origins the caller allows, none
+by default. Every request runs through one `Scheduler`, which this module
 only wraps: bodies are parsed and checked here, prompts tokenized off the event
 loop, `response_format` JSON enforced by a token mask (`runtime/constrained.py`),
 and every failure answered in OpenAI's error shape
@@ -25,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,6 +46,7 @@ _ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/he
 try:
     import fastapi
     import uvicorn
+    from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.exceptions import HTTPException
@@ -132,7 +134,9 @@ class _Metrics:
         async def counted(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
             if scope["type"] != "http":
                 return await app(scope, receive, send)
-            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            path = scope["path"]
+            endpoint = (path if path in _ENDPOINTS else
+                        "/v1/models/{model}" if path.startswith("/v1/models/") else "other")
 
             async def send_counting(message: dict[str, Any]) -> None:
                 if message["type"] == "http.response.start":
@@ -144,9 +148,17 @@ class _Metrics:
         return counted
 
 
-def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> Any:
-    """The ASGI application serving `scheduler`'s engine as the model `model_name`."""
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
+               allowed_origins: Sequence[str] = ()) -> Any:
+    """The ASGI application serving `scheduler`'s engine as the model `model_name`.
+
+    `allowed_origins`: web origins (or `*`) whose pages' scripts may call the API from a browser: the
+    answers carry CORS headers for them, and their preflight requests are answered. Others are refused
+    by the browser itself, as without CORS; the page at / is same-origin and needs none."""
     app = fastapi.FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     metrics = _Metrics()
     engine = scheduler.engine
     tokenizer = engine.artifact.tokenizer
@@ -384,11 +396,22 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         stream = await start(prompt_ids, params, fields)
         return await respond(request, stream, fields, "text_completion", fields.logprobs is not None)
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "ember",
+                  "max_model_len": engine.context_window}
+
     @app.get("/v1/models")
     async def models(request: fastapi.Request) -> Any:
         authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "ember", "max_model_len": engine.context_window}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: fastapi.Request, model: str) -> Any:
+        # The openai client's models.retrieve(name); `path` because a model name may hold a slash.
+        authorize(request)
+        if model != model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server has {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card
 
     @app.get("/")
     async def chat_page() -> Any:
@@ -492,12 +515,12 @@ class Server:
     """An HTTP server for `scheduler`, listening from construction on; `run` it or `start` it in a thread."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> None:
         self.scheduler = scheduler
         self.model_name = model_name
         self._socket = _listen(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(create_app(scheduler, model_name, api_key), log_level="warning", access_log=False,
+        config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -87,11 +87,11 @@ def tree_snapshot(root: Path) -> dict[str, bytes | str]:
 
 
 @contextmanager
-def ember_serve(artifact: Path, api_key_file: Path, timeout: float) -> Iterator[str]:
-    """`ember serve ARTIFACT` in a subprocess on a free loopback port, one thread: its base URL
+def ember_serve(artifact: Path, api_key_file: Path, timeout: float, *options: str) -> Iterator[str]:
+    """`ember serve ARTIFACT [options]` in a subprocess on a free loopback port, one thread: its base URL
     (http://127.0.0.1:PORT), once it listens; stopped by its own process handle at the end."""
     process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(artifact), "--port", "0",
-                                "--api-key-file", str(api_key_file), "--threads", "1"],
+                                "--api-key-file", str(api_key_file), "--threads", "1", *options],
                                cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()  # blocks until the server listens, or the process ends

@@ -153,6 +153,10 @@ def test_demo_completions_and_chat_match_generate(demo, demo_reference):
                                                    stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
     assert [model.id for model in demo.client.models.list()] == [demo.name]
+    assert demo.client.models.retrieve(demo.name).id == demo.name
+    with pytest.raises(openai.NotFoundError) as not_found:
+        demo.client.models.retrieve("gpt-4o")
+    assert not_found.value.code == "model_not_found" and "'gpt-4o' does not exist" in not_found.value.message
 
 
 def test_demo_stop_logprobs_and_penalties(demo, demo_reference):
@@ -336,7 +340,7 @@ def test_unknown_fields_are_ignored(tiny):
 @pytest.mark.parametrize("key", [None, "wrong-key"])
 def test_api_key_is_required(tiny, key):
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+    for method, path in (("GET", "/v1/models"), ("GET", f"/v1/models/{tiny.name}"), ("POST", "/v1/completions")):
         _assert_openai_error(*tiny.request(method, path, b"{}", headers), 401, "API key")
     if key is not None:  # the client itself refuses to send no key
         client = openai.OpenAI(base_url=tiny.server.url, api_key=key, max_retries=0, timeout=TIMEOUT)
@@ -625,6 +629,11 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
             main(["serve", artifact, "--max-decode-stall", stall])
         assert exit_info.value.code == 2
         assert f"--max-decode-stall: not a number of seconds >= 0: '{stall}'" in capsys.readouterr().err
+    for origin in ("localhost:3000", "http://localhost:3000/", "http://a.test/chat", "ftp://a.test"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", artifact, "--allow-origin", origin])
+        assert exit_info.value.code == 2
+        assert f"--allow-origin: not a web origin (scheme://host[:port]" in capsys.readouterr().err
 
 
 def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):

@@ -7,7 +7,9 @@ cannot); playwright launches that executable, so no browser is downloaded from e
 
 from __future__ import annotations
 
+import http.server
 import subprocess
+import threading
 
 import pytest
 
@@ -65,6 +67,18 @@ window.fetch = async (url, options) => {
 """
 
 
+# A script of another web app's page calling the API with the browser's fetch: what it got, or how the browser refused.
+FETCH_CHAT = """async ([url, key, body]) => {
+  try {
+    const response = await fetch(url, {method: "POST", body: JSON.stringify(body),
+                                       headers: {"Authorization": "Bearer " + key, "Content-Type": "application/json"}});
+    return {status: response.status, reply: await response.json()};
+  } catch (err) {
+    return {error: String(err)};
+  }
+}"""
+
+
 @pytest.fixture(scope="module")
 def chromium() -> str:
     """The path of a chromium executable, installed by scripts/install_browser.sh if need be."""
@@ -76,12 +90,38 @@ def chromium() -> str:
     return result.stdout.strip()
 
 
+class _BlankPage(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"<!doctype html><title>another web app</title>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    """`ember serve` on the tiny llama with an API key: (page URL, openai client, model name)."""
+def web_apps():
+    """Two other web origins on loopback, each serving a blank page: (allowed one's URL, other one's URL)."""
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BlankPage) for _ in range(2)]
+    for web_server in servers:
+        threading.Thread(target=web_server.serve_forever, daemon=True).start()
+    yield tuple(f"http://127.0.0.1:{web_server.server_address[1]}" for web_server in servers)
+    for web_server in servers:
+        web_server.shutdown()
+        web_server.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory, web_apps):
+    """`ember serve` on the tiny llama with an API key, allowing the first of `web_apps` (CORS):
+    (page URL, openai client, model name)."""
     key_file = tmp_path_factory.mktemp("browser") / "key"
     key_file.write_text(API_KEY + "\n")
-    with ember_serve(tiny_llama.artifact_dir, key_file, TIMEOUT) as url:
+    with ember_serve(tiny_llama.artifact_dir, key_file, TIMEOUT, "--allow-origin", web_apps[0]) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
         yield url + "/", client, tiny_llama.artifact_dir.name
 
@@ -198,3 +238,18 @@ def test_chat_page_stop_button(page, server):
     whole = _greedy(client, model, [{"role": "user", "content": "Hello"}])
     assert partial and whole.startswith(partial)
     assert stop.is_disabled() and page.get_by_role("button", name="Send").is_enabled()
+
+
+def test_only_allowed_origins_call_the_api_from_a_browser(page, server, web_apps):
+    url, client, model = server
+    allowed, other = web_apps
+    messages = [{"role": "user", "content": "Hello"}]
+    call = [url + "v1/chat/completions", API_KEY,
+            {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}]
+    page.goto(allowed + "/")
+    result = page.evaluate(FETCH_CHAT, call)
+    assert result.get("status") == 200, result
+    assert result["reply"]["choices"][0]["message"]["content"] == _greedy(client, model, messages)
+    page.goto(other + "/")
+    result = page.evaluate(FETCH_CHAT, call)
+    assert result == {"error": "TypeError: Failed to fetch"}  # the browser's refusal: no CORS answer for this origin
