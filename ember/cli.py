@@ -9,11 +9,13 @@ one line asking for a report), 130 interrupted, 141 stdout closed by its reader.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import stat
 import sys
 import time
@@ -696,8 +698,23 @@ def _run_serve(args: argparse.Namespace) -> int:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
                         allowed_origins=args.allow_origin)
         print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        for warning in _exposure_warnings(args.host, api_key, args.allow_origin):
+            print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
         server.run()
     return 0
+
+
+def _exposure_warnings(host: str, api_key: str | None, origins: list[str]) -> list[str]:
+    """What a server without an API key lets strangers do, by its --host and --allow-origin."""
+    if api_key is not None:
+        return []
+    warnings = []
+    address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]  # the address Server bound
+    if not ipaddress.ip_address(address).is_loopback:
+        warnings.append(f"--host {host} without --api-key: anyone who can reach this machine can use the model")
+    if "*" in origins:
+        warnings.append("--allow-origin '*' without --api-key: any web page opened on this machine can use the model")
+    return warnings
 
 
 def _checkpoint_dir(argument: str) -> Path:

@@ -655,6 +655,29 @@ def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatc
     assert f"(default {scheduler_module.DEFAULT_MAX_DECODE_STALL:g})" in help_text
 
 
+def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatch, capsys):
+    from ember.runtime import server as server_module
+
+    listen = server_module._listen
+    # The server listens on loopback whatever --host says (tests never listen elsewhere), and returns at once.
+    monkeypatch.setattr(server_module, "_listen", lambda host, port: listen("127.0.0.1", port))
+    monkeypatch.setattr(server_module.Server, "run", lambda server: None)
+    artifact = str(tiny_llama.artifact_dir)
+    cases = [
+        ([], []),
+        (["--allow-origin", "http://localhost:3000"], []),
+        (["--host", "0.0.0.0", "--allow-origin", "*"],
+         ["ember: warning: --host 0.0.0.0 without --api-key: anyone who can reach this machine can use the model",
+          "ember: warning: --allow-origin '*' without --api-key: any web page opened on this machine can use the "
+          "model"]),
+        (["--host", "0.0.0.0", "--allow-origin", "*", "--api-key", "k"], []),
+    ]
+    for options, warnings in cases:
+        assert main(["serve", artifact, "--port", "0", *options]) == 0
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[0].startswith("ember: serving ") and lines[1:] == warnings, options
+
+
 def test_runtime_imports_without_the_serve_extra():
     code = ("import sys; sys.modules['fastapi'] = None; import ember.runtime; "
             "from ember.runtime import Scheduler\n"
