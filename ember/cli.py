@@ -274,7 +274,7 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--repetition-penalty", type=_sampling_option("repetition_penalty", float), default=1.0,
                          metavar="R", help="above 1, tokens already seen become less likely (default %(default)s)")
         sub.add_argument("--seed", type=_sampling_option("seed", int), metavar="N",
-                         help="random seed, 0 <= N < 2**63 (default: a fresh one each run)")
+                         help="random seed, -2**63 <= N < 2**63 (default: a fresh one each run)")
         sub.add_argument("--stop", action="append", default=[], type=_stop_string, metavar="TEXT",
                          help="stop string (repeatable)")
         _add_speculation_arguments(sub)

@@ -75,7 +75,8 @@ class Decoding:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.finished = False
         self._history = list(prompt_ids)
-        self._rng = np.random.default_rng(params.seed)
+        # numpy takes seeds >= 0: a negative int64 seed is its two's complement, distinct from every other seed.
+        self._rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         # Incremental detokenization: `_text` is the text of token_ids[:_read], decoded through windows that start
         # at `_window` (a token after which all characters were whole), so a step decodes a few tokens, not all.
         self._text = ""

@@ -50,8 +50,8 @@ class SamplingParams:
             ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a finite number > 0"),
             ("max_new_tokens", _is_whole(self.max_new_tokens) and self.max_new_tokens >= 1, "a whole number >= 1"),
-            ("seed", self.seed is None or _is_whole(self.seed) and 0 <= self.seed < MAX_SEED,
-             "a whole number in [0, 2**63)"),
+            ("seed", self.seed is None or _is_whole(self.seed) and -MAX_SEED <= self.seed < MAX_SEED,
+             "a whole number in [-2**63, 2**63)"),
             ("stop_strings", all(isinstance(stop, str) and stop for stop in self.stop_strings),
              "non-empty strings"),
             ("presence_penalty", _is_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
@@ -70,7 +70,7 @@ class SamplingParams:
                 raise GenerationError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
 
-MAX_SEED = 2**63  # seeds are int64 in most APIs (OpenAI's, transformers'); numpy takes any
+MAX_SEED = 2**63  # seeds are int64 in most APIs (OpenAI's, transformers'), negative ones included
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 

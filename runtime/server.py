@@ -85,7 +85,7 @@ class _Fields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # an extension, as in vLLM
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)  # several choices per request are not supported
     stream: bool = False

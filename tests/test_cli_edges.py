@@ -45,7 +45,7 @@ BAD_OPTIONS = [
     ("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-0.5"), ("--temperature", "hot"),
     ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-k", "-1"), ("--top-k", "2.5"),
     ("--repetition-penalty", "nan"), ("--repetition-penalty", "0"), ("--repetition-penalty", "-inf"),
-    ("--max-new-tokens", "0"), ("--max-new-tokens", "-3"), ("--seed", "-1"), ("--seed", str(2**63)),
+    ("--max-new-tokens", "0"), ("--max-new-tokens", "-3"), ("--seed", str(-2**63 - 1)), ("--seed", str(2**63)),
     ("--stop", ""),
 ]
 
@@ -61,7 +61,7 @@ def test_sampling_options_are_checked_by_argparse(capsys, tmp_path, command, opt
 
 @pytest.mark.parametrize("options", [
     {"temperature": float("nan")}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": float("inf")}, {"top_k": -1},
-    {"repetition_penalty": float("nan")}, {"repetition_penalty": 0.0}, {"max_new_tokens": 0}, {"seed": -1},
+    {"repetition_penalty": float("nan")}, {"repetition_penalty": 0.0}, {"max_new_tokens": 0}, {"seed": -2**63 - 1},
     {"seed": 2**63}, {"stop_strings": ("",)}, {"seed": 1.5},
 ])
 def test_sampling_params_refuse_bad_values(options):

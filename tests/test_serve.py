@@ -278,7 +278,7 @@ BAD_REQUESTS = {
     "negative temperature": ("/v1/completions", {"temperature": -0.5}, 400, ("temperature",), "temperature"),
     "top_p zero": ("/v1/completions", {"top_p": 0}, 400, ("top_p",), "top_p"),
     "top_p above one": ("/v1/completions", {"top_p": 1.5}, 400, ("top_p",), "top_p"),
-    "negative seed": ("/v1/completions", {"seed": -1}, 400, ("seed",), "seed"),
+    "seed beyond int64": ("/v1/completions", {"seed": 2**63}, 400, ("seed",), "seed"),
     "penalty out of range": ("/v1/completions", {"presence_penalty": 3}, 400, ("presence_penalty",),
                              "presence_penalty"),
     "too many logprobs": ("/v1/completions", {"logprobs": 21}, 400, ("logprobs",), "logprobs"),
@@ -335,6 +335,16 @@ def test_unknown_fields_are_ignored(tiny):
     reply = tiny.client.completions.create(model=tiny.name, prompt="ab", max_tokens=3, temperature=0,
                                            extra_body={"vendor_option": {"x": 1}, "user": "me"})
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_seed_repeats_a_sampled_reply(tiny):
+    """Any int64 seed, negative ones included (OpenAI's API takes them), gives the same sampled text again."""
+    def sampled(seed: int) -> str:
+        return tiny.client.completions.create(model=tiny.name, prompt="ab", max_tokens=24, temperature=1.0,
+                                              seed=seed).choices[0].text
+    replies = {seed: sampled(seed) for seed in (-1, 1, -2**63, 2**63 - 1)}
+    assert all(sampled(seed) == reply for seed, reply in replies.items())
+    assert replies[-1] != replies[1]
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"])

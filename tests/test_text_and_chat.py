@@ -63,6 +63,9 @@ def test_sampling_is_reproducible_with_a_seed(tiny_llama):
     first = sample(temperature=1.0, top_k=40, top_p=0.9, seed=3)
     assert sample(temperature=1.0, top_k=40, top_p=0.9, seed=3) == first
     assert sample(temperature=1.0, top_k=40, top_p=0.9, seed=4) != first
+    negative = sample(temperature=1.0, seed=-3)  # int64 seeds, as OpenAI's API takes them
+    assert sample(temperature=1.0, seed=-3) == negative != sample(temperature=1.0, seed=3)
+    assert sample(temperature=1.0, seed=-2**63) == sample(temperature=1.0, seed=-2**63)
     assert sample(temperature=1.0, top_k=1, seed=5) == sample(temperature=0.0)
 
 
