@@ -50,21 +50,26 @@ def _assert_same(ours, theirs, dtype):
     np.testing.assert_allclose(ours[1], theirs[1], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(
-    "kv_heads, qo_heads, head_dim, dtype, lengths",
-    [
-        (4, 12, 64, "float32", [129]),  # the 110M benchmark shape: groups of 3, several chunks
-        (2, 2, 32, "float32", [1, CHUNK, CHUNK + 1, 0, 100]),  # batch; one token, chunk edges, empty
-        (1, 4, 12, "float32", [17]),  # head dim not a multiple of the vector width
-        (2, 4, 16, "float16", [40]),
-    ],
-)
-def test_decode_attention_matches_tvm_kernel(kv_heads, qo_heads, head_dim, dtype, lengths):
+# Float32 lanes of AVX-512, AVX2 and NEON: each vector width the kernels are built for.
+LANES = (16, 8, 4)
+DECODE_CASES = [
+    (4, 12, 64, "float32", [129]),  # the 110M benchmark shape: groups of 3, several chunks
+    (2, 2, 32, "float32", [1, CHUNK, CHUNK + 1, 0, 100, CHUNK - 1]),  # batch; one token, chunk edges, empty
+    (1, 4, 12, "float32", [17]),  # head dim not a multiple of the vector width
+    (2, 4, 16, "float16", [40]),
+]
+
+
+# Every case at this machine's lanes; the batch (short last chunks: their empty slots) at every level's.
+@pytest.mark.parametrize("case, lanes", [(case, lanes) for case in range(len(DECODE_CASES)) for lanes in LANES
+                                         if lanes == HOST_LANES or case == 1])
+def test_decode_attention_matches_tvm_kernel(case, lanes):
+    kv_heads, qo_heads, head_dim, dtype, lengths = DECODE_CASES[case]
     rng = np.random.default_rng(0)
     total_pages = sum(-(-length // PAGE) for length in lengths) + 2
     q = rng.standard_normal((len(lengths), qo_heads, head_dim)).astype(dtype)
     pages = rng.standard_normal((total_pages, 2, kv_heads, PAGE, head_dim)).astype(dtype)
-    ours = _decode(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, HOST_LANES, "ours"), q, pages,
+    ours = _decode(paged_decode_attention(kv_heads, qo_heads, head_dim, dtype, PAGE, lanes, "ours"), q, pages,
                    lengths)
     theirs = _decode(_attention_decode_cpu(kv_heads, qo_heads, head_dim, dtype, False, {}), q, pages, lengths)
     _assert_same(ours, theirs, dtype)
@@ -78,8 +83,6 @@ PREFILL_CASES = [
     (2, 4, 16, "float16", [40], 1),
     (1, 6, 128, "float32", [70], 1),  # a long head dim: fewer pairs per register tile; groups of 6 fill tiles unevenly
 ]
-# Float32 lanes of AVX-512, AVX2 and NEON: each register tile the kernels take (`prefill_tile`).
-LANES = (16, 8, 4)
 # Every case at this machine's lanes; the batch edges and the long head dim at every level's.
 PREFILL_RUNS = [(case, lanes) for case in range(len(PREFILL_CASES)) for lanes in LANES
                 if lanes == HOST_LANES or case in (1, 4)]
