@@ -60,7 +60,7 @@ DECODE_CASES = [
 ]
 
 
-# Every case at this machine's lanes; the batch (short last chunks: their empty slots) at every level's.
+# Every case at this machine's lanes; the batch (one token, chunk edges, short last chunks) at every level's.
 @pytest.mark.parametrize("case, lanes", [(case, lanes) for case in range(len(DECODE_CASES)) for lanes in LANES
                                          if lanes == HOST_LANES or case == 1])
 def test_decode_attention_matches_tvm_kernel(case, lanes):
