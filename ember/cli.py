@@ -697,7 +697,9 @@ def _run_serve(args: argparse.Namespace) -> int:
                    speculation=_speculation(args, engine), **stall) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
                         allowed_origins=args.allow_origin)
-        print(f"ember: serving {server.model_name} at {server.url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        page = server.url.removesuffix("v1")
+        print(f"ember: serving {server.model_name} at {server.url}, chat page at {page} (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
         for warning in _exposure_warnings(args.host, api_key, args.allow_origin):
             print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
         server.run()

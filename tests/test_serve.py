@@ -12,6 +12,7 @@ import asyncio
 import http.client
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -685,7 +686,9 @@ def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatc
     for options, warnings in cases:
         assert main(["serve", artifact, "--port", "0", *options]) == 0
         lines = capsys.readouterr().err.strip().splitlines()
-        assert lines[0].startswith("ember: serving ") and lines[1:] == warnings, options
+        assert re.fullmatch(r"ember: serving \S+ at http://127\.0\.0\.1:\d+/v1, chat page at "
+                            r"http://127\.0\.0\.1:\d+/ \(Ctrl-C stops\)", lines[0]), lines[0]
+        assert lines[1:] == warnings, options
 
 
 def test_runtime_imports_without_the_serve_extra():
