@@ -697,8 +697,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                    speculation=_speculation(args, engine), **stall) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
                         allowed_origins=args.allow_origin)
-        page = server.url.removesuffix("v1")
-        print(f"ember: serving {server.model_name} at {server.url}, chat page at {page} (Ctrl-C stops)",
+        print(f"ember: serving {server.model_name} at {server.url}, chat page at {server.page_url} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         for warning in _exposure_warnings(args.host, api_key, args.allow_origin):
             print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
@@ -807,7 +806,8 @@ def _web_origin(text: str) -> str:
     """An argparse type: `*` or a web origin, scheme://host[:port] (what a browser sends as `Origin`)."""
     if text == "*" or re.fullmatch(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?", text):
         return text
-    raise argparse.ArgumentTypeError(f"not a web origin (scheme://host[:port], no path or trailing slash) or *: {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"not a web origin (scheme://host[:port], no path or trailing slash) or *: {text!r}")
 
 
 def _text(text: str) -> str:

@@ -214,10 +214,13 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
             where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part))
             raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=str(worst["loc"][0]) if worst["loc"]
                            else None, code="invalid_value") from None
-        if fields.model != model_name:
-            raise ApiError(404, f"the model {fields.model!r} does not exist; this server has {model_name!r}",
-                           param="model", code="model_not_found")
+        check_model(fields.model)
         return fields
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
+                           param="model", code="model_not_found")
 
     def sampling(fields: Any, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                  prompt_param: str) -> SamplingParams:
@@ -408,9 +411,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     async def model(request: fastapi.Request, model: str) -> Any:
         # The openai client's models.retrieve(name); `path` because a model name may hold a slash.
         authorize(request)
-        if model != model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server has {model_name!r}",
-                           param="model", code="model_not_found")
+        check_model(model)
         return model_card
 
     @app.get("/")
@@ -520,16 +521,21 @@ class Server:
         self.model_name = model_name
         self._socket = _listen(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins), log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         """The base URL of the OpenAI API (ends in /v1)."""
+        return self.page_url + "v1"
+
+    @property
+    def page_url(self) -> str:
+        """The URL of the chat page (ends in /)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"http://{host}:{self.port}/"
 
     def run(self) -> None:
         """Serve until interrupted (Ctrl-C, SIGTERM)."""
