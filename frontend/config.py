@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend.files import checkpoint_file, optional_checkpoint_file, read_json_object, short_repr
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

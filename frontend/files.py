@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 
 MAX_JSON_BYTES = 16 * 1024 * 1024  # config, generation, index and tokenizer_config files are a few KiB
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024  # tokenizer.json of a 256k vocabulary is ~30 MB

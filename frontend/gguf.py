@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend import gguf_rope
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import short_repr

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 
 TENSOR = "rope_freqs.weight"
 ORIGINAL_CONTEXT = 8192  # Llama 3's original_max_position_embeddings; only low/L and high/L matter

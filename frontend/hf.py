@@ -20,7 +20,8 @@ from typing import Any
 import tvm
 from tokenizers import Tokenizer
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
+from ember.core.tokenizer_files import default_chat_template
 from ember.frontend.config import ModelConfig, imported_model_config, load_model_config
 from ember.frontend.files import (
     MAX_TOKENIZER_BYTES,
@@ -34,7 +35,6 @@ from ember.frontend.weights import CheckpointWeights
 from ember.ir.attributes import ROPE_ATTR
 from ember.ir.kv_cache import tag_library_kernels, with_cache_shape
 from ember.ir.weight_recipes import set_recipes, weight_params
-from ember.runtime.tokenizer import default_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 

@@ -31,7 +31,7 @@ does not convert, a graph input other than the token ids, a subgraph.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.sym import Analyzer
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend.config import imported_model_config
 from ember.frontend.files import check_file_size, checkpoint_file
 from ember.frontend.hf import ImportedModel, checked_tokenizer_files

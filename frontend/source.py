@@ -7,11 +7,10 @@ from typing import Any
 
 import tvm
 
-from ember.errors import EmberError
+from ember.core.errors import EmberError
 from ember.frontend import gguf, onnx
 from ember.frontend.files import is_onnx_file
 from ember.frontend.hf import ImportedModel, import_hf_model
-
 
 FRONTENDS = ("builtin", "torch-export")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend.config import ModelConfig
 from ember.frontend.traced_weights import read_weights_transposed
 from ember.frontend.weights import CheckpointWeights

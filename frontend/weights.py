@@ -19,7 +19,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend.files import (
     checkpoint_file,
     optional_checkpoint_file,

@@ -8,7 +8,7 @@ them as one line.
 
 import tvm_ffi
 
-from ember import errors
+from ember.core import errors
 
 for _error in (errors.EmberError, *errors.EmberError.__subclasses__()):
     tvm_ffi.register_error(_error)

@@ -33,8 +33,13 @@ import tvm
 from tvm import relax
 
 from ember.ir.module_utils import bindings, is_op, is_weight_transpose, replace_functions
-from ember.ir.weight_recipes import (entry_functions_with_weights, get_recipes, recipe_sources, set_recipes,
-                                            weight_params)
+from ember.ir.weight_recipes import (
+    entry_functions_with_weights,
+    get_recipes,
+    recipe_sources,
+    set_recipes,
+    weight_params,
+)
 
 
 def fuse_parallel_projections(tensor_formats: Mapping[str, Any] | None = None) -> tvm.transform.Pass:

@@ -50,8 +50,14 @@ from tvm import relax, te, tirx
 from ember.ir.attributes import BATCH_SIZE, KERNEL_SOURCE_ATTR, VECTOR_RUN_ATTR, VERIFY_LEN
 from ember.ir.module_utils import bindings, is_op, is_weight_transpose
 from ember.ir.quant_formats import INTERLEAVED, ROWS, QuantFormat
-from ember.ir.weight_recipes import (Recipe, entry_functions_with_weights, get_recipes, recipe_sources,
-                                            set_recipes, weight_params)
+from ember.ir.weight_recipes import (
+    Recipe,
+    entry_functions_with_weights,
+    get_recipes,
+    recipe_sources,
+    set_recipes,
+    weight_params,
+)
 from ember.schedules import int8_matmul
 from ember.targets.int8_dot import Int8Dot
 

@@ -44,7 +44,6 @@ sequence, a graph without attention.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +51,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.ir.attributes import BATCH_SIZE, FORWARD, ROPE_ATTR, SEQ_LEN, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
 from ember.ir.module_utils import bindings, is_op, permute_axes, scalar_constant

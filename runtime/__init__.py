@@ -8,7 +8,7 @@ A device joins a farm with `python -m ember.runtime.rpc_device` (TVM's RPC serve
 ember's device functions), which runs `ember.runtime.bench` for `ember bench`.
 """
 
-from ember.without_torch import hide_torch_from_tvm
+from ember.core.without_torch import hide_torch_from_tvm
 
 hide_torch_from_tvm()  # before TVM is imported: where torch is installed, TVM would load it too
 

@@ -16,8 +16,8 @@ import tvm
 from tvm import runtime as tvm_runtime
 from tvm.runtime.vm import VirtualMachine
 
-from ember.errors import ArtifactError
-from ember.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
+from ember.core.errors import ArtifactError
+from ember.core.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@
 greedily, a few times, and returns plain data (JSON-ready) with the times of every run,
 the greedy tokens and the peak resident memory. The prompt is the same pseudo-random
 token ids everywhere (no tokenizer needed), so two runs of one artifact on two machines
-must produce the same tokens; the host compares and prints them (`ember/bench.py`).
+must produce the same tokens; the host compares and prints them (`ember/driver/bench.py`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ember.errors import GenerationError
-from ember.machine import cpu_fingerprint
+from ember.core.errors import GenerationError
+from ember.core.machine import cpu_fingerprint
 from ember.runtime.artifact import load_artifact
 from ember.runtime.engine import Engine
 

@@ -7,7 +7,7 @@ reply costs its new message, not the history.
 
 from __future__ import annotations
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Generation
 from ember.runtime.sampling import SamplingParams

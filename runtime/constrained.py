@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
 from ember.runtime.generate import end_of_sequence_ids
 

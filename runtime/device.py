@@ -20,7 +20,7 @@ import tvm_ffi
 from tvm import runtime as tvm_runtime
 from tvm_ffi.libinfo import load_lib_ctypes
 
-from ember.errors import ArtifactError
+from ember.core.errors import ArtifactError
 
 _DEVICE_NAMES = {"cuda": "CUDA", "opencl": "OpenCL"}
 _CUDA_ARCH = re.compile(r"sm_(\d+)([af]?)")

@@ -21,7 +21,7 @@ import numpy as np
 import tvm
 from tvm import runtime as tvm_runtime
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
 
 _ShapeTuple = tvm_runtime.ShapeTuple

@@ -22,7 +22,7 @@ from typing import TextIO
 
 import numpy as np
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
 from ember.runtime.engine import Engine
 from ember.runtime.sampling import SamplingParams, TokenLogprob, sample_token, token_logprob

@@ -8,7 +8,7 @@ and the stock server registers none of ember's, so a device needs ember's runtim
 (`ember package` writes it; the compiler is not needed) and this launcher, which registers
 them before the server starts (sessions are forked from this process):
 
-    ember.device.fingerprint()                the device's CPU fingerprint (`ember.machine`) and
+    ember.device.fingerprint()                the device's CPU fingerprint (`ember.core.machine`) and
                                               versions, as JSON: what tuning records are keyed by
     ember.device.write(path, offset, bytes)   write a chunk of a file under the session's work
                                               directory (TVM's own upload writes flat files only)
@@ -35,8 +35,8 @@ import tvm_ffi
 from tvm.rpc import server as rpc_server
 
 import ember
-from ember.errors import EmberError
-from ember.machine import cpu_fingerprint
+from ember.core.errors import EmberError
+from ember.core.machine import cpu_fingerprint
 from ember.runtime.bench import BenchOptions, run_benchmark
 from ember.runtime.device import use_cpu_threads
 

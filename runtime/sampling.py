@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 
 
 @dataclass

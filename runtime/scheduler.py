@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Decoding, LogitsProcessor
 from ember.runtime.prefix_cache import PrefixCache

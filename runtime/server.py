@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from ember.errors import EmberError, GenerationError
+from ember.core.errors import EmberError, GenerationError
 from ember.runtime.constrained import JsonConstraints
 from ember.runtime.generate import LogitsProcessor
 from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 
 if TYPE_CHECKING:
     from ember.runtime.engine import Engine

@@ -24,7 +24,8 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from tokenizers import Tokenizer as HFTokenizer
 
-from ember.errors import ArtifactError, GenerationError
+from ember.core.errors import ArtifactError, GenerationError
+from ember.core.tokenizer_files import default_chat_template
 
 RENDER_SECONDS = 1.0  # a real chat template renders in milliseconds
 RENDER_CHARS = 2**20  # plus twice the conversation's own text
@@ -231,14 +232,6 @@ def _check_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, int) and abs(value) > budget.max_chars:
             raise _OverBudget(f"the argument {value} is too large")
-
-
-def default_chat_template(template: Any) -> Any:
-    """transformers' named templates ([{name, template}, ...]) stand for the one named "default"."""
-    if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        return named.get("default", template)
-    return template
 
 
 def _compile_template(source: Any, name: str) -> tuple[jinja2.Template | None, str]:

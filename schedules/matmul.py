@@ -54,7 +54,15 @@ from tvm.s_tir.dlight.analysis import SBlockInfo
 from tvm.s_tir.schedule import ExprRV
 
 from ember.ir.attributes import VECTOR_RUN_ATTR
-from ember.schedules.common import CPURule, const_extent, extent_bound, reduction_lanes, schedule_halving, tree_sum, vector_accumulator
+from ember.schedules.common import (
+    CPURule,
+    const_extent,
+    extent_bound,
+    reduction_lanes,
+    schedule_halving,
+    tree_sum,
+    vector_accumulator,
+)
 
 # Activations with at most this many rows (decode batches) count as a GEMV.
 FEW_ROWS = 8

@@ -35,7 +35,7 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
-from ember.errors import TuningError
+from ember.core.errors import TuningError
 from ember.targets.hardware import cpu_fingerprint
 
 log = logging.getLogger("ember")

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from ember.errors import EmberError
+from ember.core.errors import EmberError
 from ember.schedules import prefill_attention
 from ember.targets.registry import TargetSpec, resolve_target
 

@@ -178,7 +178,7 @@ def main() -> None:
 
     if not (args.model / "config.json").exists():
         peers.make_random_llama(args.model, **SHAPES[args.shape])
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
     # Runners and results are keyed by (table, runtime): one table per ISA level, one for the float peers.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.errors import EmberError
+from ember.core.errors import EmberError
 from ember.runtime import Engine, load_artifact
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(SCRIPTS.parent / "tests"))  # gguf_files: llama.cpp's converter, quantizer and logits

@@ -44,8 +44,8 @@ TORCH_ROW = "pytorch-eager fp16"
 
 def compile_artifacts(model: Path, target: str, quants: list[str], prompt_len: int, batch: int) -> dict[str, dict]:
     """Compile `model` once per format; {quant: {"artifact", "seconds", "library_mb"}} for those that exist."""
-    from ember.compiler import CompileOptions, compile_model
-    from ember.errors import EmberError
+    from ember.core.errors import EmberError
+    from ember.driver.compiler import CompileOptions, compile_model
 
     built = {}
     for quant in quants:

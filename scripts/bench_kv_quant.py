@@ -28,7 +28,6 @@ sys.path.insert(0, str(SCRIPTS))
 import bench_cpu  # noqa: E402
 import peers  # noqa: E402
 
-
 CONTEXTS = (2048, 8192)
 WINDOW = 8448  # the longest context plus room for the decoded tokens
 
@@ -47,8 +46,8 @@ def main() -> None:
 
     if not (args.model / "config.json").exists():
         peers.make_random_llama(args.model, **bench_cpu.SHAPES["110m"], context=WINDOW)
-    from ember.compiler import CompileOptions, compile_model
-    from ember.manifest import read_manifest
+    from ember.core.manifest import read_manifest
+    from ember.driver.compiler import CompileOptions, compile_model
     from ember.runtime import Engine, load_artifact
 
     builds = {}

@@ -492,7 +492,7 @@ def main() -> None:
         package = build_llama_cpp.ensure_built(build_llama_cpp.LEVELS[args.llama_cpp_level])
     args.work_dir.mkdir(parents=True, exist_ok=True)
 
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     checkpoints = {}
     for name in split(args.models):

@@ -143,7 +143,7 @@ def _llama_cpp_worker(request: dict) -> dict:
 
 
 def demo_table(args: argparse.Namespace, level: build_llama_cpp.Level, package: Path) -> None:
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
     from ember.runtime import Engine, load_artifact
     from ember.runtime.speculative import DraftModel, PromptLookup, Speculation
 
@@ -206,7 +206,7 @@ def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) ->
     formats = [quant for quant in args.verify_quant.split(",") if quant]
     if not formats:
         return
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
     from ember.runtime import Engine, load_artifact
 
     model_dir = args.work_dir / "llama110m"

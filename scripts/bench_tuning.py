@@ -25,13 +25,13 @@ import peers  # noqa: E402
 
 def kernel_table(model: Path, db: Path) -> None:
     """Rule-based vs tuned time of every hot kernel that has a record."""
+    from ember.driver.tune import hot_kernels
     from ember.frontend.hf import import_hf_model
     from ember.ir.quant_formats import FORMATS
     from ember.ir_passes import pipeline
     from ember.schedules.tuning import compare, record_knobs, rule_knobs
     from ember.schedules.tuning_db import TuningDatabase
     from ember.targets.registry import resolve_target
-    from ember.tune import hot_kernels
 
     target = resolve_target("cpu")
     database = TuningDatabase.for_compiling(db)
@@ -53,7 +53,7 @@ def kernel_table(model: Path, db: Path) -> None:
 
 def end_to_end(model: Path, db: Path, repeats: int, threads: int) -> None:
     """Prefill and decode tok/s of the model compiled without and with the database."""
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
     from ember.schedules.tuning import describe_schedule_sources
 
     prompt = np.random.default_rng(0).integers(0, 32000, 128).tolist()

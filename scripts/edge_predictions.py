@@ -9,7 +9,7 @@ memory that `ember analyze`'s roofline model predicts, and the llama.cpp decode 
 published for that board and model size, with its source.
 
 How the predictions are made: the same code as `ember analyze MODEL --hardware BOARD`
-(ember/analyze: every operator on the board's roofline, kernels one after another, each at
+(ember/driver/analyze: every operator on the board's roofline, kernels one after another, each at
 min(peak, intensity x bandwidth)), with the precision of ember's own formats rather than
 the CLI's whole-bit `--wbits`:
 - weights at the format's stored bits per weight, scales included (q8f32 9 bits, q4f32 5
@@ -39,8 +39,8 @@ import argparse
 from typing import NamedTuple
 
 from ember import DEMO_MODEL_DIR
-from ember.analyze.operators import Architecture, FormatPrecision, architecture_from_config, load_architecture
-from ember.analyze.roofline import Workload, analyze, kv_cache_bytes, weight_bytes
+from ember.driver.analyze.operators import Architecture, FormatPrecision, architecture_from_config, load_architecture
+from ember.driver.analyze.roofline import Workload, analyze, kv_cache_bytes, weight_bytes
 from ember.targets.hardware import Hardware, board_presets, load_hardware
 
 FORMAT_NAMES = ("q8f32", "q4f32")
@@ -156,7 +156,7 @@ def main() -> None:
                 window = f" @{context}" if context != args.context else ""
                 print(f"| {hw.name} | {name} | {fmt} | {decode:,.1f} | {prefill:,.0f} | "
                       f"{memory_text}{window}{fits} | {published_cell(hw.name, arch, fmt)} |")
-    print(f"\nBandwidth and peaks per board (from targets/hardware/*.json): "
+    print("\nBandwidth and peaks per board (from targets/hardware/*.json): "
           + "; ".join(f"{hw.name} {hw.memory_bandwidth / 1e9:g} GB/s, int8 {hw.peak('int8') / 1e12:g} TOPS"
                       for hw in boards)
           + ". `--target aarch64` has no such figures, so nothing is predicted for it.")

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from ember import DEMO_MODEL_DIR
-from ember.compiler import CompileOptions, compile_model
+from ember.core.manifest import LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR
+from ember.driver.compiler import CompileOptions, compile_model
 from ember.ir.quant_formats import FORMATS
-from ember.manifest import LIBRARY_NAME, MANIFEST_NAME, PARAMS_DIR
 from ember.runtime import Engine, load_artifact
 from ember.runtime.evaluate import compare, scoring_windows
 

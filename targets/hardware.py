@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ember.errors import TargetError
-from ember.machine import cpu_fingerprint, cpu_model, host_cores
+from ember.core.errors import TargetError
+from ember.core.machine import cpu_fingerprint, cpu_model, host_cores
 
 PRESET_DIR = Path(__file__).with_name("hardware")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")

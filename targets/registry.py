@@ -30,7 +30,7 @@ from typing import Any
 import tvm
 from tvm.target import Target, codegen
 
-from ember.errors import TargetError
+from ember.core.errors import TargetError
 from ember.targets.hardware import Hardware, board_preset, board_presets, hardware_presets, host_cores, load_hardware
 from ember.targets.int8_dot import Int8Dot, int8_dot_of
 

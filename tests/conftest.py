@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
-
-import models
-from ember.ir.quant_formats import FORMATS
-from ember.without_torch import hide_torch_from_tvm
 from helpers import q8_0_activations, run_ember
+
+from ember.core.without_torch import hide_torch_from_tvm
+from ember.ir.quant_formats import FORMATS
 
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
 MAX_BATCH = 4
@@ -121,7 +121,7 @@ class TinyModel:
         Q8_0 does (`quantize_activations`): the reference computes what ember's kernels claim to."""
         import torch
 
-        from ember.manifest import read_manifest
+        from ember.core.manifest import read_manifest
         from ember.schedules import int8_matmul
 
         fmt = FORMATS[self.quantization]
@@ -205,7 +205,7 @@ class TinyModels:
         key = (f"{name}-{quantization}" if frontend == "builtin" else f"{name}-{frontend}-{quantization}") + (
             "-float-activations" * float_activations) + (f"-kv-{kv_quant}" if kv_quant else "")
         if key not in self._models:
-            from ember.compiler import CompileOptions, compile_model
+            from ember.driver.compiler import CompileOptions, compile_model
 
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
@@ -242,7 +242,7 @@ class TinyModels:
                                    "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
                 assert output.returncode == 0, output.stderr
             else:
-                from ember.compiler import CompileOptions, compile_model
+                from ember.driver.compiler import CompileOptions, compile_model
 
                 options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
                 compile_model(model_dir, artifact_dir, options)
@@ -266,7 +266,7 @@ def tiny_llama(tiny_models) -> TinyModel:
 def tiny_llama_long(tmp_path_factory) -> TinyModel:
     """The plain tiny llama's shapes with a context of LONG_CONTEXT tokens, compiled with max_batch
     LONG_MAX_BATCH, for serving tests whose prompts and outputs need more than 256 tokens."""
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     root = tmp_path_factory.mktemp("tiny-long")
     model_type, overrides = models.TINY_MODELS["llama"]
@@ -294,7 +294,7 @@ class DemoBuilds:
         """`get` of each (target, quantization, float_activations, kv_quant), the missing ones compiled side by
         side, one worker process per core: a compile is single-threaded (the edge tests' nine: 84 s in turn)."""
         import ember
-        from ember.compiler import CompileOptions, compile_model
+        from ember.driver.compiler import CompileOptions, compile_model
 
         artifacts, missing = [], {}
         for target, quantization, float_activations, kv_quant in builds:

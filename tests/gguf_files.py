@@ -193,9 +193,9 @@ def sentencepiece_model(model_type: str, vocab_size: int = 1000, **overrides: ob
     """A random tiny `model_type` checkpoint (config `overrides`) whose tokenizer is a SentencePiece BPE model
     (byte fallback) trained on the demo model's validation text, converted by llama.cpp (tokenizer.ggml.model
     "llama")."""
+    import models
     import sentencepiece
 
-    import models
     from ember import DEMO_MODEL_DIR
 
     model_dir = CACHE / f"sentencepiece-{model_type}-{vocab_size}{f'-{_key(overrides)}' if overrides else ''}"

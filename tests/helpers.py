@@ -10,9 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 import models
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,7 @@ def _run_cli(argv: list[str], stdin: str) -> tuple[object, str, str]:
 
 
 def _call(target: str, args: list) -> tuple[object, str, str]:
-    from ember.errors import EmberError
+    from ember.core.errors import EmberError
 
     module_name, _, attrs = target.partition(":")
     function = importlib.import_module(module_name)

@@ -11,10 +11,12 @@ import json
 import sys
 
 import pytest
+from helpers import run_python
 
-from ember.analyze import cli
-from ember.analyze.measure import attention_work, implemented_operators, measure, moved_bytes, with_int8_peak
-from ember.analyze.operators import (
+from ember.core.errors import ArtifactError, EmberError, ModelError, TargetError
+from ember.driver.analyze import cli
+from ember.driver.analyze.measure import attention_work, implemented_operators, measure, moved_bytes, with_int8_peak
+from ember.driver.analyze.operators import (
     Architecture,
     Precision,
     architecture_from_config,
@@ -25,13 +27,11 @@ from ember.analyze.operators import (
     model_presets,
     prefill,
 )
-from ember.analyze.report import format_text
-from ember.analyze.roofline import Workload, analyze, evaluate, kv_cache_bytes, place, weight_bytes
-from ember.errors import ArtifactError, EmberError, ModelError, TargetError
+from ember.driver.analyze.report import format_text
+from ember.driver.analyze.roofline import Workload, analyze, evaluate, kv_cache_bytes, place, weight_bytes
 from ember.targets import hardware as hw_module
 from ember.targets.hardware import Hardware, hardware_presets, load_hardware
 from ember.targets.registry import resolve_target
-from helpers import run_python
 
 FP16 = Precision(16, 16, 16)
 # h=8, I=16, H=2, Hkv=1, d=4, L=2, V=10: small enough to count every operator by hand.
@@ -637,7 +637,7 @@ def test_cli_refuses_a_workload_past_the_context_window(argv):
 
 def test_measured_report_fits_100_columns_unless_wide(tiny_measurement):
     """The default table fits a 100-column terminal (it needed ~170); --wide keeps every column."""
-    from ember.analyze.report import NARROW, format_measurement
+    from ember.driver.analyze.report import NARROW, format_measurement
 
     narrow, wide = format_measurement(tiny_measurement), format_measurement(tiny_measurement, wide=True)
     assert max(map(len, narrow.splitlines())) <= NARROW

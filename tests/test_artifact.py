@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
-
-from ember.errors import ArtifactError
-from ember.manifest import FORMAT_VERSION, manifest_digest
-from ember.runtime import SamplingParams, generate, load_artifact
 from helpers import run_ember, run_python
+
+from ember.core.errors import ArtifactError
+from ember.core.manifest import FORMAT_VERSION, manifest_digest
+from ember.runtime import SamplingParams, generate, load_artifact
 
 PROMPT = "hello world, the quick brown fox"
 

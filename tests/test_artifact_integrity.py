@@ -16,11 +16,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from ember.errors import ArtifactError
-from ember.manifest import KV_QUANTIZATIONS, QUANTIZATIONS, SCHEMA, manifest_digest, read_manifest, verify_files, write_manifest
-from ember.runtime import load_artifact
 from helpers import assert_one_line_error, run_ember, tree_snapshot
+
+from ember.core.errors import ArtifactError
+from ember.core.manifest import (
+    KV_QUANTIZATIONS,
+    QUANTIZATIONS,
+    SCHEMA,
+    manifest_digest,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+from ember.runtime import load_artifact
 
 SHARD = "params/params_shard_0.bin"
 INDEX = "params/tensor-cache.json"

@@ -8,19 +8,18 @@ traceback, and neither OUT nor a `.OUT.partial-*` staging directory may remain.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from helpers import run_ember
+from safetensors.numpy import load_file, save_file
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # [2 kv heads x 16, 64]

@@ -17,16 +17,16 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-
 import models
+import pytest
+from helpers import REPO_ROOT, assert_one_line_error, run_python
+
 from ember import cli
-from ember.errors import ArtifactError, GenerationError
+from ember.core.errors import ArtifactError, GenerationError
 from ember.runtime import SamplingParams
 from ember.runtime.chat import ChatSession
 from ember.runtime.evaluate import stream_token_ids
 from ember.runtime.tokenizer import Tokenizer
-from helpers import REPO_ROOT, assert_one_line_error, run_python
 
 DEMO_MODEL = REPO_ROOT / "ember" / "demo_model"
 
@@ -272,7 +272,7 @@ def test_cli_chat_keeps_the_session(tiny_llama):
 
 def artifact_with_template(tiny_llama, copy_artifact, template: str) -> Path:
     """A copy of the tiny llama's artifact whose chat template is `template`, sealed again as compile seals it."""
-    from ember.manifest import read_manifest, write_manifest
+    from ember.core.manifest import read_manifest, write_manifest
 
     artifact = copy_artifact(tiny_llama)
     path = artifact / "tokenizer_config.json"

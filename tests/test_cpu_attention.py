@@ -12,7 +12,12 @@ from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
 from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_cpu, _attention_prefill_ragged_cpu
 
 from ember.schedules.decode_attention import CHUNK, paged_decode_attention
-from ember.schedules.prefill_attention import BLOCK_ROWS, paged_prefill_attention, prefill_tile, ragged_prefill_attention
+from ember.schedules.prefill_attention import (
+    BLOCK_ROWS,
+    paged_prefill_attention,
+    prefill_tile,
+    ragged_prefill_attention,
+)
 from ember.targets.registry import resolve_target
 
 PAGE = 16

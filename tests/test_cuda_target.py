@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import tvm
 import tvm_ffi
+from conftest import MAX_BATCH, PREFILL_CHUNK
+from helpers import run_ember
 from tvm import relax
 
-from conftest import MAX_BATCH, PREFILL_CHUNK
-from ember.errors import ArtifactError
+from ember.core.errors import ArtifactError
 from ember.runtime import load_artifact
 from ember.runtime.device import cuda_arch_runs_on
-from helpers import run_ember
 
 ARCHS = {"sm_80": "nvidia-a100-80gb-sxm", "sm_90a": "nvidia-h100-sxm"}
 FATBIN_MAGIC = 0xBA55ED50
@@ -35,7 +35,7 @@ ENTRY_FUNCTIONS = {"prefill", "decode", "verify", "create_paged_kv_cache"}
 @pytest.fixture(scope="module")
 def cuda_artifacts(tiny_models, tmp_path_factory) -> dict[str, Path]:
     """The tiny llama compiled for each of `ARCHS`: sm_90a by the CLI while sm_80 compiles by the API."""
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     model_dir, root = tiny_models.checkpoint("llama"), tmp_path_factory.mktemp("cuda")
     with ThreadPoolExecutor(1) as side:  # the CLI's process runs beside this one's compile
@@ -151,7 +151,7 @@ def test_which_gpus_run_an_arch(arch, compute_version, runs):
 def test_opencl_artifact_ships_opencl_source(tiny_models, tmp_path):
     """OpenCL: the kernels are generated as OpenCL C inside the library (compiled by the device's driver
     at load); this TVM has no OpenCL runtime, so the runtime refuses and says what to install."""
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     options = CompileOptions(target="opencl", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
     artifact = compile_model(tiny_models.checkpoint("llama"), tmp_path / "ocl", options).output_dir

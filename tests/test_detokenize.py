@@ -15,14 +15,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import REPO_ROOT
+from models import build_tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ember.runtime import SamplingParams
 from ember.runtime.generate import Decoding
 from ember.runtime.tokenizer import Tokenizer
-from helpers import REPO_ROOT
-from models import build_tokenizer
 
 TEXTS = ["Hello, world! ", "naïve café — 東京 🚀 ", "a\nb\tc  ", "€uro ", "x"]
 

@@ -23,9 +23,9 @@ import pytest
 from tokenizers import Tokenizer
 
 import ember
-from ember.errors import ArtifactError
-from ember.manifest import LIBRARY_NAME, read_manifest
-from ember.package import package_artifact
+from ember.core.errors import ArtifactError
+from ember.core.manifest import LIBRARY_NAME, read_manifest
+from ember.driver.package import package_artifact
 from ember.runtime import load_artifact
 from ember.targets.registry import resolve_target
 

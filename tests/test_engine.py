@@ -7,11 +7,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import assert_logits_close, prompt_ids
 
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.ir_passes.memory_report import MemoryReport
 from ember.runtime import Engine
-from helpers import assert_logits_close, prompt_ids
 
 STEPS = 6
 

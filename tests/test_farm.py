@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from ember.errors import FarmError
-from ember.farm import Farm
 from helpers import REPO_ROOT, assert_one_line_error, run_ember
+
+from ember.core.errors import FarmError
+from ember.driver.farm import Farm
 
 KEY = "loopback"
 START_SECONDS = 60  # for a tracker or a device to come up (TVM's import takes seconds on a busy machine)
@@ -267,11 +267,11 @@ def test_a_device_database_applies_to_compiles_for_its_architecture(tmp_path, ca
     import logging
 
     import tvm
+    from test_tuning import nt_matmul
 
     from ember.schedules.tuning import SCHEDULE_SOURCE_ATTR, apply_tuning_database, knobs_record, rule_knobs, workload
     from ember.schedules.tuning_db import TuningDatabase
     from ember.targets.registry import resolve_target
-    from test_tuning import nt_matmul
 
     board, func = resolve_target("raspberry-pi-5"), nt_matmul()
     device = {"machine": "aarch64", "cpu": "Cortex-A76", "isa": ["asimd"], "cores": 4}

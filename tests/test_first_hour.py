@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-
-from ember.tvm_log import tvm_warnings_hidden
 from helpers import REPO_ROOT, run_ember, run_python
+
+from ember.driver.tvm_log import tvm_warnings_hidden
 
 TVM_WARNING = b"[11:47:13] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when there are\n"
 

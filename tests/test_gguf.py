@@ -25,21 +25,21 @@ import shutil
 from pathlib import Path
 
 import gguf
+import gguf_files
 import numpy as np
 import pytest
+from helpers import run_ember
 
-import gguf_files
 from ember import DEMO_MODEL_DIR
-from ember.analyze.measure import measure
-from ember.compiler import CompileOptions, compile_model
-from ember.errors import ModelError
+from ember.core.errors import ModelError
+from ember.driver.analyze.measure import measure
+from ember.driver.compiler import CompileOptions, compile_model
 from ember.frontend.gguf import GGUFWeights, Metadata, gguf_config, open_gguf
 from ember.frontend.gguf_tokenizer import write_tokenizer_files
 from ember.ir.quant_formats import FORMATS
 from ember.runtime import Engine, load_artifact
 from ember.runtime.tokenizer import Tokenizer
 from ember.targets.hardware import Hardware
-from helpers import run_ember
 
 PROMPT_LEN, NEW_TOKENS = 64, 32
 # A roof above any CPU here, for timing kernels against (`ember analyze --measure`).

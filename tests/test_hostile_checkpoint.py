@@ -16,15 +16,15 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import models
 import pytest
 import tvm
+from helpers import assert_one_line_error, run_ember, tree_snapshot
 
-import models
-from ember.analyze.operators import load_architecture
-from ember.errors import ModelError
+from ember.core.errors import ModelError
+from ember.driver.analyze.operators import load_architecture
 from ember.frontend.config import load_model_config
 from ember.frontend.hf import import_hf_model
-from helpers import assert_one_line_error, run_ember, tree_snapshot
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
 TWIN = "model.layers.0.mlp.down_proj.weight"  # same shape as TENSOR

@@ -27,15 +27,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
+from helpers import tree_snapshot
+from hostile import HANG_SECONDS, TALLY, Result, Worker
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import models
-from ember.errors import EmberError
-from hostile import HANG_SECONDS, TALLY, Result, Worker
-from helpers import tree_snapshot
+from ember.core.errors import EmberError
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
                 suppress_health_check=list(HealthCheck))
@@ -424,7 +424,7 @@ def manifest_paths(artifact):
 def test_manifest_fields(artifact, manifest_paths, pick, value, reseal, whole):
     """An edited manifest is refused; one rewritten with its seal recomputed (a deliberate rewrite, or a
     bug) still gets a one-line error for any field of the wrong shape, or loads with the field as written."""
-    from ember.manifest import manifest_digest, read_manifest, verify_files
+    from ember.core.manifest import manifest_digest, read_manifest, verify_files
 
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(shutil.copytree(artifact, Path(tmp) / "artifact"))
@@ -516,7 +516,7 @@ def test_artifact_files(artifact, damage, entries, reseal):
     relative path inside it, is refused in one line within the bound (no file is followed out of the
     artifact, opened if it is a FIFO or a device, or hashed if its size is wrong); the untouched
     artifact is accepted."""
-    from ember.manifest import manifest_digest, read_manifest, verify_files
+    from ember.core.manifest import manifest_digest, read_manifest, verify_files
 
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(shutil.copytree(artifact, Path(tmp) / "artifact"))
@@ -871,7 +871,7 @@ def test_gguf_files(case):
 def test_gguf_files_through_the_cli(worker, case):
     """`ember analyze FILE.gguf` and `ember compile FILE.gguf` on a damaged file: refused in one line with
     nothing left behind, or a report, and an artifact that verifies whole."""
-    from ember.manifest import read_manifest, verify_files
+    from ember.core.manifest import read_manifest, verify_files
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -1068,7 +1068,7 @@ def test_broken_checkpoints_through_compile(worker, checkpoint, how, config_edit
                              "--max-batch", "2"], timeout=120)
 
         def check() -> None:
-            from ember.manifest import read_manifest, verify_files
+            from ember.core.manifest import read_manifest, verify_files
 
             verify_files(out, read_manifest(out))
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from helpers import q8_0_activations
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
 from ember.targets.registry import resolve_target
-from helpers import q8_0_activations
 
 TARGET = resolve_target("cpu")
 needs_int8_dot = pytest.mark.skipif(TARGET.int8_dot is None, reason="this CPU has no int8 dot-product instruction")

@@ -14,12 +14,12 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+from helpers import q8_0_activations
 from tvm.target import Target
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
 from ember.targets.int8_dot import int8_dot_of
-from helpers import q8_0_activations
 
 CROSS_CXX = "aarch64-linux-gnu-g++"
 # Level -> (CPU, features, the instruction its code must use).

@@ -15,12 +15,12 @@ import re
 
 import numpy as np
 import pytest
+from helpers import assert_logits_close, prompt_ids, run_ember
 
 import ember
-from ember.compiler import CompileOptions, compile_model
-from ember.errors import EmberError
-from ember.manifest import read_manifest
-from helpers import assert_logits_close, prompt_ids, run_ember
+from ember.core.errors import EmberError
+from ember.core.manifest import read_manifest
+from ember.driver.compiler import CompileOptions, compile_model
 
 DECODE_STEPS = 64
 # Max |logit difference| / max |logit| against transformers' float cache, as measured over prefill and 64 decode
@@ -123,7 +123,7 @@ def test_measure_times_a_packed_cache_artifact(tiny_models, kv_quant, bits):
     """`analyze --measure` rebuilds the artifact's kernels with its packed cache (q and k rotated inside the cache's
     split, no rotary kernel of its own) and models its KV bytes: q8 at int8 plus the scales (10 bits at a head dim of
     16), f16 at 16 bits."""
-    from ember.analyze.measure import measure
+    from ember.driver.analyze.measure import measure
     from ember.targets.hardware import Hardware
 
     generous = Hardware("generous", "generous", "cpu", {"fp32": 1e14}, memory_bandwidth=1e13, memory_capacity=1e12,

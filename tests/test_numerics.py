@@ -8,10 +8,10 @@ broken chunk boundary changes the logits far beyond the 1e-4 tolerance.
 from __future__ import annotations
 
 import pytest
-
-from ember.runtime import SamplingParams, generate
 from helpers import assert_logits_close, prompt_ids
 from models import TINY_MODELS
+
+from ember.runtime import SamplingParams, generate
 
 # 40 tokens: one prefill chunk, longer than Mistral's 16-token window.
 # 100 tokens: two chunks (64 + 36), so chunked prefill meets the window and RoPE offsets.

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_logits_close, prompt_ids, run_ember
 
 from ember.runtime import SamplingParams, generate
-from helpers import assert_logits_close, prompt_ids, run_ember
 
 ONNX_MODELS = ("llama", "gpt2")
 DECODE_STEPS = 16
@@ -95,7 +95,6 @@ def test_the_artifact_says_where_its_graph_came_from(tiny_models):
 # --- files ember refuses ----------------------------------------------------------------------------------------
 
 def _graph(nodes, inputs, initializers, output_shape=("1", "seq", 8)):
-    import onnx
     from onnx import TensorProto, helper
 
     logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, list(output_shape))

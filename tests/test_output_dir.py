@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from ember.compiler import CompileOptions, compile_model
-from ember.errors import EmberError
-from ember.manifest import read_manifest
 from helpers import assert_one_line_error, run_ember, tree_snapshot
+
+from ember.core.errors import EmberError
+from ember.core.manifest import read_manifest
+from ember.driver.compiler import CompileOptions, compile_model
 
 OPTIONS = CompileOptions(prefill_chunk=64, max_batch=4, show_progress=False)
 

@@ -16,14 +16,14 @@ import string
 import numpy as np
 import pytest
 import tvm
+from helpers import assert_logits_close, prompt_ids, run_ember
 from tvm import s_tir, te
 
+from ember.core.manifest import read_manifest
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, ROWS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
-from ember.manifest import read_manifest
 from ember.runtime.evaluate import scoring_windows
-from helpers import assert_logits_close, prompt_ids, run_ember
 
 QUANTIZED = [name for name, fmt in FORMATS.items() if fmt.quantizes]
 # (rows, reduction length): whole groups, a partial last group, a partial last word.
@@ -311,7 +311,7 @@ def test_quantized_model_for_another_isa_level(tiny_models, tmp_path, cpu, quant
     from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
     from test_int8_matmul import level_target
 
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     level_target("avx2" if cpu == "haswell" else None)  # skips where this CPU cannot run that code
     model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"

@@ -25,12 +25,13 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from helpers import REPO_ROOT, ember_serve, prompt_ids
+
 from ember.cli import main
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
 from ember.runtime.sampling import sample_token, token_logprob
 from ember.runtime.server import Server
-from helpers import REPO_ROOT, ember_serve, prompt_ids
 
 API_KEY = "test-key"
 TIMEOUT = 60  # seconds; catches a hang, never a speed
@@ -644,7 +645,7 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", artifact, "--allow-origin", origin])
         assert exit_info.value.code == 2
-        assert f"--allow-origin: not a web origin (scheme://host[:port]" in capsys.readouterr().err
+        assert "--allow-origin: not a web origin (scheme://host[:port]" in capsys.readouterr().err
 
 
 def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):
@@ -694,7 +695,7 @@ def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatc
 def test_runtime_imports_without_the_serve_extra():
     code = ("import sys; sys.modules['fastapi'] = None; import ember.runtime; "
             "from ember.runtime import Scheduler\n"
-            "try:\n import ember.runtime.server\nexcept ember.errors.EmberError as err: print(err)")
+            "try:\n import ember.runtime.server\nexcept ember.core.errors.EmberError as err: print(err)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr

@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 import pytest
+from helpers import prompt_ids
+from test_serve import TIMEOUT, Served, _reference, long_served  # noqa: F401 (a fixture)
 
 from ember.runtime import Engine, SamplingParams, Scheduler, generate
 from ember.runtime.prefix_cache import PrefixCache
-from helpers import prompt_ids
-from test_serve import TIMEOUT, Served, _reference, long_served  # noqa: F401 (a fixture)
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

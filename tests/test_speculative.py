@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_ember
 
 import ember
-from ember.errors import GenerationError
+from ember.core.errors import GenerationError
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
 from ember.runtime.chat import ChatSession
 from ember.runtime.speculative import DraftModel, PromptLookup, Speculation
-from helpers import run_ember
 
 NEW_TOKENS = 32
 

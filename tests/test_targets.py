@@ -7,7 +7,7 @@ import pytest
 import tvm
 from tvm.target import codegen
 
-from ember.errors import TargetError
+from ember.core.errors import TargetError
 from ember.targets import registry
 from ember.targets.hardware import hardware_presets, load_hardware
 from ember.targets.registry import resolve_target
@@ -110,7 +110,7 @@ def test_bad_targets_are_refused_with_the_reason(spec: str, message: str) -> Non
 def test_cross_compile_without_the_toolchain_names_the_package(tmp_path, monkeypatch) -> None:
     """An aarch64 target links with aarch64-linux-gnu-g++; without it on PATH, compile says which Debian
     package to install, before the model is read (the path is bogus) and without writing anything."""
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
 
     monkeypatch.setenv("PATH", str(tmp_path))
     target = '{"kind": "llvm", "mcpu": "cortex-a76", "mtriple": "aarch64-linux-gnu"}'

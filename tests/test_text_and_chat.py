@@ -4,10 +4,10 @@ stop strings cut it, and a chat reuses its KV cache across turns."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_ember
 
 from ember.runtime import SamplingParams, generate
 from ember.runtime.chat import ChatSession
-from helpers import run_ember
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=())
@@ -130,8 +130,8 @@ def test_chat_reset_starts_over(tiny_llama):
 
 def test_chat_needs_a_tokenizer(tiny_llama, copy_artifact):
     """An artifact without tokenizer.json refuses text prompts and chat with a clear message."""
-    from ember.errors import GenerationError
-    from ember.manifest import read_manifest, write_manifest
+    from ember.core.errors import GenerationError
+    from ember.core.manifest import read_manifest, write_manifest
     from ember.runtime import Engine, load_artifact
 
     artifact = copy_artifact(tiny_llama)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-
-from ember.errors import ModelError
-from ember.runtime import SamplingParams, generate
 from helpers import assert_logits_close, prompt_ids
+
+from ember.core.errors import ModelError
+from ember.runtime import SamplingParams, generate
 
 # Llama and Qwen2 (GQA, tied and untied embeddings, q/k/v biases) also have ember's hand-written definition; the
 # others have none (see `models.EXPORTED_MODELS` for what each family brings: learned and cumsum-counted

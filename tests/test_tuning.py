@@ -18,23 +18,35 @@ from types import SimpleNamespace
 import pytest
 import tvm
 import tvm_ffi
+from helpers import REPO_ROOT
+from test_int8_matmul import level_target
 from tvm import te, tirx
 from tvm.s_tir import meta_schedule as ms
 
-from ember.errors import TuningError
+from ember.core.errors import TuningError
+from ember.driver.tune import HotKernel, Measurer, tune_kernel
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS
 from ember.schedules import int8_matmul, schedule_passes
 from ember.schedules.tuning import (
-    SCHEDULE_SOURCE_ATTR, ScheduleSources, apply_tuning_database, compare, enumerated_space, is_tunable, knobs_record,
+    SCHEDULE_SOURCE_ATTR,
+    ScheduleSources,
+    apply_tuning_database,
+    compare,
+    enumerated_space,
+    is_tunable,
+    knobs_record,
     load_here,
-    record_knobs, rule_knobs, schedule_sources, schedule_with, space_size, timed_rows, workload,
+    record_knobs,
+    rule_knobs,
+    schedule_sources,
+    schedule_with,
+    space_size,
+    timed_rows,
+    workload,
 )
 from ember.schedules.tuning_db import FINGERPRINT_NAME, TuningDatabase
 from ember.targets.registry import resolve_target
-from ember.tune import HotKernel, Measurer, tune_kernel
-from helpers import REPO_ROOT
-from test_int8_matmul import level_target
 
 RECORDS = "database_tuning_record.json"
 
@@ -308,10 +320,10 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
     from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
     from test_quantization import _assert_logits_match_reference
 
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.driver.tune import hot_kernels
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
-    from ember.tune import hot_kernels
 
     target = level_target(level)
     checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"

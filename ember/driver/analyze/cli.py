@@ -9,8 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ember.analyze.operators import FormatPrecision, Precision, load_architecture, model_presets
-from ember.analyze.report import (
+from ember.core.errors import EmberError
+from ember.driver.analyze.operators import FormatPrecision, Precision, load_architecture, model_presets
+from ember.driver.analyze.report import (
     format_measurement,
     format_text,
     measurement_json,
@@ -18,8 +19,7 @@ from ember.analyze.report import (
     write_measured_plot,
     write_plots,
 )
-from ember.analyze.roofline import Workload, analyze
-from ember.errors import EmberError
+from ember.driver.analyze.roofline import Workload, analyze
 from ember.ir.quant_formats import FORMATS
 from ember.targets.hardware import hardware_presets, load_hardware
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_measure(args: argparse.Namespace) -> int:
-    from ember.analyze.measure import measure  # loads TVM and the compiler: only for --measure
+    from ember.driver.analyze.measure import measure  # loads TVM and the compiler: only for --measure
 
     given = [f"--{name.replace('_', '-')}" for name in _NOT_MEASURED if getattr(args, name) not in (None, False)]
     if given:

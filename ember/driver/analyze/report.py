@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ember.analyze.operators import Precision
-from ember.analyze.roofline import Analysis, Point, StageResult, Workload, step_results
-from ember.errors import EmberError
+from ember.core.errors import EmberError
+from ember.driver.analyze.operators import Precision
+from ember.driver.analyze.roofline import Analysis, Point, StageResult, Workload, step_results
 
 if TYPE_CHECKING:  # measure.py loads TVM and the compiler; the analysis alone needs neither
-    from ember.analyze.measure import KernelTiming, MeasuredStage, Measurement
+    from ember.driver.analyze.measure import KernelTiming, MeasuredStage, Measurement
 
 _COLUMNS = ("operator", "dtype", "ops", "bytes", "op/B", "op/s", "bound", "time", "share")
 _WIDTHS = (16, 6, 9, 9, 8, 9, 8, 10, 7)

@@ -41,24 +41,33 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm import relax, runtime as tvm_runtime, tirx
+from tvm import relax, tirx
+from tvm import runtime as tvm_runtime
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from ember.analyze.operators import Architecture, FormatPrecision, Operator, Precision, decode, prefill, visible_keys
-from ember.analyze.roofline import Point, StageResult, evaluate, place
-from ember.errors import ArtifactError, EmberError, ModelError
+from ember.core.errors import ArtifactError, EmberError, ModelError
+from ember.core.manifest import LIBRARY_NAME, Manifest
+from ember.driver.analyze.operators import (
+    Architecture,
+    FormatPrecision,
+    Operator,
+    Precision,
+    decode,
+    prefill,
+    visible_keys,
+)
+from ember.driver.analyze.roofline import Point, StageResult, evaluate, place
+from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
 from ember.frontend.source import import_model, recorded_config_dir, recorded_formats, recorded_frontend
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
-from ember.manifest import LIBRARY_NAME, Manifest
 from ember.runtime import Engine, load_artifact
 from ember.schedules import int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
-from ember.tvm_log import tvm_warnings_hidden
 
 REPEATS = 10
 # Copied before each timed run: more than the last-level cache a core sees on the CPUs

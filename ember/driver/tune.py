@@ -25,7 +25,7 @@ database's best is never slower than the rule. Each check is noted in the databa
 (`checks.json`), for compiles that cannot run the kernels themselves.
 
 With `--rpc-tracker HOST:PORT --device-key KEY` the same happens on a device farm
-(`ember/farm.py`): kernels are built here for `--target` (a board's, cross-linked as
+(`ember/driver/farm.py`): kernels are built here for `--target` (a board's, cross-linked as
 compile links it) and timed on the key's devices by meta_schedule's `RPCRunner`, as many
 at once as devices are registered; the check against the rule runs on one of them. The
 database is keyed by the fingerprint the devices report about themselves, which must
@@ -56,25 +56,38 @@ from tvm import relax, s_tir
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ember.codegen import cross_linker
-from ember.compiler import check_sizes
-from ember.errors import FarmError, TuningError
-from ember.farm import Farm, runner_arguments, runner_session
+from ember.core.errors import FarmError, TuningError
+from ember.core.machine import cpu_fingerprint
+from ember.core.manifest import MANIFEST_NAME, read_manifest
+from ember.driver.codegen import cross_linker
+from ember.driver.compiler import check_sizes
+from ember.driver.farm import Farm, runner_arguments, runner_session
+from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend import source as model_source
 from ember.ir.quant_formats import FORMATS
 from ember.ir_passes import pipeline
-from ember.machine import cpu_fingerprint
-from ember.manifest import MANIFEST_NAME, read_manifest
 from ember.runtime.device import use_cpu_threads
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import (
-    BUILD_FUNCTION, EXPORT_FUNCTION, Comparison, KernelLoader, compare, enumerated_space, is_tunable, load_here,
-    record_knobs, register_build_function, knobs_record, schedule_with, space_size, timed_rows, tuning_space,
+    BUILD_FUNCTION,
+    EXPORT_FUNCTION,
+    Comparison,
+    KernelLoader,
+    compare,
+    enumerated_space,
+    is_tunable,
+    knobs_record,
+    load_here,
+    record_knobs,
+    register_build_function,
+    schedule_with,
+    space_size,
+    timed_rows,
+    tuning_space,
     workload,
 )
 from ember.schedules.tuning_db import TuningDatabase, check_for_tuning, describe
 from ember.targets.registry import TargetSpec, resolve_target
-from ember.tvm_log import tvm_warnings_hidden
 
 log = logging.getLogger("ember")
 

@@ -23,7 +23,7 @@ import tvm
 from tvm import rpc
 from tvm.rpc import base as rpc_base
 
-from ember.errors import FarmError
+from ember.core.errors import FarmError
 from ember.runtime.rpc_device import FINGERPRINT_FUNCTION
 
 CONNECT_TIMEOUT = 5.0  # seconds to reach the tracker: on a LAN it answers in milliseconds

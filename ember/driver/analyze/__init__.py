@@ -9,7 +9,7 @@ cli.py        the `ember analyze` command
 Device descriptions live in `ember.targets.hardware`.
 """
 
-from ember.analyze.operators import Architecture, Precision, load_architecture
-from ember.analyze.roofline import Analysis, Workload, analyze
+from ember.driver.analyze.operators import Architecture, Precision, load_architecture
+from ember.driver.analyze.roofline import Analysis, Workload, analyze
 
 __all__ = ["Analysis", "Architecture", "Precision", "Workload", "analyze", "load_architecture"]

@@ -2,7 +2,7 @@
 artifact is deployed, and how close decode comes to the device's memory-bandwidth roofline.
 
 Without a tracker the artifact runs in this process. With one, its files are uploaded to a free
-device of the key (`ember.farm`) and `ember.runtime.bench.run_benchmark` runs there, in the
+device of the key (`ember.driver.farm`) and `ember.runtime.bench.run_benchmark` runs there, in the
 device's RPC session (`ember.runtime.rpc_device`), so the times are the device's alone: no
 network round trip is inside them. Both report the same greedy tokens for the same artifact.
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember.errors import ArtifactError, EmberError, FarmError
-from ember.farm import Farm
-from ember.machine import cpu_fingerprint
-from ember.manifest import MANIFEST_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest
+from ember.core.errors import ArtifactError, EmberError, FarmError
+from ember.core.machine import cpu_fingerprint
+from ember.core.manifest import MANIFEST_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest
+from ember.driver.farm import Farm
 from ember.runtime.bench import BenchOptions, run_benchmark
 from ember.runtime.rpc_device import BENCH_FUNCTION, WRITE_FUNCTION
 from ember.targets.hardware import Hardware, load_hardware

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ember import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
-from ember.errors import EmberError
+from ember.core.errors import EmberError
+from ember.core.manifest import KV_QUANTIZATIONS
+from ember.core.without_torch import hide_torch_from_tvm
 from ember.ir.quant_formats import FORMATS
-from ember.manifest import KV_QUANTIZATIONS
-from ember.without_torch import hide_torch_from_tvm
-
 
 _EPILOG = """\
 examples:
@@ -217,7 +216,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_threads_argument(bench)
     bench.set_defaults(run=_run_bench)
 
-    from ember.analyze import cli as analyze_cli
+    from ember.driver.analyze import cli as analyze_cli
 
     analyze = commands.add_parser("analyze", help="roofline analysis of a model on a hardware preset")
     analyze_cli.add_arguments(analyze)
@@ -340,13 +339,13 @@ def _farm(args: argparse.Namespace):
         if args.device_key is not None:
             raise EmberError("--device-key needs --rpc-tracker HOST:PORT (the tracker the device registered with)")
         return None
-    from ember.farm import Farm
+    from ember.driver.farm import Farm
 
     return Farm.parse(args.rpc_tracker, args.device_key, args.wait)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from ember.bench import bench, format_report
+    from ember.driver.bench import bench, format_report
     from ember.runtime.bench import BenchOptions
 
     options = BenchOptions(args.prompt_tokens, args.new_tokens, args.repeats, args.threads)
@@ -374,12 +373,12 @@ def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_compile(args: argparse.Namespace) -> int:
-    from ember.artifact_dir import check_output_dir
+    from ember.driver.artifact_dir import check_output_dir
 
     model_dir = _checkpoint_dir(args.model)
     check_output_dir(args.output)
     # The compiler takes seconds to import: only now that the paths are known good.
-    from ember.compiler import CompileOptions, compile_model
+    from ember.driver.compiler import CompileOptions, compile_model
     from ember.schedules.tuning import describe_schedule_sources
 
     options = CompileOptions(
@@ -413,7 +412,7 @@ def _run_compile(args: argparse.Namespace) -> int:
 
 def _run_tune(args: argparse.Namespace) -> int:
     model = _checkpoint_dir(args.model)
-    from ember.tune import TuneOptions, tune_model
+    from ember.driver.tune import TuneOptions, tune_model
 
     options = TuneOptions(db=args.db, target=args.target, quantization=args.quant, trials=args.trials,
                           budget_minutes=args.budget, kernels=args.kernels, prefill_chunk=args.prefill_chunk,
@@ -425,14 +424,14 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _run_package(args: argparse.Namespace) -> int:
-    from ember.package import package_artifact
+    from ember.driver.package import package_artifact
 
     print(f"packaged {args.artifact} -> {package_artifact(args.artifact, args.output)}")
     return 0
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from ember.manifest import read_manifest
+    from ember.core.manifest import read_manifest
 
     manifest = read_manifest(args.artifact)
     if args.json:
@@ -686,10 +685,9 @@ def _run_serve(args: argparse.Namespace) -> int:
                              f"{getattr(err, 'strerror', None) or err}") from None
     if api_key is not None and not api_key.strip():
         raise EmberError("--api-key/--api-key-file: the key is empty")
-    from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
-
     from ember.runtime import Engine, load_artifact
     from ember.runtime.scheduler import Scheduler
+    from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
 
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
     stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
@@ -721,8 +719,8 @@ def _exposure_warnings(host: str, api_key: str | None, origins: list[str]) -> li
 def _checkpoint_dir(argument: str) -> Path:
     """MODEL as given to compile or tune: `demo`, a checkpoint directory, a GGUF or an ONNX file; a hub id is told
     what to do."""
-    from ember.frontend.gguf import check_gguf_header, is_gguf_file
     from ember.frontend.files import is_onnx_file
+    from ember.frontend.gguf import check_gguf_header, is_gguf_file
 
     if argument in ("demo", "demo-draft"):
         return DEMO_MODEL_DIR if argument == "demo" else DEMO_DRAFT_DIR

@@ -35,7 +35,7 @@ import math
 from pathlib import Path
 
 from ember import DEMO_MODEL_DIR
-from ember.errors import ModelError
+from ember.core.errors import ModelError
 from ember.frontend.config import ModelConfig, parse_model_config
 from ember.frontend.files import read_json_object
 from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ember.errors import EmberError
-from ember.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ember.core.errors import EmberError
+from ember.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 log = logging.getLogger("ember")
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from ember.errors import ArtifactError
+from ember.core.errors import ArtifactError
 
 FORMAT_VERSION = 5  # 4: quantized weights store float16 scales; 5: kv_cache.quantization
 MANIFEST_NAME = "manifest.json"

@@ -4,7 +4,7 @@ Wires the stages together and owns nothing else: frontend (import), ir_passes
 (lower, with schedules), `tvm.compile` (codegen), weight conversion, manifest.
 The artifact is assembled in a staging directory beside OUT and renamed into place
 only when complete, so a failure or Ctrl-C never leaves a half artifact at OUT, and
-OUT is replaced only if it is empty or an ember artifact (`ember.artifact_dir`).
+OUT is replaced only if it is empty or an ember artifact (`ember.driver.artifact_dir`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from pathlib import Path
 import tvm
 
 import ember
-from ember.artifact_dir import check_output_dir, replace_dir, staging_dir
-from ember.codegen import build_library, cross_linker
-from ember.convert import quantized_sources, write_params
-from ember.errors import EmberError
-from ember.frontend.config import ModelConfig
+from ember.core.errors import EmberError
+from ember.core.manifest import FORMAT_VERSION, KV_QUANTIZATIONS, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.driver.artifact_dir import check_output_dir, replace_dir, staging_dir
+from ember.driver.codegen import build_library, cross_linker
+from ember.driver.convert import quantized_sources, write_params
+from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend import source as model_source
+from ember.frontend.config import ModelConfig
 from ember.frontend.gguf import conversion_summary
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
 from ember.ir.kv_cache import KV_ROWS
@@ -34,13 +36,11 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
-from ember.manifest import FORMAT_VERSION, KV_QUANTIZATIONS, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.hardware import host_memory_bytes
 from ember.targets.registry import TargetSpec, resolve_target
-from ember.tvm_log import tvm_warnings_hidden
 
 log = logging.getLogger("ember")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import tvm
 from tvm.support import nvcc
 
-from ember.errors import TargetError
+from ember.core.errors import TargetError
 from ember.targets.registry import TargetSpec
 
 log = logging.getLogger("ember")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ember.analyze.operators import (
+from ember.driver.analyze.operators import (
     Architecture,
     Operator,
     Precision,
