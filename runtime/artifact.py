@@ -17,6 +17,7 @@ from tvm import runtime as tvm_runtime
 from tvm.runtime.vm import VirtualMachine
 
 from ember.core.errors import ArtifactError
+from ember.core.machine import host_cpu_flags
 from ember.core.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
@@ -66,12 +67,20 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
 
 
 def _check_machine(path: Path, manifest: Manifest) -> None:
-    """Refuse a CPU artifact linked for another architecture before dlopen would fail on it."""
+    """Refuse a CPU artifact linked for another architecture before dlopen would fail on it, or one whose code
+    uses instruction-set extensions this CPU lacks before its first kernel would die of SIGILL."""
     compiled_for = manifest.target.get("arch", "") if manifest.target["name"] == "cpu" else ""
     here = _MACHINE_NAMES.get(platform.machine().lower(), platform.machine().lower())
     if compiled_for and compiled_for != here:
         raise ArtifactError(f"{path}: compiled for {compiled_for}, this machine is {here}; recompile with "
-                            f"`ember compile {manifest.source} --target cpu` here, or run it on the {compiled_for} device")
+                            f"`ember compile {manifest.source} --target cpu` here, or run it on the {compiled_for} "
+                            f"device")
+    host_flags = host_cpu_flags() if compiled_for else None
+    missing = [flag for flag in manifest.target.get("cpu_features", []) if host_flags and flag not in host_flags]
+    if missing:
+        raise ArtifactError(f"{path}: compiled for a CPU with {', '.join(missing)}, which this machine lacks (the "
+                            f"library would die of an illegal instruction); recompile with `ember compile "
+                            f"{manifest.source} --target cpu` here, or run it on a CPU that has them")
 
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:

@@ -48,6 +48,22 @@ _HOST = {"kind": "llvm"}
 GENERIC_AARCH64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic",
                    "mattr": ["+v8.2a", "+neon", "+dotprod"], "num-cores": 4}
 TVM_FROM_SOURCE = "https://tvm.apache.org/docs/install/from_source.html"
+# LLVM's names of the instruction-set extensions generated code may use, as Linux's /proc/cpuinfo spells them (the
+# flags x86 lists, the Features aarch64 lists): what a CPU library needs of the machine that runs it. Tuning hints
+# ("prefer-256-bit", "fast-gather") and features codegen does not emit on its own are left out; Linux lists AMX and
+# APX only where the kernel enabled their register state, which their code needs too.
+_CPUINFO_FLAGS = {
+    "sse3": "pni", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2",
+    "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2", "lzcnt": "abm", "popcnt": "popcnt",
+    "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512cd": "avx512cd", "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl", "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2",
+    "avx512vnni": "avx512_vnni", "avx512bitalg": "avx512_bitalg", "avx512vpopcntdq": "avx512_vpopcntdq",
+    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avxvnni": "avx_vnni", "avxifma": "avx_ifma",
+    "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq", "amx-tile": "amx_tile", "amx-int8": "amx_int8",
+    "amx-bf16": "amx_bf16", "amx-fp16": "amx_fp16", "egpr": "apx",
+    "fp-armv8": "fp", "neon": "asimd", "fullfp16": "asimdhp", "rdm": "asimdrdm", "dotprod": "asimddp",
+    "fp16fml": "asimdfhm", "i8mm": "i8mm", "bf16": "bf16", "sve": "sve", "sve2": "sve2", "sme": "sme",
+}
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ class TargetSpec:
     arch: str = ""  # GPU architecture, e.g. "sm_90a"; a CPU's machine name ("x86_64", "aarch64")
     hardware: str = ""  # the device the target is sized for: a preset name or the detected GPU
     memory_bytes: int = 0  # that GPU's memory (0: unknown)
+    cpu_features: tuple[str, ...] = ()  # a CPU target's instruction-set extensions, as /proc/cpuinfo names them
 
     @property
     def target(self) -> Target:
@@ -111,7 +128,8 @@ class TargetSpec:
         """Plain data for the artifact manifest."""
         return {"name": self.name, "tvm_target": self.tvm_target, "num_cores": self.num_cores,
                 "vector_bits": self.vector_bits, "arch": self.arch, "hardware": self.hardware,
-                "memory_bytes": self.memory_bytes}
+                "memory_bytes": self.memory_bytes,
+                **({"cpu_features": list(self.cpu_features)} if not self.is_gpu else {})}
 
 
 def resolve_target(spec: str) -> TargetSpec:
@@ -140,7 +158,8 @@ def resolve_target(spec: str) -> TargetSpec:
     boards = ", ".join([*board_presets(), "aarch64"])
     raise TargetError(
         f"--target {spec!r} is not known; use 'cpu' (this machine), an aarch64 board ({boards}; vendor prefix "
-        "optional), 'cuda:ARCH' (e.g. cuda:sm_90a), 'cuda' (this machine's GPU), 'opencl', or a TVM target JSON such as "
+        "optional), 'cuda:ARCH' (e.g. cuda:sm_90a), 'cuda' (this machine's GPU), 'opencl', or a TVM target JSON "
+        "such as "
         '\'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\''
     )
 
@@ -168,7 +187,15 @@ def _cpu_target(data: dict[str, Any]) -> TargetSpec:
     except Exception as err:  # TVM raises several internal types for a bad dict
         raise TargetError(f"invalid TVM target {json.dumps(data)}: {err}") from None
     machine = str(target.attrs.get("mtriple") or codegen.llvm_get_system_triple()).split("-")[0]
-    return TargetSpec("cpu", data, int(data["num-cores"]), _vector_bits(target), arch=machine)
+    return TargetSpec("cpu", data, int(data["num-cores"]), _vector_bits(target), arch=machine,
+                      cpu_features=required_cpu_features(target))
+
+
+def required_cpu_features(target: Target) -> tuple[str, ...]:
+    """The instruction-set extensions code for CPU `target` may use (its mcpu's and mattr's, as LLVM resolves them),
+    by their /proc/cpuinfo names: the machine that runs the library must list them all."""
+    llvm_features = codegen.llvm_get_cpu_features(target)
+    return tuple(sorted({flag for feature, flag in _CPUINFO_FLAGS.items() if feature in llvm_features}))
 
 
 def _vector_bits(target: Target) -> int:
@@ -279,11 +306,13 @@ def _nvcc_architectures() -> tuple[str, ...]:
 
 def _rocm_refusal() -> str:
     rocm = Path(os.environ.get("ROCM_PATH", "/opt/rocm"))
+    bitcode = rocm / "amdgcn" / "bitcode"
     missing = [what for what, present in (
         ("ld.lld on PATH", shutil.which("ld.lld")),
-        (f"ROCm device bitcode in {rocm / 'amdgcn' / 'bitcode'} (set ROCM_PATH)", (rocm / "amdgcn" / "bitcode").is_dir()),
+        (f"ROCm device bitcode in {bitcode} (set ROCM_PATH)", bitcode.is_dir()),
     ) if not present]
-    here = f"missing on this machine: {'; '.join(missing)}" if missing else "ember does not package HSA code objects yet"
+    here = (f"missing on this machine: {'; '.join(missing)}" if missing
+            else "ember does not package HSA code objects yet")
     return ("ember cannot build ROCm artifacts: TVM's ROCm codegen links each kernel with ld.lld against ROCm's "
             f"device bitcode ({here}), and running needs a TVM built with USE_ROCM=ON on the device "
             f"(the pip wheel has no ROCm runtime; {TVM_FROM_SOURCE})")

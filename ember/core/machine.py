@@ -39,11 +39,17 @@ def cpu_model() -> str:
 
 
 def _isa_flags() -> list[str]:
+    present = host_cpu_flags() or set()
+    return [flag for flag in _ISA_FLAGS if flag in present]
+
+
+def host_cpu_flags() -> set[str] | None:
+    """The instruction-set flags this CPU has, as Linux's /proc/cpuinfo lists them (x86's `flags`,
+    aarch64's `Features`), or None where the OS does not say."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in _ISA_FLAGS if flag in present]
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return []
+    return None

@@ -135,6 +135,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
                             f"manifest_sha256); recompile the artifact with `ember compile`")
     _check_fields(path, data, SCHEMA, "")
     _check_file_list(path, data["files"])
+    _check_cpu_features(path, data["target"])
     try:
         return Manifest(**data)
     except TypeError as err:
@@ -294,6 +295,15 @@ def _check_fields(path: Path, data: dict[str, Any], schema: dict[str, Any], pref
             _check_fields(path, value, rule, name + ".")
         elif not rule[1](value):
             raise ArtifactError(f"{path}: manifest field {name} must be {rule[0]}, got {reprlib.repr(value)}")
+
+
+def _check_cpu_features(path: Path, target: dict[str, Any]) -> None:
+    """Refuse a target.cpu_features (the CPU flags the library needs, as /proc/cpuinfo names them) that is not a
+    list of flag names. Manifests written before the field have none: their library's needs are unknown."""
+    features = target.get("cpu_features", [])
+    if not (isinstance(features, list) and all(isinstance(f, str) and f.isidentifier() for f in features)):
+        raise ArtifactError(f"{path}: manifest field target.cpu_features must be a list of CPU flag names, "
+                            f"got {reprlib.repr(features)}")
 
 
 def _check_file_list(path: Path, files: dict[str, Any]) -> None:
