@@ -21,7 +21,7 @@ import tvm
 from tokenizers import Tokenizer
 
 from ember.core.errors import ModelError
-from ember.core.tokenizer_files import default_chat_template
+from ember.core.tokenizer_files import default_chat_template, tokenizer_json_problem
 from ember.frontend.config import ModelConfig, imported_model_config, load_model_config
 from ember.frontend.files import (
     MAX_TOKENIZER_BYTES,
@@ -85,9 +85,12 @@ def check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
     for path in paths:
         if path.name == "tokenizer.json":
             check_file_size(path, MAX_TOKENIZER_BYTES)
+            _check_tokenizer_bounds(path)
             try:
                 tokenizer = Tokenizer.from_file(str(path))
-            except Exception as err:  # tokenizers raises a bare Exception for a bad file
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):
+                raise
+            except BaseException as err:  # noqa: BLE001 - a bad file: a bare Exception, or a Rust panic
                 reason = str(err).strip().splitlines() or [type(err).__name__]
                 raise ModelError(f"{path}: cannot load tokenizer: {reason[0]}") from None
             # Ids past the embedding's rows would be read out of bounds; a smaller vocabulary is common (Qwen2 pads).
@@ -101,6 +104,18 @@ def check_tokenizer_files(paths: list[Path], config: ModelConfig) -> None:
             _check_tokenizer_config(read_json_object(path), path)
         elif path.name == "special_tokens_map.json":
             read_json_object(path)
+
+
+def _check_tokenizer_bounds(path: Path) -> None:
+    """Refuse a tokenizer.json whose normalizer, regexes or tokens pass `tokenizer_json_problem`'s bounds,
+    which the runtime checks again at load."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return  # tokenizers says what is wrong with the file
+    problem = tokenizer_json_problem(data)
+    if problem:
+        raise ModelError(f"{path}: {problem}")
 
 
 def _token_ids_in(node: Any) -> list[int]:

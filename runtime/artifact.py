@@ -62,7 +62,8 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
     vm = VirtualMachine(library, dev)
     params = _load_params(path / PARAMS_DIR, manifest, dev)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    has_tokenizer = (path / "tokenizer.json").exists()
+    tokenizer = Tokenizer.from_dir(path, int(manifest.kv_cache["max_context"])) if has_tokenizer else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)
 
 
