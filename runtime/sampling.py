@@ -89,7 +89,7 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     occurrence_penalty = bool(params.presence_penalty or params.frequency_penalty) and len(generated) > 0
     repetition_penalty = params.repetition_penalty != 1.0 and len(history) > 0
     if params.temperature == 0 and not occurrence_penalty and not repetition_penalty and not params.logit_bias:
-        return int(np.argmax(logits))  # what the float64 copy below would pick, without copying the vocabulary
+        return _finite_pick(logits)  # what the float64 copy below would pick, without copying the vocabulary
     logits = logits.astype(np.float64, copy=True)
     if params.logit_bias:
         tokens = np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias))
@@ -102,10 +102,10 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         values = logits[seen]
         logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if params.temperature == 0:
-        return int(np.argmax(logits))
+        return _finite_pick(logits)
     # Shifted first: a tiny temperature then drives the others to -inf, not the maximum to inf (inf - inf is nan).
     with np.errstate(over="ignore"):
-        logits = (logits - logits.max()) / params.temperature
+        logits = (logits - logits[_finite_pick(logits)]) / params.temperature
     if 0 < params.top_k < logits.size:
         kth = np.partition(logits, -params.top_k)[-params.top_k]
         logits[logits < kth] = -np.inf
@@ -120,6 +120,16 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+def _finite_pick(logits: np.ndarray) -> int:
+    """The id of the largest logit, refusing logits that hold NaN or +inf (argmax finds the first of either, so
+    checking the one it picks is enough): the model's arithmetic overflowed, and no token can be sampled."""
+    token = int(np.argmax(logits))
+    if not np.isfinite(logits[token]):
+        raise GenerationError(f"the model computed a logit of {logits[token]} (its arithmetic overflowed or its "
+                              f"weights are not finite); no token can be chosen")
+    return token
 
 
 @dataclass

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 
+import numpy as np
 import pytest
 from helpers import assert_one_line_error, run_ember
-from test_artifact_integrity import edit_manifest
+from safetensors.numpy import load_file, save_file
+from test_artifact_integrity import INDEX, SHARD, edit_manifest
 
+from ember.core.errors import GenerationError
 from ember.core.machine import host_cpu_flags
+from ember.core.manifest import read_manifest, write_manifest
 from ember.runtime import load_artifact
+from ember.runtime.sampling import SamplingParams, sample_token
 
 NEWER_CPU = "diamondrapids"  # Intel's APX, AMX-FP16 and AVX-IFMA: beyond every CPU this suite runs on so far
 
@@ -68,3 +74,70 @@ def test_manifest_without_cpu_features_still_loads(tiny_llama, copy_artifact):
     edit_manifest(artifact, lambda data: data["target"].__setitem__("cpu_features", "avx2"), seal=True)
     result = run_ember("inspect", str(artifact))
     assert_one_line_error(result, "manifest field target.cpu_features must be a list of CPU flag names")
+
+
+def checkpoint_with(tiny_models, tmp_path, name: str, change) -> str:
+    """A copy of the tiny llama's checkpoint with `change(array)` applied to its tensor `name`."""
+    model_dir = tmp_path / "checkpoint"
+    shutil.copytree(tiny_models.checkpoint("llama"), model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    change(tensors[name])
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    return str(model_dir)
+
+
+def test_non_finite_weights_are_refused_at_compile(tiny_models, tmp_path):
+    """A checkpoint tensor holding NaN or infinite values is refused by `ember compile`, in one line naming it and
+    how many of its values are not finite, and no artifact is written."""
+    def poison(array):
+        array.reshape(-1)[[3, 17, 40]] = [np.nan, np.inf, -np.inf]
+
+    model_dir = checkpoint_with(tiny_models, tmp_path, "model.layers.1.mlp.up_proj.weight", poison)
+    result = run_ember("compile", model_dir, "-o", str(tmp_path / "out"), "--no-progress", "--max-batch", "1")
+    assert_one_line_error(result, "checkpoint tensor 'model.layers.1.mlp.up_proj.weight': 3 of ",
+                          "values are NaN or infinite")
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_overflowing_float16_are_refused_at_compile(tiny_models, tmp_path):
+    """Finite float32 weights beyond float16's range would turn to inf in a q0f16 artifact: refused naming the
+    weight and the dtype."""
+    def enlarge(array):
+        array.reshape(-1)[5] = 1e6
+
+    model_dir = checkpoint_with(tiny_models, tmp_path, "model.layers.0.self_attn.o_proj.weight", enlarge)
+    result = run_ember("compile", model_dir, "-o", str(tmp_path / "out"), "--no-progress", "--max-batch", "1",
+                       "--quant", "q0f16")
+    assert_one_line_error(result, "model.layers.0.self_attn.o_proj.weight", "as float16: 1 of ",
+                          "values are NaN or infinite")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_logits_are_a_generation_error(temperature, bad):
+    """Logits holding NaN or +inf raise a one-line GenerationError, greedy or sampled, not numpy's ValueError or a
+    silently chosen token; -inf logits (banned tokens) are fine."""
+    logits = np.linspace(-1, 1, 64, dtype=np.float32)
+    logits[10] = -np.inf
+    rng = np.random.default_rng(0)
+    assert sample_token(logits, SamplingParams(temperature=temperature), rng, [1]) != 10
+    logits[20] = bad
+    with pytest.raises(GenerationError, match="the model computed a logit of (nan|inf)"):
+        sample_token(logits, SamplingParams(temperature=temperature), rng, [1])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_generate_on_nan_weights_ends_in_one_error_line(tiny_llama, copy_artifact, sampled):
+    """An artifact whose weights were made NaN after compile (the shard rewritten and resealed) ends `ember
+    generate` with exit 1 and one line, not an internal error."""
+    artifact = copy_artifact(tiny_llama)
+    shard = np.fromfile(artifact / SHARD, dtype=np.uint8)
+    index = json.loads((artifact / INDEX).read_text())
+    record = next(r for r in index["records"][0]["records"] if r["name"] == "lm_head.weight")
+    begin = record["byteOffset"]
+    shard[begin:begin + record["nbytes"]].view(np.float32)[:] = np.nan
+    shard.tofile(artifact / SHARD)
+    write_manifest(artifact, read_manifest(artifact))
+    options = ("--temperature", "0.8", "--seed", "1") if sampled else ("--temperature", "0")
+    result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2", *options)
+    assert_one_line_error(result, "the model computed a logit of nan")

@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from ember.core.errors import ModelError
 from ember.frontend.weights import CheckpointWeights
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import recipe_sources
@@ -39,7 +41,10 @@ class RecipeEvaluator:
         """The parameter `recipe` describes."""
         op = recipe["op"]
         if op == "load":
-            return self.weights.load(recipe["name"])
+            tensor = self.weights.load(recipe["name"])
+            _refuse_non_finite(tensor, f"checkpoint tensor {recipe['name']!r}",
+                               "the checkpoint is damaged, or was saved from a diverged run")
+            return tensor
         if op == "concat":
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
         if op == "transpose":
@@ -97,7 +102,23 @@ def write_params(
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for name, dtype in tqdm(params, desc="Converting weights", unit="tensor", disable=not show_progress):
-            yield name, np.ascontiguousarray(evaluate(recipes[name]).astype(dtype))
+            with np.errstate(over="ignore"):  # refused below, in one line
+                param = np.ascontiguousarray(evaluate(recipes[name]).astype(dtype))
+            # Finite sources can still overflow here: float32 beyond 65504 becomes float16's inf.
+            _refuse_non_finite(param, f"weight {name!r} as {dtype}",
+                               f"beyond {dtype}'s range; choose a float32 --quant")
+            yield name, param
 
     with contextlib.redirect_stdout(io.StringIO()):  # tvmjs prints its staging path
         tvmjs.dump_tensor_cache(tensors(), str(out_dir), encode_format="raw", show_progress=False)
+
+
+def _refuse_non_finite(array: np.ndarray, what: str, why: str) -> None:
+    """Refuse a float tensor holding NaN or infinite values: the compiled model would only ever sample from NaN."""
+    if array.dtype.kind != "f" and array.dtype != ml_dtypes.bfloat16:
+        return
+    finite = np.isfinite(array)
+    if not finite.all():
+        bad = array.size - int(np.count_nonzero(finite))
+        raise ModelError(f"{what}: {bad} of {array.size} values are NaN or infinite ({why}); ember compiles finite "
+                         f"weights only")
