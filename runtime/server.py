@@ -4,13 +4,14 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sen
 events ending in `data: [DONE]`, or whole), GET /v1/models and /v1/models/NAME, /health
 and /metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams
 through /v1/chat/completions); CORS answers for the web origins the caller allows, none
-by default. Every request runs through one `Scheduler`, which this module
-only wraps: bodies are parsed and checked here, prompts tokenized off the event
-loop, `response_format` JSON enforced by a token mask (`runtime/constrained.py`),
-and every failure answered in OpenAI's error shape
+by default. Every request runs through one `Scheduler`, which this module only wraps and
+routes to: bodies are parsed, checked and answered by `runtime/protocol.py`, prompts
+tokenized off the event loop, `response_format` JSON enforced by a token mask
+(`runtime/constrained.py`), and every failure answered in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
 404 unknown model or path, 413 body too large, 429 queue full, 500 a bug), never
-a traceback. Unknown request fields are ignored, as by vLLM and llama.cpp's server.
+a traceback: whatever one request raises, a Rust panic from the tokenizer included, the server goes on.
+Unknown request fields are ignored, as by vLLM and llama.cpp's server.
 FastAPI is imported only here, so the rest of the runtime runs without it.
 """
 
@@ -18,109 +19,58 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import socket
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TypeVar
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime.constrained import JsonConstraints
-from ember.runtime.generate import LogitsProcessor
-from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
-from ember.runtime.scheduler import Histogram, QueueFullError, Scheduler, StreamEvent
+from ember.runtime.protocol import (
+    NEVER_CAUGHT,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    Request,
+    chat_messages,
+    check_model,
+    completion_prompt,
+    generation_error,
+    internal_error,
+    model_card,
+    parse_request,
+    request_error,
+    sampling_params,
+    sse,
+)
+from ember.runtime.scheduler import Histogram, Scheduler, StreamEvent, TokenStream
+from ember.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 413 before it is parsed
-_TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of union branches in error locations
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 _ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_Result = TypeVar("_Result")
 
 try:
     import fastapi
     import uvicorn
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.exceptions import HTTPException
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import Response
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as err:
     raise EmberError(f"ember serve needs FastAPI and uvicorn ({err.name} is missing): "
                      "pip install 'ember[serve]'") from None
-
-
-class ApiError(Exception):
-    """A request answered with an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body of the response."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
-
-
-class _Fields(BaseModel):
-    """Fields common to both completion endpoints, with OpenAI's ranges."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # an extension, as in vLLM
-    repetition_penalty: float = Field(1.0, gt=0, le=10)  # an extension, as in vLLM
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)  # several choices per request are not supported
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart] | None = None
-
-
-class _ChatBody(_Fields):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None  # refused when given: a model that silently ignored them would mislead
-    functions: list[Any] | None = None  # the same, in OpenAI's older form
-
-
-class _CompletionBody(_Fields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    best_of: int | None = Field(None, ge=1, le=1)
-    suffix: None = None
 
 
 class _Metrics:
@@ -129,16 +79,16 @@ class _Metrics:
     def __init__(self) -> None:
         self.responses: Counter[tuple[str, int]] = Counter()
 
-    def middleware(self, app: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    def middleware(self, app: ASGIApp) -> ASGIApp:
         """Wrap an ASGI app to count each response's status (streamed ones included)."""
-        async def counted(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        async def counted(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             path = scope["path"]
             endpoint = (path if path in _ENDPOINTS else
                         "/v1/models/{model}" if path.startswith("/v1/models/") else "other")
 
-            async def send_counting(message: dict[str, Any]) -> None:
+            async def send_counting(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     self.responses[endpoint, message["status"]] += 1
                 await send(message)
@@ -148,8 +98,145 @@ class _Metrics:
         return counted
 
 
+def _guarded(app: ASGIApp) -> ASGIApp:
+    """Wrap an ASGI app so that a failure no handler caught (a `BaseException` such as a Rust panic, which
+    Starlette's error middleware lets through as it catches only `Exception`) is answered with OpenAI's 500."""
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_noting(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, send_noting)
+        except NEVER_CAUGHT:
+            raise
+        except BaseException as err:
+            if started or scope["type"] != "http":  # answered already: uvicorn logs it and ends the response
+                raise
+            log.error("internal error answering a request", exc_info=err)
+            await JSONResponse(internal_error(err).body(), status_code=500)(scope, receive, send)
+
+    return guarded
+
+
+async def _off_loop(work: Callable[[], _Result], param: str) -> _Result:
+    """`work()` in a worker thread (a long prompt or a large schema would stall every stream), whatever it
+    raises this request's `ApiError` naming `param`: the thread, the event loop and other requests go on."""
+    try:
+        return await asyncio.to_thread(work)
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as err:
+        error = request_error(err, param)
+        if error.status == 500:
+            log.error("internal error answering a request", exc_info=err)
+        raise error from None
+
+
+class _Api:
+    """What the routes do, over one scheduler serving one model."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None) -> None:
+        self.scheduler = scheduler
+        self.engine = scheduler.engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.tokenizer: Tokenizer | None = self.engine.artifact.tokenizer
+        self.constraints = JsonConstraints(self.engine.artifact, self.engine.vocab_size)
+        self.card = model_card(model_name, int(time.time()), self.engine.context_window)
+
+    def authorize(self, request: HttpRequest) -> None:
+        """Refuse a request without the server's API key, if it has one."""
+        if self.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    async def read(self, request: HttpRequest, schema: type[Request]) -> Request:
+        """The authorized request's body, checked against `schema` and the model served."""
+        self.authorize(request)
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
+        fields = parse_request(bytes(body), schema)
+        check_model(fields.model, self.model_name)
+        return fields
+
+    async def chat(self, request: HttpRequest) -> Response:
+        """POST /v1/chat/completions."""
+        fields = await self.read(request, ChatRequest)
+        messages = chat_messages(fields)
+        tokenizer = self._need_tokenizer()
+
+        def render() -> list[int]:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+        return await self._answer(request, fields, await _off_loop(render, "messages"), "messages")
+
+    async def completion(self, request: HttpRequest) -> Response:
+        """POST /v1/completions."""
+        fields = await self.read(request, CompletionRequest)
+        prompt = completion_prompt(fields)
+        if isinstance(prompt, str):
+            tokenizer = self._need_tokenizer()
+            prompt = await _off_loop(lambda: tokenizer.encode(prompt), "prompt")
+        return await self._answer(request, fields, prompt, "prompt")
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ApiError(400, "this artifact has no tokenizer: send prompt token ids to /v1/completions",
+                           param="prompt", code="unsupported_value")
+        return self.tokenizer
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+    async def _answer(self, request: HttpRequest, fields: ChatRequest | CompletionRequest, prompt_ids: list[int],
+                      prompt_param: str) -> Response:
+        """Generate for `prompt_ids`: the whole answer, or its SSE stream; a client gone mid-way cancels it."""
+        engine = self.engine
+        params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
+        response_format = fields.response_format
+        processor = None if response_format is None else \
+            await _off_loop(lambda: self.constraints.mask(response_format), "response_format")
+        try:
+            stream = await self.scheduler.submit(prompt_ids, params, processor)
+        except GenerationError as err:
+            raise request_error(err) from None
+        reply = Reply.to(fields, self.model_name, self._token_text)
+        if not fields.stream:
+            return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
+        return StreamingResponse(_events(reply, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _answer_errors_in_openai_shape(app: fastapi.FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: HttpRequest, err: ApiError) -> Response:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: HttpRequest, err: HTTPException) -> Response:
+        code = "not_found" if err.status_code == 404 else None
+        return JSONResponse(ApiError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def bug(_request: HttpRequest, err: Exception) -> Response:
+        log.error("internal error answering a request", exc_info=err)
+        return JSONResponse(internal_error(err).body(), status_code=500)
+
+
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
-               allowed_origins: Sequence[str] = ()) -> Any:
+               allowed_origins: Sequence[str] = ()) -> ASGIApp:
     """The ASGI application serving `scheduler`'s engine as the model `model_name`.
 
     `allowed_origins`: web origins (or `*`) whose pages' scripts may call the API from a browser: the
@@ -159,284 +246,67 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
-    metrics = _Metrics()
-    engine = scheduler.engine
-    tokenizer = engine.artifact.tokenizer
-    constraints = JsonConstraints(engine.artifact, engine.vocab_size)
-    created = int(time.time())
+    _answer_errors_in_openai_shape(app)
+    api, metrics = _Api(scheduler, model_name, api_key), _Metrics()
     page = CHAT_PAGE.read_text(encoding="utf-8")
-
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Any, err: ApiError) -> Any:
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Any, err: HTTPException) -> Any:
-        code = "not_found" if err.status_code == 404 else None
-        return JSONResponse(ApiError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Any, err: Exception) -> Any:
-        log.error("internal error answering a request", exc_info=err)
-        body = ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body()
-        return JSONResponse(body, status_code=500)
-
-    def authorize(request: Any) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "incorrect API key", code="invalid_api_key")
-
-    async def parse(request: Any, schema: type) -> Any:
-        authorize(request)
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
-        try:
-            data = json.loads(bytes(body).decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not UTF-8 text", code="invalid_json") from None
-        except json.JSONDecodeError as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-        try:
-            fields = schema.model_validate(data)
-        except ValidationError as err:
-            # Of a union's failed branches, the one that got deepest says most ("content.0.type", not "content").
-            worst = max(err.errors(), key=lambda error: len(error["loc"]))
-            where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part))
-            raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=str(worst["loc"][0]) if worst["loc"]
-                           else None, code="invalid_value") from None
-        check_model(fields.model)
-        return fields
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
-                           param="model", code="model_not_found")
-
-    def sampling(fields: Any, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                 prompt_param: str) -> SamplingParams:
-        context = engine.context_window
-        if prompt_len > context:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens, more than this model's context window of "
-                                f"{context} tokens", param=prompt_param, code="context_length_exceeded")
-        if max_tokens is not None and prompt_len + max_tokens > context:
-            raise ApiError(400, f"this model's context window is {context} tokens; the prompt is {prompt_len} and "
-                                f"max_tokens {max_tokens}: reduce one of them", param="max_tokens",
-                           code="context_length_exceeded")
-        stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop or []
-        if not all(stop):
-            raise ApiError(400, "stop: strings must not be empty", param="stop", code="invalid_value")
-        try:
-            return SamplingParams(
-                temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
-                repetition_penalty=fields.repetition_penalty, presence_penalty=fields.presence_penalty,
-                frequency_penalty=fields.frequency_penalty, seed=fields.seed, stop_strings=tuple(stop),
-                max_new_tokens=max_tokens or context - prompt_len or 1, logprobs=logprobs,
-                logit_bias=logit_bias(fields.logit_bias))
-        except GenerationError as err:
-            raise ApiError(400, str(err), code="invalid_value") from None
-
-    def logit_bias(biases: dict[str, float] | None) -> dict[int, float] | None:
-        """OpenAI's logit_bias (token ids as JSON keys) with ids checked against the vocabulary."""
-        if not biases:
-            return None
-        parsed = {}
-        for key, bias in biases.items():
-            if not (key.isascii() and key.isdigit() and int(key) < engine.vocab_size):
-                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary "
-                                    f"(0 to {engine.vocab_size - 1})", param="logit_bias", code="invalid_value")
-            parsed[int(key)] = bias
-        return parsed
-
-    async def tokenize(work: Callable[[], list[int]]) -> list[int]:
-        if tokenizer is None:
-            raise ApiError(400, "this artifact has no tokenizer: send prompt token ids to /v1/completions",
-                           param="prompt", code="unsupported_value")
-        try:
-            return await asyncio.to_thread(work)  # a long prompt would stall every stream
-        except GenerationError as err:
-            raise ApiError(400, str(err), code="invalid_value") from None
-
-    async def constrain(fields: Any) -> LogitsProcessor | None:
-        if fields.response_format is None:
-            return None
-        try:  # a large schema takes a while to compile: off the event loop
-            return await asyncio.to_thread(constraints.mask, fields.response_format)
-        except GenerationError as err:
-            raise ApiError(400, str(err), param="response_format", code="invalid_value") from None
-
-    async def start(prompt_ids: list[int], params: SamplingParams, fields: Any) -> Any:
-        processor = await constrain(fields)
-        try:
-            return await scheduler.submit(prompt_ids, params, processor)
-        except QueueFullError as err:
-            raise ApiError(429, str(err), code="queue_full", kind="rate_limit_exceeded") from None
-        except GenerationError as err:
-            raise ApiError(400, str(err), code="invalid_value") from None
-
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer else str(token_id)
-
-    def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**entry(item.token_id, item.logprob),
-                             "top_logprobs": [entry(*pair) for pair in item.top]} for item in items]}
-
-    def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens = [token_text(item.token_id) for item in items]
-        offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [item.logprob for item in items],
-                "top_logprobs": [{token_text(i): lp for i, lp in item.top} for item in items], "text_offset": offsets}
-
-    def usage(event: StreamEvent) -> dict[str, int]:
-        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens}
-
-    async def respond(request: Any, stream: Any, fields: Any, kind: str, wants_logprobs: bool) -> Any:
-        """The whole answer, or its SSE stream; a client gone mid-way cancels the request."""
-        chat = kind == "chat.completion"
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": ident, "object": kind + ".chunk" if chat and fields.stream else kind,
-                "created": int(time.time()), "model": model_name}
-        include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-
-        def choice(text: str, event: StreamEvent, offset: int, first: bool = False) -> dict[str, Any]:
-            logprobs = None
-            if wants_logprobs:
-                logprobs = chat_logprobs(event.logprobs) if chat else completion_logprobs(event.logprobs, offset)
-            if not chat:
-                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-            if fields.stream:
-                delta = {"role": "assistant", "content": text} if first else {"content": text}
-                return {"index": 0, "delta": delta if text or first else {}, "logprobs": logprobs,
-                        "finish_reason": event.finish_reason}
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": event.finish_reason}
-
-        if not fields.stream:
-            events = await _unless_disconnected(request, _collect(stream), stream)
-            merged = StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
-                                 [lp for e in events for lp in e.logprobs], events[-1].finish_reason,
-                                 events[-1].prompt_tokens, events[-1].completion_tokens)
-            return JSONResponse({**head, "choices": [choice(merged.text, merged, 0)], "usage": usage(merged)})
-
-        async def chunks() -> AsyncIterator[str]:
-            offset, first = 0, True
-            try:
-                async for event in stream:
-                    if event.text or event.token_ids or event.finish_reason or first:
-                        body = {**head, "choices": [choice(event.text, event, offset, first)]}
-                        if include_usage:
-                            body["usage"] = None
-                        yield f"data: {json.dumps(body)}\n\n"
-                        offset, first = offset + len(event.text), False
-                    if event.finish_reason is not None and include_usage:
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(event)})}\n\n"
-            except EmberError as err:  # the status line is sent: the error goes in the stream
-                yield f"data: {json.dumps(ApiError(500, str(err), kind='server_error').body())}\n\n"
-            except Exception as err:
-                log.error("internal error in a stream", exc_info=err)
-                body = ApiError(500, f"internal error: {type(err).__name__}", kind="server_error").body()
-                yield f"data: {json.dumps(body)}\n\n"
-            finally:
-                stream.cancel()  # the client went away (or the stream ended): free the sequence now
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(chunks(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: fastapi.Request) -> Any:
-        fields = await parse(request, _ChatBody)
-        for name in ("tools", "functions"):
-            if getattr(fields, name):
-                raise ApiError(400, f"{name} (function calling) are not supported", param=name,
-                               code="unsupported_value")
-        if fields.top_logprobs is not None and not fields.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else
-                     "".join(part.text for part in m.content or [])} for m in fields.messages]
-
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages)
-            return tokenizer.encode(text, add_special_tokens=False)
-
-        prompt_ids = await tokenize(render)
-        max_tokens = fields.max_completion_tokens or fields.max_tokens
-        logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
-        params = sampling(fields, len(prompt_ids), max_tokens, logprobs, "messages")
-        stream = await start(prompt_ids, params, fields)
-        return await respond(request, stream, fields, "chat.completion", fields.logprobs)
-
-    @app.post("/v1/completions")
-    async def completions(request: fastapi.Request) -> Any:
-        fields = await parse(request, _CompletionBody)
-        prompt = fields.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request is supported", param="prompt", code="unsupported_value")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = await tokenize(lambda: tokenizer.encode(prompt))
-        else:
-            prompt_ids = list(prompt)
-        params = sampling(fields, len(prompt_ids), fields.max_tokens, fields.logprobs, "prompt")
-        stream = await start(prompt_ids, params, fields)
-        return await respond(request, stream, fields, "text_completion", fields.logprobs is not None)
-
-    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "ember",
-                  "max_model_len": engine.context_window}
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completion)
 
     @app.get("/v1/models")
-    async def models(request: fastapi.Request) -> Any:
-        authorize(request)
-        return {"object": "list", "data": [model_card]}
+    async def models(request: HttpRequest) -> Response:
+        api.authorize(request)
+        return JSONResponse({"object": "list", "data": [api.card]})
 
     @app.get("/v1/models/{model:path}")
-    async def model(request: fastapi.Request, model: str) -> Any:
+    async def model(request: HttpRequest, model: str) -> Response:
         # The openai client's models.retrieve(name); `path` because a model name may hold a slash.
-        authorize(request)
-        check_model(model)
-        return model_card
+        api.authorize(request)
+        check_model(model, model_name)
+        return JSONResponse(api.card)
 
     @app.get("/")
-    async def chat_page() -> Any:
+    async def chat_page() -> Response:
         # No API key here: the page holds no secret, and it asks for the key when the API wants one.
         return HTMLResponse(page)
 
     @app.get("/health")
-    async def health() -> Any:
-        return {"status": "ok"}
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> Any:
+    async def prometheus() -> Response:
         return PlainTextResponse(_prometheus(scheduler, metrics.responses), media_type="text/plain; version=0.0.4")
 
-    return metrics.middleware(app)
+    return metrics.middleware(_guarded(app))
 
 
-async def _collect(stream: Any) -> list[StreamEvent]:
+async def _events(reply: Reply, stream: TokenStream) -> AsyncIterator[str]:
+    """A streamed request's server-sent events, ending in `[DONE]`; an error after the status line was sent
+    goes in the stream."""
+    offset, first = 0, True
+    try:
+        async for event in stream:
+            for chunk in reply.chunks(event, offset, first):
+                yield sse(chunk)
+            offset, first = offset + len(event.text), False
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as err:
+        if not isinstance(err, EmberError):
+            log.error("internal error in a stream", exc_info=err)
+        yield sse(generation_error(err).body())
+    finally:
+        stream.cancel()  # the client went away (or the stream ended): free the sequence now
+    yield sse("[DONE]")
+
+
+async def _collect(stream: TokenStream) -> list[StreamEvent]:
     return [event async for event in stream]
 
 
-async def _unless_disconnected(request: Any, work: Awaitable[list[StreamEvent]], stream: Any) -> list[StreamEvent]:
-    """`work`'s result, or cancel the request when the client disconnects before it is done."""
-    task = asyncio.ensure_future(work)
+async def _unless_disconnected(request: HttpRequest, stream: TokenStream) -> list[StreamEvent]:
+    """All of `stream`'s events, or cancel the request when the client disconnects before they are in."""
+    task = asyncio.ensure_future(_collect(stream))
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -454,8 +324,12 @@ async def _unless_disconnected(request: Any, work: Awaitable[list[StreamEvent]],
         raise ApiError(499, "the client closed the connection", code="client_closed")
     try:
         return task.result()
-    except EmberError as err:
-        raise ApiError(500, str(err), kind="server_error") from None
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as err:
+        if not isinstance(err, EmberError):
+            log.error("internal error answering a request", exc_info=err)
+        raise generation_error(err) from None
 
 
 def _prometheus(scheduler: Scheduler, responses: Counter[tuple[str, int]]) -> str:

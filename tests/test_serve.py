@@ -302,7 +302,7 @@ BAD_REQUESTS = {
         "type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}}, 400,
         ("uniqueItems",), "response_format"),
     "unknown model": ("/v1/completions", {"model": "gpt-4"}, 404, ("gpt-4",), "model"),
-    "1 MB prompt": ("/v1/completions", {"prompt": "ab" * 2**19}, 400, ("context window",), "prompt"),
+    "1 MB prompt": ("/v1/completions", {"prompt": "ab" * 2**19}, 400, ("context",), "prompt"),
     "body over 16 MiB": ("/v1/completions", {"prompt": "a" * (17 * 2**20)}, 413, ("16 MiB",), None),
     "unknown path": ("/v1/embeddings", {}, 404, (), None),
     "no messages": ("/v1/chat/completions", {"messages": []}, 400, ("messages",), "messages"),

@@ -1,0 +1,354 @@
+"""The OpenAI API as `ember serve` speaks it: request bodies and their checks, the sampling parameters they
+ask for, and the responses and stream chunks built from a request's events.
+
+No HTTP and no event loop here: `runtime/server.py` routes requests through these functions, and
+tests/test_protocol.py checks them alone against the official `openai` package's types. Every refusal is
+an `ApiError` in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Needs pydantic (which
+FastAPI brings, the `serve` extra); only the server imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from ember.core.errors import EmberError, GenerationError
+from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
+from ember.runtime.scheduler import QueueFullError, StreamEvent
+
+try:
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+except ImportError as err:
+    raise EmberError(f"ember serve needs FastAPI and uvicorn ({err.name} is missing): "
+                     "pip install 'ember[serve]'") from None
+
+JsonObject = dict[str, Any]  # a JSON object: its values are whatever JSON holds
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of union branches in error locations
+# What a request's failure never swallows: the process being stopped, and asyncio's and generators' own
+# control flow. Anything else, a Rust panic from tokenizers (a BaseException) included, fails one request.
+NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
+class ApiError(Exception):
+    """A request answered with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> JsonObject:
+        """The JSON body of the response."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def internal_error(err: BaseException) -> ApiError:
+    """The 500 answering a bug: its type only, never its text or a traceback."""
+    return ApiError(500, f"internal error: {type(err).__name__}", kind="server_error")
+
+
+def request_error(err: BaseException, param: str | None = None) -> ApiError:
+    """The answer to a request whose tokenizing, templating or queueing raised `err`: 429 when the queue is
+    full, 400 naming `param` for a `GenerationError` (the input's fault), 500 for anything else (a bug)."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, QueueFullError):
+        return ApiError(429, str(err), code="queue_full", kind="rate_limit_exceeded")
+    if isinstance(err, GenerationError):
+        return ApiError(400, str(err), param=param, code="invalid_value")
+    return internal_error(err)
+
+
+def generation_error(err: BaseException) -> ApiError:
+    """The answer to a request whose generation failed after it was queued: a 500, whose message is the
+    error's own line when it is an `EmberError`."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, EmberError):
+        return ApiError(500, str(err), kind="server_error")
+    return internal_error(err)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields common to both completion endpoints, with OpenAI's ranges."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension, as in vLLM
+    repetition_penalty: float = Field(1.0, gt=0, le=10)  # an extension, as in vLLM
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)  # several choices per request are not supported
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: JsonObject | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+
+    def token_limit(self) -> int | None:
+        """The most tokens to generate, if the request set it."""
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """How many likeliest tokens to report beside each one's logprob; None: no logprobs."""
+        return None
+
+    def wants_usage(self) -> bool:
+        """Whether a stream ends with a chunk of token counts."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(SamplingFields):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # refused when given: a model that silently ignored them would mislead
+    functions: list[Any] | None = None  # the same, in OpenAI's older form
+
+    def token_limit(self) -> int | None:
+        """The most tokens to generate: max_completion_tokens, or the older max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """How many likeliest tokens to report beside each one's logprob; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    """The body of POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Literal[False] = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: None = None
+
+    def logprob_count(self) -> int | None:
+        """How many likeliest tokens to report beside each one's logprob; None: no logprobs."""
+        return self.logprobs
+
+
+Request = TypeVar("Request", bound=SamplingFields)
+
+
+def parse_request(body: bytes, schema: type[Request]) -> Request:
+    """A request body checked against `schema`, or the `ApiError` that names the field at fault."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8 text", code="invalid_json") from None
+    except json.JSONDecodeError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        # Of a union's failed branches, the one that got deepest says most ("content.0.type", not "content").
+        worst = max(err.errors(), key=lambda error: len(error["loc"]))
+        where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part))
+        param = str(worst["loc"][0]) if worst["loc"] else None
+        raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=param, code="invalid_value") from None
+
+
+def check_model(name: str, served: str) -> None:
+    """Refuse a model name other than the one served, with OpenAI's 404."""
+    if name != served:
+        raise ApiError(404, f"the model {name!r} does not exist; this server has {served!r}",
+                       param="model", code="model_not_found")
+
+
+def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+    """The chat's messages as a chat template takes them, once what ember does not do is refused."""
+    for name in ("tools", "functions"):
+        if getattr(request, name):
+            raise ApiError(400, f"{name} (function calling) are not supported", param=name, code="unsupported_value")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return [{"role": "system" if message.role == "developer" else message.role,
+             "content": message.content if isinstance(message.content, str) else
+             "".join(part.text for part in message.content or [])} for message in request.messages]
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text to tokenize, or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "one prompt per request is supported", param="prompt", code="unsupported_value")
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else list(prompt)
+
+
+def sampling_params(request: SamplingFields, prompt_len: int, context_window: int, vocab_size: int,
+                    prompt_param: str) -> SamplingParams:
+    """The sampling parameters `request` asks for, for a prompt of `prompt_len` tokens (named `prompt_param`)."""
+    max_tokens = request.token_limit()
+    if prompt_len > context_window:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens, more than this model's context window of "
+                            f"{context_window} tokens", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > context_window:
+        raise ApiError(400, f"this model's context window is {context_window} tokens; the prompt is {prompt_len} "
+                            f"and max_tokens {max_tokens}: reduce one of them", param="max_tokens",
+                       code="context_length_exceeded")
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if not all(stop):
+        raise ApiError(400, "stop: strings must not be empty", param="stop", code="invalid_value")
+    try:
+        return SamplingParams(
+            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, seed=request.seed, stop_strings=tuple(stop),
+            max_new_tokens=max_tokens or context_window - prompt_len or 1, logprobs=request.logprob_count(),
+            logit_bias=logit_bias(request.logit_bias, vocab_size))
+    except GenerationError as err:
+        raise ApiError(400, str(err), code="invalid_value") from None
+
+
+def logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) with ids checked against the vocabulary."""
+    if not biases:
+        return None
+    parsed = {}
+    for key, bias in biases.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary "
+                                f"(0 to {vocab_size - 1})", param="logit_bias", code="invalid_value")
+        parsed[int(key)] = bias
+    return parsed
+
+
+def model_card(name: str, created: int, context_window: int) -> JsonObject:
+    """The model object of GET /v1/models/NAME."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "ember", "max_model_len": context_window}
+
+
+def usage(event: StreamEvent) -> dict[str, int]:
+    """The token counts of a request as its last event has them."""
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> JsonObject:
+    """A chat choice's `logprobs`: each token's text, bytes and logprob, with its likeliest alternatives."""
+    def entry(token_id: int, logprob: float) -> JsonObject:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(item.token_id, item.logprob),
+                         "top_logprobs": [entry(*pair) for pair in item.top]} for item in items]}
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], offset: int, token_text: Callable[[int], str]) -> JsonObject:
+    """A completion choice's `logprobs`, whose text offsets count from `offset` characters into the text."""
+    tokens = [token_text(item.token_id) for item in items]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [{token_text(i): lp for i, lp in item.top} for item in items], "text_offset": offsets}
+
+
+def merge(events: Sequence[StreamEvent]) -> StreamEvent:
+    """A whole request's events as one (its text, tokens and logprobs, and the last one's counts)."""
+    last = events[-1]
+    return StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
+                       [lp for e in events for lp in e.logprobs], last.finish_reason, last.prompt_tokens,
+                       last.completion_tokens)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The shape of one request's answer: chat or text completion, whole or streamed, with what extras.
+
+    `token_text` names a token id (a tokenizer's decode of it alone) for logprobs."""
+
+    chat: bool
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    token_text: Callable[[int], str] = str
+    created: int = field(default_factory=lambda: int(time.time()))
+    ident: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @classmethod
+    def to(cls, request: ChatRequest | CompletionRequest, model: str, token_text: Callable[[int], str]) -> Reply:
+        """How `request` is answered."""
+        return cls(chat=isinstance(request, ChatRequest), model=model, stream=request.stream,
+                   include_usage=request.wants_usage(), logprobs=request.logprob_count() is not None,
+                   token_text=token_text)
+
+    def head(self) -> JsonObject:
+        """The fields every response or chunk of this answer starts with."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.ident}",
+                "object": kind + ".chunk" if self.chat and self.stream else kind,
+                "created": self.created, "model": self.model}
+
+    def whole(self, events: Sequence[StreamEvent]) -> JsonObject:
+        """The response to an unstreamed request, from all its events."""
+        merged = merge(events)
+        return {**self.head(), "choices": [self.choice(merged, 0)], "usage": usage(merged)}
+
+    def chunks(self, event: StreamEvent, offset: int, first: bool) -> list[JsonObject]:
+        """The stream chunks `event` makes (none, one, or one and the usage chunk after the last); `offset`:
+        characters of text streamed before it, `first`: whether no chunk was sent yet."""
+        chunks = []
+        if event.text or event.token_ids or event.finish_reason or first:
+            chunk = {**self.head(), "choices": [self.choice(event, offset, first)]}
+            if self.include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        if event.finish_reason is not None and self.include_usage:
+            chunks.append({**self.head(), "choices": [], "usage": usage(event)})
+        return chunks
+
+    def choice(self, event: StreamEvent, offset: int, first: bool = False) -> JsonObject:
+        """The one choice of a response or chunk holding `event`."""
+        logprobs = None
+        if self.logprobs:
+            logprobs = (chat_logprobs(event.logprobs, self.token_text) if self.chat else
+                        completion_logprobs(event.logprobs, offset, self.token_text))
+        if not self.chat:
+            return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+        if not self.stream:
+            return {"index": 0, "message": {"role": "assistant", "content": event.text}, "logprobs": logprobs,
+                    "finish_reason": event.finish_reason}
+        delta = {"role": "assistant", "content": event.text} if first else {"content": event.text}
+        return {"index": 0, "delta": delta if event.text or first else {}, "logprobs": logprobs,
+                "finish_reason": event.finish_reason}
+
+
+def sse(data: JsonObject | str) -> str:
+    """One server-sent event carrying `data` (a JSON object, or the stream's closing `[DONE]`)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
