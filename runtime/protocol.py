@@ -199,14 +199,22 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
              "".join(part.text for part in message.content or [])} for message in request.messages]
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: text to tokenize, or token ids."""
+def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list[int]:
+    """The one prompt of a completion request: text to tokenize, or token ids checked against the vocabulary."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise ApiError(400, "one prompt per request is supported", param="prompt", code="unsupported_value")
         prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise ApiError(400, "prompt: the prompt is empty: it needs at least one token", param="prompt",
+                       code="invalid_value")
+    if not 0 <= min(prompt) <= max(prompt) < vocab_size:
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size}), got {min(prompt)}..{max(prompt)}",
+                       param="prompt", code="invalid_value")
+    return list(prompt)
 
 
 def sampling_params(request: SamplingFields, prompt_len: int, context_window: int, vocab_size: int,

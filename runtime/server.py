@@ -185,7 +185,7 @@ class _Api:
     async def completion(self, request: HttpRequest) -> Response:
         """POST /v1/completions."""
         fields = await self.read(request, CompletionRequest)
-        prompt = completion_prompt(fields)
+        prompt = completion_prompt(fields, self.engine.vocab_size)
         if isinstance(prompt, str):
             tokenizer = self._need_tokenizer()
             prompt = await _off_loop(lambda: tokenizer.encode(prompt), "prompt")

@@ -116,12 +116,14 @@ def test_chat_refuses_what_ember_does_not_do(fields, param):
 
 @pytest.mark.parametrize("prompt, expected", [("hi", "hi"), (["hi"], "hi"), ([1, 2], [1, 2]), ([[3, 99]], [3, 99])])
 def test_a_completion_has_one_prompt_of_text_or_token_ids(prompt, expected):
-    assert completion_prompt(_completion(prompt=prompt)) == expected
+    assert completion_prompt(_completion(prompt=prompt), VOCAB) == expected
 
 
-@pytest.mark.parametrize("prompt, words", [(["a", "b"], "one prompt")], ids=["several prompts"])
+@pytest.mark.parametrize("prompt, words", [(["a", "b"], "one prompt"), ([1, VOCAB], "token ids"),
+                                           ([[-1, 2]], "token ids"), ([], "empty")],
+                         ids=["several prompts", "id past the vocabulary", "negative id", "no tokens"])
 def test_a_bad_completion_prompt_is_refused_naming_prompt(prompt, words):
-    error = _refusal(completion_prompt, _completion(prompt=prompt))
+    error = _refusal(completion_prompt, _completion(prompt=prompt), VOCAB)
     assert (error.status, error.param) == (400, "prompt") and words in error.message, error.message
 
 

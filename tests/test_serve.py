@@ -289,7 +289,9 @@ BAD_REQUESTS = {
     "logit_bias of no token": ("/v1/chat/completions", {"logit_bias": {"99999999": 1}}, 400,
                                ("logit_bias", "vocabulary"), "logit_bias"),
     "empty stop": ("/v1/completions", {"stop": [""]}, 400, ("stop",), "stop"),
-    "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ("token ids",), None),
+    "token id out of range": ("/v1/completions", {"prompt": [1, 10**6]}, 400, ("token ids",), "prompt"),
+    "negative token id": ("/v1/completions", {"prompt": [[-1, 2]]}, 400, ("token ids",), "prompt"),
+    "no token ids": ("/v1/completions", {"prompt": []}, 400, ("empty",), "prompt"),
     "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, ("one prompt",), "prompt"),
     "response_format type": ("/v1/completions", {"response_format": {"type": "xml"}}, 400, ("type must be",),
                              "response_format"),
@@ -329,6 +331,18 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(tiny, case):
     body = body.replace(b'"M"', json.dumps(tiny.name).encode())
     got = tiny.request("POST", path, body, {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     _assert_openai_error(*got, status, *words, param=param)
+    _still_serving(tiny)
+
+
+@pytest.mark.parametrize("prompt_for", [lambda vocab_size: [1, -1], lambda vocab_size: [[2, vocab_size]]],
+                         ids=["negative", "past the vocabulary"])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_naming_prompt(tiny, prompt_for):
+    vocab_size = tiny.scheduler.engine.vocab_size
+    prompt = prompt_for(vocab_size)
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny.client.completions.create(model=tiny.name, prompt=prompt, max_tokens=2)
+    assert (caught.value.status_code, caught.value.param, caught.value.code) == (400, "prompt", "invalid_value")
+    assert f"[0, {vocab_size})" in caught.value.message
     _still_serving(tiny)
 
 
