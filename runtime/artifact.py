@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from tvm import runtime as tvm_runtime
 from tvm.runtime.vm import VirtualMachine
 
 from ember.core.errors import ArtifactError
-from ember.core.machine import host_cpu_flags
+from ember.core.machine import available_memory, host_cpu_flags
 from ember.core.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
@@ -86,35 +85,20 @@ def _check_machine(path: Path, manifest: Manifest) -> None:
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:
     """Refuse a CPU artifact whose weights, workspace and whole KV cache (allocated up front by the
-    engine) exceed the memory this machine has available, before allocating any of it."""
+    engine) exceed the memory this process may still use, before allocating any of it."""
     if manifest.target["name"] != "cpu":  # a GPU's memory was sized by --memory-budget at compile
         return
     memory, kv = manifest.memory, manifest.kv_cache
     kv_bytes = kv["max_total_tokens"] * memory["kv_bytes_per_token"]
     needed = memory["weight_bytes"] + memory["peak_workspace_bytes"] + kv_bytes
-    available = _available_memory()
-    if available is not None and needed > available:
+    available = available_memory()
+    if available is not None and needed > available[0]:
         raise ArtifactError(
             f"{path}: needs {_mib(needed)} of memory (weights {_mib(memory['weight_bytes'])}, workspace "
             f"{_mib(memory['peak_workspace_bytes'])}, KV cache of {kv['max_total_tokens']} tokens "
-            f"{_mib(kv_bytes)}), this machine has {_mib(available)} available; recompile with a smaller "
-            f"--max-batch or --memory-budget"
+            f"{_mib(kv_bytes)}), this machine has {_mib(available[0])} available (limited by {available[1]}); "
+            f"recompile with a smaller --max-batch or --memory-budget"
         )
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory the kernel can give this process without swapping, if it says."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _mib(nbytes: int) -> str:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import platform
+import resource
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import assert_one_line_error, run_ember
+from helpers import REPO_ROOT, assert_one_line_error, run_ember
 from safetensors.numpy import load_file, save_file
 from test_artifact_integrity import INDEX, SHARD, edit_manifest
 
@@ -141,3 +144,53 @@ def test_generate_on_nan_weights_ends_in_one_error_line(tiny_llama, copy_artifac
     options = ("--temperature", "0.8", "--seed", "1") if sampled else ("--temperature", "0")
     result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2", *options)
     assert_one_line_error(result, "the model computed a logit of nan")
+
+
+ADDRESS_SPACE = 4 * 2**30  # RLIMIT_AS for the processes below: ember's own mappings take ~0.6 GiB of it
+
+
+def ember_under_rlimit(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ember ARGS` with its address space limited to ADDRESS_SPACE (as `ulimit -v` would)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+    return subprocess.run([sys.executable, "-m", "ember", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit)
+
+
+@pytest.fixture(scope="module")
+def long_context_checkpoint(tiny_models, tmp_path_factory):
+    """The tiny llama's checkpoint claiming 2**24 positions: one sequence's whole KV cache is 8 GiB."""
+    model_dir = tmp_path_factory.mktemp("long-context") / "checkpoint"
+    shutil.copytree(tiny_models.checkpoint("llama"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 2**24
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_kv_cache_beyond_the_address_space_rlimit_is_refused_at_load(long_context_checkpoint, tmp_path):
+    """An artifact whose KV cache (8 GiB, compiled without limits) exceeds what RLIMIT_AS leaves this process is
+    refused by `ember generate` in one line naming the size needed and the limit, not `std::bad_alloc`."""
+    artifact = tmp_path / "artifact"
+    result = run_ember("compile", str(long_context_checkpoint), "-o", str(artifact), "--no-progress",
+                       "--max-batch", "1", "--prefill-chunk", "16")
+    assert result.returncode == 0, result.stderr
+    assert manifest_of(artifact)["kv_cache"]["max_total_tokens"] == 2**24
+    result = ember_under_rlimit("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"{artifact}: needs 8192.4 MiB of memory", "KV cache of 16777216 tokens",
+                          f"(limited by RLIMIT_AS = {ADDRESS_SPACE} bytes, `ulimit -v`)", "--memory-budget")
+
+
+def test_compile_under_an_rlimit_sizes_the_kv_cache_to_it(long_context_checkpoint, tmp_path):
+    """`ember compile` under RLIMIT_AS sizes the KV cache to half the room the limit leaves (not half the
+    machine's memory), and the artifact generates under that same limit."""
+    artifact = tmp_path / "artifact"
+    result = ember_under_rlimit("compile", str(long_context_checkpoint), "-o", str(artifact), "--no-progress",
+                                "--max-batch", "1", "--prefill-chunk", "16")
+    assert result.returncode == 0, result.stderr
+    kv_bytes = manifest_of(artifact)["kv_cache"]["max_total_tokens"] * 512
+    assert 0 < kv_bytes < ADDRESS_SPACE // 2
+    result = ember_under_rlimit("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2",
+                                "--temperature", "0")
+    assert result.returncode == 0, result.stderr

@@ -22,6 +22,7 @@ import tvm
 
 import ember
 from ember.core.errors import EmberError
+from ember.core.machine import memory_limits
 from ember.core.manifest import FORMAT_VERSION, KV_QUANTIZATIONS, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
 from ember.driver.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.driver.codegen import build_library, cross_linker
@@ -207,10 +208,11 @@ def _stage_printer(show: bool, start: float) -> Callable[[str], None]:
 def _memory_budget(options: CompileOptions, target: TargetSpec, memory: MemoryReport) -> int | None:
     """The budget the KV cache is sized by: the user's or the target's; for a CPU without one,
     half of this machine's memory where the whole cache (`--max-batch` full contexts) would not
-    fit in it (a config may claim a context of 10**12 tokens), else None: no bound needed."""
+    fit in it (a config may claim a context of 10**12 tokens), else None: no bound needed. The memory
+    is the least of the physical memory and the room under this process's rlimits and cgroup limits."""
     if options.memory_budget is not None or target.is_gpu:
         return options.memory_budget
-    host = host_memory_bytes()
+    host = min([n for n in (host_memory_bytes(), *(room for room, _ in memory_limits())) if n], default=0)
     whole = (memory.weight_bytes + memory.peak_workspace_bytes
              + options.max_batch * memory.context_window * memory.kv_bytes_per_token)
     if not host or whole <= host:
