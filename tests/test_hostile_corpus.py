@@ -1079,3 +1079,130 @@ def test_broken_checkpoints_through_compile(worker, checkpoint, how, config_edit
         if left != expected:
             TALLY.record("cli compile checkpoint", "leftover")
             raise AssertionError(f"compile left {left}")
+
+
+# --- tokenizer normalizers, pre-tokenizer regexes, template expressions (generated) -------------------------
+# A tokenizer.json's normalizer and split regexes, and a chat template's expressions, are code from the
+# checkpoint's publisher: each generated case is loaded as the runtime loads it and run on hostile text.
+
+HOSTILE_TEXTS = st.sampled_from(["a" * 2000, "a" * 3000 + "b", " " * 3000 + "x", "aab" * 500, "\ufdfa" * 500,
+                                 "İ" * 1000, "hello world", "", "\t\n" * 500, "x" * 50_000])
+TOKENIZER_CONTEXT = 256  # tokens a text may fill: bounds the text handed to the tokenizer as an artifact's would
+
+
+def _strings(max_size: int) -> st.SearchStrategy[str]:
+    return st.sampled_from(["", "a", "aa", "▁", " ", "\ufdfa"]).flatmap(
+        lambda piece: st.integers(0, max_size).map(lambda n: piece * n))
+
+
+NORMALIZER_LEAVES = st.one_of(
+    st.builds(lambda p, c: {"type": "Replace", "pattern": {"String": p}, "content": c},
+              st.sampled_from(["a", "", " ", "aa"]),
+              _strings(300) | st.sampled_from([200_000, 2]).map(lambda n: "b" * n)),
+    st.builds(lambda p, c: {"type": "Replace", "pattern": {"Regex": p}, "content": c},
+              st.sampled_from(["a+", "(a|aa)+$", "", "\\s+", "(a*)*"]), _strings(80)),
+    st.builds(lambda p: {"type": "Prepend", "prepend": p}, _strings(100)),
+    st.sampled_from([{"type": kind} for kind in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Nmt", "StripAccents")]
+                    + [{"type": "Strip", "strip_left": True, "strip_right": True},
+                       {"type": "Precompiled", "precompiled_charsmap": "AAAA"}, {"type": "nonsense"}]),
+)
+NORMALIZERS = st.recursive(NORMALIZER_LEAVES, lambda inner: st.builds(
+    lambda children: {"type": "Sequence", "normalizers": children}, st.lists(inner, max_size=6)), max_leaves=12)
+
+REGEX_ATOMS = st.sampled_from(["a", "aa", "b", ".", "\\s", "\\S", "\\p{L}", "\\p{N}", "[ab]", "[^\\s\\p{L}]", "'s",
+                               " ?", "$", "^", "(?!\\S)", "\\1", "\\k<n>", "x{"])
+REGEX_QUANTIFIERS = st.sampled_from(["", "", "*", "+", "?", "{1,3}", "{2,}", "{5000}", "*?", "++", "**"])
+REGEXES = st.recursive(
+    st.tuples(REGEX_ATOMS, REGEX_QUANTIFIERS).map("".join),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=4).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map("|".join),
+        st.tuples(st.sampled_from(["(", "(?:", "(?i:", "(?<n>", "(?>"]), inner, REGEX_QUANTIFIERS).map(
+            lambda parts: f"{parts[0]}{parts[1]}){parts[2]}")),
+    max_leaves=8) | st.sampled_from([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                                     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", "(a|aa)+$",
+                                     "a*a*a*a*a*a*$", "(a+)+$"])
+
+
+def _tokenizer_case(artifact: Path, tmp: str, edit: Callable[[dict], dict]) -> Path:
+    """A directory with the tiny llama's tokenizer files, tokenizer.json changed by `edit`."""
+    data = edit(json.loads((artifact / "tokenizer.json").read_text()))
+    (Path(tmp) / "tokenizer.json").write_text(json.dumps(data))
+    shutil.copyfile(artifact / "tokenizer_config.json", Path(tmp) / "tokenizer_config.json")
+    return Path(tmp)
+
+
+def _load_and_encode(directory: Path, text: str) -> tuple[list[int], int]:
+    from ember.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(directory, TOKENIZER_CONTEXT)
+    return tokenizer.encode(text), tokenizer.vocab_size
+
+
+def _run_tokenizer_case(parser: str, directory: Path, text: str) -> None:
+    result, value = in_process(lambda: _load_and_encode(directory, text))
+
+    def check() -> None:
+        ids, vocab_size = value
+        assert all(0 <= i < vocab_size for i in ids), "an id outside the vocabulary"
+
+    outcome(parser, result, check)
+    if result.outcome == "refused":
+        assert "tokenizer" in result.stderr or "the text to encode" in result.stderr, result.stderr
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(normalizer=NORMALIZERS, text=HOSTILE_TEXTS)
+def test_tokenizer_normalizers(artifact, normalizer, text):
+    """A generated normalizer tree (Replace, Prepend, Unicode forms, Sequences of them): refused at load naming
+    the JSON path, or encoding hostile text within bounded memory to ids inside the vocabulary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = _tokenizer_case(artifact, tmp, lambda data: {**data, "normalizer": normalizer})
+        _run_tokenizer_case("tokenizer normalizer", directory, text)
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(pattern=REGEXES, behavior=st.sampled_from(["Isolated", "Removed", "MergedWithNext"]), text=HOSTILE_TEXTS)
+def test_pre_tokenizer_regexes(artifact, pattern, behavior, text):
+    """A generated split regex (nesting, alternation, quantifiers, backreferences): refused at load, refused
+    when the regex engine gives up on the text, or ids inside the vocabulary; never a panic or a hang."""
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": behavior, "invert": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = _tokenizer_case(artifact, tmp, lambda data: {**data, "pre_tokenizer": split})
+        _run_tokenizer_case("pre-tokenizer regex", directory, text)
+
+
+TEMPLATE_VALUES = st.sampled_from(["'x'", "'ab'", "('x' * 1000000)", "('\\n' * 1000)", "messages", "range(100000)",
+                                   "3000000000", "900000", "10**100", "(['x' * 1000000] * 1000)", "'%3000000000s'",
+                                   "'{:>3000000000}'", "'%*d'", "'{:{}}'", "'%.900000f'", "1.5", "'\\t' * 100000"])
+TEMPLATE_FORMS = st.sampled_from([
+    "{a} * {b}", "{a} + {b}", "{a} ~ {b} ~ {a} ~ {b}", "{a} % {b}", "{a} % ({b}, 1)", "{a} ** {b}",
+    "{a}.format({b}, {b})", "{a}.format_map({{'x': {b}}})", "{a}|format({b})", "{a}|replace('x', {b})",
+    "{a}.replace('', {b})", "{a}|join({b})", "{a}.join({b})", "{a}|indent({b})", "{a}|center({b})",
+    "{a}|wordwrap(1, true, {b})", "{a}.expandtabs({b})", "{a}.ljust({b})", "{a}|string", "{a}|tojson",
+    "lipsum({b})", "{a}|list|length", "({a}|string)[:10]", "{a}|batch({b})|list|length",
+])
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(form=TEMPLATE_FORMS, a=TEMPLATE_VALUES, b=TEMPLATE_VALUES, loop=st.booleans())
+def test_template_expressions(artifact, form, a, b, loop):
+    """A generated template expression over values at the size bound: refused in one line naming the template
+    before it builds its text, or rendered text within the bound."""
+    from ember.runtime.tokenizer import RENDER_CHARS, Tokenizer
+
+    expression = "{{ " + form.format(a=a, b=b) + " }}"
+    template = "{% for i in range(3) %}" + expression + "{% endfor %}" if loop else expression
+    conversation = [{"role": "user", "content": "hi"}]
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = _tokenizer_case(artifact, tmp, lambda data: data)
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        result, rendered = in_process(lambda: Tokenizer.from_dir(directory).apply_chat_template(conversation))
+
+        def check() -> None:
+            assert isinstance(rendered, str) and len(rendered) <= RENDER_CHARS + 2 * len(str(conversation)) + 1000
+
+        outcome("template expression", result, check)
+        if result.outcome == "refused":
+            assert "chat template" in result.stderr, result.stderr
