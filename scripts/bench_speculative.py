@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -166,9 +167,10 @@ def demo_table(args: argparse.Namespace, level: build_llama_cpp.Level, package: 
           f"per task, median of {args.repeats} round-robin passes")
     print(f"{'task':<11} {'runner':<28} {'decode tok/s':>12} {'vs plain':>8} {'accepted':>9} {'per step':>8} "
           f"{'same output':>11}")
-    for task, texts in task_prompts(args.prompts).items():
-        prompts = [model.tokenizer.encode(text) for text in texts]
-        runners = {
+
+    def runners_for(prompts: list[list[int]]) -> dict[str, Callable[[], dict]]:
+        """Each runner's pass over `prompts`, by name."""
+        return {
             "ember": lambda: ember_pass(engine, prompts, args.new_tokens, lambda: None),
             "ember --speculate ngram": lambda: ember_pass(engine, prompts, args.new_tokens,
                                                           lambda: Speculation(PromptLookup())),
@@ -180,6 +182,9 @@ def demo_table(args: argparse.Namespace, level: build_llama_cpp.Level, package: 
             "llama.cpp draft demo_draft": lambda: llama_cpp_pass(gguf, prompts, args.new_tokens, args.threads,
                                                                  package, "draft", draft_gguf),
         }
+
+    for task, texts in task_prompts(args.prompts).items():
+        runners = runners_for([model.tokenizer.encode(text) for text in texts])
         passes = {name: [] for name in runners}
         for _ in range(args.repeats):
             for name, run in runners.items():
@@ -220,30 +225,34 @@ def verify_cost_table(args: argparse.Namespace, level: build_llama_cpp.Level) ->
         if not artifact.exists():
             compile_model(model_dir, artifact, CompileOptions(target=level.ember_target, quantization=quant,
                                                               max_batch=2, show_progress=False))
-        engine = Engine(load_artifact(artifact, threads=args.threads))
-        seq = engine.add_sequence()
-        rng = np.random.default_rng(0)
-        engine.prefill(seq, rng.integers(0, 32000, args.context).tolist())
-        peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+        _print_verify_costs(Engine(load_artifact(artifact, threads=args.threads)), quant, args)
 
-        forwards = {"decode": lambda tokens: engine.decode([seq], tokens),
-                    "verify": lambda tokens: engine.verify(seq, tokens),
-                    "prefill": lambda tokens: engine.prefill(seq, tokens, all_logits=True)}
 
-        def timed(forward: str, k: int) -> float:
-            times = []
-            for _ in range(20):
-                tokens = rng.integers(0, 32000, k + 1).tolist()
-                start = time.perf_counter()
-                forwards[forward](tokens)
-                times.append(time.perf_counter() - start)
-                engine.truncate(seq, args.context)
-            return statistics.median(times)
+def _print_verify_costs(engine, quant: str, args: argparse.Namespace) -> None:
+    """One --quant's rows: a forward of k + 1 tokens through verify and through prefill, over one decode step."""
+    seq = engine.add_sequence()
+    rng = np.random.default_rng(0)
+    engine.prefill(seq, rng.integers(0, 32000, args.context).tolist())
+    peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
 
-        decode = timed("decode", 0)
-        for forward in ("verify", "prefill"):
-            print(f"{quant:<9} {forward:<8} {1e3 * decode:>9.2f} "
-                  + " ".join(f"{timed(forward, k) / decode:>5.2f}x" for k in range(1, 8)))
+    forwards = {"decode": lambda tokens: engine.decode([seq], tokens),
+                "verify": lambda tokens: engine.verify(seq, tokens),
+                "prefill": lambda tokens: engine.prefill(seq, tokens, all_logits=True)}
+
+    def timed(forward: str, k: int) -> float:
+        times = []
+        for _ in range(20):
+            tokens = rng.integers(0, 32000, k + 1).tolist()
+            start = time.perf_counter()
+            forwards[forward](tokens)
+            times.append(time.perf_counter() - start)
+            engine.truncate(seq, args.context)
+        return statistics.median(times)
+
+    decode = timed("decode", 0)
+    for forward in ("verify", "prefill"):
+        print(f"{quant:<9} {forward:<8} {1e3 * decode:>9.2f} "
+              + " ".join(f"{timed(forward, k) / decode:>5.2f}x" for k in range(1, 8)))
 
 
 def main() -> None:
@@ -259,7 +268,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="prompts per task")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=128, help="cached tokens before the timed verify steps")
-    parser.add_argument("--verify-quant", default="q0f32,q4f32", help="formats of the 110M verify-cost table (empty: no table)")
+    parser.add_argument("--verify-quant", default="q0f32,q4f32",
+                        help="formats of the 110M verify-cost table (empty: no table)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quiet-wait", type=float, default=60,
