@@ -60,6 +60,7 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
     dev = open_device(manifest.target, path, threads)
     library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
     vm = VirtualMachine(library, dev)
+    _check_library(path / LIBRARY_NAME, manifest, vm)
     params = _load_params(path / PARAMS_DIR, manifest, dev)
     has_tokenizer = (path / "tokenizer.json").exists()
     tokenizer = Tokenizer.from_dir(path, int(manifest.kv_cache["max_context"])) if has_tokenizer else None
@@ -81,6 +82,26 @@ def _check_machine(path: Path, manifest: Manifest) -> None:
         raise ArtifactError(f"{path}: compiled for a CPU with {', '.join(missing)}, which this machine lacks (the "
                             f"library would die of an illegal instruction); recompile with `ember compile "
                             f"{manifest.source} --target cpu` here, or run it on a CPU that has them")
+
+
+def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> None:
+    """Refuse a library that is not the manifest's (another artifact's, its hash resealed into this manifest) before
+    a kernel meets weights it was not built for: each entry function must exist and take the manifest's inputs,
+    then the manifest's weights in order (VM bytecode metadata: no kernel runs)."""
+    for function, spec in manifest.entry_functions.items():
+        inputs = [str(arg).split("[")[0] for arg in spec.get("inputs", [])]
+        try:
+            names = [vm._get_function_param_name(function, i) for i in range(vm._get_function_arity(function))]
+        except Exception:  # TVM raises ValueError or its own error types for an unknown function
+            raise ArtifactError(f"{library}: has no function {function!r}, which the manifest lists: the library "
+                                f"is not this artifact's; recompile the artifact") from None
+        expected = inputs + (manifest.params if names[len(inputs):] else [])
+        if names != expected:
+            at = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), min(len(names), len(expected)))
+            found = repr(names[at]) if at < len(names) else "nothing"
+            wanted = repr(expected[at]) if at < len(expected) else "nothing"
+            raise ArtifactError(f"{library}: its {function} function takes {found} as argument {at} where the "
+                                f"manifest has {wanted}: the library is not this artifact's; recompile the artifact")
 
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:
@@ -121,6 +142,7 @@ def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device) 
     def aligned(nbytes: int) -> int:
         return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
+    _check_param_types(shards, manifest.param_types)
     records = [record for _, shard_records in shards for record in shard_records]
     arena = _weight_arena(sum(aligned(record["nbytes"]) for record in records)) if dev == tvm_runtime.cpu(0) else None
     loaded: dict[str, tvm_runtime.Tensor] = {}
@@ -173,6 +195,18 @@ def _checked_shards(params_dir: Path, index: Any, files: dict[str, Any]) -> list
                 raise ArtifactError(f"{shard_path}: tensor {name!r}: {problem}; recompile the artifact")
         checked.append((shard_path, records))
     return checked
+
+
+def _check_param_types(shards: list[tuple[Path, list[dict]]], param_types: dict[str, dict[str, Any]]) -> None:
+    """Refuse a weight whose shape or dtype is not what the compiled graph takes (`Manifest.param_types`): weights
+    of another artifact, their hashes resealed into this manifest, would otherwise be read past by a kernel."""
+    for shard_path, records in shards:
+        for record in records:
+            wanted = param_types.get(record["name"])
+            if wanted and (record["shape"] != wanted["shape"] or record["dtype"] != wanted["dtype"]):
+                raise ArtifactError(f"{shard_path}: tensor {record['name']!r} is {record['dtype']} {record['shape']}, "
+                                    f"the compiled model takes {wanted['dtype']} {wanted['shape']}: the weights are "
+                                    f"not this artifact's; recompile the artifact")
 
 
 def _record_problem(record: Any, shard_size: int) -> str:

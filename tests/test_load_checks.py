@@ -11,13 +11,14 @@ import shutil
 import subprocess
 import sys
 
+import models
 import numpy as np
 import pytest
 from helpers import REPO_ROOT, assert_one_line_error, run_ember
 from safetensors.numpy import load_file, save_file
 from test_artifact_integrity import INDEX, SHARD, edit_manifest
 
-from ember.core.errors import GenerationError
+from ember.core.errors import ArtifactError, GenerationError
 from ember.core.machine import host_cpu_flags
 from ember.core.manifest import read_manifest, write_manifest
 from ember.runtime import load_artifact
@@ -194,3 +195,64 @@ def test_compile_under_an_rlimit_sizes_the_kv_cache_to_it(long_context_checkpoin
     result = ember_under_rlimit("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2",
                                 "--temperature", "0")
     assert result.returncode == 0, result.stderr
+
+
+def resealed_with(artifact, donor, relpath: str) -> None:
+    """`relpath` of `artifact` replaced by `donor`'s and every file's hash re-recorded in the manifest: what an
+    attacker editing the hashes (or a copy mixing two artifacts, then resealed) leaves."""
+    target = artifact / relpath
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    (shutil.copytree if (donor / relpath).is_dir() else shutil.copyfile)(donor / relpath, target)
+    write_manifest(artifact, read_manifest(artifact))
+
+
+@pytest.fixture(scope="module")
+def wider_llama(tmp_path_factory):
+    """The tiny llama's architecture, weight names and tokenizer with a wider MLP (intermediate 96, not 128)."""
+    root = tmp_path_factory.mktemp("wider-llama")
+    model_dir = models.write_model(models.random_model(models.make_config(
+        "llama", tie_word_embeddings=False, intermediate_size=96)), root / "checkpoint")
+    result = run_ember("compile", str(model_dir), "-o", str(root / "artifact"), "--no-progress", "--max-batch", "1")
+    assert result.returncode == 0, result.stderr
+    return root / "artifact"
+
+
+def test_compile_records_each_weights_shape_and_dtype(tiny_llama):
+    """The manifest's param_types hold, for every weight in graph order, the shape and dtype the weight index
+    holds for it."""
+    manifest = manifest_of(tiny_llama.artifact_dir)
+    index = json.loads((tiny_llama.artifact_dir / INDEX).read_text())
+    stored = {r["name"]: {"shape": r["shape"], "dtype": r["dtype"]} for s in index["records"] for r in s["records"]}
+    assert list(manifest["param_types"]) == manifest["params"]
+    assert manifest["param_types"] == {name: stored[name] for name in manifest["params"]}
+
+
+def test_swapped_weights_are_refused_at_load(tiny_llama, copy_artifact, wider_llama):
+    """Another artifact's weights (same names, other shapes), resealed into the manifest, are refused by `ember
+    generate` in one line naming the first tensor and both shapes, before any kernel reads them."""
+    artifact = copy_artifact(tiny_llama)
+    resealed_with(artifact, wider_llama, "params")
+    result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"{artifact}/params/params_shard_0.bin: tensor 'model.layers.0.mlp.",
+                          "the compiled model takes float32 [", "the weights are not this artifact's")
+
+
+@pytest.mark.parametrize("donor", ["qwen2", "llama-q8f32"])
+def test_swapped_library_is_refused_at_load(tiny_models, tiny_llama, copy_artifact, donor):
+    """Another model's library (qwen2: biases, tied embeddings; the same llama quantized: packed weights), resealed
+    into the manifest, is refused by `ember generate` in one line naming model.so, the function and the first
+    argument that differs."""
+    artifact = copy_artifact(tiny_llama)
+    other = tiny_models.quantized("llama", "q8f32") if donor == "llama-q8f32" else tiny_models[donor]
+    resealed_with(artifact, other.artifact_dir, "model.so")
+    result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"{artifact}/model.so: its ", " function takes ", " as argument ",
+                          "the library is not this artifact's")
+
+
+def test_library_without_an_entry_function_is_refused(tiny_llama, copy_artifact):
+    """A manifest listing an entry function its library lacks is refused naming it (load_artifact)."""
+    artifact = copy_artifact(tiny_llama)
+    edit_manifest(artifact, lambda data: data["entry_functions"].__setitem__("embed", {"inputs": ["ids"]}), seal=True)
+    with pytest.raises(ArtifactError, match=r"model.so: has no function 'embed', which the manifest lists"):
+        load_artifact(artifact)

@@ -75,6 +75,9 @@ class Manifest:
     # "int8": the quantized projections multiply int8-quantized activations (llama.cpp's
     # Q8_0 rounding, per group of 32); "float": activations stay in the compute dtype.
     activations: str = "float"
+    # Each weight's shape and dtype as the compiled graph takes it, {name: {"shape": [...], "dtype": "float32"}}:
+    # what the weight index must hold. Empty in manifests written before the field (then unchecked).
+    param_types: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifest_sha256: str = ""  # `manifest_digest` of every other field, set by `write_manifest`
 
     def to_json(self) -> dict[str, Any]:
@@ -136,6 +139,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
     _check_fields(path, data, SCHEMA, "")
     _check_file_list(path, data["files"])
     _check_cpu_features(path, data["target"])
+    _check_param_types(path, data.get("param_types", {}))
     try:
         return Manifest(**data)
     except TypeError as err:
@@ -304,6 +308,17 @@ def _check_cpu_features(path: Path, target: dict[str, Any]) -> None:
     if not (isinstance(features, list) and all(isinstance(f, str) and f.isidentifier() for f in features)):
         raise ArtifactError(f"{path}: manifest field target.cpu_features must be a list of CPU flag names, "
                             f"got {reprlib.repr(features)}")
+
+
+def _check_param_types(path: Path, types: Any) -> None:
+    """Refuse a param_types that is not {name: {"shape": [whole numbers], "dtype": text}}."""
+    def well_formed(entry: Any) -> bool:
+        return (isinstance(entry, dict) and _TEXT[1](entry.get("dtype"))
+                and _list_of(_COUNT)[1](entry.get("shape")))
+
+    if not (isinstance(types, dict) and all(map(well_formed, types.values()))):
+        raise ArtifactError(f"{path}: manifest field param_types must map weight names to "
+                            f"{{\"shape\": [sizes], \"dtype\": name}}, got {reprlib.repr(types)}")
 
 
 def _check_file_list(path: Path, files: dict[str, Any]) -> None:

@@ -154,6 +154,8 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
             shutil.copyfile(path, staging / path.name)
         manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
                              activations(lowered))
+        manifest.param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": dtype}
+                                for p, (_, dtype) in zip(weight_params(lowered["decode"]), params, strict=True)}
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
