@@ -51,11 +51,17 @@ def planned_workspace(mod: tvm.IRModule) -> dict[str, int]:
     totals: dict[str, int] = {}
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
-            sizes: list[int] = []
-            relax.analysis.post_order_visit(func.body, lambda e: _collect_storage(e, sizes))
+            sizes = _storage_sizes(func)
             if sizes:
                 totals[gv.name_hint] = sum(sizes)
     return totals
+
+
+def _storage_sizes(func: relax.Function) -> list[int]:
+    """Bytes of each static storage `func` allocates."""
+    sizes: list[int] = []
+    relax.analysis.post_order_visit(func.body, lambda e: _collect_storage(e, sizes))
+    return sizes
 
 
 def memory_report(lowered: tvm.IRModule, kv_bytes_per_token: int, context_window: int) -> MemoryReport:

@@ -88,7 +88,8 @@ def main() -> None:
         baseline = load_file(args.baseline, "baseline_prefill_attention")
     except Exception as err:  # any error of someone else's file: say which file, in one line
         parser.error(f"--baseline {args.baseline}: cannot be loaded ({type(err).__name__}: {err})")
-    if not all(callable(getattr(baseline, name, None)) for name in ("ragged_prefill_attention", "paged_prefill_attention")):
+    entries = ("ragged_prefill_attention", "paged_prefill_attention")
+    if not all(callable(getattr(baseline, name, None)) for name in entries):
         parser.error(f"--baseline {args.baseline}: not a version of schedules/prefill_attention.py "
                      "(no ragged_prefill_attention and paged_prefill_attention)")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # unset, TVM's pool takes half the cores

@@ -61,7 +61,7 @@ def _ember_worker(request: dict, out: Path) -> None:
 
     engine = Engine(load_artifact(Path(request["artifact"])))
     prompt, new_tokens = request["prompt"], request["new_tokens"]
-    for timed in (False, True):  # one warmup run, then the timed one
+    for _ in range(2):  # one warmup run, then the timed one
         seq = engine.add_sequence()
         start = time.perf_counter()
         token = int(np.argmax(engine.prefill(seq, prompt)))
@@ -73,8 +73,8 @@ def _ember_worker(request: dict, out: Path) -> None:
             tokens.append(token)
         decode_s = time.perf_counter() - start
         engine.remove_sequence(seq)
-    result = peers.Measurement(f"ember {engine.artifact.manifest.quantization}", len(prompt) / prefill_s, new_tokens / decode_s,
-                               peers._peak_rss_mb(), tokens)
+    result = peers.Measurement(f"ember {engine.artifact.manifest.quantization}", len(prompt) / prefill_s,
+                               new_tokens / decode_s, peers._peak_rss_mb(), tokens)
     out.write_text(json.dumps(result.__dict__))
 
 

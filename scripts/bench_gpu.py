@@ -72,7 +72,8 @@ def bytes_per_decode_token(artifact: Path, context: float) -> float:
     gathered), plus the KV cache at `context` tokens."""
     manifest = json.loads((artifact / "manifest.json").read_text())
     index = json.loads((artifact / "params" / "tensor-cache.json").read_text())
-    weights = sum(r["nbytes"] for shard in index["records"] for r in shard["records"] if "embed_tokens" not in r["name"])
+    weights = sum(r["nbytes"] for shard in index["records"] for r in shard["records"]
+                  if "embed_tokens" not in r["name"])
     return weights + manifest["memory"]["kv_bytes_per_token"] * context
 
 
@@ -209,7 +210,8 @@ def main() -> None:
     first = next(iter(built.values()))["artifact"]
     # A detected GPU is recorded by its device name, not a preset: then --hardware names the datasheet.
     preset = args.hardware or json.loads((Path(first) / "manifest.json").read_text())["target"]["hardware"]
-    bandwidth = load_hardware(preset).memory_bandwidth if args.hardware or preset in hardware_presets() else float("nan")
+    known = args.hardware or preset in hardware_presets()
+    bandwidth = load_hardware(preset).memory_bandwidth if known else float("nan")
     print(f"\n{torch['device_name']}; datasheet bandwidth {bandwidth / 1e9:.0f} GB/s ({preset}; --hardware to choose), "
           f"measured copy {torch['copy_bandwidth'] / 1e9:.0f} GB/s; prompt {args.prompt_len} + {args.new_tokens} new "
           f"tokens, median of {args.repeats}")

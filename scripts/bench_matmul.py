@@ -86,7 +86,8 @@ def float_cases(baseline: Path, only: str | None, target: TargetSpec, rng: np.ra
         runs = {}
         for name, rule in rules.items():
             lib = build(rule, func, target)
-            args = [tvm.runtime.tensor(a), tvm.runtime.tensor(w), tvm.runtime.tensor(np.zeros((*shape[:2], n), np.float32))]
+            out = np.zeros((*shape[:2], n), np.float32)
+            args = [tvm.runtime.tensor(a), tvm.runtime.tensor(w), tvm.runtime.tensor(out)]
             lib["main"](*args)
             np.testing.assert_allclose(args[-1].numpy(), expected, rtol=1e-3, atol=1e-3 * np.sqrt(k))
             runs[name] = (lib, args)
@@ -142,7 +143,8 @@ def main() -> None:
     # Unset, TVM's pool takes half the cores (see ember.runtime.device.use_cpu_threads).
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     target = resolve_target(args.target)
-    cases = (int8_cases if args.kernel == "int8" else float_cases)(args.baseline, args.only, target, np.random.default_rng(0))
+    make_cases = int8_cases if args.kernel == "int8" else float_cases
+    cases = make_cases(args.baseline, args.only, target, np.random.default_rng(0))
     print(f"{'m x n x k':<18} {'kind':<14} {'base ms':>8} {'new ms':>8} {'base GF/s':>9} {'new GF/s':>9} "
           f"{'speedup':>8} {'new/m=1':>8}")
     batch_one = {}

@@ -297,7 +297,8 @@ def _child_main(request_path: str, response_path: str) -> None:
     """Entry point of an isolated child: run the requested worker, save its result."""
     request = json.loads(Path(request_path).read_text())
     module, _, name = request["worker"].rpartition(".")
-    worker: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), name) if module else globals()[name]
+    worker: Callable[..., dict[str, Any]] = (getattr(importlib.import_module(module), name) if module
+                                             else globals()[name])
     result = worker(**request["kwargs"])
     if "peak_rss_mb" in result:
         result["peak_rss_mb"] = _peak_rss_mb()

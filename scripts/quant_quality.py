@@ -56,16 +56,16 @@ def main() -> None:
         ids = tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)
         windows = scoring_windows(ids, tokenizer.bos_token_id, args.window)
         print(f"\n{args.model.name}: {len(ids)} tokens of {args.text.name}, windows of {args.window}\n")
-        print(f"{'format':<10} {'activations':>11} {'bits/weight':>11} {'perplexity':>11} {'vs q0f32':>9} {'mean KL':>9} "
-              f"{'top-1 agree':>11} {'weights MiB':>11} {'artifact MiB':>12} {'vs q0f32':>9}")
+        print(f"{'format':<10} {'activations':>11} {'bits/weight':>11} {'perplexity':>11} {'vs q0f32':>9} "
+              f"{'mean KL':>9} {'top-1 agree':>11} {'weights MiB':>11} {'artifact MiB':>12} {'vs q0f32':>9}")
         for name in formats:
             comparison = compare(engines[name], engines["q0f32"], windows)
             ppl, baseline, div = comparison.candidate.perplexity, comparison.reference.perplexity, comparison.divergence
             weights, total = sizes[name]
             activations = engines[name].artifact.manifest.activations
-            print(f"{name:<10} {activations:>11} {FORMATS[name].bits_per_weight:>11g} {ppl:>11.3f} {ppl / baseline - 1:>+8.2%} "
-                  f"{div.mean_kl:>9.5f} {div.top1_agreement:>10.2%} {weights / 2**20:>11.2f} {total / 2**20:>12.2f} "
-                  f"{total / sizes['q0f32'][1]:>8.3f}x")
+            print(f"{name:<10} {activations:>11} {FORMATS[name].bits_per_weight:>11g} {ppl:>11.3f} "
+                  f"{ppl / baseline - 1:>+8.2%} {div.mean_kl:>9.5f} {div.top1_agreement:>10.2%} "
+                  f"{weights / 2**20:>11.2f} {total / 2**20:>12.2f} {total / sizes['q0f32'][1]:>8.3f}x")
 
 
 if __name__ == "__main__":
