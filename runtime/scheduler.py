@@ -323,7 +323,9 @@ class Scheduler:
                 self._end(request, "cancelled")
             try:
                 self._step()
-            except Exception as err:  # a bug, not a request's fault: fail the batch, keep serving
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # a bug, not a request's fault (a Rust panic included): fail the batch
                 log.exception("scheduler step failed")
                 for request in list(self._running):
                     self._end(request, "error", err)
@@ -494,7 +496,10 @@ class Scheduler:
                     self.engine.length(request.seq_id) + 1 > self.engine.context_window:
                 decoding.out_of_room()
             text = decoding.text() if decoding.tokenizer is not None else ""
-        except Exception as err:  # a logits processor's or the tokenizer's failure ends this request only
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # a logits processor's or the tokenizer's failure, a Rust panic (a
+            # BaseException) included, ends this request only: the scheduler's thread goes on
             self._end(request, "error", err)
             return
         request.pending = None if decoding.finished else token

@@ -346,6 +346,66 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_naming_prompt(tiny,
     _still_serving(tiny)
 
 
+class _Panic(BaseException):
+    """Stands in for pyo3's PanicException, the BaseException a Rust panic inside tokenizers raises."""
+
+
+def test_a_tokenizer_panic_fails_only_its_request(tiny, monkeypatch):
+    """A BaseException from tokenizing or templating (in a worker thread) is that request's 500, a GenerationError
+    its 400; the worker threads, the event loop and the scheduler go on serving."""
+    tokenizer = tiny.scheduler.engine.artifact.tokenizer
+    encode = tokenizer.encode
+
+    def failing_encode(text: str, *args, **kwargs) -> list[int]:
+        if "PANIC" in text:
+            raise _Panic("called `Option::unwrap()` on a `None` value")
+        if "BAD" in text:
+            raise GenerationError("the text is bad")
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", failing_encode)
+    for _ in range(3):  # more failures than a worker thread pool could lose threads to
+        with pytest.raises(openai.InternalServerError) as caught:
+            tiny.client.completions.create(model=tiny.name, prompt="PANIC", max_tokens=2)
+        assert caught.value.body == {"message": "internal error: _Panic", "type": "server_error", "param": None,
+                                     "code": None}
+        with pytest.raises(openai.InternalServerError, match="internal error: _Panic"):
+            tiny.client.chat.completions.create(model=tiny.name, messages=[{"role": "user", "content": "PANIC"}],
+                                                max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny.client.chat.completions.create(model=tiny.name, messages=[{"role": "user", "content": "BAD"}],
+                                            max_tokens=2)
+    assert (caught.value.param, caught.value.body["message"]) == ("messages", "the text is bad")
+    _still_serving(tiny)
+    reply = tiny.client.chat.completions.create(model=tiny.name, messages=[{"role": "user", "content": "a"}],
+                                                max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_detokenizer_panic_in_the_scheduler_fails_only_its_request(tiny, monkeypatch, stream):
+    """A BaseException from decoding generated tokens, on the scheduler's thread, ends that request with an
+    error (a 500, or an error event in its stream) and leaves the scheduler serving the next ones."""
+    tokenizer = tiny.scheduler.engine.artifact.tokenizer
+    decode, armed = tokenizer.decode, threading.Event()
+
+    def failing_decode(ids) -> str:
+        if armed.is_set():
+            armed.clear()
+            raise _Panic("byte index is not a char boundary")
+        return decode(ids)
+
+    monkeypatch.setattr(tokenizer, "decode", failing_decode)
+    armed.set()
+    with pytest.raises(openai.APIError, match="internal error: _Panic"):
+        reply = tiny.client.completions.create(model=tiny.name, prompt="ab", max_tokens=4, temperature=0,
+                                               stream=stream)
+        if stream:
+            list(reply)
+    assert not armed.is_set()
+    _still_serving(tiny)
+
+
 def test_unknown_fields_are_ignored(tiny):
     """Like vLLM and llama.cpp's server (OpenAI itself refuses them): clients send vendor fields."""
     reply = tiny.client.completions.create(model=tiny.name, prompt="ab", max_tokens=3, temperature=0,
