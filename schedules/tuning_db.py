@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ log = logging.getLogger("ember")
 FINGERPRINT_NAME = "fingerprint.json"
 CHECKS_NAME = "checks.json"
 _TABLES = ("database_workload.json", "database_tuning_record.json")
+LOGS_NAME = "logs"  # meta_schedule's per-task logs
+_OWN_NAMES = {FINGERPRINT_NAME, CHECKS_NAME, LOGS_NAME, *_TABLES}
 
 
 @dataclass
@@ -144,6 +147,7 @@ def check_for_tuning(path: Path, fingerprint: dict[str, Any] | None = None) -> d
     `fingerprint` (default: this machine's), before minutes of work; its fingerprint, or None where there
     is no database yet."""
     theirs = _read_fingerprint(Path(path), "--db")
+    _check_only_own_files(Path(path), theirs is not None)
     here = fingerprint or cpu_fingerprint()
     if theirs is not None and theirs != here:
         whose = "this machine" if fingerprint is None else "the devices measuring"
@@ -173,6 +177,23 @@ def _read_fingerprint(path: Path, option: str) -> dict[str, Any] | None:
     if data is not None and not isinstance(data, dict):
         raise TuningError(f"{option} {fingerprint}: not a JSON object; tune into a new directory")
     return data
+
+
+def _check_only_own_files(path: Path, has_fingerprint: bool) -> None:
+    """Refuse a --db directory that holds anything but what `ember tune` writes (a user's files would be
+    overwritten or mixed with records), or that holds some of it without the fingerprint that starts a database."""
+    try:
+        with os.scandir(path) as entries:
+            names = sorted(entry.name for entry in entries)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise TuningError(f"--db {path}: cannot be read ({err.strerror or err})") from None
+    strangers = [name for name in names if name not in _OWN_NAMES]
+    if strangers or (names and not has_fingerprint):
+        shown = ", ".join((strangers or names)[:5]) + (" and more" if len(strangers or names) > 5 else "")
+        raise TuningError(f"--db {path}: exists and is not a tuning database of `ember tune` (holds {shown}); "
+                          "give a new or empty directory, or one `ember tune --db` made")
 
 
 def _read_checks(path: Path) -> dict[tuple[int, tuple[int, ...]], bool]:

@@ -94,7 +94,7 @@ def manifest_digest(data: dict[str, Any]) -> str:
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a regular file, read in chunks."""
     digest = hashlib.sha256()
-    with _open_regular(Path(path)) as f:
+    with open_regular(Path(path)) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -117,16 +117,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
     """Read `artifact_dir/manifest.json`, refusing one of another format version, one edited after
     compile, or one whose fields do not have the types this format promises."""
     path = Path(artifact_dir) / MANIFEST_NAME
-    if not os.path.lexists(path):
-        raise ArtifactError(f"{artifact_dir}: not an ember artifact ({MANIFEST_NAME} is missing)")
-    with _open_regular(path) as f:
-        if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-            raise ArtifactError(f"{path}: larger than {MAX_MANIFEST_BYTES // 2**20} MiB, not an ember manifest")
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
-        raise ArtifactError(f"{path}: malformed manifest: {err}") from None
+    data = _load_manifest_json(Path(artifact_dir))
     version = data.get("format_version") if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
         raise ArtifactError(
@@ -149,27 +140,66 @@ def read_manifest(artifact_dir: Path) -> Manifest:
 def verify_files(artifact_dir: Path, manifest: Manifest) -> None:
     """Check that `artifact_dir` holds exactly the manifest's files, as regular files (no links) of
     the recorded sizes, then their sha256; name the first that differs."""
-    artifact_dir = Path(artifact_dir)
+    _verify_listed_files(Path(artifact_dir), manifest.files)
+
+
+def check_ember_artifact(artifact_dir: Path) -> None:
+    """Refuse `artifact_dir` unless it provably is an artifact some ember wrote, of any format version: its
+    manifest carries ember's identity fields (format_version, ember_version, tvm_version) and the seal over its
+    content (manifest_sha256), and the directory holds exactly the files it lists, with their sizes and hashes.
+    What `ember compile -o` checks before it replaces a directory."""
+    path = Path(artifact_dir) / MANIFEST_NAME
+    data = _load_manifest_json(Path(artifact_dir))
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: not an ember manifest (not a JSON object)")
+    for key, rule in (("format_version", _POSITIVE), ("ember_version", _TEXT), ("tvm_version", _TEXT),
+                      ("files", _OBJECT)):
+        if not rule[1](data.get(key)):
+            raise ArtifactError(f"{path}: not an ember manifest ({key} is not {rule[0]})")
+    if data.get("manifest_sha256") != manifest_digest(data):
+        raise ArtifactError(f"{path}: not an ember manifest as ember wrote it (its content does not match its "
+                            f"manifest_sha256)")
+    _check_file_list(path, data["files"])
+    _verify_listed_files(Path(artifact_dir), data["files"])
+
+
+def _load_manifest_json(artifact_dir: Path) -> Any:
+    """The JSON value of `artifact_dir/manifest.json`, read as a bounded regular file (no link, FIFO or device)."""
+    path = artifact_dir / MANIFEST_NAME
+    if not os.path.lexists(path):
+        raise ArtifactError(f"{artifact_dir}: not an ember artifact ({MANIFEST_NAME} is missing)")
+    with open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path}: larger than {MAX_MANIFEST_BYTES // 2**20} MiB, not an ember manifest")
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
+        raise ArtifactError(f"{path}: malformed manifest: {err}") from None
+
+
+def _verify_listed_files(artifact_dir: Path, files: dict[str, dict[str, Any]]) -> None:
+    """`verify_files` for the file list `files` (a checked manifest's)."""
     sizes, directories = _artifact_tree(artifact_dir)
-    missing = sorted(manifest.files.keys() - sizes.keys())
+    missing = sorted(files.keys() - sizes.keys())
     if missing:
         raise ArtifactError(f"{artifact_dir / missing[0]}: file listed in the manifest is missing; "
                             f"recompile the artifact")
-    added = sorted(sizes.keys() - manifest.files.keys())
+    added = sorted(sizes.keys() - files.keys())
     if added:
         raise ArtifactError(f"{artifact_dir / added[0]}: file not listed in the manifest (added after compile); "
                             f"remove it or recompile the artifact")
-    parents = {str(parent) for relpath in manifest.files for parent in PurePosixPath(relpath).parents}
+    parents = {str(parent) for relpath in files for parent in PurePosixPath(relpath).parents}
     unlisted = sorted(set(directories) - parents)
     if unlisted:
         raise ArtifactError(f"{artifact_dir / unlisted[0]}: directory holds no file of the manifest; "
                             f"remove it or recompile the artifact")
     # Sizes first: a truncated or partial copy is named without hashing gigabytes.
-    for relpath, entry in sorted(manifest.files.items()):
+    for relpath, entry in sorted(files.items()):
         if sizes[relpath] != entry["size"]:
             raise ArtifactError(f"{artifact_dir / relpath}: {sizes[relpath]} bytes, the manifest records "
                                 f"{entry['size']} (truncated or modified); recompile the artifact")
-    for relpath, entry in sorted(manifest.files.items()):
+    for relpath, entry in sorted(files.items()):
         if sha256_file(artifact_dir / relpath) != entry["sha256"]:
             raise ArtifactError(
                 f"{artifact_dir / relpath}: contents do not match the manifest's sha256 (modified or corrupted); "
@@ -177,7 +207,7 @@ def verify_files(artifact_dir: Path, manifest: Manifest) -> None:
             )
 
 
-def _open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> BinaryIO:
     """`path` open for reading if it is a regular file and not a symbolic link. Never follows a link
     out of the artifact nor blocks on a FIFO or device (`O_NONBLOCK`)."""
     try:

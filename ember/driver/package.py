@@ -7,10 +7,18 @@ distribution metadata that gives `ember.__version__`, and `requirements-runtime.
 device: `pip install -r DIR/requirements-runtime.txt`, then with `PYTHONPATH=DIR` and
 `TVM_USE_RUNTIME_LIB=1` (TVM's runtime library only) `ember.runtime.load_artifact("DIR/artifact")`.
 Written into a staging directory and renamed, so DIR is never half-written.
+
+The artifact is verified first, as the runtime verifies it (`verify_files`: exactly the listed files,
+regular, of their sizes and hashes), and only the listed files and the manifest are copied, each opened
+without following a link and hashed again as it is copied: a link, device, FIFO, extra or truncated
+file, and a DIR inside the artifact, are refused in one line naming the path, and nothing outside
+the artifact is ever read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -18,9 +26,9 @@ from pathlib import Path
 import ember
 from ember import core as ember_core
 from ember import runtime as ember_runtime
-from ember.core.errors import EmberError
-from ember.core.manifest import read_manifest
-from ember.driver.artifact_dir import staging_dir
+from ember.core.errors import ArtifactError, EmberError
+from ember.core.manifest import MANIFEST_NAME, Manifest, open_regular, read_manifest, verify_files
+from ember.driver.artifact_dir import check_new_dir, replace_dir, staging_dir
 
 ARTIFACT_SUBDIR = "artifact"
 REQUIREMENTS_NAME = "requirements-runtime.txt"
@@ -34,17 +42,49 @@ def runtime_requirements() -> str:
 def package_artifact(artifact: Path, output_dir: Path) -> Path:
     """Gather `artifact` and the runtime into `output_dir` (which must be new or empty); returns it."""
     artifact, output_dir = Path(artifact), Path(output_dir)
-    read_manifest(artifact)  # refuses what is not an artifact, naming the file
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        raise EmberError(f"-o {output_dir}: exists and is not an empty directory; choose a new one")
+    where = Path(os.path.realpath(artifact))
+    if where == Path(os.path.realpath(output_dir)) or where in Path(os.path.realpath(output_dir)).parents:
+        raise EmberError(f"-o {output_dir}: is inside the artifact {artifact}; choose a directory outside it")
+    manifest = read_manifest(artifact)  # refuses what is not an artifact, naming the file
+    verify_files(artifact, manifest)
+    check_new_dir(output_dir)
     with staging_dir(output_dir) as staging:
-        shutil.copytree(artifact, staging / ARTIFACT_SUBDIR)
+        _copy_artifact(artifact, manifest, staging / ARTIFACT_SUBDIR)
         _copy_runtime(staging)
-        staging.chmod(0o755)
-        if output_dir.exists():
-            output_dir.rmdir()
-        staging.rename(output_dir)
+        replace_dir(staging, output_dir, check=check_new_dir)
     return output_dir
+
+
+def _copy_artifact(artifact: Path, manifest: Manifest, copy: Path) -> None:
+    """The manifest's files and the manifest itself, each checked against the manifest as it is copied
+    (the artifact may change after `verify_files`); nothing else under `artifact` is opened."""
+    copy.mkdir()
+    for relpath, entry in sorted(manifest.files.items()):
+        (copy / relpath).parent.mkdir(parents=True, exist_ok=True)
+        if _copy_file(artifact / relpath, copy / relpath, entry["size"]) != entry["sha256"]:
+            raise ArtifactError(f"{artifact / relpath}: changed while it was packaged (its contents no longer "
+                                f"match the manifest's sha256)")
+    _copy_file(artifact / MANIFEST_NAME, copy / MANIFEST_NAME, None)
+    if read_manifest(copy).to_json() != manifest.to_json():
+        raise ArtifactError(f"{artifact / MANIFEST_NAME}: changed while the artifact was packaged")
+
+
+def _copy_file(source: Path, destination: Path, size: int | None) -> str:
+    """Copy the regular file `source` (never a link's target) to a new `destination`, at most `size` bytes
+    (refusing a longer one); returns the copy's sha256."""
+    digest = hashlib.sha256()
+    with open_regular(source) as reader, open(destination, "xb") as writer:
+        left = os.fstat(reader.fileno()).st_size if size is None else size
+        while left > 0:
+            chunk = reader.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            writer.write(chunk)
+            left -= len(chunk)
+        if left != 0 or reader.read(1):
+            raise ArtifactError(f"{source}: changed size while it was packaged; package the artifact again")
+    return digest.hexdigest()
 
 
 def _copy_runtime(staging: Path) -> None:
