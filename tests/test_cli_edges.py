@@ -22,6 +22,7 @@ import pytest
 from helpers import REPO_ROOT, assert_one_line_error, run_python
 
 from ember import cli
+from ember.cli import inspect as cli_inspect
 from ember.core.errors import ArtifactError, GenerationError
 from ember.runtime import SamplingParams
 from ember.runtime.chat import ChatSession
@@ -406,14 +407,14 @@ def test_unexpected_errors_are_one_line_unless_verbose(capsys, monkeypatch):
             raise exception
         return run
 
-    monkeypatch.setattr(cli, "_run_inspect", fail(ValueError("bad\nthing")))
+    monkeypatch.setattr(cli_inspect, "run", fail(ValueError("bad\nthing")))
     result = run_main(capsys, "inspect", "x")
     assert result.returncode == 70
     assert result.stderr == ("ember: internal error: ValueError: bad thing (rerun with --verbose for the traceback, "
                              "and please report it)\n")
     with pytest.raises(ValueError):
         cli.main(["inspect", "x", "-v"])
-    monkeypatch.setattr(cli, "_run_inspect", fail(MemoryError()))
+    monkeypatch.setattr(cli_inspect, "run", fail(MemoryError()))
     result = run_main(capsys, "inspect", "x")
     assert_one_line_error(result, "out of memory", "ember inspect")
 

@@ -1,0 +1,76 @@
+"""`ember chat`: a conversation in the terminal, the model's chat template applied to each turn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ember.cli.options import (
+    add_sampling_arguments,
+    add_speculation_arguments,
+    add_threads_argument,
+    one_line,
+    report_context_full,
+    sampling,
+    speculation,
+    text,
+)
+from ember.core.errors import EmberError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `ember chat` and its options."""
+    parser = subparsers.add_parser("chat", help="chat in the terminal")
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--system", type=text, help="system message, if the chat template accepts one")
+    add_sampling_arguments(parser)
+    add_speculation_arguments(parser)
+    add_threads_argument(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read messages from stdin until /exit or end of input; stream each reply to stdout."""
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.chat import ChatSession
+
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    session = ChatSession(engine, system=args.system, speculation=speculation(args, engine))
+    params = sampling(args)
+    # Bytes that are not UTF-8 arrive as surrogates, which `send` refuses, instead of ending input().
+    sys.stdin.reconfigure(errors="surrogateescape")
+    print("ember chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if message.strip() == "/exit":
+            return 0
+        if message.strip() == "/reset":
+            session.reset()
+            print("ember: the conversation is forgotten; starting over", file=sys.stderr)
+            continue
+        _reply(session, message, params)
+
+
+def _reply(session, message: str, params) -> None:
+    """Send `message` and stream the reply; a refused message is one line and the conversation goes on."""
+    engine = session.engine
+    start = time.perf_counter()
+    try:
+        reply = session.send(message, params)
+    except EmberError as err:  # the message was not added: the conversation goes on
+        print(f"ember: {one_line(str(err))}", file=sys.stderr)
+        return
+    if session.dropped_turns:
+        print(f"ember: the conversation outgrew the context window ({engine.context_window} tokens): "
+              f"dropped its {session.dropped_turns} earliest turns", file=sys.stderr)
+    for piece in reply:
+        print(piece, end="", flush=True)
+    print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
+          f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    report_context_full(reply, engine.context_window)

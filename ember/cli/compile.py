@@ -1,0 +1,119 @@
+"""`ember compile`: a model into an artifact directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ember.cli.options import (
+    EXAMPLES,
+    add_graph_arguments,
+    checkpoint_dir,
+    mib,
+    parse_bytes,
+)
+from ember.core.manifest import KV_QUANTIZATIONS
+from ember.ir.quant_formats import FORMATS
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `ember compile` and its options."""
+    parser = subparsers.add_parser(
+        "compile", help="compile a model into an artifact directory",
+        description="Compile a Hugging Face checkpoint or a GGUF file (llama.cpp's format) into a deployable "
+                    "artifact.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
+                                      "Q4_1 weights as stored, K-quants re-quantized to the closest format with "
+                                      "at least their bits and the error printed), an .onnx file of a decoder's "
+                                      "full-sequence forward (logits = f(input_ids), as torch.onnx.export writes "
+                                      "it; see --tokenizer), or `demo` for the bundled demo model")
+    parser.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
+    parser.add_argument("--target", default="cpu",
+                        help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
+                             "jetson-orin-cpu, graviton3, or `aarch64` for any ARMv8.2-A CPU with dotprod; "
+                             "cross-linked with aarch64-linux-gnu-g++), a TVM target JSON object or file for another "
+                             'CPU, e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\', '
+                             "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
+                             "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
+    parser.add_argument("--quant", default=None, metavar="FORMAT",
+                        help="weight format of every weight (default: a GGUF file's own per tensor, else q0f32 "
+                             "on CPUs, q0f16 on GPUs): "
+                             + ", ".join(f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)"
+                                         for fmt in FORMATS.values()))
+    add_graph_arguments(parser)
+    _add_weight_arguments(parser)
+    _add_cache_arguments(parser)
+    parser.add_argument("--tuning-db", type=Path, metavar="DIR",
+                        help="apply the records `ember tune` wrote on this machine; the rules schedule the rest")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def _add_weight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-embedding", action="store_true",
+                        help="leave the token embedding in the compute dtype (quantized formats only)")
+    parser.add_argument("--keep-lm-head", action="store_true",
+                        help="leave the output projection in the compute dtype (quantized formats only); "
+                             "a tied embedding is kept if either flag is given")
+    parser.add_argument("--float-activations", action="store_true",
+                        help="q8f32/q4f32: keep the projections' activations in float. By default, on CPUs with "
+                             "an int8 dot product (AVX512-VNNI, AVX-VNNI, AVX2, ARM dotprod/i8mm), each activation "
+                             "row is rounded to int8 per group of 32, as llama.cpp does for Q8_0/Q4_0, and "
+                             "multiplied in integers (decode projections 1.2-2x, prefill projections ~4x faster "
+                             "than float)")
+
+
+def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-quant", choices=KV_QUANTIZATIONS, default=None,
+                        help="float32 models on CPU targets: store the KV cache's keys and values packed, for "
+                             "longer contexts in the same memory and less to read per decoded token. q8: int8 "
+                             "with a float32 scale per token and head (0.27x the bytes of float32 at a head dim "
+                             "of 64); f16: float16 (0.5x, llama.cpp's default cache type, and 20x closer to the "
+                             "float cache's logits than q8). Default: the model's dtype")
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="largest number of prompt tokens per prefill call (default 256)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="most sequences decoded together (default 8)")
+    parser.add_argument("--memory-budget", type=parse_bytes,
+                        help="memory for weights + workspace + KV cache, e.g. 4GB; sets the longest context "
+                             "the artifact allows and the KV cache's size (default on GPUs: 90%% of its memory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compile MODEL into -o's directory and print what it holds."""
+    from ember.driver.artifact_dir import check_output_dir
+
+    model_dir = checkpoint_dir(args.model)
+    check_output_dir(args.output)
+    # The compiler takes seconds to import: only now that the paths are known good.
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.schedules.tuning import describe_schedule_sources
+
+    options = CompileOptions(
+        target=args.target,
+        quantization=args.quant,
+        keep_embedding=args.keep_embedding,
+        keep_lm_head=args.keep_lm_head,
+        frontend=args.frontend,
+        tokenizer_dir=args.tokenizer,
+        float_activations=args.float_activations,
+        kv_quant=args.kv_quant,
+        prefill_chunk=args.prefill_chunk,
+        max_batch=args.max_batch,
+        memory_budget=args.memory_budget,
+        tuning_db=args.tuning_db,
+        show_progress=not args.no_progress,
+    )
+    result = compile_model(model_dir, args.output, options)
+    memory = result.memory
+    print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
+    if args.tuning_db is not None:
+        print(f"  {describe_schedule_sources(result.schedules)}")
+    print(f"  weights {mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
+          f"planned workspace {mib(memory.peak_workspace_bytes)}")
+    kv = result.manifest.kv_cache
+    if kv["memory_budget"]:
+        print(f"  in a memory budget of {mib(kv['memory_budget'])}: KV cache of {kv['max_total_tokens']} tokens, "
+              f"longest context {kv['max_context']} tokens")
+    return 0

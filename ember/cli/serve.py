@@ -1,0 +1,121 @@
+"""`ember serve`: an artifact behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+from ember.cli.options import (
+    add_speculation_arguments,
+    add_threads_argument,
+    positive_int,
+    seconds,
+    speculation,
+    text,
+    web_origin,
+    whole_number,
+)
+from ember.core.errors import EmberError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `ember serve` and its options."""
+    parser = subparsers.add_parser(
+        "serve", help="serve an artifact over an OpenAI-compatible HTTP API",
+        description="Serve an artifact over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health, /metrics), batching concurrent requests. Needs the serve extra: "
+                    "pip install 'ember[serve]'.",
+        epilog="example:\n  ember serve demo-cpu --port 8000\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+               "    -d '{\"model\": \"demo-cpu\", \"prompt\": \"And the LORD said\", \"max_tokens\": 32}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path, help="artifact directory; its name is the model name clients send")
+    _add_access_arguments(parser)
+    _add_scheduling_arguments(parser)
+    add_speculation_arguments(parser, serving=True)
+    add_threads_argument(parser)
+    return parser
+
+
+def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens and who may use it."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default %(default)s: this machine only; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=whole_number(0), default=8000, help="TCP port (default %(default)s)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", type=text, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    key.add_argument("--api-key-file", type=Path, metavar="FILE",
+                     help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
+    parser.add_argument("--allow-origin", type=web_origin, action="append", default=[], metavar="ORIGIN",
+                        help="a web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts "
+                             "may call the API from a browser (CORS); repeat for more, or * for any page the browser "
+                             "opens, the internet's included, so pair it with --api-key. Default: none but the "
+                             "server's own chat page at /")
+
+
+def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How requests share the engine."""
+    parser.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
+                        help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
+    parser.add_argument("--max-decode-stall", type=seconds, metavar="SECONDS",
+                        help="how long reading an arriving prompt may hold back the running streams' next token: "
+                             "prompts are read, while others stream, in chunks of what the engine prefills in that "
+                             "time. Shorter keeps streams smoother, longer reads prompts in fewer chunks (each "
+                             "streams every weight once more) and serves more tokens a second under load; 0: a KV "
+                             "page at a time, inf: whole prompts (default 0.1)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="free each request's KV pages when it ends instead of reusing them for later prompts "
+                             "that start the same way (outputs then never depend on other requests, not even "
+                             "in the last float bits)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the artifact and serve it until Ctrl-C."""
+    api_key = _api_key(args)
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.scheduler import Scheduler
+    from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
+
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
+    with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
+                   speculation=speculation(args, engine), **stall) as scheduler:
+        server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
+                        allowed_origins=args.allow_origin)
+        print(f"ember: serving {server.model_name} at {server.url}, chat page at {server.page_url} (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
+        for warning in exposure_warnings(args.host, api_key, args.allow_origin):
+            print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
+        server.run()
+    return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key of --api-key or --api-key-file's first line; None for none."""
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            api_key = args.api_key_file.read_text(encoding="utf-8").partition("\n")[0].strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise EmberError(f"--api-key-file {args.api_key_file}: cannot read it: "
+                             f"{getattr(err, 'strerror', None) or err}") from None
+    if api_key is not None and not api_key.strip():
+        raise EmberError("--api-key/--api-key-file: the key is empty")
+    return api_key
+
+
+def exposure_warnings(host: str, api_key: str | None, origins: list[str]) -> list[str]:
+    """What a server without an API key lets strangers do, by its --host and --allow-origin."""
+    if api_key is not None:
+        return []
+    warnings = []
+    address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]  # the address Server bound
+    if not ipaddress.ip_address(address).is_loopback:
+        warnings.append(f"--host {host} without --api-key: anyone who can reach this machine can use the model")
+    if "*" in origins:
+        warnings.append("--allow-origin '*' without --api-key: any web page opened on this machine can use the model")
+    return warnings
