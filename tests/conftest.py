@@ -1,13 +1,24 @@
-"""Shared fixtures: each tiny model is built and compiled once per session.
+"""Shared fixtures: each tiny model is built and compiled once per session, or taken from the cache.
 
 Compiling is the slow part of the suite, so `tiny_models[name]` compiles the
 checkpoint `name` of `models.TINY_MODELS` on first use and every later test
 shares the artifact (and its loaded VM, and the transformers reference model).
 Tests that modify an artifact or checkpoint copy it first.
 
-The plain llama is compiled through the CLI in a subprocess (`ember compile`),
-the others with `compile_model` in this process: both paths are covered without
-an extra compile, and every llama test runs an artifact built by another process.
+Compiled artifacts are kept between sessions (`artifact_cache`: keyed by the
+compiler's sources, TVM's version, this CPU, the options and the checkpoint's
+bytes; EMBER_TEST_CACHE=0 turns it off). The plain llama is compiled through
+the CLI in a subprocess (`ember compile`), the others with `compile_model` in
+this process, so every llama test runs an artifact built by another process.
+However warm the cache, `cli_compiled_llama` runs `ember compile` on the current
+sources every session: test_artifact checks its report, and test_artifact_cache
+that it builds the very files the session's cached llama holds.
+
+Markers (registered in pyproject.toml) let slow families be deselected; a test
+that needs qemu (`arm64_python`), llama.cpp's files (`demo_gguf`,
+`sentencepiece_gguf`), the RPC farm (`farm`) or chromium (`chromium`) is marked by
+the fixture it uses, below. Nothing is skipped by default, except `gpu` tests
+on a machine without a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import artifact_cache
 import models
 import numpy as np
 import pytest
@@ -211,7 +223,8 @@ class TinyModels:
             options = CompileOptions(quantization=quantization, prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
                                      frontend=frontend, float_activations=float_activations, kv_quant=kv_quant,
                                      show_progress=False)
-            compile_model(model_dir, artifact_dir, options)
+            artifact_cache.build(artifact_cache.artifact_key(f"tiny-{key}", options, [model_dir]), artifact_dir,
+                                 lambda dest: compile_model(model_dir, dest, options))
             self._models[key] = TinyModel(name, model_dir, artifact_dir, quantization=quantization)
         return self._models[key]
 
@@ -222,10 +235,17 @@ class TinyModels:
         if key not in self._models:
             model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / key
             onnx_path = models.write_onnx(model_dir, self.root / "onnx" / name / f"{name}.onnx")
-            output = run_ember("compile", str(onnx_path), "--tokenizer", str(model_dir), "-o", str(artifact_dir),
-                               "--no-progress", "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
-            assert output.returncode == 0, output.stderr
-            self._models[key] = TinyModel(name, model_dir, artifact_dir, output)
+            args = ("--no-progress", "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
+            outputs = []
+
+            def compile_onnx(dest: Path) -> None:
+                outputs.append(run_ember("compile", str(onnx_path), "--tokenizer", str(model_dir), "-o", str(dest),
+                                         *args))
+                assert outputs[0].returncode == 0, outputs[0].stderr
+
+            artifact_cache.build(artifact_cache.artifact_key(f"tiny-{key}", args, [onnx_path, model_dir]),
+                                 artifact_dir, compile_onnx)
+            self._models[key] = TinyModel(name, model_dir, artifact_dir, outputs[0] if outputs else None)
         return self._models[key]
 
     def onnx_file(self, name: str) -> Path:
@@ -235,19 +255,39 @@ class TinyModels:
 
     def __getitem__(self, name: str) -> TinyModel:
         if name not in self._models:
-            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / name
-            output = None
-            if name in CLI_COMPILED:
-                output = run_ember("compile", str(model_dir), "-o", str(artifact_dir), "--no-progress",
-                                   "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
-                assert output.returncode == 0, output.stderr
-            else:
-                from ember.driver.compiler import CompileOptions, compile_model
+            from ember.driver.compiler import CompileOptions, compile_model
 
-                options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
-                compile_model(model_dir, artifact_dir, options)
-            self._models[name] = TinyModel(name, model_dir, artifact_dir, output)
+            model_dir, artifact_dir = self.checkpoint(name), self.root / "artifacts" / name
+            options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
+            outputs = []
+
+            def compile_into(dest: Path) -> None:
+                if name in CLI_COMPILED:
+                    outputs.append(compile_through_cli(model_dir, dest))
+                else:
+                    compile_model(model_dir, dest, options)
+
+            artifact_cache.build(artifact_cache.artifact_key(f"tiny-{name}", options, [model_dir]), artifact_dir,
+                                 compile_into)
+            self._models[name] = TinyModel(name, model_dir, artifact_dir, outputs[0] if outputs else None)
         return self._models[name]
+
+
+def compile_through_cli(model_dir: Path, artifact_dir: Path) -> subprocess.CompletedProcess:
+    """`ember compile MODEL_DIR -o ARTIFACT_DIR` in a subprocess with the session's sizes; it must succeed."""
+    output = run_ember("compile", str(model_dir), "-o", str(artifact_dir), "--no-progress",
+                       "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
+    assert output.returncode == 0, output.stderr
+    return output
+
+
+@pytest.fixture(scope="session")
+def cli_compiled_llama(tiny_models, tmp_path_factory) -> TinyModel:
+    """The plain tiny llama compiled by `ember compile` in a subprocess every session, never from the cache: the
+    CLI's compile runs on the current sources however warm the cache is."""
+    model_dir = tiny_models.checkpoint("llama")
+    artifact_dir = tmp_path_factory.mktemp("cli-compiled") / "llama"
+    return TinyModel("llama", model_dir, artifact_dir, compile_through_cli(model_dir, artifact_dir))
 
 
 @pytest.fixture(scope="session")
@@ -273,8 +313,9 @@ def tiny_llama_long(tmp_path_factory) -> TinyModel:
     config = models.make_config(model_type, **overrides, max_position_embeddings=LONG_CONTEXT)
     model_dir = models.write_model(models.random_model(config), root / "checkpoint")
     artifact_dir = root / "llama-long"
-    compile_model(model_dir, artifact_dir, CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=LONG_MAX_BATCH,
-                                                          show_progress=False))
+    options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=LONG_MAX_BATCH, show_progress=False)
+    artifact_cache.build(artifact_cache.artifact_key("tiny-llama-long", options, [model_dir]), artifact_dir,
+                         lambda dest: compile_model(model_dir, dest, options))
     return TinyModel("llama-long", model_dir, artifact_dir)
 
 
@@ -296,16 +337,19 @@ class DemoBuilds:
         import ember
         from ember.driver.compiler import CompileOptions, compile_model
 
-        artifacts, missing = [], {}
+        artifacts, missing, keys = [], {}, {}
         for target, quantization, float_activations, kv_quant in builds:
             float_activations = float_activations or quantization == "q0f32"
             artifact = self.root / (f"{target}-{quantization}-{'float' if float_activations else 'int8'}"
                                     + (f"-kv-{kv_quant}" if kv_quant else ""))
             artifacts.append(artifact)
             if not artifact.exists():
-                missing[artifact] = CompileOptions(target=target, quantization=quantization,
-                                                   float_activations=float_activations, kv_quant=kv_quant,
-                                                   show_progress=False)
+                options = CompileOptions(target=target, quantization=quantization,
+                                         float_activations=float_activations, kv_quant=kv_quant, show_progress=False)
+                keys[artifact] = artifact_cache.artifact_key(f"demo-{artifact.name}", options,
+                                                             [Path(ember.DEMO_MODEL_DIR)])
+                if not artifact_cache.restore(keys[artifact], artifact):
+                    missing[artifact] = options
         if len(missing) == 1:
             (artifact, options), = missing.items()
             compile_model(ember.DEMO_MODEL_DIR, artifact, options)
@@ -317,6 +361,8 @@ class DemoBuilds:
                 for done in [pool.submit(compile_model, ember.DEMO_MODEL_DIR, artifact, options)
                              for artifact, options in missing.items()]:
                     done.result()
+        for artifact in missing:
+            artifact_cache.store(keys[artifact], artifact)
         return artifacts
 
 
@@ -351,10 +397,41 @@ def copy_artifact(tmp_path):
     return copy
 
 
+# The slow families, by the fixture that sets each up: a test using it (directly or through another fixture) gets
+# the marker, so `-m "not emulated"` and the like deselect it.
+FIXTURE_MARKERS = {"arm64_python": "emulated", "demo_gguf": "llama_cpp", "sentencepiece_gguf": "llama_cpp",
+                   "farm": "farm", "chromium": "browser"}
+# Families whose first test sets up a toolchain (qemu's Python, a llama.cpp build, chromium) or that run long:
+# pyproject's per-test timeout is raised for them unless the test sets its own.
+LONG_FAMILIES = ("slow", "emulated", "llama_cpp", "browser")
+LONG_TIMEOUT = 3600
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark each test by the slow fixtures it uses, give the long families LONG_TIMEOUT seconds, and skip `gpu`
+    tests on a machine without a CUDA GPU."""
+    has_gpu = None
+    for item in items:
+        for fixture in set(item.fixturenames) & FIXTURE_MARKERS.keys():
+            item.add_marker(FIXTURE_MARKERS[fixture])
+        if item.get_closest_marker("timeout") is None and any(item.get_closest_marker(m) for m in LONG_FAMILIES):
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT))
+        if item.get_closest_marker("gpu"):
+            if has_gpu is None:
+                import tvm
+
+                has_gpu = bool(tvm.cuda(0).exist)
+            if not has_gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The hostile-input corpus's tally (`test_hostile_corpus.py`), when it ran."""
+    """The artifact cache's tally, and the hostile-input corpus's (`test_hostile_corpus.py`) when it ran."""
     import hostile
 
+    if line := artifact_cache.summary():
+        terminalreporter.write_line(line)
     if hostile.TALLY.counts:
         terminalreporter.write_line("hostile-input corpus (outcome of every generated case):")
         for line in hostile.TALLY.report():

@@ -127,18 +127,18 @@ def test_thread_count_changes_no_token(tiny_llama):
     assert out["tokens"] == greedy_in_process(tiny_llama, PROMPT)[0]
 
 
-def test_cli_compile_reports_what_it_built(tiny_llama):
-    """`ember compile` (run by the session fixture in a subprocess) prints a summary and
+def test_cli_compile_reports_what_it_built(cli_compiled_llama):
+    """`ember compile` (run in a subprocess, never from the test cache) prints a summary and
     writes a complete artifact: manifest, library, weights, tokenizer files."""
-    output = tiny_llama.compile_output
+    output, artifact = cli_compiled_llama.compile_output, cli_compiled_llama.artifact_dir
     assert output is not None and output.returncode == 0
-    assert f"compiled {tiny_llama.model_dir} -> {tiny_llama.artifact_dir} in " in output.stdout
+    assert f"compiled {cli_compiled_llama.model_dir} -> {artifact} in " in output.stdout
     assert "weights 0.4 MiB, KV cache 0.5 KiB/token" in output.stdout
     assert "Traceback" not in output.stderr
-    files = {str(p.relative_to(tiny_llama.artifact_dir)) for p in tiny_llama.artifact_dir.rglob("*") if p.is_file()}
+    files = {str(p.relative_to(artifact)) for p in artifact.rglob("*") if p.is_file()}
     assert {"manifest.json", "model.so", "params/tensor-cache.json", "params/params_shard_0.bin",
             "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
-    assert not list(tiny_llama.artifact_dir.parent.glob(".*.partial-*"))
+    assert not list(artifact.parent.glob(".*.partial-*"))
 
 
 def test_inspect_prints_the_model_and_files(tiny_llama, capsys):

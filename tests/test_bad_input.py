@@ -173,9 +173,8 @@ def test_decode_batch_benchmark_refuses_bad_input(tmp_path, args, message):
     (["--requests", "0"], "--requests 0: at least 1"),
 ])
 def test_serve_benchmark_refuses_bad_options(tmp_path, args, message):
-    """scripts/bench_serve.py: a --servers name it does not know (it used to start llama.cpp's server for any
-    name but ember), or lengths and counts it cannot draw requests from (tracebacks after the first compile),
-    are one line and exit 2 before any compile."""
+    """scripts/bench_serve.py: a --servers name it does not know (never taken for llama.cpp's server), or
+    lengths and counts it cannot draw requests from, are one line and exit 2 before any compile."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
     # --servers ember first (the last of an option counts): no llama.cpp build is needed to get to the check
     result = subprocess.run([sys.executable, str(script), "--servers", "ember", *args, "--work-dir", str(tmp_path)],

@@ -1,4 +1,4 @@
-"""Edge deployment (issue #18): the demo model cross-compiled on this x86 machine for aarch64 boards runs under
+"""Edge deployment: the demo model cross-compiled on this x86 machine for aarch64 boards runs under
 emulation with ember's runtime alone, and computes what the x86 artifact of the same formats computes (weights,
 and for one build the q8 KV cache, whose kernels then run with NEON's vector width).
 

@@ -338,6 +338,7 @@ def test_bench_on_an_emulated_aarch64_device(farm, arm64_python, demo_builds, tm
 
 
 @pytest.mark.slow
+@pytest.mark.farm
 def test_tuning_outlives_its_devices_and_its_own_kill(tiny_models, tmp_path):
     """The faults of a tuning job over RPC, on one farm of two devices:
     1. one device is killed (SIGKILL, as a device losing power) once the first trials are recorded: the

@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue #23): what `ember compile` shows while it works, TVM's noise kept
+"""A newcomer's first hour: what `ember compile` shows while it works, TVM's noise kept
 out of it, bad model paths refused at once, and `analyze`'s usage saying what it requires."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_tvm_warnings_are_held_back_unless_verbose(capfd, verbose):
     ("model.gguf", "truncated GGUF file (4 bytes, no header)"),
 ])
 def test_a_bad_model_path_is_refused_before_tvm_is_imported(tmp_path, model, expected):
-    """It used to take 7-9 s (TVM and the compiler imported first) to say the path was wrong. A file
+    """A wrong model path is refused before TVM and the compiler are imported (they take seconds). A file
     named *.gguf is read by the GGUF importer, whose header checks need no TVM either."""
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     code = ("import sys\nfrom ember.cli import main\n"

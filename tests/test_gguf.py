@@ -197,6 +197,7 @@ def _float32_logit_error(path: Path, tmp_path: Path, tokens: int) -> float:
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
+@pytest.mark.llama_cpp
 def test_llama3_rope_scaling_from_rope_freqs_matches_llama_cpp(tmp_path) -> None:
     """llama.cpp's converter stores Llama 3 RoPE scaling only as the 'rope_freqs.weight' divisors; the scaling
     recovered from them is the checkpoint's (factor, and low/high_freq_factor relative to the original context),

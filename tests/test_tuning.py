@@ -356,7 +356,8 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
 
 @pytest.mark.skipif(resolve_target("cpu").int8_dot is None, reason="this CPU has no int8 dot-product instruction")
 def test_tune_searches_the_int8_matmuls_of_a_q4f32_model(tiny_models, tmp_path):
-    """`ember tune` on a q4f32 model on this CPU tunes its int8 matmuls (it used to say their schedule was fixed)."""
+    """`ember tune` on a q4f32 model on this CPU tunes its int8 matmuls: their schedules are searched, not
+    reported as fixed."""
     from helpers import run_ember
 
     checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
@@ -411,7 +412,7 @@ def test_compile_with_a_database_on_a_read_only_filesystem(tuned_db, tiny_models
 
 @pytest.mark.parametrize("command", ["tune", "compile"])
 def test_a_file_is_not_a_database(tiny_models, tmp_path, command):
-    """`--db FILE` / `--tuning-db FILE`: one line saying it is not a directory (it used to say to delete it)."""
+    """`--db FILE` / `--tuning-db FILE`: one line saying it is not a directory (nothing tells the user to delete it)."""
     from helpers import assert_one_line_error, run_ember, tree_snapshot
 
     db = tmp_path / "db.json"

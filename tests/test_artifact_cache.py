@@ -1,0 +1,115 @@
+"""The test-artifact cache (tests/artifact_cache.py): what its key depends on, and that it hands out only
+artifacts that match their manifest."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from dataclasses import replace
+
+import artifact_cache
+import pytest
+from conftest import MAX_BATCH, PREFILL_CHUNK
+
+from ember.core.manifest import read_manifest, verify_files
+from ember.driver.compiler import CompileOptions
+
+OPTIONS = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    """An empty cache for this test, on (its outcomes kept out of the session's tally)."""
+    root = tmp_path / "cache"
+    monkeypatch.setattr(artifact_cache, "CACHE_ROOT", root)
+    monkeypatch.setattr(artifact_cache, "TALLY", Counter())
+    monkeypatch.delenv("EMBER_TEST_CACHE", raising=False)
+    return root
+
+
+def test_key_changes_with_options_inputs_and_sources(tiny_models, tmp_path, monkeypatch):
+    checkpoint = tiny_models.checkpoint("llama")
+    key = artifact_cache.artifact_key("tiny-llama", OPTIONS, [checkpoint])
+    assert key == artifact_cache.artifact_key("tiny-llama", OPTIONS, [checkpoint])
+    assert key != artifact_cache.artifact_key("tiny-llama", replace(OPTIONS, kv_quant="q8"), [checkpoint])
+    edited = shutil.copytree(checkpoint, tmp_path / "edited")
+    (edited / "config.json").write_text((edited / "config.json").read_text().replace("64", "65", 1))
+    assert key != artifact_cache.artifact_key("tiny-llama", OPTIONS, [edited])
+    monkeypatch.setattr(artifact_cache, "_environment_digest", lambda: "other compiler sources")
+    assert key != artifact_cache.artifact_key("tiny-llama", OPTIONS, [checkpoint])
+
+
+def test_environment_covers_compiler_sources_tvm_and_cpu(monkeypatch):
+    """Editing a compiler source, another TVM version or another CPU each give another digest."""
+    artifact_cache._environment_digest.cache_clear()
+    digest = artifact_cache._environment_digest()
+    versions = {"apache-tvm": "0.0.0"}
+    real_version = artifact_cache.importlib.metadata.version
+    for patch in [("cpu_model", lambda: "another CPU"), ("host_cpu_flags", lambda: {"sse2"})]:
+        with monkeypatch.context() as m:
+            m.setattr(artifact_cache, *patch)
+            artifact_cache._environment_digest.cache_clear()
+            assert artifact_cache._environment_digest() != digest, patch[0]
+    with monkeypatch.context() as m:
+        m.setattr(artifact_cache.importlib.metadata, "version", lambda name: versions.get(name) or real_version(name))
+        artifact_cache._environment_digest.cache_clear()
+        assert artifact_cache._environment_digest() != digest
+    with monkeypatch.context() as m:
+        m.setattr(artifact_cache, "COMPILER_DIRS", ("ember",))
+        artifact_cache._environment_digest.cache_clear()
+        assert artifact_cache._environment_digest() != digest
+    artifact_cache._environment_digest.cache_clear()
+    assert artifact_cache._environment_digest() == digest
+
+
+def test_build_stores_then_reuses_an_intact_entry(cache_root, tiny_llama, tmp_path):
+    compiled = []
+
+    def compile_into(dest):
+        compiled.append(dest)
+        shutil.copytree(tiny_llama.artifact_dir, dest)
+
+    assert not artifact_cache.build("k", tmp_path / "first", compile_into)
+    assert artifact_cache.build("k", tmp_path / "second", compile_into)
+    assert compiled == [tmp_path / "first"]
+    assert (tmp_path / "second" / "model.so").read_bytes() == (tiny_llama.artifact_dir / "model.so").read_bytes()
+    assert [p.name for p in cache_root.iterdir()] == ["k"]  # no staging directory left behind
+
+
+@pytest.mark.parametrize("damage", ["truncated library", "extra file", "missing manifest"])
+def test_a_damaged_entry_is_evicted_and_recompiled(cache_root, tiny_llama, tmp_path, damage):
+    artifact_cache.store("k", tiny_llama.artifact_dir)
+    artifact_cache.TALLY.clear()
+    entry = cache_root / "k"
+    if damage == "truncated library":
+        (entry / "model.so").write_bytes((entry / "model.so").read_bytes()[:100])
+    elif damage == "extra file":
+        (entry / "notes.txt").write_text("left here")
+    else:
+        (entry / "manifest.json").unlink()
+    compiled = []
+    fresh = artifact_cache.build("k", tmp_path / "out", lambda dest: compiled.append(
+        shutil.copytree(tiny_llama.artifact_dir, dest)))
+    assert not fresh and compiled == [tmp_path / "out"]
+    verify_files(entry, read_manifest(entry))  # the entry was replaced by the fresh compile
+    assert artifact_cache.TALLY == {"damaged": 1, "compiled": 1}
+
+
+def test_env_var_turns_the_cache_off(cache_root, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_TEST_CACHE", "0")
+    compiled = []
+    for name in ("first", "second"):
+        artifact_cache.build("k", tmp_path / name, lambda dest: compiled.append(
+            shutil.copytree(tiny_llama.artifact_dir, dest)))
+    assert len(compiled) == 2 and not cache_root.exists()
+
+
+def test_cli_compile_builds_the_files_the_session_llama_holds(cli_compiled_llama, tiny_llama):
+    """`ember compile` run now (never cached) writes byte for byte the files of the session's tiny llama, which
+    comes from the cache when it is warm: a cached artifact is what the current sources build."""
+    import json
+
+    def files(artifact):
+        return json.loads((artifact / "manifest.json").read_text())["files"]
+
+    assert files(cli_compiled_llama.artifact_dir) == files(tiny_llama.artifact_dir)
