@@ -22,8 +22,19 @@ from ember.core.errors import EmberError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `ember chat` and its options."""
-    parser = subparsers.add_parser("chat", help="chat in the terminal")
-    parser.add_argument("artifact", type=Path)
+    parser = subparsers.add_parser(
+        "chat", help="chat in the terminal",
+        description="Chat with an artifact: each line read from stdin is a message, the model's chat template "
+                    "turns the conversation into its prompt, and the reply streams to stdout. The conversation "
+                    "stays in the KV cache between turns; when it outgrows the context window its earliest turns "
+                    "are dropped. Type /reset to forget the conversation and start over, /exit (or Ctrl-D) to quit.",
+        epilog="examples:\n"
+               "  ember chat demo-cpu\n"
+               '  ember chat demo-cpu --system "Answer in one sentence." --temperature 0\n'
+               "  printf 'hello\\n/reset\\nhi again\\n' | ember chat demo-cpu   messages from a pipe\n"
+               "  ember chat demo-cpu --draft draft-cpu   a smaller artifact guesses tokens",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path, help="artifact directory written by `ember compile`")
     parser.add_argument("--system", type=text, help="system message, if the chat template accepts one")
     add_sampling_arguments(parser)
     add_speculation_arguments(parser)

@@ -20,8 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register `ember compile` and its options."""
     parser = subparsers.add_parser(
         "compile", help="compile a model into an artifact directory",
-        description="Compile a Hugging Face checkpoint or a GGUF file (llama.cpp's format) into a deployable "
-                    "artifact.",
+        description="Compile a Hugging Face checkpoint, a GGUF file (llama.cpp's format) or an ONNX file into a "
+                    "deployable artifact.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
                                       "Q4_1 weights as stored, K-quants re-quantized to the closest format with "

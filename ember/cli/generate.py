@@ -20,8 +20,18 @@ from ember.cli.options import (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `ember generate` and its options."""
-    parser = subparsers.add_parser("generate", help="generate text from a prompt")
-    parser.add_argument("artifact", type=Path)
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a prompt",
+        description="Continue --prompt with an artifact: the prompt and its continuation are printed to stdout as "
+                    "they are decoded, then the prefill and decode speeds to stderr. Generation stops at a stop "
+                    "token or string, at --max-new-tokens, or when the context window is full.",
+        epilog="examples:\n"
+               '  ember generate demo-cpu --prompt "And the LORD said"\n'
+               '  ember generate demo-cpu --prompt "In the beginning" --temperature 0 --max-new-tokens 64   greedy\n'
+               '  ember generate demo-cpu --prompt "And God said" --seed 1 --stop "."   the same text each run\n'
+               '  ember generate demo-cpu --prompt "..." --speculate ngram   faster where it copies the prompt',
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path, help="artifact directory written by `ember compile`")
     parser.add_argument("--prompt", required=True, type=text, help="text to continue")
     add_sampling_arguments(parser)
     add_speculation_arguments(parser)

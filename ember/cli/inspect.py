@@ -12,8 +12,15 @@ from ember.ir.quant_formats import FORMATS
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `ember inspect` and its options."""
-    parser = subparsers.add_parser("inspect", help="describe an artifact")
-    parser.add_argument("artifact", type=Path)
+    parser = subparsers.add_parser(
+        "inspect", help="describe an artifact",
+        description="Describe an artifact from its manifest, without loading it: where it came from, the model's "
+                    "shape, context window, weight format, target, KV cache layout, memory and files (each with "
+                    "the start of its sha256).",
+        epilog="examples:\n  ember inspect demo-cpu\n"
+               "  ember inspect demo-cpu --json | python -m json.tool   the manifest, every field",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", type=Path, help="artifact directory written by `ember compile`")
     parser.add_argument("--json", action="store_true", help="print the raw manifest")
     return parser
 

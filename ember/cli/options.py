@@ -30,7 +30,10 @@ examples:
   ember compile demo-draft -o draft-cpu && ember chat demo-cpu --draft draft-cpu   a small model guesses
 
 MODEL is a Hugging Face checkpoint directory (config.json, model.safetensors or a
-sharded index, tokenizer.json) of a llama, mistral or qwen2 model, a GGUF file, `demo`,
+sharded index, tokenizer.json) of a llama, mistral or qwen2 model, built from ember's
+own definition or, with --frontend torch-export, traced by torch.export from
+transformers' code; a GGUF file; an ONNX file of a decoder's full-sequence forward
+(as torch.onnx.export writes it, with --tokenizer for its config and tokenizer); `demo`;
 or `demo-draft` (the demo's 2-layer draft for speculative decoding).
 """
 
