@@ -91,6 +91,9 @@ def stream_token_ids(tokenizer: Tokenizer, text: TextIO, max_tokens: int | None 
     SentencePiece-style tokenizer may differ by a token per piece.
     """
     name = getattr(text, "name", "the text")
+    # A piece joins the carry to a new chunk; both, at 4 UTF-8 bytes a character, stay within what the tokenizer
+    # encodes at once.
+    piece_chars = max(1, min(piece_chars, tokenizer.max_text_bytes // 8))
     carry, count = "", 0
     while max_tokens is None or count < max_tokens:
         try:

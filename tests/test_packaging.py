@@ -1,0 +1,107 @@
+"""ember as a wheel: built from the checkout, installed in a fresh virtual environment, it compiles and runs
+the demo, and the runtime `ember package` gathers from it loads the artifact with TVM's runtime library alone.
+
+The virtual environment sees the system's site-packages (TVM, numpy, tokenizers come from there), so the test
+checks that it imports the installed wheel's ember, not the editable checkout the system has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import REPO_ROOT
+from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.slow  # a wheel build, a virtual environment and a compile: over a minute on 2 cores
+
+RUNTIME_REQUIREMENTS = REPO_ROOT / "runtime" / "requirements.txt"
+# What the wheel is built from; never the checkout's own build/ or egg-info, which the shared tree keeps.
+NOT_SOURCES = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", ".pytest_cache", "artifacts",
+                                     ".venv", "dist")
+
+
+def check(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run a command, failing the test with its output if it fails."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, **kwargs)
+    assert result.returncode == 0, f"{' '.join(map(str, command))}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def requirements(lines: list[str]) -> dict[str, Requirement]:
+    """Requirement lines (comments and blanks skipped) by normalized project name."""
+    parsed = [Requirement(line.split("#")[0]) for line in lines if line.split("#")[0].strip()]
+    return {req.name.lower().replace("_", "-"): req for req in parsed}
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    """A fresh virtual environment (with the system's site-packages) holding ember's wheel, built from a copy
+    of the checkout."""
+    root = tmp_path_factory.mktemp("packaging")
+    source = root / "source"
+    shutil.copytree(REPO_ROOT, source, ignore=NOT_SOURCES, symlinks=True)
+    check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", root / "dist",
+           source])
+    (wheel,) = (root / "dist").glob("ember-*.whl")
+    check([sys.executable, "-m", "venv", "--system-site-packages", root / "venv"])
+    check([root / "venv" / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel])
+    return root / "venv"
+
+
+def test_the_venv_imports_the_installed_wheel_not_the_checkout(venv):
+    found = check([venv / "bin" / "python", "-c", "import ember; print(ember.__file__)"], cwd=venv).stdout.strip()
+    site_packages = check([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          cwd=venv).stdout.strip()
+    assert Path(found).is_relative_to(site_packages), found
+    assert not Path(found).is_relative_to(REPO_ROOT), found
+
+
+def test_the_wheel_compiles_runs_and_packages_the_demo(venv, tmp_path):
+    """From the wheel's `ember` command: compile the demo, generate from it, and package it; then the package
+    alone (PYTHONPATH=PKG, TVM's runtime library only) loads the artifact, generates the same greedy text, and
+    reports the wheel's version."""
+    ember = venv / "bin" / "ember"
+    check([ember, "compile", "demo", "-o", "art", "--no-progress"], cwd=tmp_path)
+    generated = check([ember, "generate", "art", "--prompt", "And the LORD said", "--max-new-tokens", "4",
+                       "--temperature", "0"], cwd=tmp_path)
+    check([ember, "package", "art", "-o", "pkg"], cwd=tmp_path)
+    wheel_version = check([venv / "bin" / "python", "-c", "from importlib import metadata; "
+                           "print(metadata.version('ember'))"], cwd=tmp_path).stdout.strip()
+
+    script = (
+        "import json\n"
+        "import ember\n"
+        "from ember.runtime import Engine, SamplingParams, generate, load_artifact\n"
+        "from importlib import metadata\n"
+        "engine = Engine(load_artifact('pkg/artifact'))\n"
+        "text = ''.join(generate(engine, 'And the LORD said', SamplingParams(temperature=0, max_new_tokens=4)))\n"
+        "print(ember.__file__)\n"
+        "print(ember.__version__, metadata.version('ember'))\n"
+        "print(json.dumps(text))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg"), "TVM_USE_RUNTIME_LIB": "1"}
+    lines = check([sys.executable, "-c", script], cwd=tmp_path, env=env).stdout.splitlines()
+    module_file, versions, text = lines[-3:]
+    assert Path(module_file).is_relative_to(tmp_path / "pkg"), module_file
+    assert versions.split() == [wheel_version, wheel_version], versions
+    assert wheel_version == tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert json.loads(text) and json.loads(text) in generated.stdout, (text, generated.stdout)
+    packaged = (tmp_path / "pkg" / "requirements-runtime.txt").read_text().splitlines()
+    assert requirements(packaged) == requirements(RUNTIME_REQUIREMENTS.read_text().splitlines())
+
+
+def test_runtime_requirements_pin_what_pyproject_pins():
+    """runtime/requirements.txt (the device's requirements) names each package with pyproject.toml's pin."""
+    runtime = requirements(RUNTIME_REQUIREMENTS.read_text().splitlines())
+    project = requirements(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    assert {"apache-tvm", "apache-tvm-ffi", "numpy", "tokenizers", "jinja2"} <= runtime.keys()
+    for name, requirement in runtime.items():
+        assert name in project, f"{name}: in runtime/requirements.txt, not in pyproject.toml's dependencies"
+        assert requirement.specifier == project[name].specifier, (name, str(requirement), str(project[name]))
