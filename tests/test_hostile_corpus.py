@@ -1206,3 +1206,139 @@ def test_template_expressions(artifact, form, a, b, loop):
         outcome("template expression", result, check)
         if result.outcome == "refused":
             assert "chat template" in result.stderr, result.stderr
+
+
+# --- ember package inputs, and forged manifests at an -o --------------------------------------------------
+# `ember package` reads only the files the artifact's manifest lists, after verifying them as the runtime does;
+# `ember compile -o` replaces only a directory ember provably wrote. Damage as in `test_artifact_files`, plus a
+# user's link to a secret beside the artifact and package outputs inside the artifact; manifests with ember's
+# identity fields or listed hashes altered, resealed or not.
+
+PACKAGE_HOWS = ("link_to_secret", "link_to_etc_passwd", "link_to_parent_dir", "extra_file", "truncated_shard",
+                "listed_file_links_in")
+PACKAGE_DAMAGE = st.none() | st.sampled_from(PACKAGE_HOWS)
+PACKAGE_OUTPUTS = st.sampled_from(["beside", "beside", "beside", "inside", "artifact", "params", "through_link",
+                                   "nonempty"])
+
+
+def _damage_for_package(artifact: Path, outside: Path, how: str) -> None:
+    listed = artifact / "params" / "params_shard_0.bin"
+    if how == "link_to_secret":
+        (artifact / "notes").symlink_to(os.path.relpath(outside / "secret.txt", artifact))
+    elif how == "link_to_etc_passwd":
+        (artifact / "notes").symlink_to("/etc/passwd")
+    elif how == "link_to_parent_dir":
+        (artifact / "up").symlink_to("..")
+    elif how == "extra_file":
+        (artifact / "params" / "notes.txt").write_text("mine")
+    elif how == "truncated_shard":
+        os.truncate(listed, listed.stat().st_size - 1)
+    elif how == "listed_file_links_in":
+        (artifact / "tokenizer.json").unlink()
+        (artifact / "tokenizer.json").symlink_to("params/tensor-cache.json")
+
+
+def _package_output(root: Path, artifact: Path, where: str) -> Path:
+    if where == "through_link":
+        (root / "shortcut").symlink_to(artifact)
+        return root / "shortcut" / "pkg"
+    if where == "nonempty":
+        (root / "pkg").mkdir()
+        (root / "pkg" / "thesis.docx").write_text("years of work")
+    return {"inside": artifact / "pkg", "artifact": artifact, "params": artifact / "params"}.get(where, root / "pkg")
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(damage=st.tuples(PACKAGE_DAMAGE, ARTIFACT_DAMAGE), where=PACKAGE_OUTPUTS)
+def test_package_inputs(artifact, damage, where):
+    """`ember package` of a damaged artifact, or into the artifact or a user's directory, is refused in one line
+    (within the bound: no FIFO opened, /dev/zero or a 64 GiB file not copied) with nothing written; a clean
+    artifact into a new directory is packaged, its copy verified and byte for byte the original."""
+    from ember.core.manifest import read_manifest, verify_files
+    from ember.driver.package import ARTIFACT_SUBDIR, package_artifact
+
+    hows = [how for how in (damage[0], *damage[1]) if how]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        copy = Path(shutil.copytree(artifact, root / "artifact"))
+        outside = root / "outside"
+        outside.mkdir()
+        (outside / "secret.txt").write_text("the user's secret")
+        shutil.copyfile(copy / "params" / "params_shard_0.bin", outside / "copy.bin")
+        for how in hows:
+            (_damage_for_package if how in PACKAGE_HOWS else _damage_artifact)(copy, outside, how)
+        out = _package_output(root, copy, where)
+        huge = any("huge" in how for how in hows)
+        before = None if huge else tree_snapshot(root)
+        result, _ = in_process(lambda: package_artifact(copy, out))
+
+        def check() -> None:
+            assert not hows and where in ("beside",), f"packaged {hows} into {where}"
+            verify_files(out / ARTIFACT_SUBDIR, read_manifest(out / ARTIFACT_SUBDIR))
+            assert tree_snapshot(out / ARTIFACT_SUBDIR) == tree_snapshot(copy)
+            shutil.rmtree(out)
+
+        outcome("package inputs", result, check)
+        if before is not None:
+            unchanged(before, root, "package inputs")
+        elif result.outcome == "refused":
+            assert not list(root.glob(".pkg.*")) and (where == "nonempty" or not os.path.lexists(root / "pkg"))
+
+
+MANIFEST_FORGERIES = st.sampled_from([
+    ("format_version", "5"), ("format_version", 0), ("format_version", True), ("format_version", None),
+    ("format_version", 1.5), ("ember_version", None), ("ember_version", 5), ("tvm_version", None),
+    ("tvm_version", ["0.27"]), ("manifest_sha256", None), ("manifest_sha256", "0" * 64), ("files", None),
+    ("files", []), ("files", {}), ("file_sha256", "0" * 64), ("file_size", 1), ("file_dropped", None),
+    ("file_added", "notes.txt"), ("file_added", "../outside.bin"), ("whole", []), ("whole", "x"),
+    ("model", {"forged": True}),  # not an identity field: resealed, still an artifact as ember wrote it
+])
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(forgeries=st.lists(MANIFEST_FORGERIES, max_size=3), reseal=st.booleans())
+def test_forged_manifests_at_an_output(artifact, forgeries, reseal):
+    """`-o` over an artifact whose manifest's identity fields or listed hashes were altered is refused in one line
+    and left byte for byte; only one that still proves it is ember's (untouched, or a non-identity field
+    resealed) is replaced, atomically, with nothing left beside it."""
+    from ember.core.manifest import manifest_digest
+    from ember.driver.artifact_dir import check_output_dir, replace_dir, staging_dir
+
+    def install(out: Path) -> None:
+        check_output_dir(out)
+        with staging_dir(out) as staging:
+            shutil.copytree(artifact, staging, dirs_exist_ok=True)
+            replace_dir(staging, out)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(shutil.copytree(artifact, Path(tmp) / "out"))
+        data = json.loads((out / "manifest.json").read_text())
+        shard = "params/params_shard_0.bin"
+        for key, value in forgeries:
+            if key == "whole":
+                data = value
+            elif not isinstance(data, dict):
+                continue
+            elif key in ("file_sha256", "file_size") and isinstance(data.get("files"), dict):
+                data["files"][shard] = {**data["files"].get(shard, {}), key[5:]: value}
+            elif key == "file_dropped" and isinstance(data.get("files"), dict):
+                data["files"].pop(shard, None)
+            elif key == "file_added" and isinstance(data.get("files"), dict):
+                data["files"][value] = dict(data["files"].get("model.so", {}))
+            elif not key.startswith("file_"):
+                data[key] = value
+        if reseal and isinstance(data, dict):
+            data["manifest_sha256"] = manifest_digest(data)
+        (out / "manifest.json").write_text(json.dumps(data))
+        sealed = forgeries == [] or (reseal and all(key == "model" for key, _ in forgeries))
+        before = tree_snapshot(Path(tmp))
+        result, _ = in_process(lambda: install(out))
+
+        def check() -> None:
+            assert sealed, f"replaced an artifact with a forged manifest: {forgeries}, reseal={reseal}"
+            assert tree_snapshot(out) == tree_snapshot(artifact) and os.listdir(tmp) == ["out"]
+
+        outcome("forged manifests", result, check)
+        if result.outcome == "refused":
+            assert result.stderr.startswith(f"ember: error: -o {out}: "), result.stderr
+            unchanged(before, Path(tmp), "forged manifests")
