@@ -106,7 +106,8 @@ from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0
 INT8_KNOBS = ("tokens", "row_blocks", "unroll")
-# On each kernel: {"format", "n", "k", "many_tokens"}, the arguments of `int8_dot_matmul` but the target's and the knobs.
+# On each kernel: {"format", "n", "k", "many_tokens"}, the arguments of `int8_dot_matmul` but the target's and
+# the knobs.
 BUILD_ATTR = "ember.int8_matmul"
 DECODE_TOKENS = 2  # sequences in AVX2's and NEON's decode register tile (`register_tile`)
 # How far ahead of its loads decode prefetches the weight stream (`prefetch_distance`), and the line it fetches.
@@ -440,7 +441,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                             packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
                             for b in T.unroll(blocks):
                                 for line in T.unroll(max(words // line_words, 1)):
-                                    # (The index inline: bound to a name first, it made the 4-sequence step 1.2x slower.)
+                                    # (The index inline: bound to a name first, it made the 4-sequence step
+                                    # 1.2x slower.)
                                     T.evaluate(prefetch(T.address_of(packed_flat[
                                         T.min((first_block + b) * block_words + g * words + line * line_words + ahead,
                                               n // lanes * block_words - 1) * lanes])))
@@ -589,8 +591,8 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     if zero_point:
         @T.prim_func(s_tir=True)
         def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                                      scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
-                                      y_handle: T.handle):
+                                      scale: T.Buffer(scale_shape, SCALE_DTYPE),
+                                      low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
             matmul(x_handle, packed, scale, low, y_handle)
 

@@ -71,7 +71,8 @@ def split_and_quantize(rows: KVRows, dtype: str, symbol: str, rotary: Rotary | N
         if rotary is None:
             assert apply_rope == 0, "this packed KV cache needs rotary embedding applied before attention"
         qkv = T.decl_buffer((n, qo_heads + 2 * heads, head_dim), dtype, data=qkv_words.data)
-        q = T.decl_buffer((n, qo_heads, head_dim), dtype, data=q_words.data, strides=(rows.stored_qo_heads, head_dim, 1))
+        q = T.decl_buffer((n, qo_heads, head_dim), dtype, data=q_words.data,
+                          strides=(rows.stored_qo_heads, head_dim, 1))
         k_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=k_words.data)
         v_values = T.decl_buffer((n, rows.row_values), rows.value_dtype, data=v_words.data)
         k_scales = T.decl_buffer((n, words), "float32", data=k_words.data)

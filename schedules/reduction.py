@@ -47,7 +47,8 @@ class RowReduction(CPURule):
         lanes = []
         for block in reduce_blocks:
             *_, k = sch.get_loops(block)
-            lanes.append(reduction_lanes(const_extent(sch, k), self.vector_bits, str(sch.get(block).writes[0].source.dtype)))
+            dtype = str(sch.get(block).writes[0].source.dtype)
+            lanes.append(reduction_lanes(const_extent(sch, k), self.vector_bits, dtype))
         if None in lanes:
             return None
         row = sch.fuse(*out_rows) if len(out_rows) > 1 else out_rows[0]

@@ -14,8 +14,8 @@ angles recomputed for all heads. On the 110M model that was 1.5 ms a layer for a
 
 The angle expressions are TVM's own (`switch_rope_freq_func`, including llama3's
 frequency smoothing), so the arithmetic per element is unchanged (LLVM may contract
-llama3's smoothing into FMAs differently: results agree to ~1e-7); only the sharing is new (TVM's angle for dim d depends on 2d mod
-rotary_dim, the same for d and d + rotary_dim / 2).
+llama3's smoothing into FMAs differently: results agree to ~1e-7); only the sharing is new (TVM's
+angle for dim d depends on 2d mod rotary_dim, the same for d and d + rotary_dim / 2).
 """
 
 from __future__ import annotations

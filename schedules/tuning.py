@@ -353,7 +353,8 @@ class ScheduleSources:
 
 
 def describe_schedule_sources(sources: ScheduleSources) -> str:
-    """One line for people: `3 kernels from the tuning database, 1 where the rule's schedule won the tuning, 24 from rules`."""
+    """One line for people: `3 kernels from the tuning database, 1 where the rule's schedule won the tuning,
+    24 from rules`."""
     return (f"{sources.tuned} kernels from the tuning database, {sources.rule_won} where the rule's schedule "
             f"won the tuning, {sources.untuned} from rules")
 
