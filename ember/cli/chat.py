@@ -12,6 +12,7 @@ from ember.cli.options import (
     add_speculation_arguments,
     add_threads_argument,
     one_line,
+    plural,
     report_context_full,
     sampling,
     speculation,
@@ -78,10 +79,16 @@ def _reply(session, message: str, params) -> None:
         print(f"ember: {one_line(str(err))}", file=sys.stderr)
         return
     if session.dropped_turns:
+        dropped = "earliest turn" if session.dropped_turns == 1 else f"{session.dropped_turns} earliest turns"
         print(f"ember: the conversation outgrew the context window ({engine.context_window} tokens): "
-              f"dropped its {session.dropped_turns} earliest turns", file=sys.stderr)
+              f"dropped its {dropped}", file=sys.stderr)
+    last = ""
     for piece in reply:
         print(piece, end="", flush=True)
-    print(f"\n[{reply.stats.new_tokens} tokens, {time.perf_counter() - start:.1f} s, "
-          f"{reply.stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        last = piece
+    if not last.endswith("\n"):  # the next `> ` prompt starts a line of its own, on a terminal or in a pipe
+        print(flush=True)
+    stats = reply.stats
+    rate = f", {stats.decode_tokens_per_s:.1f} tok/s" if stats.new_tokens > 1 and stats.decode_seconds > 0 else ""
+    print(f"[{plural(stats.new_tokens, 'token')}, {time.perf_counter() - start:.1f} s{rate}]", file=sys.stderr)
     report_context_full(reply, engine.context_window)

@@ -10,12 +10,14 @@ from ember.cli.options import (
     add_sampling_arguments,
     add_speculation_arguments,
     add_threads_argument,
+    plural,
     report_context_full,
     report_speculation,
     sampling,
     speculation,
     text,
 )
+from ember.core.errors import EmberError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,14 +48,23 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
     guesses = speculation(args, engine)
     generation = generate(engine, args.prompt, sampling(args), speculation=guesses)
+    if len(generation.prompt_ids) > engine.context_window:  # refused before anything is printed
+        raise EmberError(f"--prompt: the prompt has {len(generation.prompt_ids)} tokens and {args.artifact}'s "
+                         f"context window is {engine.context_window}; shorten the prompt")
     print(args.prompt, end="", flush=True)
     for piece in generation:
         print(piece, end="", flush=True)
     print()
-    stats = generation.stats
-    print(f"\n[prefill {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s, "
-          f"decode {stats.new_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    print(f"\n[{speeds(generation.stats)}]", file=sys.stderr)
     if guesses is not None:
         report_speculation(guesses)
     report_context_full(generation, engine.context_window)
     return 0
+
+
+def speeds(stats) -> str:
+    """`prefill N tokens at X tok/s, decode M tokens at Y tok/s`; no decode speed without a decode step."""
+    decoded = plural(stats.new_tokens, "token")
+    if stats.new_tokens > 1 and stats.decode_seconds > 0:
+        decoded += f" at {stats.decode_tokens_per_s:.1f} tok/s"
+    return f"prefill {plural(stats.prompt_tokens, 'token')} at {stats.prefill_tokens_per_s:.1f} tok/s, decode {decoded}"

@@ -46,6 +46,8 @@ the measured `host` roofline, next to analyze's prediction for the same model. T
 matmuls of a quantized artifact (int8 activations) are placed on an int8 roof, measured
 with ember's own int8 matmul; every other kernel on the fp32 roof."""
 
+DEFAULT_PROMPT_LEN = 1024
+DEFAULT_GEN_LEN = 256
 # Options that describe a hypothetical deployment: an artifact fixes them itself.
 _NOT_MEASURED = ("quant", "wbits", "abits", "kvbits", "gen_len", "context", "flash_attention")
 
@@ -70,9 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                         help="sequences processed together (default: 1); with --measure, the decode batch")
     parser.add_argument("--prompt-len", type=_positive_int, metavar="S",
-                        help="prompt tokens per sequence (default: 1024; 128 with --measure)")
+                        help="prompt tokens per sequence (default: 1024, or less to fit the model's context window; "
+                             "128 with --measure)")
     parser.add_argument("--gen-len", type=_positive_int, metavar="G",
-                        help="tokens generated per sequence (default: 256)")
+                        help="tokens generated per sequence (default: 256, or less to fit the model's context window)")
     parser.add_argument("--context", type=_positive_int, metavar="C",
                         help="the decode step shown in detail attends to C tokens (default: the prompt length)")
     parser.add_argument("--quant", choices=tuple(FORMATS), metavar="FORMAT",
@@ -115,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
             raise EmberError("--quant sets the weight, activation and KV-cache bits: give it without "
                              "--wbits/--abits/--kvbits")
         precision = FormatPrecision.of(args.quant)
-    workload = Workload(args.batch, args.prompt_len or 1024, args.gen_len or 256, args.context, args.flash_attention)
     window = arch.config.context_window
+    prompt_len, gen_len = _lengths(args, window)
+    workload = Workload(args.batch, prompt_len, gen_len, args.context, args.flash_attention)
     if workload.prompt_len + workload.gen_len > window or (args.context or 0) > window:
         raise EmberError(f"--prompt-len {workload.prompt_len} + --gen-len {workload.gen_len}"
                          f"{f' (or --context {args.context})' if args.context else ''} exceeds {args.model}'s "
@@ -127,6 +131,26 @@ def run(args: argparse.Namespace) -> int:
         paths = write_plots(analysis, args.plot)
         print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
+
+
+def _lengths(args: argparse.Namespace, window: int) -> tuple[int, int]:
+    """--prompt-len and --gen-len, a default left out shortened to fit the model's context `window` (and a
+    note on stderr saying so); lengths the user gave are kept, for `run` to refuse if too long."""
+    prompt_len, gen_len = args.prompt_len, args.gen_len
+    if prompt_len is None and gen_len is None:
+        gen_len = min(DEFAULT_GEN_LEN, max(window // 4, 1))
+        prompt_len = min(DEFAULT_PROMPT_LEN, max(window - gen_len, 1))
+    elif prompt_len is None:
+        prompt_len = min(DEFAULT_PROMPT_LEN, window - gen_len) if gen_len < window else DEFAULT_PROMPT_LEN
+    elif gen_len is None:
+        gen_len = min(DEFAULT_GEN_LEN, window - prompt_len) if prompt_len < window else DEFAULT_GEN_LEN
+    shortened = [f"--{name} {value} (default {default})" for name, value, default, given in
+                 (("prompt-len", prompt_len, DEFAULT_PROMPT_LEN, args.prompt_len),
+                  ("gen-len", gen_len, DEFAULT_GEN_LEN, args.gen_len)) if given is None and value != default]
+    if shortened:
+        print(f"ember: {' and '.join(shortened)} to fit {args.model}'s context window of {window} tokens",
+              file=sys.stderr)
+    return prompt_len, gen_len
 
 
 def _run_measure(args: argparse.Namespace) -> int:
@@ -152,8 +176,9 @@ def _run_measure(args: argparse.Namespace) -> int:
 
 
 def _epilog() -> str:
-    wrap = lambda names: textwrap.fill(", ".join(names), 88, initial_indent="  ", subsequent_indent="  ",
-                                       break_on_hyphens=False)
+    def wrap(names: list[str]) -> str:
+        return textwrap.fill(", ".join(names), 88, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+
     return f"""\
 examples:
   ember analyze Llama-2-7b --hardware nvidia-rtx-a6000 --prompt-len 2048
