@@ -24,6 +24,8 @@ from ember.runtime.tokenizer import Tokenizer
 # TVM wraps host memory without a copy only at this alignment.
 TENSOR_ALIGNMENT = 64
 HUGE_PAGE = 2 * 2**20
+# The library's function returning its weights' shapes and dtypes as JSON (`Manifest.param_types`' content).
+PARAM_TYPES_FUNCTION = "_ember_param_types"
 # platform.machine() spellings of the names LLVM triples use.
 _MACHINE_NAMES = {"amd64": "x86_64", "arm64": "aarch64"}
 
@@ -102,6 +104,26 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
             wanted = repr(expected[at]) if at < len(expected) else "nothing"
             raise ArtifactError(f"{library}: its {function} function takes {found} as argument {at} where the "
                                 f"manifest has {wanted}: the library is not this artifact's; recompile the artifact")
+    if manifest.param_types and _has_function(vm, PARAM_TYPES_FUNCTION):
+        built_for = json.loads(str(vm[PARAM_TYPES_FUNCTION]()))
+        differing = next((name for name in manifest.params if built_for.get(name) != manifest.param_types.get(name)),
+                         None)
+        if differing is not None:
+            raise ArtifactError(f"{library}: built for weight {differing!r} of {_describe(built_for.get(differing))}, "
+                                f"the manifest has {_describe(manifest.param_types.get(differing))}: the library is "
+                                f"not this artifact's; recompile the artifact")
+
+
+def _has_function(vm: VirtualMachine, name: str) -> bool:
+    try:
+        vm._get_function_arity(name)
+    except Exception:  # TVM raises ValueError or its own error types for an unknown function
+        return False
+    return True
+
+
+def _describe(param_type: dict[str, Any] | None) -> str:
+    return f"{param_type['dtype']} {param_type['shape']}" if param_type else "none"
 
 
 def _check_host_memory(path: Path, manifest: Manifest) -> None:

@@ -237,17 +237,24 @@ def test_swapped_weights_are_refused_at_load(tiny_llama, copy_artifact, wider_ll
                           "the compiled model takes float32 [", "the weights are not this artifact's")
 
 
-@pytest.mark.parametrize("donor", ["qwen2", "llama-q8f32"])
-def test_swapped_library_is_refused_at_load(tiny_models, tiny_llama, copy_artifact, donor):
-    """Another model's library (qwen2: biases, tied embeddings; the same llama quantized: packed weights), resealed
-    into the manifest, is refused by `ember generate` in one line naming model.so, the function and the first
-    argument that differs."""
+@pytest.mark.parametrize(("donor", "expected"), [
+    ("qwen2", "its prefill function takes 'model.layers.0.self_attn.q_proj.bias' as argument 6 where the manifest "
+              "has 'model.layers.0.self_attn.o_proj.weight'"),
+    ("llama-q8f32", "its prefill function takes 'model.embed_tokens.weight.packed' as argument 3"),
+    ("wider", "built for weight 'model.layers.0.mlp.gate_up_proj.weight' of float32 [6, 64, 32], the manifest has "
+              "float32 [8, 64, 32]"),
+])
+def test_swapped_library_is_refused_at_load(request, tiny_models, tiny_llama, copy_artifact, donor, expected):
+    """Another model's library, resealed into the manifest, is refused by `ember generate` in one line naming
+    model.so and what differs: qwen2's (biases, tied embeddings) and the q8f32 llama's (packed weights) take other
+    weights; a wider llama's takes the same weight names in other shapes."""
     artifact = copy_artifact(tiny_llama)
-    other = tiny_models.quantized("llama", "q8f32") if donor == "llama-q8f32" else tiny_models[donor]
-    resealed_with(artifact, other.artifact_dir, "model.so")
+    other = {"qwen2": lambda: tiny_models["qwen2"].artifact_dir,
+             "llama-q8f32": lambda: tiny_models.quantized("llama", "q8f32").artifact_dir,
+             "wider": lambda: request.getfixturevalue("wider_llama")}[donor]()
+    resealed_with(artifact, other, "model.so")
     result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
-    assert_one_line_error(result, f"{artifact}/model.so: its ", " function takes ", " as argument ",
-                          "the library is not this artifact's")
+    assert_one_line_error(result, f"{artifact}/model.so: {expected}", "the library is not this artifact's")
 
 
 def test_library_without_an_entry_function_is_refused(tiny_llama, copy_artifact):

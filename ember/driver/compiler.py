@@ -10,6 +10,7 @@ OUT is replaced only if it is empty or an ember artifact (`ember.driver.artifact
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
+from tvm import relax
 
 import ember
 from ember.core.errors import EmberError
@@ -37,6 +39,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
+from ember.runtime.artifact import PARAM_TYPES_FUNCTION
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
@@ -146,6 +149,9 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
         options = dataclasses.replace(options, memory_budget=budget)
 
         stage("generating code")
+        param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
+                       for p in weight_params(lowered["decode"])}
+        _add_param_types(lowered, param_types)
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
@@ -154,11 +160,19 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
             shutil.copyfile(path, staging / path.name)
         manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
                              activations(lowered))
-        manifest.param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": dtype}
-                                for p, (_, dtype) in zip(weight_params(lowered["decode"]), params, strict=True)}
+        manifest.param_types = param_types
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
     return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
+
+
+def _add_param_types(lowered: tvm.IRModule, param_types: dict[str, dict]) -> None:
+    """Add to `lowered` a function returning the weights' shapes and dtypes as JSON, which the loader compares with
+    the manifest's (`PARAM_TYPES_FUNCTION`): a library of another artifact, resealed into this one's manifest, is
+    refused at load rather than failing in a kernel."""
+    text = tvm.ir.StringImm(json.dumps(param_types, sort_keys=True))
+    func = relax.Function([], relax.SeqExpr([], text), tvm.ir.StringType())
+    lowered[PARAM_TYPES_FUNCTION] = func.with_attr("global_symbol", PARAM_TYPES_FUNCTION)
 
 
 def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
