@@ -41,9 +41,7 @@ COMMANDS: dict[str, ModuleType] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ember` console script."""
-    hide_torch_from_tvm()  # before anything imports TVM: compile does directly, option checks through the runtime
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    # First of all: Ctrl-C while options are checked (which imports TVM for a second or so) is one line too.
     interrupted = []
 
     def on_sigint(_signum, _frame):
@@ -51,6 +49,20 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        hide_torch_from_tvm()  # before anything imports TVM: compile does directly, option checks through the runtime
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+        return _run(args, interrupted)
+    except KeyboardInterrupt:
+        print("ember: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+
+
+def _run(args: argparse.Namespace, interrupted: list[bool]) -> int:
+    """Run the command; its errors become one line and an exit code."""
     try:
         return COMMANDS[args.command].run(args)
     except EmberError as err:
@@ -77,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ember: internal error: {type(err).__name__}: {one_line(str(err))} (rerun with --verbose for the "
               "traceback, and please report it)", file=sys.stderr)
         return 70
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
 
 
 def build_parser() -> argparse.ArgumentParser:

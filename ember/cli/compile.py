@@ -13,11 +13,12 @@ from ember.cli.options import (
     parse_bytes,
 )
 from ember.core.manifest import KV_QUANTIZATIONS
-from ember.ir.quant_formats import FORMATS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `ember compile` and its options."""
+    from ember.ir.quant_formats import FORMATS  # numpy: once main has started
+
     parser = subparsers.add_parser(
         "compile", help="compile a model into an artifact directory",
         description="Compile a Hugging Face checkpoint, a GGUF file (llama.cpp's format) or an ONNX file into a "

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from ember.cli.options import mib
-from ember.ir.quant_formats import FORMATS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
     """The table `inspect` prints: (what, description) rows."""
+    from ember.ir.quant_formats import FORMATS
+
     model, kv, memory = manifest.model, manifest.kv_cache, manifest.memory
     return [
         ("artifact", f"{artifact} (format {manifest.format_version}, ember {manifest.ember_version}, "
@@ -84,6 +85,7 @@ def _kv_storage(kv: dict) -> str:
 def _mixed_formats(manifest) -> str:
     """For an artifact whose weights keep a GGUF file's mixed types: the formats they are stored in."""
     from ember.frontend.source import recorded_formats
+    from ember.ir.quant_formats import FORMATS
 
     formats = sorted(set(recorded_formats(manifest.source_weights, manifest.model_dtype).values()))
     quantized = [name for name in formats if FORMATS[name].quantizes]

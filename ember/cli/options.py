@@ -57,14 +57,18 @@ def mib(n: int) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """An argparse type: a size, e.g. 512MB, 4GB, 2GiB."""
+    """An argparse type: a size of at least one byte, e.g. 512MB, 4GB, 2GiB."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     if match and match.group(2).upper() in units:
         try:
-            return int(float(match.group(1)) * units[match.group(2).upper()])
+            size = int(float(match.group(1)) * units[match.group(2).upper()])
         except ValueError:
-            pass
+            size = None
+        if size is not None:
+            if size < 1:
+                raise argparse.ArgumentTypeError(f"{text!r} is less than one byte; leave the option out for none")
+            return size
     raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MB, 4GB, 2GiB)")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from ember.cli.options import (
     whole_number,
 )
 from ember.core.errors import EmberError
+
+MAX_KEY_FILE_BYTES = 4096
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -96,16 +100,31 @@ def run(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """The key of --api-key or --api-key-file's first line; None for none."""
-    api_key = args.api_key
-    if args.api_key_file is not None:
-        try:
-            api_key = args.api_key_file.read_text(encoding="utf-8").partition("\n")[0].strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise EmberError(f"--api-key-file {args.api_key_file}: cannot read it: "
-                             f"{getattr(err, 'strerror', None) or err}") from None
+    api_key = args.api_key if args.api_key_file is None else _read_key_file(args.api_key_file)
     if api_key is not None and not api_key.strip():
         raise EmberError("--api-key/--api-key-file: the key is empty")
     return api_key
+
+
+def _read_key_file(path: Path) -> str:
+    """The first line of --api-key-file, a regular file of at most MAX_KEY_FILE_BYTES: a FIFO would block,
+    and /dev/zero would be read until memory ran out."""
+    try:
+        # Non-blocking, so that opening a FIFO returns at once; fstat then checks what was opened.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(descriptor, "rb") as file:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise EmberError(f"--api-key-file {path}: not a regular file")
+            data = file.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as err:
+        raise EmberError(f"--api-key-file {path}: cannot read it: {err.strerror or err}") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise EmberError(f"--api-key-file {path}: larger than {MAX_KEY_FILE_BYTES // 1024} KiB; the key goes on "
+                         "its first line")
+    try:
+        return data.decode("utf-8").partition("\n")[0].strip()
+    except UnicodeDecodeError:
+        raise EmberError(f"--api-key-file {path}: not UTF-8 text") from None
 
 
 def exposure_warnings(host: str, api_key: str | None, origins: list[str]) -> list[str]:
