@@ -495,3 +495,24 @@ def test_cli_tune_refuses_a_directory_of_user_files(tiny_models, tmp_path):
     result = run_ember("tune", str(tiny_models.checkpoint("llama")), "--db", str(db), "--trials", "1")
     assert_one_line_error(result, f"--db {db}: exists and is not a tuning database")
     assert tree_snapshot(tmp_path) == before
+
+
+def test_an_interrupt_between_the_fallback_renames_puts_the_old_artifact_back(old_and_new, tmp_path, monkeypatch):
+    """Without an exchange, an error (or Ctrl-C) after the old artifact was moved aside moves it back."""
+    out, new = old_and_new
+    monkeypatch.setattr(artifact_dir, "_exchange", lambda new, old: False)
+    rename, interrupted = os.rename, []
+
+    def rename_then_fail(source, destination):
+        if Path(destination) == out and not interrupted:  # the new artifact's move into place
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        rename(source, destination)
+
+    with pytest.raises(KeyboardInterrupt), staging_dir(out) as staging:
+        shutil.copytree(new, staging, dirs_exist_ok=True)
+        monkeypatch.setattr(os, "rename", rename_then_fail)
+        replace_dir(staging, out)
+    monkeypatch.setattr(os, "rename", rename)
+    assert read_manifest(out).ember_version == OLD
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

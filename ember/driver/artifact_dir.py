@@ -96,6 +96,7 @@ def staging_dir(output_dir: Path) -> Iterator[Path]:
         try:
             yield holder / _NEW
         except BaseException:
+            _put_back(holder, target)
             shutil.rmtree(holder, ignore_errors=True)
             for parent in created:  # deepest first
                 try:
@@ -112,13 +113,17 @@ def replace_dir(staging: Path, output_dir: Path, check: Callable[[Path], None] =
     filesystem can exchange two names; else recoverable by the next compile to OUT."""
     staging.chmod(0o777 & ~_umask())  # mkdtemp made the holder private; the output is as shareable as any new dir
     target = _absolute(output_dir)
-    with _locked(target.parent):
+    with _locked(target.parent), _signals_blocked():
         check(output_dir)
         if not os.path.lexists(target):
             os.rename(staging, target)
         elif not _exchange(staging, target):
             os.rename(target, staging.parent / _OLD)
-            os.rename(staging, target)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                _put_back(staging.parent, target)
+                raise
 
 
 def remove_stale_leftovers(output_dir: Path) -> list[Path]:
@@ -136,16 +141,21 @@ def remove_stale_leftovers(output_dir: Path) -> list[Path]:
         marker = _read_marker(holder)
         if marker is None or marker.get("output") != target.name or _owner_alive(marker):
             continue
-        old = holder / _OLD
-        if not os.path.lexists(target) and old.is_dir() and not old.is_symlink():
-            os.rename(old, target)
-            log.warning("restored %s, which an interrupted compile had moved to %s", output_dir, old)
+        _put_back(holder, target)
         shutil.rmtree(holder, ignore_errors=True)
         removed.append(holder)
     if removed:
         log.warning("removed %d directories left by interrupted compiles to %s: %s",
                     len(removed), output_dir, _list([p.name for p in removed]))
     return removed
+
+
+def _put_back(holder: Path, target: Path) -> None:
+    """Move the artifact a replace without an exchange had set aside in `holder` back to OUT, if OUT is missing."""
+    old = holder / _OLD
+    if not os.path.lexists(target) and old.is_dir() and not old.is_symlink():
+        os.rename(old, target)
+        log.warning("restored %s, which an interrupted compile had moved to %s", target, old)
 
 
 def _check_place(output_dir: Path) -> None:
@@ -223,6 +233,18 @@ def _signals_interrupt() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends (they are then delivered), so the steps of a replace
+    are not cut apart by this process's own clean-up."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _read_marker(holder: Path) -> dict | None:
