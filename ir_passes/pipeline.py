@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import tvm
 from tvm import relax
@@ -62,7 +63,8 @@ class LowerOptions:
     int8_activations: bool = True  # projections multiply int8 activations where the target has an int8 dot
     # Checkpoint tensor -> the name of its own format, in place of `quantization` (a GGUF file's per-tensor types).
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
-    kv_quant: str | None = None  # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype
+    # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype.
+    kv_quant: str | None = None
 
 
 def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
@@ -176,17 +178,38 @@ def to_kernels(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> 
                                         + legalize_passes(target, options))(mod)
 
 
-def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions) -> tvm.IRModule:
-    """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`."""
-    passes = (
-        imported_graph_passes(target)
-        + graph_passes(target, options)
-        + legalize_passes(target, options)
-        + schedule_passes(target, options.tuning)
-        + kernel_math_passes(target)
-        + dataflow_lower_passes(target)
-        + memory_planning_passes(target)
-        + finalize_passes(target)
-    )
+def phases(target: TargetSpec, options: LowerOptions) -> list[tuple[str, list[tvm.transform.Pass]]]:
+    """Every phase, in order: (name, passes)."""
+    return [
+        ("imported-graph", imported_graph_passes(target)),
+        ("graph", graph_passes(target, options)),
+        ("legalize", legalize_passes(target, options)),
+        ("schedule", schedule_passes(target, options.tuning)),
+        ("kernel-math", kernel_math_passes(target)),
+        ("dataflow-lower", dataflow_lower_passes(target)),
+        ("memory-planning", memory_planning_passes(target)),
+        ("finalize", finalize_passes(target)),
+    ]
+
+
+def lower(mod: tvm.IRModule, target: TargetSpec, options: LowerOptions, dump_dir: Path | None = None) -> tvm.IRModule:
+    """Run every phase; the result goes to `tvm.compile(..., relax_pipeline=None)`. With `dump_dir`, the module
+    as TVMScript is written there before the first phase (`00-imported.py`) and after each (`01-<phase>.py`...)."""
+    passes = [] if dump_dir is None else [dump_script(dump_dir, 0, "imported")]
+    for number, (name, phase) in enumerate(phases(target, options), start=1):
+        passes += phase
+        if dump_dir is not None:
+            passes.append(dump_script(dump_dir, number, name))
     with target.target:
         return tvm.transform.Sequential(passes, name="ember")(mod)
+
+
+def dump_script(dump_dir: Path, number: int, phase: str) -> tvm.transform.Pass:
+    """A pass that writes the module as TVMScript to `dump_dir`/NN-`phase`.py and leaves it unchanged."""
+    @tvm.transform.module_pass(opt_level=0, name=f"dump_{phase.replace('-', '_')}")
+    def dump(mod: tvm.IRModule, _context: tvm.transform.PassContext) -> tvm.IRModule:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        (dump_dir / f"{number:02d}-{phase}.py").write_text(mod.script(), encoding="utf-8")
+        return mod
+
+    return dump

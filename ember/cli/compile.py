@@ -12,6 +12,7 @@ from ember.cli.options import (
     mib,
     parse_bytes,
 )
+from ember.core.errors import EmberError
 from ember.core.manifest import KV_QUANTIZATIONS
 
 
@@ -48,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--tuning-db", type=Path, metavar="DIR",
                         help="apply the records `ember tune` wrote on this machine; the rules schedule the rest")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--dump-ir", type=Path, metavar="DIR",
+                        help="write the module as TVMScript before the pipeline (00-imported.py) and after each of "
+                             "its phases (01-imported-graph.py ... 08-finalize.py) to DIR, a new or empty directory")
     return parser
 
 
@@ -87,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = checkpoint_dir(args.model)
     check_output_dir(args.output)
+    if args.dump_ir is not None:
+        _check_dump_dir(args.dump_ir)
     # The compiler takes seconds to import: only now that the paths are known good.
     from ember.driver.compiler import CompileOptions, compile_model
     from ember.schedules.tuning import describe_schedule_sources
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         tuning_db=args.tuning_db,
         show_progress=not args.no_progress,
     )
-    result = compile_model(model_dir, args.output, options)
+    result = compile_model(model_dir, args.output, options, dump_ir=args.dump_ir)
     memory = result.memory
     print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
     if args.tuning_db is not None:
@@ -117,4 +123,15 @@ def run(args: argparse.Namespace) -> int:
     if kv["memory_budget"]:
         print(f"  in a memory budget of {mib(kv['memory_budget'])}: KV cache of {kv['max_total_tokens']} tokens, "
               f"longest context {kv['max_context']} tokens")
+    if args.dump_ir is not None:
+        print(f"  the module after each phase of the pipeline: {args.dump_ir}")
     return 0
+
+
+def _check_dump_dir(path: Path) -> None:
+    """--dump-ir's DIR: new, or an empty directory (dumps of different builds are never mixed)."""
+    if path.is_dir():
+        if any(path.iterdir()):
+            raise EmberError(f"--dump-ir {path}: the directory is not empty; give a new or empty one")
+    elif path.exists() or path.is_symlink():
+        raise EmberError(f"--dump-ir {path}: exists and is not a directory; give a new or empty one")

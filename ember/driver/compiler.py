@@ -93,8 +93,10 @@ def check_sizes(prefill_chunk: int, max_batch: int) -> None:
         raise EmberError(f"--max-batch {max_batch}: must be between 1 and {MAX_BATCH}")
 
 
-def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) -> CompileResult:
-    """Compile `model_dir`, a Hugging Face checkpoint directory or a GGUF file, into an artifact at `output_dir`."""
+def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
+                  dump_ir: Path | None = None) -> CompileResult:
+    """Compile `model_dir`, a Hugging Face checkpoint directory or a GGUF file, into an artifact at `output_dir`;
+    with `dump_ir`, the module as TVMScript before and after each phase of the pipeline goes there."""
     start = time.perf_counter()
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     target = resolve_target(options.target)
@@ -129,7 +131,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions) ->
                                               int8_activations=not options.float_activations,
                                               tensor_formats=tensor_formats, kv_quant=options.kv_quant)
         with tvm_warnings_hidden():
-            lowered = pipeline.lower(mod, target, lower_options)
+            lowered = pipeline.lower(mod, target, lower_options, dump_ir)
         schedules = schedule_sources(lowered)
         recipes = get_recipes(lowered)
         quantized = quantized_sources(recipes)
