@@ -88,9 +88,13 @@ def staging_dir(output_dir: Path) -> Iterator[Path]:
             with _locked(target.parent):
                 remove_stale_leftovers(target)
                 holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
-                (holder / STAGING_MARKER).write_text(json.dumps(
-                    {"output": target.name, "pid": os.getpid(), "started": _start_time(os.getpid())}))
-                (holder / _NEW).mkdir()
+                try:
+                    (holder / STAGING_MARKER).write_text(json.dumps(
+                        {"output": target.name, "pid": os.getpid(), "started": _start_time(os.getpid())}))
+                    (holder / _NEW).mkdir()
+                except OSError:  # a full disk: no unmarked directory left behind
+                    shutil.rmtree(holder, ignore_errors=True)
+                    raise
         except OSError as err:
             raise EmberError(f"-o {output_dir}: cannot write there ({err.strerror or err})") from None
         try:
@@ -115,15 +119,18 @@ def replace_dir(staging: Path, output_dir: Path, check: Callable[[Path], None] =
     target = _absolute(output_dir)
     with _locked(target.parent), _signals_blocked():
         check(output_dir)
-        if not os.path.lexists(target):
-            os.rename(staging, target)
-        elif not _exchange(staging, target):
-            os.rename(target, staging.parent / _OLD)
-            try:
+        try:
+            if not os.path.lexists(target):
                 os.rename(staging, target)
-            except BaseException:
-                _put_back(staging.parent, target)
-                raise
+            elif not _exchange(staging, target):
+                os.rename(target, staging.parent / _OLD)
+                try:
+                    os.rename(staging, target)
+                except BaseException:
+                    _put_back(staging.parent, target)
+                    raise
+        except OSError as err:
+            raise EmberError(f"-o {output_dir}: cannot put the result there ({err.strerror or err})") from None
 
 
 def remove_stale_leftovers(output_dir: Path) -> list[Path]:
@@ -211,7 +218,10 @@ def _locked(directory: Path) -> Iterator[None]:
     """Hold an exclusive `flock` on `directory` (nothing is left behind, unlike a lock file)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # a filesystem without locks (some network mounts): go on unserialized
+            log.info("cannot lock %s (%s); concurrent writes to it are not serialized", directory, err.strerror)
         yield
     finally:
         os.close(fd)
