@@ -92,11 +92,10 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
     then the manifest's weights in order (VM bytecode metadata: no kernel runs)."""
     for function, spec in manifest.entry_functions.items():
         inputs = [str(arg).split("[")[0] for arg in spec.get("inputs", [])]
-        try:
-            names = [vm._get_function_param_name(function, i) for i in range(vm._get_function_arity(function))]
-        except Exception:  # TVM raises ValueError or its own error types for an unknown function
+        if not _has_function(vm, function):
             raise ArtifactError(f"{library}: has no function {function!r}, which the manifest lists: the library "
-                                f"is not this artifact's; recompile the artifact") from None
+                                f"is not this artifact's; recompile the artifact")
+        names = [vm._get_function_param_name(function, i) for i in range(vm._get_function_arity(function))]
         expected = inputs + (manifest.params if names[len(inputs):] else [])
         if names != expected:
             at = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), min(len(names), len(expected)))
