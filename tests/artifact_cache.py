@@ -34,6 +34,9 @@ COMPILER_DIRS = ("ember", "frontend", "ir", "ir_passes", "schedules", "targets")
 # Libraries whose behaviour reaches an artifact: the compiler, and what reads, converts or exports weights.
 LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "numpy", "ml_dtypes", "safetensors", "tokenizers", "gguf", "torch",
              "transformers", "onnx", "onnxscript")
+# Entries kept per artifact name (the newest used): one per source tree a developer switches between.
+KEEP_PER_NAME = 3
+DIGEST_CHARS = 32
 # This session's artifacts by outcome ("reused", "compiled", "damaged"), for the run's summary.
 TALLY: Counter[str] = Counter()
 
@@ -73,7 +76,7 @@ def artifact_key(what: str, options: object, inputs: Iterable[Path]) -> str:
         files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
         for path in files:
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return f"{what}-{digest.hexdigest()[:32]}"
+    return f"{what}-{digest.hexdigest()[:DIGEST_CHARS]}"
 
 
 def restore(key: str, dest: Path) -> bool:
@@ -91,6 +94,7 @@ def restore(key: str, dest: Path) -> bool:
         TALLY["damaged"] += 1
         return False
     TALLY["reused"] += 1
+    os.utime(entry)  # the newest used are the ones `_prune` keeps
     return True
 
 
@@ -108,6 +112,8 @@ def store(key: str, artifact: Path) -> None:
         os.rename(staging, CACHE_ROOT / key)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
+        return
+    _prune(key[:-DIGEST_CHARS - 1])
 
 
 def build(key: str, dest: Path, compile_into: Callable[[Path], object]) -> bool:
@@ -127,6 +133,18 @@ def summary() -> str | None:
     state = f"in {CACHE_ROOT}" if enabled() else "off (EMBER_TEST_CACHE=0)"
     counts = ", ".join(f"{TALLY[outcome]} {outcome}" for outcome in ("reused", "compiled", "damaged") if TALLY[outcome])
     return f"compiled test artifacts: {counts}; cache {state}"
+
+
+def _prune(name: str) -> None:
+    """Keep the KEEP_PER_NAME newest used entries of the artifact `name`: each edit of the compiler's sources
+    makes new keys, and the old entries would pile up."""
+    try:
+        entries = [entry for entry in CACHE_ROOT.iterdir() if entry.name[:-DIGEST_CHARS - 1] == name]
+        entries.sort(key=lambda entry: entry.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for entry in entries[KEEP_PER_NAME:]:
+        _evict(entry)
 
 
 def _evict(entry: Path) -> None:

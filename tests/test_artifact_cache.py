@@ -3,6 +3,7 @@ artifacts that match their manifest."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections import Counter
 from dataclasses import replace
@@ -93,6 +94,19 @@ def test_a_damaged_entry_is_evicted_and_recompiled(cache_root, tiny_llama, tmp_p
     assert not fresh and compiled == [tmp_path / "out"]
     verify_files(entry, read_manifest(entry))  # the entry was replaced by the fresh compile
     assert artifact_cache.TALLY == {"damaged": 1, "compiled": 1}
+
+
+def test_only_the_newest_used_entries_of_a_name_are_kept(cache_root, tiny_llama, tmp_path, monkeypatch):
+    keys = [f"tiny-llama-{str(n) * artifact_cache.DIGEST_CHARS}" for n in range(4)]
+    other = f"tiny-llama-q8f32-{'0' * artifact_cache.DIGEST_CHARS}"
+    artifact_cache.store(other, tiny_llama.artifact_dir)
+    for age, key in enumerate(keys[:3]):
+        artifact_cache.store(key, tiny_llama.artifact_dir)
+        os.utime(cache_root / key, (1000 + age, 1000 + age))
+    monkeypatch.setattr(artifact_cache, "KEEP_PER_NAME", 2)
+    assert artifact_cache.restore(keys[0], tmp_path / "used")  # now the newest used
+    artifact_cache.store(keys[3], tiny_llama.artifact_dir)
+    assert sorted(p.name for p in cache_root.iterdir()) == sorted([keys[0], keys[3], other])
 
 
 def test_env_var_turns_the_cache_off(cache_root, tiny_llama, tmp_path, monkeypatch):
