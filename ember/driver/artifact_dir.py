@@ -82,26 +82,17 @@ def staging_dir(output_dir: Path) -> Iterator[Path]:
     """
     target = _absolute(output_dir)
     created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+    holder = None
     with _signals_interrupt():
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with _locked(target.parent):
-                remove_stale_leftovers(target)
-                holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
-                try:
-                    (holder / STAGING_MARKER).write_text(json.dumps(
-                        {"output": target.name, "pid": os.getpid(), "started": _start_time(os.getpid())}))
-                    (holder / _NEW).mkdir()
-                except OSError:  # a full disk: no unmarked directory left behind
-                    shutil.rmtree(holder, ignore_errors=True)
-                    raise
-        except OSError as err:
-            raise EmberError(f"-o {output_dir}: cannot write there ({err.strerror or err})") from None
-        try:
+            # Held until `holder` names the new directory, so an interrupt finds it in the clean-up below.
+            with _signals_blocked():
+                holder = _new_holder(target, output_dir)
             yield holder / _NEW
         except BaseException:
-            _put_back(holder, target)
-            shutil.rmtree(holder, ignore_errors=True)
+            if holder is not None:
+                _put_back(holder, target)
+                shutil.rmtree(holder, ignore_errors=True)
             for parent in created:  # deepest first
                 try:
                     parent.rmdir()
@@ -109,6 +100,25 @@ def staging_dir(output_dir: Path) -> Iterator[Path]:
                     break
             raise
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _new_holder(target: Path, output_dir: Path) -> Path:
+    """A marked staging directory beside `target`, made under the lock after clearing stale leftovers."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.parent):
+            remove_stale_leftovers(target)
+            holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+            try:
+                (holder / STAGING_MARKER).write_text(json.dumps(
+                    {"output": target.name, "pid": os.getpid(), "started": _start_time(os.getpid())}))
+                (holder / _NEW).mkdir()
+            except BaseException:  # a full disk: no unmarked directory left behind
+                shutil.rmtree(holder, ignore_errors=True)
+                raise
+    except OSError as err:
+        raise EmberError(f"-o {output_dir}: cannot write there ({err.strerror or err})") from None
+    return holder
 
 
 def replace_dir(staging: Path, output_dir: Path, check: Callable[[Path], None] = check_output_dir) -> None:
