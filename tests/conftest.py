@@ -243,7 +243,8 @@ class TinyModels:
                                          *args))
                 assert outputs[0].returncode == 0, outputs[0].stderr
 
-            artifact_cache.build(artifact_cache.artifact_key(f"tiny-{key}", args, [onnx_path, model_dir]),
+            # The .onnx file's directory: its weights are beside it (name.onnx.data).
+            artifact_cache.build(artifact_cache.artifact_key(f"tiny-{key}", args, [onnx_path.parent, model_dir]),
                                  artifact_dir, compile_onnx)
             self._models[key] = TinyModel(name, model_dir, artifact_dir, outputs[0] if outputs else None)
         return self._models[key]
