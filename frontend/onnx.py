@@ -134,7 +134,8 @@ class OnnxWeights:
         if record.path is None:
             values = _onnx().numpy_helper.to_array(self._protos[name])
             if values.shape != record.shape:
-                raise ModelError(f"{self.path}: initializer {name!r} holds {values.size} values, not {list(record.shape)}")
+                raise ModelError(
+                    f"{self.path}: initializer {name!r} holds {values.size} values, not {list(record.shape)}")
             return np.asarray(values, record.dtype)
         data = np.memmap(record.path, dtype=np.uint8, mode="r", offset=record.offset, shape=(record.nbytes,))
         return np.array(data.view(record.dtype).reshape(record.shape))

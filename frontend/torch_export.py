@@ -65,8 +65,9 @@ def _build_model(auto_class, config, dtype):
             return auto_class.from_config(config, attn_implementation="eager", dtype=dtype)
 
 
-def import_module(model, max_seq_len: int,
-                  stored: Callable[[str], bool] = lambda _name: True) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+def import_module(
+    model, max_seq_len: int, stored: Callable[[str], bool] = lambda _name: True,
+) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
     """`model` (a transformers causal LM, or any torch module mapping input_ids [1, seq] to an object with
     `.logits` or to the logits) exported and imported as the Relax `forward`; weights named as a checkpoint
     stores them (`_checkpoint_names`), a tied weight by the one of its names that `stored` says the checkpoint has."""

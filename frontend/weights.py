@@ -68,9 +68,10 @@ class CheckpointWeights:
     def record(self, name: str) -> TensorRecord:
         """The location of `name`, or a `ModelError` that names the missing tensor."""
         if name not in self.records:
+            files = ", ".join(sorted({r.path.name for r in self.records.values()}))
             raise ModelError(
                 f"{self.model_dir}: tensor {name!r} is missing from the checkpoint "
-                f"(found {len(self.records)} tensors in {', '.join(sorted({r.path.name for r in self.records.values()}))})"
+                f"(found {len(self.records)} tensors in {files})"
             )
         return self.records[name]
 

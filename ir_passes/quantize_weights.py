@@ -238,7 +238,8 @@ class _Rewriter(relax.PyExprMutator):
                                                      relax.TensorType((*lead, n), "float32")))
         rows = functools.reduce(operator.mul, lead, 1)
         flat = self.builder_.emit(relax.op.reshape(x, (1, rows, k)))
-        y = self.builder_.emit(relax.call_tir(kernel, [flat, *parts.values()], relax.TensorType((1, rows, n), "float32")))
+        y = self.builder_.emit(
+            relax.call_tir(kernel, [flat, *parts.values()], relax.TensorType((1, rows, n), "float32")))
         return self.builder_.emit(relax.op.reshape(y, (*lead, n)))
 
     def _emit_as(self, old: relax.Var, new: relax.Expr) -> None:

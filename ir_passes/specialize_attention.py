@@ -105,7 +105,8 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     shape = _cache_shape(found, context_window)
     cache = cache_functions(shape, str(found[0].q.ty.dtype), target)
     functions.update({gv.name_hint: f for gv, f in cache.functions_items()})
-    cleaned = tvm.transform.Sequential([relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
+    cleaned = tvm.transform.Sequential(
+        [relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
     # The graph rotates q and k itself (in either form); the cache stores keys as they come.
     specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph",
                                                                                           "sliding_window": False})
@@ -249,7 +250,8 @@ class _Graph:
             value = users[0].value
             if is_op(value, "relax.matmul"):
                 return users[0]
-            if not (any(is_op(value, op) for op in _VIEWS) or is_op(value, "relax.where") and value.args[2].same_as(var)):
+            is_view = any(is_op(value, op) for op in _VIEWS)
+            if not (is_view or is_op(value, "relax.where") and value.args[2].same_as(var)):
                 return None
             var = users[0].var
 
@@ -411,10 +413,12 @@ class _Entry(relax.PyExprMutator):
                 self.narrowed.add(binding.var)
             logits = self.builder_.emit(relax.op.matmul(rows, weight, value.attrs.out_dtype))
             self.set_var_remap(binding.var, self.builder_.emit(relax.op.reshape(logits, [-1, logits.ty.shape[-1]])))
-        elif is_op(value, "relax.reshape") and value.args[0] in self.narrowed and not binding.var.same_as(self.returned):
+        elif (is_op(value, "relax.reshape") and value.args[0] in self.narrowed
+              and not binding.var.same_as(self.returned)):
             # Views of the logits keep the rows picked at logit_positions, not every token's.
             num_logits = self.logit_positions.ty.shape[0]
-            shape = [num_logits if isinstance(d, tirx.Var) and d.same_as(self.count) else d for d in value.args[1].values]
+            shape = [num_logits if isinstance(d, tirx.Var) and d.same_as(self.count) else d
+                     for d in value.args[1].values]
             self.set_var_remap(binding.var, self.builder_.emit(relax.op.reshape(self.visit_expr(value.args[0]), shape)))
             self.narrowed.add(binding.var)
         elif binding.var.same_as(self.returned):

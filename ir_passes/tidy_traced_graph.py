@@ -100,7 +100,9 @@ class _Tidy(relax.PyExprMutator):
         return call
 
 
-    def _projected_rows(self, reshape: relax.Call) -> tuple[relax.Expr, relax.Expr, relax.Call, relax.Expr | None] | None:
+    def _projected_rows(
+        self, reshape: relax.Call,
+    ) -> tuple[relax.Expr, relax.Expr, relax.Call, relax.Expr | None] | None:
         """(x, W, the matmul, the bias or None) if `reshape` is reshape(matmul(reshape(x, [rows, in]), W) [+ bias],
         x's leading dims + [out]) (torch's addmm adds a bias so), the matmul read by this reshape alone."""
         product_var, bias = reshape.args[0], None

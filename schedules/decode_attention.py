@@ -72,7 +72,7 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
         sm_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": symbol, "tirx.noalias": True})
-        B = T.int32()
+        batch_size = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
         indptr_offset = T.int32()
@@ -80,24 +80,24 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
         k_rope_offset = T.int32()
         q_rope_offset = T.int32()
         length_offset = T.int32()
-        queries = T.match_buffer(q_handle, (B, storage.q_heads, storage.q_dim), dtype)
+        queries = T.match_buffer(q_handle, (batch_size, storage.q_heads, storage.q_dim), dtype)
         pages = T.match_buffer(pages_handle, storage.page_shape(max_num_pages), dtype)
-        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_indptr = T.match_buffer(page_indptr_handle, (batch_size + 1,), "int32", elem_offset=indptr_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
-        last_page_len = T.match_buffer(last_page_len_handle, (B,), "int32", elem_offset=length_offset)
-        T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)
-        T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)
-        outputs = T.match_buffer(output_handle, (B, storage.q_heads, storage.q_dim), dtype)
-        lses = T.match_buffer(lse_handle, (B, storage.q_heads), "float32")
-        Q = T.decl_buffer((B, num_qo_heads, head_dim), dtype, data=queries.data,
-                          strides=(storage.q_heads * storage.q_dim, head_dim, 1))
+        last_page_len = T.match_buffer(last_page_len_handle, (batch_size,), "int32", elem_offset=length_offset)
+        T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
+        T.match_buffer(q_rope_position_handle, (batch_size,), "int32", elem_offset=q_rope_offset)
+        outputs = T.match_buffer(output_handle, (batch_size, storage.q_heads, storage.q_dim), dtype)
+        lses = T.match_buffer(lse_handle, (batch_size, storage.q_heads), "float32")
+        query_heads = T.decl_buffer((batch_size, num_qo_heads, head_dim), dtype, data=queries.data,
+                                    strides=(storage.q_heads * storage.q_dim, head_dim, 1))
         values = T.decl_buffer(storage.values_shape(max_num_pages), storage.values_dtype, data=pages.data)
         scales = T.decl_buffer(storage.scales_shape(max_num_pages), storage.scales_dtype, data=pages.data)
-        output = T.decl_buffer((B, num_qo_heads, head_dim), dtype, data=outputs.data,
+        output = T.decl_buffer((batch_size, num_qo_heads, head_dim), dtype, data=outputs.data,
                                strides=(storage.q_heads * storage.q_dim, head_dim, 1))
-        lse = T.decl_buffer((B, num_qo_heads), "float32", data=lses.data, strides=(storage.q_heads, 1))
+        lse = T.decl_buffer((batch_size, num_qo_heads), "float32", data=lses.data, strides=(storage.q_heads, 1))
 
-        for task in T.parallel(B * num_kv_heads):
+        for task in T.parallel(batch_size * num_kv_heads):
             with T.sblock("attention"):
                 T.reads()
                 T.writes()
@@ -120,7 +120,7 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                     m[g] = T.float32(_START_MAX)
                     d[g] = T.float32(1.0)
                     for i in T.vectorized(head_dim):
-                        q[g, i] = T.Cast("float32", Q[b, h * group + g, i]) * sm_scale * T.float32(log2e)
+                        q[g, i] = T.Cast("float32", query_heads[b, h * group + g, i]) * sm_scale * T.float32(log2e)
                         o[g, i] = T.float32(0.0)
                 for chunk in T.serial((length + CHUNK - 1) // CHUNK):
                     rows: T.let[T.int32] = T.min(CHUNK, length - chunk * CHUNK)

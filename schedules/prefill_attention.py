@@ -245,12 +245,14 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                             key_scale[j] = T.if_then_else(j < keys, source.scale(
                                 kv, kv_start, chunk * key_chunk + T.min(j, keys - 1), h, 0), T.float32(0))
                         for j, i in T.grid(key_chunk, head_dim):
-                            kt[i, j] = source.row(kv, kv_start, chunk * key_chunk + T.min(j, keys - 1), h, i, 0) * key_scale[j]
+                            kt[i, j] = (source.row(kv, kv_start, chunk * key_chunk + T.min(j, keys - 1), h, i, 0)
+                                        * key_scale[j])
                         for j in T.serial(keys):
                             value_scale: T.let[T.float32] = source.scale(kv, kv_start, chunk * key_chunk + j, h, 1)
                             for i in T.vectorized(head_dim):
                                 vc[j, i] = source.row(kv, kv_start, chunk * key_chunk + j, h, i, 1) * value_scale
-                        attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, chunk * key_chunk, limit_base, causal, kv_len)
+                        attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, chunk * key_chunk, limit_base, causal,
+                               kv_len)
                     finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
 
     return attention_tasks
@@ -304,7 +306,8 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
         lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data, strides=(q_heads * q_dim, head_dim, 1))
+        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data,
+                          strides=(q_heads * q_dim, head_dim, 1))
         output = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=outputs.data,
                                strides=(q_heads * q_dim, head_dim, 1))
         lse = T.decl_buffer((qo_len, num_qo_heads), "float32", data=lses.data, strides=(q_heads, 1))
@@ -367,7 +370,8 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
         lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
-        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data, strides=(q_heads * q_dim, head_dim, 1))
+        q = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=queries.data,
+                          strides=(q_heads * q_dim, head_dim, 1))
         output = T.decl_buffer((qo_len, num_qo_heads, head_dim), dtype, data=outputs.data,
                                strides=(q_heads * q_dim, head_dim, 1))
         lse = T.decl_buffer((qo_len, num_qo_heads), "float32", data=lses.data, strides=(q_heads, 1))

@@ -115,7 +115,8 @@ def format_report(report: BenchReport) -> str:
     per_token = f"{report.decode_bytes_per_token / 2**20:.1f} MiB read per token"
     if roofline:
         lines.append(f"  decode at {report.decode_tokens_per_s / roofline:.0%} of the bandwidth roofline: "
-                     f"{roofline:.1f} tok/s = {report.hardware.memory_bandwidth / 1e9:.1f} GB/s ({report.hardware_note}) "
+                     f"{roofline:.1f} tok/s = {report.hardware.memory_bandwidth / 1e9:.1f} GB/s "
+                     f"({report.hardware_note}) "
                      f"/ {per_token}")
     else:
         lines.append(f"  no bandwidth roofline: {report.hardware_note} ({per_token})")

@@ -70,7 +70,8 @@ class CompileOptions:
     tuning_db: Path | None = None  # a directory written by `ember tune` on this machine
     frontend: str = "builtin"  # a checkpoint directory's importer: "builtin" (hand-written) or "torch-export"
     tokenizer_dir: Path | None = None  # an ONNX file's tokenizer and config.json (default: the file's directory)
-    kv_quant: str | None = None  # "q8"/"f16": int8/float16 keys and values in the KV cache (CPU targets); None: the model's dtype
+    # "q8"/"f16": int8/float16 keys and values in the KV cache (CPU targets); None: the model's dtype
+    kv_quant: str | None = None
     show_progress: bool = True
 
 

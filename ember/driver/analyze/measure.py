@@ -213,7 +213,8 @@ def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, 
         library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target.target)
     weight = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32), INTERLEAVED)
     args = [tvm_runtime.tensor(rng.standard_normal((1, m, k), dtype=np.float32)),
-            *(tvm_runtime.tensor(weight[part]) for part in fmt.parts), tvm_runtime.tensor(np.zeros((1, m, n), np.float32))]
+            *(tvm_runtime.tensor(weight[part]) for part in fmt.parts),
+            tvm_runtime.tensor(np.zeros((1, m, n), np.float32))]
     timer = library.mod.time_evaluator("main", tvm.cpu(), number=3, repeat=5, min_repeat_ms=50)
     seconds = min(timer(*args).results)
     return dataclasses.replace(
@@ -477,7 +478,8 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
     for (signature, implements), group in groups.items():
         ops, nbytes = work[signature]
         symbol = group[0].symbol
-        int8 = symbol != ATTENTION_BUILTIN and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__
+        int8 = (symbol != ATTENTION_BUILTIN
+                and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__)
         point = place(Operator(symbol, int8_dtype if int8 else float_dtype, ops, act_read=nbytes), hardware)
         expected = sum(predicted_time[n] for n in implements) if implements else None
         timings.append(KernelTiming(symbol, implements, len(group), times[signature], point, expected))

@@ -168,11 +168,10 @@ def _point_json(p: Point) -> dict[str, Any]:
 
 def write_plots(analysis: Analysis, directory: Path) -> list[Path]:
     """roofline.png (every operator, prefill and decode), batch_sweep.png, seqlen_sweep.png."""
-    Figure = _figure_class()
+    fig = _new_figure((14, 6.5))
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "roofline.png", directory / "batch_sweep.png", directory / "seqlen_sweep.png"]
 
-    fig = Figure(figsize=(14, 6.5))
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.09, top=0.9, wspace=0.18)
     for ax, result in zip(fig.subplots(1, 2), (analysis.prefill, analysis.decode)):
         _roofline_axes(ax, result, analysis)
@@ -188,13 +187,13 @@ def write_plots(analysis: Analysis, directory: Path) -> list[Path]:
     return paths
 
 
-def _figure_class() -> Any:
+def _new_figure(figsize: tuple[float, float]) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise EmberError("--plot needs matplotlib: pip install 'ember[plot]' "
                          "(or pip install 'matplotlib>=3.8')") from None
-    return Figure
+    return Figure(figsize=figsize)
 
 
 def _roofline_axes(ax: Any, result: StageResult, analysis: Analysis) -> None:
@@ -360,10 +359,9 @@ def _measured_stage_json(stage: MeasuredStage) -> dict[str, Any]:
 
 def write_measured_plot(m: Measurement, directory: Path) -> Path:
     """measured_roofline.png: predicted operators and measured kernels on the host roofline, prefill and decode."""
-    Figure = _figure_class()
+    fig = _new_figure((15, 10))
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "measured_roofline.png"
-    fig = Figure(figsize=(15, 10))
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.3, top=0.93, wspace=0.15)
     for ax, stage in zip(fig.subplots(1, 2), (m.prefill, m.decode)):
         _measured_axes(ax, stage, m)
