@@ -210,7 +210,8 @@ def test_kv_prefetch_covers_every_line_a_token_reads(storage):
 
         def read(page, part, slot, head):  # the head's values, then its float32 scale if the rows have scales
             row = ((page * 2 + part) * PAGE + slot) * rows.row_bytes
-            values = set(range(row + head * head_dim * rows.value_bytes, row + (head + 1) * head_dim * rows.value_bytes))
+            values = set(range(row + head * head_dim * rows.value_bytes,
+                               row + (head + 1) * head_dim * rows.value_bytes))
             scale = row + rows.scale_word * 4 + head * 4
             return values | (set(range(scale, scale + 4)) if rows.scale_bytes else set())
     else:
@@ -220,6 +221,7 @@ def test_kv_prefetch_covers_every_line_a_token_reads(storage):
         def read(page, part, slot, head):
             row = (((page * 2 + part) * kv_heads + head) * PAGE + slot) * head_dim * element
             return set(range(row, row + head_dim * element))
-    for page, part, slot, head in [(0, 0, 0, 0), *((2, 1, slot, head) for slot in range(PAGE) for head in range(kv_heads))]:
+    slots_read = [(0, 0, 0, 0), *((2, 1, slot, head) for slot in range(PAGE) for head in range(kv_heads))]
+    for page, part, slot, head in slots_read:
         touched = {byte // 64 for byte in read(page, part, slot, head)}  # slots put rows at every offset in a line
         assert touched <= _prefetched_lines(layout, page, part, slot, head), (page, part, slot, head)

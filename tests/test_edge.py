@@ -116,11 +116,13 @@ def test_arm_build_matches_x86(builds, results, name, target, quant, kv_quant) -
     assert logits.shape == x86_logits.shape == (PROMPT_TOKENS, logits.shape[1])
     difference = float(np.abs(logits - x86_logits).max())
     same_tokens = ran["tokens"] == x86["tokens"]
-    assert same_tokens and difference <= tolerance, \
-        f"{activations} activations: greedy tokens {'equal' if same_tokens else 'differ'}, max |logit difference| {difference:.3g}"
+    assert same_tokens and difference <= tolerance, (
+        f"{activations} activations: greedy tokens {'equal' if same_tokens else 'differ'}, "
+        f"max |logit difference| {difference:.3g}")
 
 
-@pytest.mark.parametrize(("name", "target"), [(name, target) for name, target, quant, _ in ARM_BUILDS if quant != "q0f32"])
+@pytest.mark.parametrize(("name", "target"),
+                         [(name, target) for name, target, quant, _ in ARM_BUILDS if quant != "q0f32"])
 def test_quantized_arm_builds_use_the_targets_int8_dot(builds, name, target) -> None:
     """q8f32/q4f32 round activations to int8 on an ARM target with an int8 dot product (dotprod, i8mm:
     `targets/int8_dot.py`), and keep them in float on one without."""

@@ -68,7 +68,8 @@ class LoopbackFarm:
                              "--port", str(port), "--port-end", str(port + 50), python=python, env=env)
         deadline = time.monotonic() + seconds
         while Farm("127.0.0.1", self.port, key).devices() <= before:
-            assert time.monotonic() < deadline and device.poll() is None, f"the device did not register: {self.log(name)}"
+            assert time.monotonic() < deadline and device.poll() is None, \
+                f"the device did not register: {self.log(name)}"
             time.sleep(0.5)
         return device
 
@@ -165,7 +166,8 @@ def test_unreachable_tracker_names_the_address(tiny_models):
     address = f"127.0.0.1:{free_port()}"
     result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--rpc-tracker", address,
                        "--device-key", KEY)
-    assert_one_line_error(result, f"--rpc-tracker {address}: cannot reach the tracker", "python -m tvm.exec.rpc_tracker")
+    assert_one_line_error(result, f"--rpc-tracker {address}: cannot reach the tracker",
+                          "python -m tvm.exec.rpc_tracker")
 
 
 def test_a_bare_tvm_rpc_server_is_named(farm, tiny_models):

@@ -59,7 +59,8 @@ def test_tvm_warnings_are_held_back_unless_verbose(capfd, verbose):
 
 @pytest.mark.parametrize("model, expected", [
     ("meta-llama/Llama-3.2-1B", "`hf download meta-llama/Llama-3.2-1B --local-dir Llama-3.2-1B`"),
-    ("no/such/dir/at/all", "no such directory (expected a Hugging Face checkpoint directory, a GGUF or ONNX file, or `demo`)"),
+    ("no/such/dir/at/all",
+     "no such directory (expected a Hugging Face checkpoint directory, a GGUF or ONNX file, or `demo`)"),
     ("model.gguf", "truncated GGUF file (4 bytes, no header)"),
 ])
 def test_a_bad_model_path_is_refused_before_tvm_is_imported(tmp_path, model, expected):

@@ -62,7 +62,8 @@ def _call(lib, fmt, parts, x, n, batch=1):
     """y [rows, n] from a compiled kernel, with x [rows, k] as `batch` sequences."""
     rows, k = x.shape
     y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
-    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)),
+                *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
     return y.numpy().reshape(rows, n)
 
 
@@ -198,7 +199,8 @@ def test_targets_choose_the_level_by_cpu_features(cpu, level):
 
 # Instructions each level's kernel must use, and must not.
 INSTRUCTIONS = {"avx512vnni": ({"vpdpbusd"}, {"vpmaddubsw"}), "avxvnni": ({"vpdpbusd"}, {"vpmaddubsw"}),
-                "avx512": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"}), "avx2": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"})}
+                "avx512": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"}),
+                "avx2": ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd"})}
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
@@ -300,7 +302,8 @@ def test_every_projection_uses_it(tiny_models, cpu):
         expected = 4 * 2 + 1 if int8 and target.int8_dot else 0  # qkv, o, gate_up, down per layer; lm_head
         assert calls == {"decode": expected, "prefill": expected}
         assert cpu != "haswell" or not int8 or expected  # the AVX2 path is taken
-        layouts = {recipe["layout"] for name, recipe in get_recipes(kernels).items() if name.endswith("_proj.weight.packed")}
+        layouts = {recipe["layout"] for name, recipe in get_recipes(kernels).items()
+                   if name.endswith("_proj.weight.packed")}
         assert layouts == {"interleaved" if expected else "rows"}
 
 

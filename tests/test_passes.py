@@ -62,7 +62,8 @@ def test_fuse_parallel_projections_fuses_shared_input_and_keeps_values() -> None
         "a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight"]
     matmuls = []
     relax.analysis.post_order_visit(
-        fused["main"].body, lambda e: matmuls.append(e) if isinstance(e, relax.Call) and e.op.name == "relax.matmul" else None
+        fused["main"].body,
+        lambda e: matmuls.append(e) if isinstance(e, relax.Call) and e.op.name == "relax.matmul" else None,
     )
     assert len(matmuls) == 2
 
@@ -157,7 +158,8 @@ def _split_concat_module(order: tuple[int, ...]) -> tvm.IRModule:
 def _ops(func: relax.Function) -> list[str]:
     found = []
     relax.analysis.post_order_visit(
-        func.body, lambda e: found.append(e.op.name) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+        func.body,
+        lambda e: found.append(e.op.name) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
     return found
 
 

@@ -21,16 +21,16 @@ import time
 
 import numpy as np
 import pytest
-
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-
 from helpers import REPO_ROOT, ember_serve, prompt_ids
 
 from ember.cli import main
 from ember.core.errors import GenerationError
 from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
 from ember.runtime.sampling import sample_token, token_logprob
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
 from ember.runtime.server import Server
 
 API_KEY = "test-key"

@@ -12,12 +12,11 @@ import subprocess
 import threading
 
 import pytest
+from helpers import REPO_ROOT, ember_serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 sync_api = pytest.importorskip("playwright.sync_api")
-
-from helpers import REPO_ROOT, ember_serve
 
 API_KEY = "browser-key"
 TIMEOUT = 60  # seconds; catches a hang, never a speed
@@ -76,7 +75,7 @@ FETCH_CHAT = """async ([url, key, body]) => {
   } catch (err) {
     return {error: String(err)};
   }
-}"""
+}"""  # noqa: E501 (the page script's text is kept as the browser runs it)
 
 
 @pytest.fixture(scope="module")

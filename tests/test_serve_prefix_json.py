@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from helpers import prompt_ids
-from test_serve import TIMEOUT, Served, _reference, long_served  # noqa: F401 (a fixture)
+from test_serve import TIMEOUT, Served, _reference
 
 from ember.runtime import Engine, SamplingParams, Scheduler, generate
 from ember.runtime.prefix_cache import PrefixCache
@@ -146,6 +146,14 @@ def served(tiny_llama):
     server = Served(tiny_llama.artifact_dir)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def long_served(tiny_llama_long):
+    """A server over the tiny llama with a 1024-token context."""
+    served = Served(tiny_llama_long.artifact_dir)
+    yield served
+    served.close()
 
 
 def _stream_ttft(served, ids, max_tokens):

@@ -54,8 +54,10 @@ def test_cuda_architectures_and_presets(spec, arch, tvm_arch, hardware, memory_g
 
 def test_cpu_and_opencl_defaults():
     cpu, opencl = resolve_target("cpu"), resolve_target("opencl")
-    assert (cpu.is_gpu, cpu.cuda_graph, cpu.default_quantization, cpu.default_memory_budget) == (False, False, "q0f32", None)
-    assert (opencl.name, opencl.is_gpu, opencl.cuda_graph, opencl.default_quantization) == ("opencl", True, False, "q0f16")
+    assert (cpu.is_gpu, cpu.cuda_graph, cpu.default_quantization, cpu.default_memory_budget) == \
+        (False, False, "q0f32", None)
+    assert (opencl.name, opencl.is_gpu, opencl.cuda_graph, opencl.default_quantization) == \
+        ("opencl", True, False, "q0f16")
     assert opencl.target.kind.name == "opencl" and opencl.default_memory_budget is None
 
 

@@ -23,7 +23,8 @@ def test_tokenizer_matches_transformers(tiny_llama):
         assert tokenizer.encode(text) == reference(text).input_ids
         assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.eos_token_ids == (2,)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "x"}]
     assert tokenizer.apply_chat_template(messages) == reference.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
 

@@ -39,7 +39,8 @@ def test_exported_prefill_and_decode_match_transformers(tiny_models, name):
                         f"{name}: exported prefill")
     expected = model.reference_decode_logits(ids, continuation)
     for step, token in enumerate(continuation):
-        assert_logits_close(engine.decode([seq], [token])[0], expected[step], f"{name}: exported decode step {step + 1}")
+        assert_logits_close(engine.decode([seq], [token])[0], expected[step],
+                            f"{name}: exported decode step {step + 1}")
 
 
 @pytest.mark.parametrize("name", BOTH_FRONTENDS)
