@@ -21,7 +21,6 @@ import shutil
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
-from functools import cache
 from pathlib import Path
 
 from ember.core.errors import EmberError
@@ -39,6 +38,9 @@ KEEP_PER_NAME = 3
 DIGEST_CHARS = 32
 # This session's artifacts by outcome ("reused", "compiled", "damaged"), for the run's summary.
 TALLY: Counter[str] = Counter()
+# key -> the environment digest it was made with: `store` refuses a key whose sources changed since (an edit while
+# the artifact compiled, in a tree others edit too).
+_KEY_ENVIRONMENTS: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -46,10 +48,8 @@ def enabled() -> bool:
     return os.environ.get("EMBER_TEST_CACHE", "1") != "0"
 
 
-@cache
 def _environment_digest() -> str:
-    """sha256 of the compiler's sources, the libraries' versions and this CPU: the part of every key
-    that one session shares."""
+    """sha256 of the compiler's sources, the libraries' versions and this CPU, as they are now (~10 ms)."""
     digest = hashlib.sha256()
     for folder in COMPILER_DIRS:
         for path in sorted((REPO_ROOT / folder).rglob("*")):
@@ -69,14 +69,17 @@ def _environment_digest() -> str:
 def artifact_key(what: str, options: object, inputs: Iterable[Path]) -> str:
     """The cache key of an artifact named `what`, compiled with `options` (a dataclass or any repr-able value)
     from the files `inputs` (files, or directories: every file under them)."""
-    digest = hashlib.sha256(_environment_digest().encode())
+    environment = _environment_digest()
+    digest = hashlib.sha256(environment.encode())
     shown = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else options
     digest.update(f"{what}\0{sorted(shown.items()) if isinstance(shown, dict) else shown!r}\0".encode())
     for root in inputs:
         files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
         for path in files:
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return f"{what}-{digest.hexdigest()[:DIGEST_CHARS]}"
+    key = f"{what}-{digest.hexdigest()[:DIGEST_CHARS]}"
+    _KEY_ENVIRONMENTS[key] = environment
+    return key
 
 
 def restore(key: str, dest: Path) -> bool:
@@ -101,9 +104,10 @@ def restore(key: str, dest: Path) -> bool:
 def store(key: str, artifact: Path) -> None:
     """Keep a copy of the compiled `artifact` as the entry of `key`: staged beside it, then renamed into place
     (a session that lost the race to another leaves that one's entry). Failing to store only costs a later
-    compile, so errors writing the cache are ignored."""
+    compile, so errors writing the cache are ignored. An artifact whose compiler sources changed after its key
+    was made is not stored: it may hold some of each."""
     TALLY["compiled"] += 1
-    if not enabled():
+    if not enabled() or _KEY_ENVIRONMENTS.get(key, _environment_digest()) != _environment_digest():
         return
     staging = CACHE_ROOT / f".{key}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

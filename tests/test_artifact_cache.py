@@ -42,25 +42,26 @@ def test_key_changes_with_options_inputs_and_sources(tiny_models, tmp_path, monk
 
 def test_environment_covers_compiler_sources_tvm_and_cpu(monkeypatch):
     """Editing a compiler source, another TVM version or another CPU each give another digest."""
-    artifact_cache._environment_digest.cache_clear()
     digest = artifact_cache._environment_digest()
-    versions = {"apache-tvm": "0.0.0"}
     real_version = artifact_cache.importlib.metadata.version
-    for patch in [("cpu_model", lambda: "another CPU"), ("host_cpu_flags", lambda: {"sse2"})]:
-        with monkeypatch.context() as m:
-            m.setattr(artifact_cache, *patch)
-            artifact_cache._environment_digest.cache_clear()
-            assert artifact_cache._environment_digest() != digest, patch[0]
-    with monkeypatch.context() as m:
-        m.setattr(artifact_cache.importlib.metadata, "version", lambda name: versions.get(name) or real_version(name))
-        artifact_cache._environment_digest.cache_clear()
-        assert artifact_cache._environment_digest() != digest
-    with monkeypatch.context() as m:
-        m.setattr(artifact_cache, "COMPILER_DIRS", ("ember",))
-        artifact_cache._environment_digest.cache_clear()
-        assert artifact_cache._environment_digest() != digest
-    artifact_cache._environment_digest.cache_clear()
+    patches = [(artifact_cache, "cpu_model", lambda: "another CPU"),
+               (artifact_cache, "host_cpu_flags", lambda: {"sse2"}),
+               (artifact_cache.importlib.metadata, "version",
+                lambda name: "0.0.0" if name == "apache-tvm" else real_version(name)),
+               (artifact_cache, "COMPILER_DIRS", ("ember",))]
+    for target, name, value in patches:
+        with monkeypatch.context() as patched:
+            patched.setattr(target, name, value)
+            assert artifact_cache._environment_digest() != digest, name
     assert artifact_cache._environment_digest() == digest
+
+
+def test_an_artifact_whose_sources_changed_while_it_compiled_is_not_stored(cache_root, tiny_models, tiny_llama,
+                                                                          monkeypatch):
+    key = artifact_cache.artifact_key("tiny-llama", OPTIONS, [tiny_models.checkpoint("llama")])
+    monkeypatch.setattr(artifact_cache, "_environment_digest", lambda: "sources edited meanwhile")
+    artifact_cache.store(key, tiny_llama.artifact_dir)
+    assert not cache_root.exists()
 
 
 def test_build_stores_then_reuses_an_intact_entry(cache_root, tiny_llama, tmp_path):
