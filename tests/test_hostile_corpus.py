@@ -552,7 +552,8 @@ def test_artifact_files(artifact, damage, entries, reseal):
        records=st.lists(st.sampled_from(['[0, [[[1, 2', '["x"]', "[0, 1, 2]", "{}", '[0, [["a", 1]]]', "\x00\xff",
                                           '[1e400]', '[0, [[], [], [], 1, "llvm", []]]']) | st.text(max_size=20),
                         max_size=3),
-       workloads=st.lists(st.sampled_from(['["abc", {}]', "[0]", '[1, "x"]', "null"]) | st.text(max_size=10), max_size=2))
+       workloads=st.lists(st.sampled_from(['["abc", {}]', "[0]", '[1, "x"]', "null"]) | st.text(max_size=10),
+                          max_size=2))
 def test_tuning_database_files(worker, fingerprint, records, workloads):
     """compile's --tuning-db reads them: refused naming the database, or opened (None: another machine's)."""
     from ember.targets.hardware import cpu_fingerprint
@@ -896,7 +897,8 @@ RUNTIME_OPTIONS = {
     "eval": ["--window", "--max-tokens", "--threads"],
 }
 TEXT_OPTIONS = {"--stop", "--prompt", "--system"}
-EVAL_FILES = st.sampled_from(["text", "text", "text", "empty", "binary", "dev_zero", "directory", "fifo", "missing", "one_line"])
+EVAL_FILES = st.sampled_from(["text", "text", "text", "empty", "binary", "dev_zero", "directory", "fifo", "missing",
+                              "one_line"])
 CHAT_INPUT = st.lists(st.sampled_from(["hello", "/reset", "/exit", "\udcff\udcfe", "x " * 3000, "", "again"]),
                       max_size=4).map(lambda lines: "\n".join(lines) + "\n")
 
