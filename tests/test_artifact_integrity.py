@@ -1,4 +1,4 @@
-"""The artifact verified as a whole (issue #24): the directory must hold exactly the files the
+"""The artifact verified as a whole: the directory must hold exactly the files the
 manifest lists, as regular files of the recorded sizes and hashes; the manifest is sealed by a
 hash of its own content and its fields are checked once, in `read_manifest`; a KV cache larger
 than this machine's memory is refused at load. Every refusal is one line naming what is at

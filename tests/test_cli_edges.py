@@ -348,7 +348,7 @@ def test_eval_refuses_odd_text_files(tiny_llama, capsys, tmp_path, monkeypatch):
 
 
 def test_eval_scores_exactly_max_tokens(tiny_llama, capsys, tmp_path, monkeypatch):
-    """--max-tokens N scores N tokens (a [:-1] slice used to drop one for -1), in windows of --window."""
+    """--max-tokens N scores exactly N tokens, none dropped at the end, in windows of --window."""
     monkeypatch.setenv("TVM_NUM_THREADS", "1")
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
