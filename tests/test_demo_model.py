@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ember import DEMO_MODEL_DIR
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
-from ember.runtime.evaluate import compare, perplexity, scoring_windows
+from ember.runtime.evaluate import compare, perplexity, scoring_windows, stream_token_ids
 
 PROMPTS = ("And the LORD said unto Moses,", "In the beginning", "Blessed are they that")
 NEW_TOKENS = 64
@@ -54,9 +55,15 @@ def test_demo_greedy_continuation_matches_transformers(demo_engine, reference, p
 
 @pytest.fixture(scope="module")
 def validation_windows(demo_engine) -> list[list[int]]:
+    """The scoring windows of validation.txt, tokenized in pieces as `ember eval` reads a text (the whole
+    file is past what one encode accepts), which must give the ids `tokenizers` gives the whole text."""
     tokenizer = demo_engine.artifact.tokenizer
-    text = (Path(DEMO_MODEL_DIR) / "validation.txt").read_text(encoding="utf-8")
-    return scoring_windows(tokenizer.encode(text, add_special_tokens=False), tokenizer.bos_token_id, 256)
+    path = Path(DEMO_MODEL_DIR) / "validation.txt"
+    with path.open(encoding="utf-8") as text:
+        ids = list(stream_token_ids(tokenizer, text))
+    whole = Tokenizer.from_file(str(Path(DEMO_MODEL_DIR) / "tokenizer.json"))
+    assert ids == whole.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids
+    return scoring_windows(ids, tokenizer.bos_token_id, 256)
 
 
 def test_demo_perplexity_matches_transformers(demo_engine, reference, validation_windows) -> None:
