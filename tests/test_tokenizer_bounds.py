@@ -325,3 +325,39 @@ def test_generate_never_evaluates_the_chat_template(tiny_llama, copy_artifact):
     result = _generate(artifact, "hello")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("hello")
+
+
+@pytest.mark.parametrize("case", ["lipsum", "nested loops", "percent width"])
+def test_serve_answers_hostile_templates_with_400_and_goes_on(tiny_llama, copy_artifact, tmp_path, case):
+    """Through the openai client against `ember serve`: 8 concurrent chat requests with a hostile chat template
+    each get a 400 in OpenAI's shape (none ties up the server), then /health and a completion answer."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.core.manifest import read_manifest, write_manifest
+
+    template, expected = PROBE_TEMPLATES[case]
+    artifact = copy_artifact(tiny_llama)
+    config = artifact / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
+    write_manifest(artifact, read_manifest(artifact))
+    key_file = tmp_path / "key"
+    key_file.write_text("test-key\n")
+    with ember_serve(artifact, key_file, 60) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0, timeout=60)
+
+        def chat() -> str:
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=artifact.name, max_tokens=2,
+                                               messages=[{"role": "user", "content": "hello"}])
+            return refused.value.message
+
+        with ThreadPoolExecutor(8) as pool:
+            messages = list(pool.map(lambda _: chat(), range(8)))
+        assert all(expected in message for message in messages), messages
+        with urllib.request.urlopen(f"{url}/health", timeout=60) as health:
+            assert health.status == 200
+        reply = client.completions.create(model=artifact.name, prompt="hello", max_tokens=2, temperature=0)
+        assert reply.choices[0].finish_reason in ("length", "stop")
