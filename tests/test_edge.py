@@ -133,3 +133,21 @@ def test_quantized_arm_builds_use_the_targets_int8_dot(builds, name, target) -> 
 def test_aarch64_artifact_is_refused_on_x86_before_dlopen(builds) -> None:
     with pytest.raises(ArtifactError, match=r"compiled for aarch64, this machine is x86_64"):
         load_artifact(builds["aarch64-q0f32"])
+
+
+@pytest.mark.parametrize(("cpu", "has_dotprod"), [("max", True), ("cortex-a53", False)])
+def test_the_emulated_cpu_reports_its_own_features(arm64_python, cpu, has_dotprod):
+    """Under qemu-user /proc/cpuinfo is the host's; the runtime reads an aarch64 CPU's features from the auxiliary
+    vector instead, so a Pi 5 build (dotprod) loads on a CPU that has it and is refused on a Cortex-A53."""
+    command = list(arm64_python)
+    command[command.index("-cpu") + 1] = cpu
+    code = "import machine; flags = machine.host_cpu_flags(); print(sorted(flags))"
+    result = subprocess.run([*command, "-c", code], cwd=Path(ember.__file__).parent / "core",
+                            capture_output=True, text=True, timeout=120, check=True)
+    flags = set(json.loads(result.stdout.replace("'", '"')))
+    assert {"fp", "asimd"} <= flags
+    assert ("asimddp" in flags) == has_dotprod
+    assert not flags & {"sse2", "avx2"}, "the host's x86 flags"
+    pi5_needs = set(resolve_target("raspberry-pi-5").cpu_features)
+    assert "asimddp" in pi5_needs
+    assert (pi5_needs <= flags) == has_dotprod

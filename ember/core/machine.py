@@ -49,8 +49,12 @@ def _isa_flags() -> list[str]:
 
 
 def host_cpu_flags() -> set[str] | None:
-    """The instruction-set flags this CPU has, as Linux's /proc/cpuinfo lists them (x86's `flags`,
+    """The instruction-set flags this CPU has, named as Linux's /proc/cpuinfo names them (x86's `flags`,
     aarch64's `Features`), or None where the OS does not say."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        flags = _aarch64_hwcaps()
+        if flags is not None:
+            return flags
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -58,6 +62,31 @@ def host_cpu_flags() -> set[str] | None:
     except OSError:
         pass
     return None
+
+
+# Linux's arm64 hwcap bits (arch/arm64/include/uapi/asm/hwcap.h), by their /proc/cpuinfo names.
+_HWCAP_NAMES = ("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc "
+                "dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs sb paca pacg").split()
+_HWCAP2_NAMES = ("dcpodp sve2 sveaes svepmull svebitperm svesha3 svesm4 flagm2 frint svei8mm svef32mm svef64mm "
+                 "svebf16 i8mm bf16 dgh rng bti mte").split()
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+
+
+def _aarch64_hwcaps() -> set[str] | None:
+    """The CPU's features from the auxiliary vector, which /proc/cpuinfo's `Features` line is printed from; unlike
+    that file, it is also right for a process under qemu-user, which shows the host's /proc/cpuinfo."""
+    import ctypes
+
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return None
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    hwcap, hwcap2 = getauxval(_AT_HWCAP), getauxval(_AT_HWCAP2)
+    if not hwcap:
+        return None
+    return ({name for bit, name in enumerate(_HWCAP_NAMES) if hwcap >> bit & 1}
+            | {name for bit, name in enumerate(_HWCAP2_NAMES) if hwcap2 >> bit & 1})
 
 
 def available_memory() -> tuple[int, str] | None:
