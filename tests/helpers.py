@@ -100,3 +100,15 @@ def ember_serve(artifact: Path, api_key_file: Path, timeout: float, *options: st
     finally:
         process.terminate()
         process.wait(timeout=timeout)
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
+    from ember import cli
+
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)

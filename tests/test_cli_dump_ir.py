@@ -5,22 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 
 import pytest
-from helpers import assert_one_line_error, run_ember
-
-from ember import cli
-
-
-def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
-    try:
-        code = cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+from helpers import assert_one_line_error, run_ember, run_main
 
 
 def pipeline_phase_names() -> list[str]:

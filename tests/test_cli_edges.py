@@ -20,7 +20,7 @@ from pathlib import Path
 
 import models
 import pytest
-from helpers import REPO_ROOT, assert_one_line_error, run_python
+from helpers import REPO_ROOT, assert_one_line_error, run_main, run_python
 
 from ember import cli
 from ember.cli import inspect as cli_inspect
@@ -31,16 +31,6 @@ from ember.runtime.evaluate import stream_token_ids
 from ember.runtime.tokenizer import Tokenizer
 
 DEMO_MODEL = REPO_ROOT / "ember" / "demo_model"
-
-
-def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
-    try:
-        code = cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 BAD_OPTIONS = [

@@ -7,23 +7,12 @@ import re
 import subprocess
 import sys
 
-from helpers import REPO_ROOT, assert_one_line_error
+from helpers import REPO_ROOT, assert_one_line_error, run_main
 
-from ember import cli
 from ember.cli.generate import speeds
 from ember.runtime.generate import GenerationStats
 
 SENTENCE = "the quick brown fox jumps over the lazy dog and the cat "
-
-
-def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
-    try:
-        code = cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def test_generate_refuses_a_prompt_past_the_context_window_before_printing(tiny_llama, capsys, monkeypatch):

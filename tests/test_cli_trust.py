@@ -11,19 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, assert_one_line_error, run_python
-
-from ember import cli
-
-
-def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
-    try:
-        code = cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+from helpers import REPO_ROOT, assert_one_line_error, run_main, run_python
 
 
 def serve_with_key_file(tmp_path: Path, key_file: Path) -> subprocess.CompletedProcess:
