@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -112,3 +113,18 @@ def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
         code = exit_.code
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
+
+
+@contextmanager
+def deadline(seconds: int = 60):
+    """Fail instead of hanging if the body runs longer than `seconds` (reading /dev/zero, opening a FIFO)."""
+    def expire(_signum, _frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -10,13 +10,11 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_ember, tree_snapshot
+from helpers import assert_one_line_error, deadline, run_ember, tree_snapshot
 
 from ember.core.errors import ArtifactError
 from ember.core.manifest import (
@@ -33,21 +31,6 @@ from ember.runtime import load_artifact
 SHARD = "params/params_shard_0.bin"
 INDEX = "params/tensor-cache.json"
 CLI_TIMEOUT = 60
-
-
-@contextmanager
-def deadline(seconds: int = 60):
-    """Fail instead of hanging if the body runs longer than `seconds` (reading /dev/zero, opening a FIFO)."""
-    def expire(_signum, _frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def edit_manifest(artifact: Path, change: Callable[[dict], None], seal: bool) -> None:

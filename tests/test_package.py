@@ -10,33 +10,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_ember, tree_snapshot
+from helpers import assert_one_line_error, deadline, run_ember, tree_snapshot
 
 from ember.core.errors import EmberError
 from ember.core.manifest import read_manifest, verify_files
 from ember.driver.package import ARTIFACT_SUBDIR, REQUIREMENTS_NAME, package_artifact
 
 SHARD = "params/params_shard_0.bin"
-
-
-@contextmanager
-def deadline(seconds: int = 60):
-    """Fail instead of hanging (a FIFO opened for reading, /dev/zero copied until the disk fills)."""
-    def expire(_signum, _frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
