@@ -37,9 +37,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 class JsonMask:
     """One request's grammar state; as a `LogitsProcessor` it masks every token the grammar forbids."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, param: str = "response_format") -> None:
         self._matcher = matcher
         self._consumed = 0
+        self._param = param  # the request field that asked for the grammar
 
     def __call__(self, generated: list[int], logits: np.ndarray) -> np.ndarray:
         matcher = self._matcher
@@ -48,7 +49,7 @@ class JsonMask:
         allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = allowed[: logits.size].astype(bool)
         if matcher.is_error() or not allowed.any():
-            raise GenerationError(f"response_format: {_one_line(matcher.get_error() or 'no token can follow')}")
+            raise GenerationError(f"{self._param}: {_one_line(matcher.get_error() or 'no token can follow')}")
         return np.where(allowed, logits, -np.inf)
 
 
@@ -71,10 +72,20 @@ class JsonConstraints:
         if llguidance is None:
             raise GenerationError("response_format: JSON output needs llguidance: pip install 'ember[serve]'")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return self._matcher_mask(grammar, "response_format", "invalid JSON schema")
+
+    def grammar_mask(self, lark: str, param: str) -> JsonMask:
+        """A fresh mask for one request held to a Lark grammar (llguidance's, `%json {schema}` included); a
+        `GenerationError` naming `param` if it cannot be used."""
+        if llguidance is None:
+            raise GenerationError(f"{param}: constrained output needs llguidance: pip install 'ember[serve]'")
+        return self._matcher_mask(lark, param, "cannot constrain the output to it")
+
+    def _matcher_mask(self, grammar: str, param: str, problem: str) -> JsonMask:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GenerationError(f"response_format: invalid JSON schema: {_one_line(matcher.get_error())}")
-        return JsonMask(matcher)
+            raise GenerationError(f"{param}: {problem}: {_one_line(matcher.get_error())}")
+        return JsonMask(matcher, param)
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:

@@ -10,14 +10,16 @@ FastAPI brings, the `serve` extra); only the server imports this module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from ember.core.errors import EmberError, GenerationError
+from ember.runtime import tool_calls
 from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.scheduler import QueueFullError, StreamEvent
 
@@ -120,8 +122,10 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[JsonObject] | None = None  # an assistant's calls, checked by tool_calls.template_message
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatRequest(SamplingFields):
@@ -131,8 +135,10 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None  # refused when given: a model that silently ignored them would mislead
-    functions: list[Any] | None = None  # the same, in OpenAI's older form
+    tools: list[Any] | None = None  # checked by tool_calls.plan against the chat template
+    tool_choice: str | JsonObject | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's older form of tools: refused, naming the newer
 
     def token_limit(self) -> int | None:
         """The most tokens to generate: max_completion_tokens, or the older max_tokens."""
@@ -187,16 +193,36 @@ def check_model(name: str, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     """The chat's messages as a chat template takes them, once what ember does not do is refused."""
-    for name in ("tools", "functions"):
-        if getattr(request, name):
-            raise ApiError(400, f"{name} (function calling) are not supported", param=name, code="unsupported_value")
+    if request.functions:
+        raise ApiError(400, "functions (OpenAI's deprecated form) are not supported: send tools",
+                       param="functions", code="unsupported_value")
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    return [{"role": "system" if message.role == "developer" else message.role,
-             "content": message.content if isinstance(message.content, str) else
-             "".join(part.text for part in message.content or [])} for message in request.messages]
+    with tool_errors():
+        return [tool_calls.template_message("system" if message.role == "developer" else message.role,
+                                            _text(message.content), message.tool_calls, message.tool_call_id, index)
+                for index, message in enumerate(request.messages)]
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content or [])
+
+
+def chat_tools(request: ChatRequest, chat_template: Any) -> tool_calls.ToolPlan | None:
+    """The request's tools and tool_choice checked against the served chat template; None without tools."""
+    with tool_errors():
+        return tool_calls.plan(request.tools, request.tool_choice, request.parallel_tool_calls, chat_template)
+
+
+@contextlib.contextmanager
+def tool_errors() -> Iterator[None]:
+    """A `ToolRequestError` raised inside as the 400 naming its field."""
+    try:
+        yield
+    except tool_calls.ToolRequestError as err:
+        raise ApiError(400, str(err), param=err.param, code="invalid_value") from None
 
 
 def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list[int]:
@@ -306,15 +332,18 @@ class Reply:
     include_usage: bool = False
     logprobs: bool = False
     token_text: Callable[[int], str] = str
+    tools: tool_calls.ToolPlan | None = None  # read tool calls out of the reply by this plan
+    held: list[StreamEvent] = field(default_factory=list)  # a tool-calling stream's events until its last
     created: int = field(default_factory=lambda: int(time.time()))
     ident: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
-    def to(cls, request: ChatRequest | CompletionRequest, model: str, token_text: Callable[[int], str]) -> Reply:
-        """How `request` is answered."""
+    def to(cls, request: ChatRequest | CompletionRequest, model: str, token_text: Callable[[int], str],
+           tools: tool_calls.ToolPlan | None = None) -> Reply:
+        """How `request` is answered (`tools`: the plan of a chat request's tools)."""
         return cls(chat=isinstance(request, ChatRequest), model=model, stream=request.stream,
                    include_usage=request.wants_usage(), logprobs=request.logprob_count() is not None,
-                   token_text=token_text)
+                   token_text=token_text, tools=tools if tools and tools.returns_calls else None)
 
     def head(self) -> JsonObject:
         """The fields every response or chunk of this answer starts with."""
@@ -331,6 +360,8 @@ class Reply:
     def chunks(self, event: StreamEvent, offset: int, first: bool) -> list[JsonObject]:
         """The stream chunks `event` makes (none, one, or one and the usage chunk after the last); `offset`:
         characters of text streamed before it, `first`: whether no chunk was sent yet."""
+        if self.tools is not None:
+            return self.tool_chunks(event, first)
         chunks = []
         if event.text or event.token_ids or event.finish_reason or first:
             chunk = {**self.head(), "choices": [self.choice(event, offset, first)]}
@@ -350,11 +381,39 @@ class Reply:
         if not self.chat:
             return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
         if not self.stream:
-            return {"index": 0, "message": {"role": "assistant", "content": event.text}, "logprobs": logprobs,
-                    "finish_reason": event.finish_reason}
+            message, reason = {"role": "assistant", "content": event.text}, event.finish_reason
+            if self.tools is not None:
+                content, calls = tool_calls.parse(event.text, self.tools)
+                message, reason = tool_calls.message(content, calls), tool_calls.finish_reason(reason, calls)
+            return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         delta = {"role": "assistant", "content": event.text} if first else {"content": event.text}
         return {"index": 0, "delta": delta if event.text or first else {}, "logprobs": logprobs,
                 "finish_reason": event.finish_reason}
+
+    def tool_chunks(self, event: StreamEvent, first: bool) -> list[JsonObject]:
+        """A tool-calling stream's chunks: the role first, then nothing until the last event, when the whole
+        text is read into its content and its calls (each whole in one delta, as the openai client assembles
+        them), the finish reason and the usage."""
+        self.held.append(event)
+        chunks = [self.delta_chunk({"role": "assistant"})] if first else []
+        if event.finish_reason is None:
+            return chunks
+        merged = merge(self.held)
+        content, calls = tool_calls.parse(merged.text, self.tools)
+        if content:
+            chunks.append(self.delta_chunk({"content": content}))
+        if calls:
+            chunks.append(self.delta_chunk(tool_calls.delta_calls(calls)))
+        chunks.append(self.delta_chunk({}, tool_calls.finish_reason(merged.finish_reason, calls)))
+        if self.include_usage:
+            chunks.append({**self.head(), "choices": [], "usage": usage(merged)})
+        return chunks
+
+    def delta_chunk(self, delta: JsonObject, finish_reason: str | None = None) -> JsonObject:
+        """A chat stream chunk carrying `delta`."""
+        chunk = {**self.head(), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish_reason}]}
+        return {**chunk, "usage": None} if self.include_usage else chunk
 
 
 def sse(data: JsonObject | str) -> str:

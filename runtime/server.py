@@ -39,6 +39,7 @@ from ember.runtime.protocol import (
     Reply,
     Request,
     chat_messages,
+    chat_tools,
     check_model,
     completion_prompt,
     generation_error,
@@ -51,6 +52,7 @@ from ember.runtime.protocol import (
 )
 from ember.runtime.scheduler import Histogram, Scheduler, StreamEvent, TokenStream
 from ember.runtime.tokenizer import Tokenizer
+from ember.runtime.tool_calls import ToolPlan, call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +178,13 @@ class _Api:
         fields = await self.read(request, ChatRequest)
         messages = chat_messages(fields)
         tokenizer = self._need_tokenizer()
+        tools = chat_tools(fields, tokenizer.chat_template)
 
         def render() -> list[int]:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools.template_tools if tools else None)
+            return tokenizer.encode(text, add_special_tokens=False)
 
-        return await self._answer(request, fields, await _off_loop(render, "messages"), "messages")
+        return await self._answer(request, fields, await _off_loop(render, "messages"), "messages", tools)
 
     async def completion(self, request: HttpRequest) -> Response:
         """POST /v1/completions."""
@@ -201,18 +205,24 @@ class _Api:
         return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
 
     async def _answer(self, request: HttpRequest, fields: ChatRequest | CompletionRequest, prompt_ids: list[int],
-                      prompt_param: str) -> Response:
+                      prompt_param: str, tools: ToolPlan | None = None) -> Response:
         """Generate for `prompt_ids`: the whole answer, or its SSE stream; a client gone mid-way cancels it."""
         engine = self.engine
         params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
         response_format = fields.response_format
         processor = None if response_format is None else \
             await _off_loop(lambda: self.constraints.mask(response_format), "response_format")
+        if tools is not None and tools.enforced:  # the reply must be a call: held to the calls' grammar
+            if processor is not None:
+                raise ApiError(400, "response_format cannot apply to a reply that tool_choice makes a tool call",
+                               param="response_format", code="invalid_value")
+            processor = await _off_loop(lambda: self.constraints.grammar_mask(call_grammar(tools), "tool_choice"),
+                                        "tool_choice")
         try:
             stream = await self.scheduler.submit(prompt_ids, params, processor)
         except GenerationError as err:
             raise request_error(err) from None
-        reply = Reply.to(fields, self.model_name, self._token_text)
+        reply = Reply.to(fields, self.model_name, self._token_text, tools)
         if not fields.stream:
             return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
         return StreamingResponse(_events(reply, stream), media_type="text/event-stream",

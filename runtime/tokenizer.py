@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
 import functools
 import json
 import re
@@ -115,18 +116,26 @@ class Tokenizer:
         if error:
             raise GenerationError(error)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's chat template, within `RENDER_SECONDS` and
-        `RENDER_CHARS` plus twice the conversation's characters."""
+    def use_chat_template(self, source: str, name: str) -> None:
+        """Render chats with `source` (from the file `name`) instead of the model's own template; a
+        `GenerationError` naming the file if it does not compile."""
+        self.chat_template, self._template_name = source, name
+        self.__dict__.pop("_compiled_template", None)
+        self.check_chat_template()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation (and the tools it may call, as transformers passes them) with the model's chat
+        template, within `RENDER_SECONDS` and `RENDER_CHARS` plus twice the conversation's characters."""
         self.check_chat_template()
         template = self._compiled_template[0]
-        given = sum(len(str(value)) for message in messages for value in message.values())
+        given = sum(len(str(value)) for message in messages for value in message.values()) + len(str(tools or ""))
         budget = _Budget(time.monotonic() + RENDER_SECONDS, RENDER_CHARS + 2 * given)
         token = _BUDGET.set(budget)
         pieces, length = [], 0
         try:
-            for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+            for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
                 length += len(piece)
                 budget.check(length)
                 pieces.append(piece)
@@ -239,6 +248,8 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False)
         del self.globals["lipsum"]  # builds any amount of text in one call that no deadline can interrupt
         self.globals["raise_exception"] = _raise_template_error
+        self.globals["strftime_now"] = _strftime_now
+        self.filters["tojson"] = _tojson  # transformers' own: key order kept, no HTML escapes, indent and separators
         self.filters = {name: _bounded(function, name) for name, function in self.filters.items()}
 
     @staticmethod
@@ -440,6 +451,15 @@ def _compile_template(source: Any, name: str) -> tuple[jinja2.Template | None, s
 
 def _raise_template_error(message: str) -> None:
     raise _TemplateRaised(message)
+
+
+def _strftime_now(pattern: str) -> str:
+    return datetime.datetime.now().strftime(pattern)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _one_line(text: str) -> str:

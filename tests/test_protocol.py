@@ -106,8 +106,7 @@ def test_chat_messages_take_the_chat_templates_form():
                                       {"role": "assistant", "content": ""}]
 
 
-@pytest.mark.parametrize("fields, param", [({"tools": [{"type": "function"}]}, "tools"),
-                                           ({"functions": [{"name": "f"}]}, "functions"),
+@pytest.mark.parametrize("fields, param", [({"functions": [{"name": "f"}]}, "functions"),
                                            ({"top_logprobs": 2}, "top_logprobs")])
 def test_chat_refuses_what_ember_does_not_do(fields, param):
     error = _refusal(chat_messages, _chat(**fields))

@@ -9,6 +9,7 @@ import socket
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.cli.options import (
     add_speculation_arguments,
@@ -22,7 +23,11 @@ from ember.cli.options import (
 )
 from ember.core.errors import EmberError
 
+if TYPE_CHECKING:
+    from ember.runtime.artifact import Artifact
+
 MAX_KEY_FILE_BYTES = 4096
+MAX_TEMPLATE_BYTES = 2**20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                "    -d '{\"model\": \"demo-cpu\", \"prompt\": \"And the LORD said\", \"max_tokens\": 32}'",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path, help="artifact directory; its name is the model name clients send")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="a Jinja chat template to render chats with instead of the artifact's own (e.g. one "
+                             "that knows tool calls: Llama 3.1, Qwen2.5/Hermes or Mistral syntax)")
     _add_access_arguments(parser)
     _add_scheduling_arguments(parser)
     add_speculation_arguments(parser, serving=True)
@@ -84,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
     from ember.runtime.scheduler import Scheduler
     from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
 
-    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    artifact = load_artifact(args.artifact, threads=args.threads)
+    if args.chat_template is not None:
+        _use_chat_template(artifact, args.chat_template)
+    engine = Engine(artifact)
     stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
     with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
                    speculation=speculation(args, engine), **stall) as scheduler:
@@ -96,6 +107,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
         server.run()
     return 0
+
+
+def _use_chat_template(artifact: Artifact, path: Path) -> None:
+    """Chat with the Jinja template in `path` instead of the artifact's own."""
+    if artifact.tokenizer is None:
+        raise EmberError(f"--chat-template {path}: this artifact has no tokenizer to chat with")
+    if not path.is_file() or path.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise EmberError(f"--chat-template {path}: not a file of at most {MAX_TEMPLATE_BYTES // 2**20} MiB")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise EmberError(f"--chat-template {path}: cannot read it as UTF-8 text: {err}") from None
+    if not source.strip():
+        raise EmberError(f"--chat-template {path}: the file is empty")
+    artifact.tokenizer.use_chat_template(source, f"--chat-template {path}")
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
