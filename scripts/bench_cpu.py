@@ -197,7 +197,8 @@ def main() -> None:
             bytes_per_token[level.name, f"ember {fmt}"] = ember_bytes_per_token(artifact)
         if split(args.llama_cpp):
             package = build_llama_cpp.ensure_built(level)
-            builds[level.name] = (package, build_llama_cpp.check_isa(level, package))
+            builds[level.name] = (package, build_llama_cpp.check_isa(level,
+                                                                    build_llama_cpp.package_libraries(package)))
         for qtype in split(args.llama_cpp):
             runners[level.name, f"llama.cpp {qtype}"] = lambda q=qtype, d=package: peers.measure_llama_cpp(
                 args.model, q, prompt, args.new_tokens, args.threads, package_dir=d)

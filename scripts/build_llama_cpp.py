@@ -23,8 +23,17 @@ the counts of a native build are only reported. (The ggml of llama-cpp-python 0.
 compiles one CPU backend with the level's `-m` flags; `GGML_CPU_ALL_VARIANTS`, which builds
 several and picks one at run time, is off by default and stays off here.)
 
-    python scripts/build_llama_cpp.py avx2 native      # build (or find) these levels
-    python scripts/build_llama_cpp.py --check avx2     # print the instruction counts
+llama.cpp's own HTTP server (`llama-server`: continuous batching over `--parallel` slots) is
+built with `--server` from the same sdist's vendored llama.cpp tree, by CMake directly (the
+Python package does not ship it), as one static binary under
+
+    ~/.cache/ember/llama-server/<version>-<level>-<hash>/bin/llama-server
+
+keyed the same way; the build fetches nothing (no curl, no OpenSSL, no prebuilt web UI).
+
+    python scripts/build_llama_cpp.py avx2 native              # build (or find) these levels
+    python scripts/build_llama_cpp.py --server avx512-vnni     # llama-server for that level
+    python scripts/build_llama_cpp.py --check avx2             # print the instruction counts
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +55,7 @@ from ember.targets.hardware import cpu_fingerprint
 
 VERSION = "0.3.36"
 CACHE = Path.home() / ".cache" / "ember" / "llama-cpp"
+SERVER_CACHE = Path.home() / ".cache" / "ember" / "llama-server"
 
 # Not ISA options: the multimodal library is never loaded by the benchmark and takes a
 # quarter of the build.
@@ -54,6 +65,16 @@ _AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON"
 _NO_EXTENSIONS = ("-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_BF16=OFF",
                   "-DGGML_AVX_VNNI=OFF")
 _AVX2_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
+_AVX512_FLAGS = _AVX2_FLAGS + ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
+# Off (as GGML_NATIVE=OFF leaves them) and said so: llama.cpp's AMX path (the CPU "extra buffer" that repacks
+# Q4_0/Q8_0 weights for AMX tiles) segfaults on Q8_0/Q4_0 on this Sapphire Rapids host.
+_NO_AMX = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+# The server alone: no tests, examples or unified app; nothing fetched at build time (no curl,
+# no OpenSSL, no web UI from the Hugging Face bucket); one static binary that needs no rpath.
+_SERVER_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_COMMON=ON",
+                "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
 
 
 @dataclass(frozen=True)
@@ -76,8 +97,14 @@ LEVELS = {
                   _AVX2_FLAGS, (False, False)),
     # Skylake-X: AVX512 F/CD/VL/DQ/BW without VNNI, which is what GGML_AVX512 alone enables.
     "avx512": Level("avx512", _AVX2 + ("-DGGML_AVX512=ON",) + _NO_EXTENSIONS,
-                    '{"kind": "llvm", "mcpu": "skylake-avx512"}',
-                    _AVX2_FLAGS + ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"), (True, False)),
+                    '{"kind": "llvm", "mcpu": "skylake-avx512"}', _AVX512_FLAGS, (True, False)),
+    # Cooper Lake: AVX512 with VNNI and BF16 but no AMX, the most of this host llama.cpp runs
+    # Q8_0/Q4_0 with (see _NO_AMX).
+    "avx512-vnni": Level("avx512-vnni", _AVX2 + ("-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
+                                                 "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=OFF",
+                                                 "-DGGML_AVX_VNNI=OFF") + _NO_AMX,
+                         '{"kind": "llvm", "mcpu": "cooperlake"}', _AVX512_FLAGS + ("avx512_vnni", "avx512_bf16"),
+                         (True, True)),
     # Everything this host has: llama.cpp's default -march=native, ember's default target.
     "native": Level("native", ("-DGGML_NATIVE=ON",), "cpu", (), None),
 }
@@ -129,11 +156,59 @@ def ensure_built(level: Level, version: str = VERSION, log: TextIO = sys.stderr)
         # level's wheel to another.
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--quiet",
                         "--target", str(partial), str(sdist)], env=env, check=True)
-        check_isa(level, partial)
+        check_isa(level, package_libraries(partial))
         os.replace(partial, dest)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+def server_cmake_args(level: Level) -> list[str]:
+    """The CMake arguments of ``level``'s llama-server build."""
+    return list(_SERVER_ARGS + level.cmake_args)
+
+
+def server_binary(level: Level, version: str = VERSION) -> Path:
+    """Where ``level``'s llama-server lives: keyed like build_dir, by version, level and a hash of its arguments."""
+    key = " ".join(server_cmake_args(level))
+    if level.name == "native":
+        key += " " + " ".join(sorted(host_flags())) + " " + cpu_fingerprint()["cpu"]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return SERVER_CACHE / f"{version}-{level.name}-{digest}" / "bin" / "llama-server"
+
+
+def server_build_commands(source: Path, build: Path, level: Level, jobs: int) -> list[list[str]]:
+    """The configure and build commands of ``level``'s llama-server from the llama.cpp tree ``source``."""
+    return [["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *server_cmake_args(level)],
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]]
+
+
+def ensure_server_built(level: Level, version: str = VERSION, log: TextIO = sys.stderr) -> Path:
+    """Return ``level``'s llama-server binary, building it first from the sdist's llama.cpp if missing."""
+    binary = server_binary(level, version)
+    if binary.is_file():
+        return binary
+    sdist = _sdist(version, log)
+    SERVER_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{binary.parent.parent.name}.partial-", dir=SERVER_CACHE))
+    try:
+        with tarfile.open(sdist) as archive:
+            archive.extractall(partial / "src", filter="data")
+        source = partial / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        jobs = int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2"))
+        print(f"building llama-server {version} for {level.name} (~20 min on 2 cores): "
+              f"{' '.join(server_cmake_args(level))}", file=log, flush=True)
+        for command in server_build_commands(source, partial / "build", level, jobs):
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        (partial / "bin").mkdir()
+        shutil.copy2(partial / "build" / "bin" / "llama-server", partial / "bin" / "llama-server")
+        check_isa(level, [partial / "bin" / "llama-server"])
+        shutil.rmtree(partial / "src")
+        shutil.rmtree(partial / "build")
+        os.replace(partial, binary.parent.parent)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return binary
 
 
 def _sdist(version: str, log: TextIO) -> Path:
@@ -149,11 +224,16 @@ def _sdist(version: str, log: TextIO) -> Path:
     return path
 
 
-def instruction_counts(package_dir: Path) -> dict[str, int]:
-    """Count zmm-register instructions and vpdpbusd in the shared libraries under ``package_dir``."""
-    counts = {"zmm": 0, "vpdpbusd": 0}
+def package_libraries(package_dir: Path) -> list[Path]:
+    """The shared libraries of the llama_cpp package installed under ``package_dir``."""
+    return sorted((package_dir / "llama_cpp" / "lib").glob("*.so*"))
+
+
+def instruction_counts(binaries: list[Path]) -> dict[str, int]:
+    """Count zmm-register instructions, vpdpbusd and AMX tile instructions in ``binaries``."""
+    counts = {"zmm": 0, "vpdpbusd": 0, "amx": 0}
     seen = set()
-    for lib in sorted((package_dir / "llama_cpp" / "lib").glob("*.so*")):
+    for lib in binaries:
         # The wheel holds each library three times (libx.so, .so.0, .so.0.y.z) as copies, not links.
         digest = hashlib.sha256(lib.read_bytes()).hexdigest()
         if digest in seen:
@@ -163,16 +243,17 @@ def instruction_counts(package_dir: Path) -> dict[str, int]:
                                      capture_output=True, text=True).stdout
         counts["zmm"] += len(re.findall(r"^\s+[0-9a-f]+:\s+\S+.*%zmm", disassembly, re.MULTILINE))
         counts["vpdpbusd"] += len(re.findall(r"\bvpdpbusds?\b", disassembly))
+        counts["amx"] += len(re.findall(r"\b(?:tdpb\w+|tileloadd\w*)\b", disassembly))
     return counts
 
 
-def check_isa(level: Level, package_dir: Path) -> dict[str, int]:
-    """Raise if the built libraries hold code of another ISA level than ``level``'s; return the counts."""
-    counts = instruction_counts(package_dir)
+def check_isa(level: Level, binaries: list[Path]) -> dict[str, int]:
+    """Raise if ``binaries`` hold code of another ISA level than ``level``'s (or AMX code); return the counts."""
+    counts = instruction_counts(binaries)
     found = (counts["zmm"] > 0, counts["vpdpbusd"] > 0)
-    if level.expect is not None and found != level.expect:
-        raise RuntimeError(f"llama.cpp build for {level.name} in {package_dir}: expected zmm={level.expect[0]}, "
-                           f"vpdpbusd={level.expect[1]}, objdump found {counts}")
+    if level.expect is not None and (found != level.expect or counts["amx"]):
+        raise RuntimeError(f"llama.cpp build for {level.name} in {binaries[0].parent}: expected "
+                           f"zmm={level.expect[0]}, vpdpbusd={level.expect[1]}, no AMX; objdump found {counts}")
     return counts
 
 
@@ -181,14 +262,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("levels", nargs="+", choices=LEVELS)
     parser.add_argument("--check", action="store_true", help="only disassemble existing builds")
+    parser.add_argument("--server", action="store_true", help="llama.cpp's llama-server instead of the package")
     args = parser.parse_args()
     for name in args.levels:
         level = LEVELS[name]
-        if args.check:
-            print(f"{name}: {build_dir(level)}: {instruction_counts(build_dir(level))}")
+        if args.server:
+            binary = server_binary(level) if args.check else ensure_server_built(level)
+            print(f"{name}: {binary}: {instruction_counts([binary])}")
+        elif args.check:
+            print(f"{name}: {build_dir(level)}: {instruction_counts(package_libraries(build_dir(level)))}")
         else:
             path = ensure_built(level)
-            print(f"{name}: {path}: {check_isa(level, path)}")
+            print(f"{name}: {path}: {check_isa(level, package_libraries(path))}")
 
 
 if __name__ == "__main__":
