@@ -113,7 +113,9 @@ def plan(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_calls: boo
         functions[name] = parameters
         template_tools.append({"type": "function", "function": described})
     choice, forced = _choice(tool_choice, functions)
-    return ToolPlan(syntax, functions, template_tools, choice, forced, parallel_tool_calls and syntax.parallel)
+    # A named function is one call (as vLLM makes it): a weak model held to "one or more" may never stop.
+    parallel = parallel_tool_calls and syntax.parallel and forced is None
+    return ToolPlan(syntax, functions, template_tools, choice, forced, parallel)
 
 
 def _function(tool: Any, index: int) -> tuple[str, JsonObject, JsonObject]:
@@ -228,13 +230,14 @@ def parse(text: str, tool_plan: ToolPlan) -> tuple[str, list[ToolCall]]:
     syntax = tool_plan.syntax
     if syntax is HERMES:
         found = [_json_prefix(match.group(1)) for match in _HERMES_CALL.finditer(text)]
+        if len(found) > 1 and found[-1] is None and not text.rstrip().endswith("</tool_call>"):
+            found.pop()  # a last call cut off by max_tokens: the whole ones before it stand
         rest = _HERMES_CALL.sub("", text) if found else text
     elif syntax is MISTRAL:
         before, marker, after = text.partition("[TOOL_CALLS]")
         if not marker and text.lstrip().startswith("[{"):  # a tokenizer whose [TOOL_CALLS] is a special token
             before, marker, after = "", "[TOOL_CALLS]", text  # decodes without it
-        value = _json_prefix(after) if marker else None
-        found, rest = (value if isinstance(value, list) else [value]), before
+        found, rest = (_json_items(after) if marker else [None]), before
     else:
         body = text.strip().removeprefix("<|python_tag|>")
         found, rest = [_json_prefix(body)], ""
@@ -250,6 +253,24 @@ def _json_prefix(text: str) -> Any:
         return json.JSONDecoder().raw_decode(text.lstrip())[0]
     except json.JSONDecodeError:
         return None
+
+
+def _json_items(text: str) -> list[Any]:
+    """The whole items of the JSON array `text` starts with (or its one object), even if max_tokens cut the
+    array off after them; [None] if there is no whole item."""
+    decoder, text, items = json.JSONDecoder(), text.lstrip(), []
+    if not text.startswith("["):
+        return [_json_prefix(text)]
+    position = 1
+    while True:
+        position = len(text) - len(text[position:].lstrip(", \n\t"))
+        if position >= len(text) or text[position] == "]":
+            return items or [None]
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items or [None]
+        items.append(item)
 
 
 def _call(item: Any, syntax: ToolSyntax) -> ToolCall | None:

@@ -151,6 +151,9 @@ def test_parallel_calls_in_hermes_syntax_parse_in_order():
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]', ["get_time"]),
     ("mistral", '[{"name": "get_time", "arguments": {"zone": "utc"}}]', ["get_time"]),  # [TOOL_CALLS] decoded away
     ("mistral", "[TOOL_CALLS][{broken", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_t', ["get_time"]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n<tool_call>\n{"na',
+     ["get_time"]),  # max_tokens cut the second call off: the whole first one stands
     ("hermes", "<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"zone\"}\n</tool_call>", []),
 ])
 def test_calls_are_read_out_of_free_text(family, text, names):
