@@ -6,8 +6,8 @@ and /metrics (Prometheus text), and a web chat page at / (static/chat.html, whic
 through /v1/chat/completions); CORS answers for the web origins the caller allows, none
 by default. Every request runs through one `Scheduler`, which this module only wraps and
 routes to: bodies are parsed, checked and answered by `runtime/protocol.py`, prompts
-tokenized off the event loop, `response_format` JSON enforced by a token mask
-(`runtime/constrained.py`), and every failure answered in OpenAI's error shape
+tokenized off the event loop, `response_format` JSON and `tool_choice` calls enforced by a token mask
+(`runtime/constrained.py`, `runtime/tool_calls.py`), and every failure answered in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
 404 unknown model or path, 413 body too large, 429 queue full, 500 a bug), never
 a traceback: whatever one request raises, a Rust panic from the tokenizer included, the server goes on.
