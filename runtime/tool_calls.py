@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.core.errors import GenerationError
+from ember.runtime.constrained import JSON_OPTIONS  # fixed whitespace, as for response_format
 
 JsonObject = dict[str, Any]
-# Fixed whitespace between JSON tokens, as for response_format: with free whitespace a weak model can pad forever.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -210,7 +209,7 @@ def call_grammar(tool_plan: ToolPlan) -> str:
 
 
 def _schema_text(schema: JsonObject) -> str:
-    return json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 @dataclass(frozen=True)
