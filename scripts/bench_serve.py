@@ -678,8 +678,9 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     try:
         prompt_rng = np.random.default_rng(args.seed)
         prompts = draw_prompts(tokenizer, [p for p, _ in shapes], prompt_rng)
-        stall_prompts = (draw_prompts(tokenizer, [16, args.stall_prompt], prompt_rng)
-                         if args.stall_prompt < context else None)
+        # A long prompt of its own per measurement: a repeated one would be read from a prefix cache.
+        stall_prompts = ({streams: draw_prompts(tokenizer, [16, args.stall_prompt], prompt_rng)
+                          for streams in settings.stall_streams} if args.stall_prompt < context else {})
         prefix_len = min(settings.shared_prefix[0], context - settings.shared_prefix[1] - 32)
         shared, unshared = prefix_prompts(tokenizer, prefix_len, settings.shared_prefix[1], settings.shared_prefix[2],
                                           prompt_rng)
@@ -702,10 +703,10 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
         pick = {name: 1 if name == "ember" else 0 for name in running}  # ember reads the token ids, llama.cpp text
         requests = {name: [(prompt[pick[name]], out) for prompt, (_, out) in zip(prompts, shapes)] for name in running}
         busy += measure_servers(settings, running, requests, rows)
-        for streams in settings.stall_streams if stall_prompts else ():
+        for streams, (short_prompt, long_prompt) in stall_prompts.items():
             for name, served in running.items():
                 if name != "llama-cpp-python":  # one request at a time: the streams would queue behind each other
-                    short, long = (prompt[pick[name]] for prompt in stall_prompts)
+                    short, long = short_prompt[pick[name]], long_prompt[pick[name]]
                     busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
                     stalls[name, streams] = asyncio.run(measure_stall(served, short, long, streams, per_slot - 16))
         for name, served in running.items():

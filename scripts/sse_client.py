@@ -51,16 +51,22 @@ class ConnectionPool:
 
     async def events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """POST `body` as JSON to `path` and yield the JSON of each server-sent event until `[DONE]`."""
-        connection = self._idle.pop() if self._idle else _Connection(
-            *await asyncio.open_connection(self.host, self.port))
+        payload = json.dumps(body).encode()
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                   f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+        connection = self._idle.pop() if self._idle else await self._open()
         finished = False
         try:
-            payload = json.dumps(body).encode()
-            connection.writer.write(
-                f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            await connection.writer.drain()
-            status, headers = await asyncio.wait_for(_read_head(connection.reader), self.timeout)
+            try:
+                status, headers = await self._ask(connection, request)
+            except (asyncio.IncompleteReadError, ConnectionError) as error:
+                if isinstance(error, asyncio.IncompleteReadError) and error.partial:
+                    raise
+                # The server closed the kept-alive connection before reading the request (llama-server does after
+                # each stream, though it answers `Keep-Alive`): once more on a new one, as HTTP clients do.
+                connection.close()
+                connection = await self._open()
+                status, headers = await self._ask(connection, request)
             pieces = _body_pieces(connection.reader, headers)
             if status != 200:
                 raise HTTPStatusError(status, b"".join([piece async for piece in pieces]))
@@ -82,6 +88,15 @@ class ConnectionPool:
                 self._idle.append(connection)
             else:  # left early, failed, or the server closes it: the server sees the client go
                 connection.close()
+
+    async def _open(self) -> _Connection:
+        return _Connection(*await asyncio.open_connection(self.host, self.port))
+
+    async def _ask(self, connection: _Connection, request: bytes) -> tuple[int, dict[str, str]]:
+        """Send `request` on `connection`; the answer's status and headers."""
+        connection.writer.write(request)
+        await connection.writer.drain()
+        return await asyncio.wait_for(_read_head(connection.reader), self.timeout)
 
     async def close(self) -> None:
         for connection in self._idle:

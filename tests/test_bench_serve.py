@@ -125,8 +125,8 @@ def demo_q8_0() -> Path:
 @pytest.mark.timeout(600)
 def test_llama_server_serves_concurrent_streams_and_stops_by_its_process_group(demo_q8_0, tmp_path) -> None:
     """The cached llama-server loads the demo Q8_0 file, answers /health, tokenizes with BOS as a completion
-    reads, streams two concurrent greedy completions to the benchmark's client with usage counts, and is gone,
-    with its process group, once stopped."""
+    reads, streams three greedy completions, two at a time, to the benchmark's client with usage counts, and is
+    gone, with its process group, once stopped."""
     binary = build_llama_cpp.server_binary(LEVEL)
     if not binary.is_file():
         pytest.skip(f"no llama-server in the cache ({binary}): python scripts/build_llama_cpp.py --server avx512-vnni")
@@ -136,13 +136,16 @@ def test_llama_server_serves_concurrent_streams_and_stops_by_its_process_group(d
     try:
         ids = bench_serve.tokenize(served, "hello world")
         assert len(ids) > 1 and ids == bench_serve.tokenize(served, "hello world")
-        replies, wall = asyncio.run(bench_serve.run_level(served, [("hello world", 8), ("the cat", 8)], 2))
+        # Three requests over two clients: the third goes on a kept-alive connection, which llama-server closes
+        # after each stream (the client opens a new one).
+        replies, wall = asyncio.run(bench_serve.run_level(served, [("hello world", 8), ("the cat", 8), ("a dog", 8)],
+                                                          2))
     finally:
         served.stop()
     assert served.process.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(served.process.pid, 0)
-    assert len(replies) == 2 and wall > 0
+    assert len(replies) == 3 and wall > 0
     for reply in replies:
         assert 1 <= reply.tokens <= 8 and reply.token_times and reply.ttft > 0
     assert "n_slots = 2" in (tmp_path / f"llama-server-{demo_q8_0.stem}.log").read_text()
