@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tvm
@@ -84,6 +84,10 @@ class CompileResult:
     memory: MemoryReport
     seconds: float
     schedules: ScheduleSources  # how many kernels were scheduled from tuning records, by the rules
+    # The weights' conversion: [(parameter, dtype)] in graph order and each one's recipe, which
+    # `convert.write_params` replays from the checkpoint (on a device without the compiler too).
+    params: list[tuple[str, str]] = field(default_factory=list)
+    recipes: dict[str, dict] = field(default_factory=dict)
 
 
 def check_sizes(prefill_chunk: int, max_batch: int) -> None:
@@ -166,7 +170,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         manifest.param_types = param_types
         write_manifest(staging, manifest)
         replace_dir(staging, output_dir)
-    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules)
+    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules, params, recipes)
 
 
 def _add_param_types(lowered: tvm.IRModule, param_types: dict[str, dict]) -> None:

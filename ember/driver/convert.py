@@ -3,6 +3,8 @@
 The recipes come from the passes that ran (see `ir/weight_recipes.py`), so
 the tensors written are exactly those the compiled graph takes, in its order.
 One parameter is materialised at a time: peak memory is a few tensors, not the model.
+Importing this module needs no TVM compiler (numpy, ml_dtypes and TVM's runtime library only): a device
+with the runtime alone converts a checkpoint into an artifact's shards (`scripts/gpu_check.py` does).
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
 from ember.core.errors import ModelError
-from ember.frontend.weights import CheckpointWeights
 from ember.ir.quant_formats import FORMATS, QuantFormat
-from ember.ir.weight_recipes import recipe_sources
-from ember.ir_passes.pack_float_panels import PANEL_OP, to_panels
+
+if TYPE_CHECKING:
+    from ember.frontend.weights import CheckpointWeights
 
 
 class RecipeEvaluator:
@@ -49,8 +51,6 @@ class RecipeEvaluator:
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
         if op == "transpose":
             return self(recipe["input"]).T
-        if op == PANEL_OP:
-            return to_panels(self(recipe["input"]), recipe["rows"])
         if op == "quantize":
             layout = recipe["layout"]
             key = json.dumps([recipe["format"], layout, recipe["input"]], sort_keys=True)
@@ -58,6 +58,11 @@ class RecipeEvaluator:
                 self._last_packed = None  # free the previous weight's parts first
                 self._last_packed = (key, self._quantized(FORMATS[recipe["format"]], recipe["input"], layout))
             return self._last_packed[1][recipe["part"]]
+        # Panels are a CPU layout; their module needs relax, which a runtime-only device has not.
+        from ember.ir_passes.pack_float_panels import PANEL_OP, to_panels
+
+        if op == PANEL_OP:
+            return to_panels(self(recipe["input"]), recipe["rows"])
         raise ValueError(f"unknown weight recipe op {op!r}")
 
     def _quantized(self, fmt: QuantFormat, source: dict[str, Any], layout: str) -> dict[str, np.ndarray]:
@@ -84,6 +89,7 @@ class RecipeEvaluator:
 
 def quantized_sources(recipes: dict[str, dict[str, Any]]) -> dict[str, QuantFormat]:
     """The checkpoint tensors that `recipes` quantize, each with its format (for a GGUF file's conversion report)."""
+    from ember.ir.weight_recipes import recipe_sources  # needs relax: the compiler side only
     return {name: FORMATS[recipe["format"]] for recipe in recipes.values() if recipe["op"] == "quantize"
             for name in recipe_sources(recipe["input"])}
 
