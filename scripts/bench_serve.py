@@ -20,7 +20,8 @@ request at a time) and `ember-api`: the same requests through ember's Python API
 Every server runs in its own process group on `--threads` threads, loaded side by side and
 idle while another is measured; each is ready once its health route answers and is stopped by
 its process group. All serve the same requests: random prompt and output lengths drawn once
-from `--seed`, greedy, streamed (read by `sse_client.py`, a lean client: the official `openai`
+from `--seed`, each level with prompts of its own (a repeated prompt would come from the
+servers' prefix caches), greedy, streamed (read by `sse_client.py`, a lean client: the official `openai`
 client's own CPU time, on the cores the server computes on, was up to a quarter of a level's
 time; `--client openai` uses it), at each `--concurrency` (that many clients, each sending its
 next request when the previous one ends). Levels run round-robin: each round runs each
@@ -316,7 +317,7 @@ async def run_level(served: Served, requests: list[tuple[str | list[int], int]],
     return result
 
 
-def run_api_levels(artifact: Path, requests: list[tuple[list[int], int]], concurrencies: list[int], rounds: int,
+def run_api_levels(artifact: Path, requests: list[list[tuple[list[int], int]]], concurrencies: list[int], rounds: int,
                    threads: int, quiet_wait: float) -> tuple[dict[int, list[dict[str, float]]], int]:
     """Every level of `rounds` rounds through ember's Python API in a fresh process (TVM's thread count is fixed
     per process, and this one compiled the models): rows by concurrency, and how many started on a busy machine."""
@@ -329,14 +330,14 @@ def run_api_levels(artifact: Path, requests: list[tuple[list[int], int]], concur
     return rows, result["busy"]
 
 
-def _api_levels_worker(artifact: str, requests: list[list], concurrencies: list[int], rounds: int, threads: int,
+def _api_levels_worker(artifact: str, requests: list[list[list]], concurrencies: list[int], rounds: int, threads: int,
                        quiet_wait: float) -> dict[str, Any]:
     """`run_api_levels`' process: `Scheduler` as `ember serve` makes it, greedy, each stream's tokens timed."""
     from ember.runtime import Engine, load_artifact
     from ember.runtime.sampling import SamplingParams
     from ember.runtime.scheduler import Scheduler
 
-    todo = [(prompt, max_tokens) for prompt, max_tokens in requests]
+    todo = [[(prompt, max_tokens) for prompt, max_tokens in level] for level in requests]
     with Scheduler(Engine(load_artifact(artifact, threads=threads))) as scheduler:
         async def send(prompt: list[int], max_tokens: int) -> Reply:
             sent, times = time.perf_counter(), []
@@ -345,13 +346,14 @@ def _api_levels_worker(artifact: str, requests: list[list], concurrencies: list[
                 times += [time.perf_counter()] * len(event.token_ids)
             return Reply(sent, times, len(times))
 
-        asyncio.run(run_concurrently(send, todo[:1], 1))  # warm-up
+        asyncio.run(run_concurrently(send, todo[0][:1], 1))  # warm-up
         rows: dict[int, list[dict[str, float]]] = {}
         busy = 0
-        for _ in range(rounds):
-            for concurrency in concurrencies:
+        for round_ in range(rounds):
+            for index, concurrency in enumerate(concurrencies):
                 busy += not peers.wait_for_quiet_machine(timeout_s=quiet_wait)
-                rows.setdefault(concurrency, []).append(level_row(*asyncio.run(run_concurrently(send, todo,
+                level = todo[1 + round_ * len(concurrencies) + index]
+                rows.setdefault(concurrency, []).append(level_row(*asyncio.run(run_concurrently(send, level,
                                                                                                 concurrency))))
     return {"rows": rows, "busy": busy}
 
@@ -600,11 +602,16 @@ def print_header(settings: Settings) -> None:
     if settings.llama_server:
         defaults = llama_server_defaults(settings.llama_server)
         print(f"llama.cpp: llama-server {build_llama_cpp.VERSION} (llama-cpp-python's vendored llama.cpp), "
-              f"{level.name} build without AMX ({isa}): {settings.llama_server}; --parallel {settings.slots} "
+              f"{level.name} build, {amx_of(level.name)} ({isa}): {settings.llama_server}; --parallel {settings.slots} "
               f"--kv-unified, -c = slots x per-slot context; its defaults: flash attention "
               f"{defaults['flash attention']}, KV cache K {defaults['K cache']} V {defaults['V cache']}")
     if settings.package:
         print(f"llama-cpp-python: llama_cpp.server ({level.name} build, {settings.package}), one request at a time")
+
+
+def amx_of(level: str) -> str:
+    """Whether llama.cpp's build of `level` has AMX code: only -march=native turns it on."""
+    return "-march=native, AMX where this CPU has it" if level == "native" else "no AMX"
 
 
 def start_tokenizer(settings: Settings, gguf: Path, context: int) -> Served | None:
@@ -637,19 +644,20 @@ def start_servers(settings: Settings, artifact: Path, gguf: Path, context: int, 
     return running
 
 
-def measure_servers(settings: Settings, running: dict[str, Served], requests: dict[str, list],
+def measure_servers(settings: Settings, running: dict[str, Served], requests: dict[str, list[list]],
                     rows: dict[tuple[str, int], list[dict[str, float]]]) -> int:
     """Every level of every server into `rows`, round-robin: each round runs each concurrency on each server in
-    turn. Returns how many levels started on a busy machine."""
+    turn, level k on `requests[server][1 + k]` (0 warms up). Returns how many levels started on a busy machine."""
     busy = 0
     for served in running.values():
-        asyncio.run(run_level(served, requests[served.name][:1], 1))  # warm-up
+        asyncio.run(run_level(served, requests[served.name][0][:1], 1))  # warm-up
     for round_ in range(settings.args.rounds):
-        for concurrency in settings.concurrencies:
+        for index, concurrency in enumerate(settings.concurrencies):
             for name, served in running.items():
                 # Two busy cores slow any server, and llama.cpp's spinning threads far more than ember's.
                 busy += not peers.wait_for_quiet_machine(timeout_s=settings.args.quiet_wait)
-                row = level_row(*asyncio.run(run_level(served, requests[name], concurrency)))
+                level = requests[name][1 + round_ * len(settings.concurrencies) + index]
+                row = level_row(*asyncio.run(run_level(served, level, concurrency)))
                 rows.setdefault((name, concurrency), []).append(row)
                 print(f"  round {round_ + 1} c{concurrency} {name}: {row['tok_s']:.1f} tok/s", flush=True)
     return busy
@@ -677,7 +685,10 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     tokenizer = start_tokenizer(settings, gguf, context)
     try:
         prompt_rng = np.random.default_rng(args.seed)
-        prompts = draw_prompts(tokenizer, [p for p, _ in shapes], prompt_rng)
+        # The same lengths at every level, but prompts of their own: repeated ones would be read from the servers'
+        # prefix caches. Set 0 warms up; level k of the rounds reads set 1 + k.
+        prompt_sets = [draw_prompts(tokenizer, [p for p, _ in shapes], prompt_rng)
+                       for _ in range(1 + args.rounds * len(settings.concurrencies))]
         # A long prompt of its own per measurement: a repeated one would be read from a prefix cache.
         stall_prompts = ({streams: draw_prompts(tokenizer, [16, args.stall_prompt], prompt_rng)
                           for streams in settings.stall_streams} if args.stall_prompt < context else {})
@@ -691,7 +702,7 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     rows: dict[tuple[str, int], list[dict[str, float]]] = {}
     stalls: dict[tuple[str, int], dict[str, float]] = {}
     if "ember-api" in settings.servers:
-        api_requests = [(prompt[1], out) for prompt, (_, out) in zip(prompts, shapes)]
+        api_requests = [[(prompt[1], out) for prompt, (_, out) in zip(prompts, shapes)] for prompts in prompt_sets]
         api_rows, busy = run_api_levels(artifact, api_requests, settings.concurrencies, args.rounds, args.threads,
                                         args.quiet_wait)
         rows.update((("ember-api", c), levels) for c, levels in api_rows.items())
@@ -701,7 +712,8 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     running = start_servers(settings, artifact, gguf, context, per_slot)
     try:
         pick = {name: 1 if name == "ember" else 0 for name in running}  # ember reads the token ids, llama.cpp text
-        requests = {name: [(prompt[pick[name]], out) for prompt, (_, out) in zip(prompts, shapes)] for name in running}
+        requests = {name: [[(prompt[pick[name]], out) for prompt, (_, out) in zip(prompts, shapes)]
+                           for prompts in prompt_sets] for name in running}
         busy += measure_servers(settings, running, requests, rows)
         for streams, (short_prompt, long_prompt) in stall_prompts.items():
             for name, served in running.items():
@@ -716,7 +728,8 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     finally:
         for served in running.values():
             served.stop()
-    slots = f"; llama-server -c {settings.slots}x{per_slot}" if "llama.cpp" in running else ""
+    slots = (f"; llama-server {args.llama_cpp_level} build ({amx_of(args.llama_cpp_level)}), "
+             f"-c {settings.slots}x{per_slot}" if "llama.cpp" in running else "")
     print_table(f"{model_name} {fmt} (llama.cpp {qtype}), {args.threads} threads{slots}", rows, settings.concurrencies)
     if busy:
         print(f"  warning: {busy} measurements started on a busy machine")
