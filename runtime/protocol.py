@@ -139,6 +139,8 @@ class ChatRequest(SamplingFields):
     tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # OpenAI's older form of tools: refused, naming the newer
+    # As in OpenAI's Responses API: "auto" drops the earliest turns to fit the context window (runtime/history.py)
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     def token_limit(self) -> int | None:
         """The most tokens to generate: max_completion_tokens, or the older max_tokens."""

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime.constrained import JsonConstraints
+from ember.runtime.history import default_reply_tokens, fit_history
 from ember.runtime.protocol import (
     NEVER_CAUGHT,
     ApiError,
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 413 before it is parsed
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+# How many of a `truncation: "auto"` chat's earliest turns were dropped to fit the context window.
+DROPPED_TURNS_HEADER = "X-Dropped-Turns"
 _ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 _Result = TypeVar("_Result")
 
@@ -179,12 +182,25 @@ class _Api:
         messages = chat_messages(fields)
         tokenizer = self._need_tokenizer()
         tools = chat_tools(fields, tokenizer.chat_template)
+        fit = fields.truncation == "auto"
+        if fit and fields.token_limit() is None:
+            fields = fields.model_copy(update={"max_tokens": default_reply_tokens(self.engine.context_window)})
 
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, tools=tools.template_tools if tools else None)
+        def prompt_of(kept: list[dict]) -> list[int]:
+            text = tokenizer.apply_chat_template(kept, tools=tools.template_tools if tools else None)
             return tokenizer.encode(text, add_special_tokens=False)
 
-        return await self._answer(request, fields, await _off_loop(render, "messages"), "messages", tools)
+        def render() -> tuple[list[int], int]:
+            if not fit:
+                return prompt_of(messages), 0
+            _kept, prompt, dropped = fit_history(messages, prompt_of, self.engine.context_window - fields.token_limit())
+            return prompt, dropped
+
+        prompt, dropped = await _off_loop(render, "messages")
+        response = await self._answer(request, fields, prompt, "messages", tools)
+        if fit:
+            response.headers[DROPPED_TURNS_HEADER] = str(dropped)
+        return response
 
     async def completion(self, request: HttpRequest) -> Response:
         """POST /v1/completions."""
@@ -255,10 +271,11 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     app = fastapi.FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=[DROPPED_TURNS_HEADER],
+                           max_age=600)
     _answer_errors_in_openai_shape(app)
     api, metrics = _Api(scheduler, model_name, api_key), _Metrics()
-    page = CHAT_PAGE.read_text(encoding="utf-8")
+    page = chat_page_html(api_key is not None)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completion)
 
@@ -288,6 +305,12 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         return PlainTextResponse(_prometheus(scheduler, metrics.responses), media_type="text/plain; version=0.0.4")
 
     return metrics.middleware(_guarded(app))
+
+
+def chat_page_html(needs_key: bool) -> str:
+    """The chat page, told whether the API needs a key: it then asks for one instead of calling the API without."""
+    page = CHAT_PAGE.read_text(encoding="utf-8")
+    return page.replace('data-api-key="optional"', 'data-api-key="required"', 1) if needs_key else page
 
 
 async def _events(reply: Reply, stream: TokenStream) -> AsyncIterator[str]:
