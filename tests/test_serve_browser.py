@@ -2,7 +2,8 @@
 
 scripts/install_browser.sh finds chromium or installs it with apt-get (the test skips only when it
 cannot); playwright launches that executable, so no browser is downloaded from elsewhere. One
-`ember serve` subprocess with an API key serves the tiny llama; each test opens the page afresh.
+`ember serve` subprocess with an API key serves the tiny llama, another the demo model (context window 256)
+for a conversation longer than its context; each test opens the page afresh.
 """
 
 from __future__ import annotations
@@ -166,9 +167,14 @@ def _answers(page) -> list[str]:
     return page.locator(".message.assistant .content").all_text_contents()
 
 
-def _greedy(client, model: str, messages: list[dict]) -> str:
-    reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS)
+def _greedy(client, model: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> str:
+    reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
     return reply.choices[0].message.content
+
+
+def _shown(reply: str) -> str:
+    """A reply as the page shows it: without the space its first token decodes with."""
+    return reply.removeprefix(" ")
 
 
 def test_chat_page_streams_a_conversation(page, server, tmp_path, capsys):
@@ -185,7 +191,8 @@ def test_chat_page_streams_a_conversation(page, server, tmp_path, capsys):
     sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(1)
     first = _answers(page)[0]
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, who are you?"}]
-    assert first and first == _greedy(client, model, messages)
+    whole_first = _greedy(client, model, messages)
+    assert first and first == _shown(whole_first)
     updates = page.evaluate("window.assistantTexts")
     assert len(set(updates)) >= 2 and updates[-1] == first, updates  # shown piece by piece
     assert all(later.startswith(earlier) for earlier, later in zip(updates, updates[1:])), updates
@@ -193,8 +200,8 @@ def test_chat_page_streams_a_conversation(page, server, tmp_path, capsys):
     _send(page, "Tell me more.")  # the second turn is sent with the first
     sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(2)
     second = _answers(page)[1]
-    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Tell me more."}]
-    assert second and second == _greedy(client, model, messages)
+    messages += [{"role": "assistant", "content": whole_first}, {"role": "user", "content": "Tell me more."}]
+    assert second and second == _shown(_greedy(client, model, messages))
     assert page.locator(".message.user .content").all_text_contents() == ["Hello, who are you?", "Tell me more."]
     sync_api.expect(page.locator(".message.assistant .meta").first).to_contain_text("tokens")
 
@@ -234,7 +241,7 @@ def test_chat_page_stop_button(page, server):
     sync_api.expect(page.locator(".message.assistant[data-state=stopped]")).to_have_count(1)
     sync_api.expect(page.locator(".message.assistant .meta")).to_contain_text("stopped")
     partial = _answers(page)[0]
-    whole = _greedy(client, model, [{"role": "user", "content": "Hello"}])
+    whole = _shown(_greedy(client, model, [{"role": "user", "content": "Hello"}]))
     assert partial and whole.startswith(partial)
     assert stop.is_disabled() and page.get_by_role("button", name="Send").is_enabled()
 
@@ -252,3 +259,103 @@ def test_only_allowed_origins_call_the_api_from_a_browser(page, server, web_apps
     page.goto(other + "/")
     result = page.evaluate(FETCH_CHAT, call)
     assert result == {"error": "TypeError: Failed to fetch"}  # the browser's refusal: no CORS answer for this origin
+
+
+@pytest.fixture(scope="module")
+def demo_server(demo_builds, tmp_path_factory):
+    """`ember serve` on the compiled demo model (context window 256) with an API key: (page URL, openai client,
+    model name)."""
+    artifact = demo_builds.get("cpu", "q0f32")
+    key_file = tmp_path_factory.mktemp("browser-demo") / "key"
+    key_file.write_text(API_KEY + "\n")
+    with ember_serve(artifact, key_file, TIMEOUT) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT)
+        yield url + "/", client, artifact.name
+
+
+def _ask(page, text: str, turn: int) -> None:
+    """Send `text` as the page's `turn`th message (from 1) with whatever settings it has; wait for the reply."""
+    page.get_by_label("Message").fill(text)
+    page.get_by_label("Message").press("Enter")
+    sync_api.expect(page.locator(".message.assistant:not([data-state=streaming])")).to_have_count(turn)
+
+
+def test_the_page_asks_for_a_needed_key_without_calling_the_api(page, demo_server):
+    url, _client, _model = demo_server
+    requests = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.goto(url)
+    sync_api.expect(page.get_by_label("API key")).to_be_visible()
+    sync_api.expect(page.locator("#key-hint")).to_contain_text("This server asks for an API key")
+    sync_api.expect(page.locator("#status")).to_have_text("API key needed")
+    page.wait_for_load_state("networkidle")
+    assert page.locator("#error").text_content() == ""
+    assert requests == [url]  # the page itself, and no API call that could only be refused
+
+
+def test_a_ten_turn_conversation_on_the_demo_model_drops_the_earliest_turns(page, demo_server, tmp_path, capsys):
+    """With the page's default settings (reply budget, temperature), a conversation longer than the context window
+    goes on: the earliest turns are dropped, dimmed, and a note says so; the composer stays in view."""
+    url, _client, _model = demo_server
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready (context window 256 tokens)")
+    for turn in range(1, 11):
+        _ask(page, f"Tell me of the {turn}th king of Israel, and of the house of his fathers.", turn)
+        assert page.locator("#error").text_content() == ""
+    assert page.locator(".message.assistant[data-state=done]").count() == 10
+    dropped = page.locator(".message.user.dropped").count()
+    assert 1 <= dropped < 10
+    note = page.get_by_role("note")
+    sync_api.expect(note).to_have_count(1)
+    sync_api.expect(note).to_contain_text(f"The model no longer sees the {dropped} earliest turns above (dimmed)")
+    assert page.locator(".message.dropped").count() == 2 * dropped  # each turn's question and reply
+    answers = _answers(page)
+    assert all(answers) and not any(answer.startswith(" ") for answer in answers), answers
+    # Each reply is cut at the default budget of 64 tokens (a quarter of the context) or ends before it.
+    for reply in page.locator(".message.assistant").all():
+        cut = reply.get_attribute("data-finish") == "length"
+        assert reply.locator(".cut").count() == cut
+        assert ("64 tokens" in reply.locator(".meta").text_content()) == cut
+    # The conversation scrolls under the composer, following the newest text; the page itself does not scroll.
+    for visible in (page.get_by_label("Message"), page.get_by_role("button", name="Send"),
+                    page.locator(".message.assistant .meta").last):
+        sync_api.expect(visible).to_be_in_viewport()
+    assert page.evaluate("document.scrollingElement.scrollHeight <= window.innerHeight")
+
+    screenshot = tmp_path / "chat_page_ten_turns.png"
+    page.screenshot(path=str(screenshot))
+    with capsys.disabled():
+        print(f"\nchat page screenshot after ten turns: {screenshot}")
+    assert screenshot.stat().st_size > 0
+
+
+def test_a_reply_cut_at_the_length_limit_is_marked(page, demo_server):
+    url, client, model = demo_server
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    _send(page, "Hello", max_tokens="")  # greedy, the default reply budget
+    reply = page.locator(".message.assistant")
+    sync_api.expect(reply.locator(".cut")).to_have_text("… (cut at the length limit)")
+    whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                           temperature=0, max_tokens=64)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].message.content.startswith(" ")  # the API's text keeps the space...
+    assert _answers(page) == [_shown(whole.choices[0].message.content)]  # ...the page shows it without
+    sync_api.expect(reply.locator(".meta")).to_contain_text("64 tokens")
+
+
+def test_the_api_key_survives_a_reload_until_forgotten(page, demo_server):
+    url, _client, _model = demo_server
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    page.reload()
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    sync_api.expect(page.get_by_label("API key")).to_be_hidden()
+    _ask(page, "Hello", 1)
+    assert page.locator("#error").text_content() == "" and _answers(page)[0]
+    page.get_by_role("button", name="Forget API key").click()
+    sync_api.expect(page.get_by_label("API key")).to_be_visible()
+    page.reload()
+    sync_api.expect(page.locator("#status")).to_have_text("API key needed")
+    sync_api.expect(page.get_by_label("API key")).to_be_visible()
+    assert page.locator("#error").text_content() == ""
