@@ -322,6 +322,7 @@ def test_a_ten_turn_conversation_on_the_demo_model_drops_the_earliest_turns(page
         sync_api.expect(visible).to_be_in_viewport()
     assert page.evaluate("document.scrollingElement.scrollHeight <= window.innerHeight")
 
+    note.evaluate("note => note.scrollIntoView({block: 'center'})")  # the dimmed turns above, the kept ones below
     screenshot = tmp_path / "chat_page_ten_turns.png"
     page.screenshot(path=str(screenshot))
     with capsys.disabled():
