@@ -10,6 +10,7 @@ from __future__ import annotations
 from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Generation
+from ember.runtime.history import fit_history
 from ember.runtime.sampling import SamplingParams
 from ember.runtime.speculative import Speculation
 from ember.runtime.tokenizer import check_text
@@ -73,19 +74,15 @@ class ChatSession:
         many turns were dropped."""
         context = self.engine.context_window
         room = min(params.max_new_tokens, context // 4)
-        system, turns = messages[:1 if self.system else 0], messages[1 if self.system else 0:]
-        dropped = 0
-        while True:
-            prompt = self.tokenizer.encode(self.tokenizer.apply_chat_template(system + turns), add_special_tokens=False)
-            if len(prompt) <= context - room:
-                return system + turns, prompt, dropped
-            later_users = [i for i, turn in enumerate(turns) if turn["role"] == "user" and i > 0]
-            if not later_users:
-                raise GenerationError(
-                    f"the message does not fit: the conversation with only it is {len(prompt)} tokens, and the "
-                    f"context window of {context} tokens keeps {room} for the reply; it was not sent")
-            turns = turns[later_users[0]:]
-            dropped += 1
+        messages, prompt, dropped = fit_history(messages, self._prompt_of, context - room)
+        if len(prompt) > context - room:
+            raise GenerationError(
+                f"the message does not fit: the conversation with only it is {len(prompt)} tokens, and the "
+                f"context window of {context} tokens keeps {room} for the reply; it was not sent")
+        return messages, prompt, dropped
+
+    def _prompt_of(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
     def _finish_reply(self) -> None:
         """Record the last reply in the history and the cache bookkeeping."""
