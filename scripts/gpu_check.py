@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -228,7 +229,7 @@ def reference_outputs(model, vocab: int, torch) -> dict[str, np.ndarray]:
         batch = [greedy(model, p, BATCH_TOKENS, torch) for p in prompts["batch"]]
     full = full.float().cpu().numpy()
     return {"prefill_logits": full[:PROMPT_LEN], "decode_logits": full[PROMPT_LEN: PROMPT_LEN + DECODE_STEPS],
-            "greedy_tokens": np.array(tokens), "batch_tokens": np.array(batch, dtype=object)}
+            "greedy_tokens": np.array(tokens), "batch_tokens": np.array(batch)}
 
 
 def cpu_references(checkpoint_dir: Path, vocab: int) -> dict[str, np.ndarray]:
@@ -238,9 +239,7 @@ def cpu_references(checkpoint_dir: Path, vocab: int) -> dict[str, np.ndarray]:
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    outputs = reference_outputs(model, vocab, torch)
-    outputs["batch_tokens"] = np.array(outputs["batch_tokens"].tolist())  # equal lengths: a plain int array
-    return outputs
+    return reference_outputs(model, vocab, torch)
 
 
 def prepare(out: Path, work: Path, with_1b: bool, compile_into=None) -> Path:
@@ -501,16 +500,16 @@ def worker(log: Log, workdir: Path, name: str, *args: str, timeout: float, devic
     start = time.perf_counter()
     process = subprocess.Popen(command, env=runtime_env(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
-    deadline = start + timeout
+    timer = threading.Timer(timeout, process.kill)  # a silent hang is ended too, not only a chatty one
+    timer.start()
     for line in process.stdout:
         log(line.rstrip("\n"))
-        if time.perf_counter() > deadline:
-            process.kill()
     code = process.wait()
+    timer.cancel()
     seconds = round(time.perf_counter() - start, 1)
     log(f"--- {name} {' '.join(args)}: exit {code} in {seconds} s")
     if code != 0 or not result_path.exists():
-        return {"error": f"exit {code}" + (" (timed out)" if time.perf_counter() > deadline else ""),
+        return {"error": f"exit {code}" + (f" (killed after {timeout} s)" if seconds >= timeout else ""),
                 "seconds": seconds}
     return {**json.loads(result_path.read_text()), "seconds": seconds}
 
