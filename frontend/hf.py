@@ -53,9 +53,10 @@ class ImportedModel:
 
 
 def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str = "float32",
-                    exported: bool = False) -> ImportedModel:
+                    exported: bool = False, embeddings: bool = False) -> ImportedModel:
     """Build the Relax IRModule for the checkpoint in `model_dir`: from ember's model definition, or
-    (`exported`) from the graph `torch.export` traces through transformers' (`frontend/torch_export.py`)."""
+    (`exported`) from the graph `torch.export` traces through transformers' (`frontend/torch_export.py`);
+    `embeddings` adds the `embed` entry (ember's model definition only)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint directory)")
@@ -67,7 +68,7 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
 
         mod, shapes = build_exported_module(model_dir, config, model_dtype)
     else:
-        mod, shapes = build_module(config, target, model_dtype)
+        mod, shapes = build_module(config, target, model_dtype, embeddings)
     for name, shape in shapes.items():
         _check_tensor(weights, name, shape)
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype, "torch-export" if exported else "builtin")
@@ -142,14 +143,15 @@ def _check_tokenizer_config(data: dict, path: Path) -> None:
                              f"got {short_repr(data[key])}")
 
 
-def build_module(config: ModelConfig, target: tvm.target.Target,
-                 model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
-    """The Relax IRModule of `config` with its weight recipes, and the shape of each checkpoint tensor it loads.
+def build_module(config: ModelConfig, target: tvm.target.Target, model_dtype: str,
+                 embeddings: bool = False) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+    """The Relax IRModule of `config` with its weight recipes (and an `embed` entry with `embeddings`), and the
+    shape of each checkpoint tensor it loads.
 
     Needs no weights: `ember analyze --measure` rebuilds an artifact's kernels from its manifest this way.
     """
     model = LlamaForCausalLM(config, model_dtype, target)
-    mod, params = model.export_tvm(spec=model.export_spec())
+    mod, params = model.export_tvm(spec=model.export_spec(embeddings))
     relax_names = [p.name for p in weight_params(mod["decode"])]
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}

@@ -18,6 +18,9 @@ pages. Entry functions:
 - `verify(input_ids[1, n], kv_cache) -> logits[1, n, vocab]`: a few tokens of one
   sequence (n <= VERIFY_TOKENS: a pending token and guesses, `runtime/speculative.py`)
   with logits at every position, in kernels sized for a few rows as decode's are.
+- `embed(input_ids[1, n], kv_cache) -> hidden[1, n, hidden_size] float32`: one chunk of
+  one sequence, the hidden states after the final norm (transformers' `last_hidden_state`),
+  for `/v1/embeddings`; only in artifacts compiled with `ember compile --embeddings`.
 - `create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size,
   page_size, support_sliding_window) -> kv_cache`.
 """
@@ -142,6 +145,11 @@ class LlamaForCausalLM(nn.Module):
         """Run a few new tokens of one sequence; logits at every position."""
         return self._logits(self.model(input_ids, kv_cache)), kv_cache
 
+    def embed(self, input_ids: Tensor, kv_cache: PagedKVCache):
+        """Run one chunk of one sequence; its hidden states after the final norm, as float32."""
+        hidden = self.model(input_ids, kv_cache)
+        return (hidden.astype(LOGITS_DTYPE) if hidden.dtype != LOGITS_DTYPE else hidden), kv_cache
+
     def create_paged_kv_cache(
         self,
         max_batch_size: tirx.Var,
@@ -161,9 +169,14 @@ class LlamaForCausalLM(nn.Module):
         return CacheShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                           c.context_window, c.rope_theta, c.rope_scaling or {})
 
-    def export_spec(self) -> dict[str, Any]:
-        """The `nn.Module.export_tvm` spec of the entry functions."""
+    def export_spec(self, embeddings: bool = False) -> dict[str, Any]:
+        """The `nn.Module.export_tvm` spec of the entry functions (`embed` too with `embeddings`)."""
         plain = {"param_mode": "plain", "effect_mode": "none"}
+        embed = {"embed": {
+            "input_ids": nn.spec.Tensor([1, SEQ_LEN], "int32"),
+            "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+            "$": plain,
+        }} if embeddings else {}
         return {
             "prefill": {
                 "input_ids": nn.spec.Tensor([1, SEQ_LEN], "int32"),
@@ -181,5 +194,6 @@ class LlamaForCausalLM(nn.Module):
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": plain,
             },
+            **embed,
             "create_paged_kv_cache": create_spec(),
         }

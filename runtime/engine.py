@@ -45,6 +45,7 @@ class Engine:
         self.page_size = int(kv["page_size"])
         # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
         self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
+        self.has_embeddings = "embed" in artifact.manifest.entry_functions  # `ember compile --embeddings`
         self._vm = artifact.vm
         self._params = artifact.params
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
@@ -151,6 +152,27 @@ class Engine:
         tokens = self._check_tokens(token_ids)
         return self._forward("verify", [seq_id], [len(tokens)], tokens[None, :])[0]
 
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The hidden states [n, hidden_size] after the final norm of `token_ids` read as one sequence, through
+        a temporary sequence that is removed afterwards (a free sequence slot and KV pages are needed)."""
+        if not self.has_embeddings:
+            raise GenerationError("this artifact has no embed function: recompile it with `ember compile "
+                                  "--embeddings`")
+        if not token_ids:
+            raise GenerationError("an input to embed needs at least one token")
+        if self.sliding_window and len(token_ids) > self.sliding_window:
+            raise GenerationError(f"an input to embed is {len(token_ids)} tokens, more than the model's sliding "
+                                  f"window of {self.sliding_window}")
+        seq_id = self.add_sequence()
+        try:
+            self._check_room({seq_id: len(token_ids)})
+            tokens = self._check_tokens(token_ids)
+            chunks = [self._forward("embed", [seq_id], [len(chunk)], chunk[None, :])[0].copy()
+                      for chunk in np.array_split(tokens, range(self.prefill_chunk, len(tokens), self.prefill_chunk))]
+        finally:
+            self.remove_sequence(seq_id)
+        return np.concatenate(chunks, axis=0)
+
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence; logits [len(seq_ids), vocab]."""
         if len(seq_ids) != len(token_ids) or not seq_ids:
@@ -163,7 +185,7 @@ class Engine:
 
     def _forward(self, function: str, seq_ids: list[int], counts: list[int], *inputs: np.ndarray) -> np.ndarray:
         """Run the entry `function` on `inputs` (then the KV cache and the weights), appending `counts[i]`
-        tokens to sequence `seq_ids[i]`; its logits.
+        tokens to sequence `seq_ids[i]`; its first output (logits, or `embed`'s hidden states).
 
         On a CPU the logits are the VM's own output buffer, viewed, not copied: each call returns a new
         buffer, which the array keeps alive. Copying 8 rows of a 32,000-token vocabulary cost 65 us of a

@@ -35,12 +35,21 @@ forward instead (`runtime/speculative.py`), cutting the cache back as each row i
 with more requests decoding, the batched step already reads the weights once for several tokens.
 `submit` (async) and `submit_sync` hand out the events of one request; an async caller's event
 loop gets the events of a step for all its requests in one callback after the step.
+
+A request for `n` choices (OpenAI's `n`) is admitted as a group of n sequences: the first reads the
+prompt, the others fork its pages once it is read, and each samples its first token from the same
+logits with its own generator (choice i of a seeded request: `choice_seed`). Cancelling one cancels all.
+`embed` runs `Engine.embed` on this thread between steps, in a sequence slot and KV pages that no
+admitted request needs, evicting prefix cache entries as a new request would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import math
 import queue
@@ -56,7 +65,7 @@ from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Decoding, LogitsProcessor
 from ember.runtime.prefix_cache import PrefixCache
-from ember.runtime.sampling import SamplingParams, TokenLogprob
+from ember.runtime.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.speculative import Speculation
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,15 @@ class StreamEvent:
     finish_reason: str | None = None  # "stop" or "length" on the last event
     prompt_tokens: int = 0
     completion_tokens: int = 0  # all tokens generated so far
+    index: int = 0  # the choice it belongs to, of a request for several
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded `seed`: the seed itself for the first (a request for one
+    choice answers as the first of several), a distinct one derived from both for the others."""
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**64, index]).generate_state(1, np.uint64)[0]) % MAX_SEED
 
 
 @dataclass
@@ -134,10 +152,20 @@ class SchedulerStats:
     prefix_cache_tokens: int  # in the pages of those entries
     speculative_proposed: int = 0  # guessed tokens checked by verify steps
     speculative_accepted: int = 0  # of those, the ones the model agreed with
+    embedded_tokens: int = 0  # input tokens run through `embed`
 
 
 # Events held for one event loop: (request, its queue, the event or the error that ends it).
 _Outbox = list[tuple["_Request", asyncio.Queue, "StreamEvent | BaseException"]]
+
+
+def _settle(future: concurrent.futures.Future, outcome: object) -> None:
+    """End `future` with `outcome` (an exception, or its result) unless its caller cancelled it meanwhile."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def _put_events(batch: _Outbox) -> None:
@@ -149,8 +177,11 @@ class _Request:
     """A request as the engine loop sees it."""
 
     def __init__(self, prompt_ids: list[int], decoding: Decoding, reserve: int,
-                 emit: Callable[[StreamEvent | BaseException], None]) -> None:
+                 emit: Callable[[StreamEvent | BaseException], None], index: int = 0) -> None:
         self.prompt_ids = prompt_ids
+        self.index = index  # the choice it is, of a request for several
+        self.followers: list[_Request] = []  # choices 1..n-1: they fork this one's pages once its prompt is read
+        self.leader: _Request | None = None  # for a follower, the choice 0 whose prompt it shares
         self.decoding = decoding
         self.reserve = reserve
         self.emit = emit
@@ -162,6 +193,20 @@ class _Request:
         self.cached: int | None = None  # during a verify step, the tokens of its sequence that are checked
         self.sent = 0  # tokens already handed out in events
         self.cancelled = False
+
+    @property
+    def group(self) -> list[_Request]:
+        """This request and the choices that share its prompt."""
+        return [self, *self.followers]
+
+
+@dataclass
+class _EmbedJob:
+    """Inputs to run through `Engine.embed`, one per engine step; their hidden states go to `future`."""
+
+    inputs: list[list[int]]
+    future: concurrent.futures.Future
+    outputs: list[np.ndarray] = field(default_factory=list)
 
 
 class Scheduler:
@@ -181,7 +226,9 @@ class Scheduler:
         self.speculation = speculation
         self._prefill_seconds_per_token: float | None = None  # measured on the chunks read so far
         self._cond = threading.Condition()
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[_Request] = deque()  # a group of choices waits as its first
+        self._embedding: deque[_EmbedJob] = deque()
+        self._embedded_tokens = 0
         self._running: list[_Request] = []  # oldest first; only the engine thread changes it
         self._reserved = 0
         self._kv_used = 0
@@ -203,9 +250,11 @@ class Scheduler:
         self._thread.start()
 
     async def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     logits_processor: LogitsProcessor | None = None) -> TokenStream:
-        """Queue a request; iterate the returned stream for its events. Raises `GenerationError`
-        for a request that can never run, `QueueFullError` when the queue is full."""
+                     logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None = None,
+                     n: int = 1) -> TokenStream:
+        """Queue a request for `n` choices (with n > 1, a logits processor is one per choice); iterate the
+        returned stream for the events of all. Raises `GenerationError` for a request that can never run,
+        `QueueFullError` when the queue is full."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
 
@@ -214,7 +263,7 @@ class Scheduler:
             # event loop for the whole batch's events, not one per request.
             self._outbox.setdefault(loop, []).append((request, events, item))
 
-        request = self._enqueue(prompt_ids, params, logits_processor, emit)
+        request = self._enqueue(prompt_ids, params, logits_processor, emit, n)
         return TokenStream(self, request, events)
 
     def submit_sync(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -239,15 +288,43 @@ class Scheduler:
         return iterate()
 
     def cancel(self, request: _Request) -> None:
-        """Stop a request; its sequence is freed before the next engine step."""
+        """Stop a request and the other choices of its group; their sequences are freed before the next step."""
         with self._cond:
-            if request.cancelled:
+            leader = request.leader or request
+            if leader.cancelled:
                 return
-            request.cancelled = True
-            if request in self._waiting:
-                self._waiting.remove(request)
-                self._finished["cancelled"] += 1
+            for member in leader.group:
+                member.cancelled = True
+            if leader in self._waiting:
+                self._waiting.remove(leader)
+                self._finished["cancelled"] += len(leader.group)
             self._cond.notify()
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> concurrent.futures.Future:
+        """Queue token-id inputs for `Engine.embed`; the future's result is their hidden states [n_i, hidden]
+        (cancel it to drop the rest). Raises `GenerationError` for an input that can never run."""
+        engine = self.engine
+        if not engine.has_embeddings:
+            raise GenerationError("this artifact has no embed function: recompile it with `ember compile "
+                                  "--embeddings`")
+        job = _EmbedJob([[int(token) for token in ids] for ids in inputs], concurrent.futures.Future())
+        for ids in job.inputs:
+            if not ids:
+                raise GenerationError("an input is empty: it needs at least one token")
+            if min(ids) < 0 or max(ids) >= engine.vocab_size:
+                raise GenerationError(f"input token ids must be in [0, {engine.vocab_size})")
+            if len(ids) > min(engine.context_window, engine.kv_capacity):
+                raise GenerationError(f"an input is {len(ids)} tokens, more than the context window of "
+                                      f"{engine.context_window} tokens")
+        with self._cond:
+            if self._closed:
+                raise GenerationError("the scheduler is closed")
+            if len(self._waiting) + len(self._embedding) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting) + len(self._embedding)} requests are already waiting "
+                                     f"(--max-queue {self.max_queue}); try again later")
+            self._embedding.append(job)
+            self._cond.notify()
+        return job.future
 
     def stats(self) -> SchedulerStats:
         """Queue, batch, KV cache and latency figures now."""
@@ -263,6 +340,7 @@ class Scheduler:
                 prefix_cache_tokens=self._cached_tokens,
                 speculative_proposed=self.speculation.stats.proposed if self.speculation else 0,
                 speculative_accepted=self.speculation.stats.accepted if self.speculation else 0,
+                embedded_tokens=self._embedded_tokens,
             )
 
     def close(self) -> None:
@@ -278,8 +356,9 @@ class Scheduler:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _enqueue(self, prompt_ids: Sequence[int], params: SamplingParams, logits_processor: LogitsProcessor | None,
-                 emit: Callable[[StreamEvent | BaseException], None]) -> _Request:
+    def _enqueue(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None,
+                 emit: Callable[[StreamEvent | BaseException], None], n: int = 1) -> _Request:
         engine = self.engine
         prompt = [int(token) for token in prompt_ids]
         if not prompt:
@@ -289,12 +368,17 @@ class Scheduler:
         if len(prompt) > engine.context_window:
             raise GenerationError(f"the prompt is {len(prompt)} tokens, more than the context window of "
                                   f"{engine.context_window} tokens")
-        decoding = Decoding(engine, prompt, params, logits_processor)
+        processors = self._choice_processors(logits_processor, n)
         reserve = self._pages(min(len(prompt) + params.max_new_tokens, engine.context_window))
-        if reserve > engine.kv_capacity:
-            raise GenerationError(f"the prompt and max_new_tokens need {reserve} KV cache tokens; the cache holds "
-                                  f"{engine.kv_capacity}")
-        request = _Request(prompt, decoding, reserve, emit)
+        if reserve * n > engine.kv_capacity:
+            raise GenerationError(f"the prompt and max_new_tokens need {reserve * n} KV cache tokens"
+                                  f"{f' for {n} choices' if n > 1 else ''}; the cache holds {engine.kv_capacity}")
+        request, *followers = [
+            _Request(prompt, Decoding(engine, prompt, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                                      processors[i]), reserve, emit, index=i) for i in range(n)]
+        request.followers = followers
+        for follower in followers:
+            follower.leader = request
         with self._cond:
             if self._closed:
                 raise GenerationError("the scheduler is closed")
@@ -305,6 +389,23 @@ class Scheduler:
             self._cond.notify()
         return request
 
+    def _choice_processors(self, logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None,
+                           n: int) -> list[LogitsProcessor | None]:
+        """One logits processor (or None) per choice, once `n` is checked: choices share a prompt's pages."""
+        if not 1 <= n <= self.engine.max_batch:
+            raise GenerationError(f"n: {n} choices; this artifact decodes at most {self.engine.max_batch} sequences "
+                                  "at once (compiled --max-batch)")
+        if n > 1 and self.engine.sliding_window:
+            raise GenerationError("n: several choices share the prompt's KV pages, which a sliding-window model's "
+                                  "cache cannot fork; ask for one")
+        if logits_processor is None or callable(logits_processor):
+            if n > 1 and logits_processor is not None:
+                raise GenerationError("several choices need one logits processor each")
+            return [logits_processor] * n
+        if len(logits_processor) != n:
+            raise GenerationError(f"{len(logits_processor)} logits processors for {n} choices")
+        return list(logits_processor)
+
     def _pages(self, tokens: int) -> int:
         """`tokens` rounded up to whole KV pages, as the engine allocates them."""
         page = self.engine.page_size
@@ -313,14 +414,17 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self._running:
+                while not self._closed and not self._waiting and not self._running and not self._embedding:
                     self._cond.wait()
                 if self._closed:
                     break
                 cancelled = [request for request in self._running if request.cancelled]
                 self._admit()
+                embedding = self._embedding_admitted()
             for request in cancelled:
                 self._end(request, "cancelled")
+            if embedding is not None:
+                self._embed_one(embedding)
             try:
                 self._step()
             except (KeyboardInterrupt, SystemExit):
@@ -335,13 +439,47 @@ class Scheduler:
                 self._kv_used = used
         shutdown = GenerationError("the server is shutting down")
         with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting, self._waiting = [member for leader in self._waiting for member in leader.group], deque()
+            embedding, self._embedding = list(self._embedding), deque()
+        for job in embedding:
+            _settle(job.future, shutdown)
         for request in waiting + list(self._running):
             self._end(request, "error", shutdown)
         self._deliver_events()
         with self._cond:  # the engine may outlive the scheduler: give its sequence slots back
             for seq_id in self._prefix.finished() if self._prefix else ():
                 self._evict(seq_id)
+
+    def _embedding_admitted(self) -> _EmbedJob | None:
+        """The oldest embedding job, if its next input fits in a sequence slot and KV pages no admitted request
+        needs, once cache entries are evicted for it (lock held); cancelled jobs are dropped."""
+        while self._embedding and self._embedding[0].future.cancelled():
+            self._embedding.popleft()
+        if not self._embedding:
+            return None
+        job = self._embedding[0]
+        reserve = self._pages(len(job.inputs[len(job.outputs)]))
+        if len(self._running) >= self.engine.max_batch or self._reserved + reserve > self.engine.kv_capacity:
+            return None
+        self._evict_for(reserve, keep=None)
+        return job
+
+    def _embed_one(self, job: _EmbedJob) -> None:
+        """Run a job's next input through `Engine.embed`; the job ends with its last input or a failure."""
+        ids, failure = job.inputs[len(job.outputs)], None
+        try:
+            job.outputs.append(self.engine.embed(ids))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # this job's failure only: the engine removed its temporary sequence
+            failure = err
+        with self._cond:
+            self._embedded_tokens += len(ids)
+            ended = failure is not None or len(job.outputs) == len(job.inputs)
+            if ended:
+                self._embedding.remove(job)
+        if ended:
+            _settle(job.future, failure if failure is not None else job.outputs)
 
     def _deliver_events(self) -> None:
         """Hand each event loop the events its requests got since the last call, in one callback.
@@ -358,18 +496,21 @@ class Scheduler:
         """Give sequences to waiting requests, oldest first, while the batch and the KV cache have room
         (called with the lock held). Cache entries are evicted for them, and never make them wait."""
         engine = self.engine
-        while self._waiting and len(self._running) < engine.max_batch:
+        while self._waiting and len(self._running) + len(self._waiting[0].group) <= engine.max_batch:
             request = self._waiting[0]
-            if self._reserved + request.reserve > engine.kv_capacity:
+            group = request.group
+            reserve = request.reserve * len(group)
+            if self._reserved + reserve > engine.kv_capacity:
                 break
             self._waiting.popleft()
             parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
-            if parent is not None and self._prefix.is_finished(parent) and not self._fits(request.reserve, parent):
+            if parent is not None and self._prefix.is_finished(parent) and \
+                    not self._fits(reserve, parent, len(group)):
                 self._prefix.remove(parent)
                 self._cached_tokens -= self._pages(engine.length(parent))
                 engine.truncate(parent, length)
                 request.seq_id = parent
-            self._evict_for(request.reserve, keep=parent)
+            self._evict_for(reserve, keep=parent, sequences=len(group))
             if request.seq_id is None:
                 request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
             if parent is not None:
@@ -378,21 +519,21 @@ class Scheduler:
                 self._prefix_hit_tokens += length
             if self._prefix:
                 self._prefix.add(request.seq_id, request.prompt_ids[:length])
-            self._reserved += request.reserve
-            self._running.append(request)
+            self._reserved += reserve
+            self._running.extend(group)
 
-    def _fits(self, reserve: int, keep: int) -> bool:
-        """Whether a new sequence reserving `reserve` KV tokens fits beside the running ones and the cache
-        entry `keep` once every other entry is evicted (lock held)."""
-        return (len(self._running) + 2 <= self.engine.max_batch and
+    def _fits(self, reserve: int, keep: int, sequences: int = 1) -> bool:
+        """Whether `sequences` new sequences reserving `reserve` KV tokens fit beside the running ones and the
+        cache entry `keep` once every other entry is evicted (lock held)."""
+        return (len(self._running) + sequences + 1 <= self.engine.max_batch and
                 self._reserved + self._pages(self.engine.length(keep)) + reserve <= self.engine.kv_capacity)
 
-    def _evict_for(self, reserve: int, keep: int | None) -> None:
-        """Evict cache entries other than `keep`, least recently used first, until a new sequence reserving
-        `reserve` KV tokens fits (lock held; the caller checked that it can)."""
+    def _evict_for(self, reserve: int, keep: int | None, sequences: int = 1) -> None:
+        """Evict cache entries other than `keep`, least recently used first, until `sequences` new sequences
+        reserving `reserve` KV tokens fit (lock held; the caller checked that they can)."""
         entries = self._prefix.finished() if self._prefix else []
         for seq_id in entries:
-            if (len(self._running) + len(self._prefix.finished()) < self.engine.max_batch and
+            if (len(self._running) + len(self._prefix.finished()) + sequences <= self.engine.max_batch and
                     self._reserved + self._cached_tokens + reserve <= self.engine.kv_capacity):
                 return
             if seq_id != keep:
@@ -407,7 +548,9 @@ class Scheduler:
     def _step(self) -> None:
         """One chunk of the oldest unread prompt, then one batched decode of every request with a token."""
         live = [request for request in self._running if not request.cancelled]
-        reading = [request for request in live if request.prefilled < len(request.prompt_ids)]
+        # A follower's prompt is read by its leader.
+        reading = [request for request in live
+                   if request.leader is None and request.prefilled < len(request.prompt_ids)]
         if reading:
             request = reading[0]
             size = self._chunk_size(decoding=any(other.pending is not None for other in live))
@@ -416,7 +559,8 @@ class Scheduler:
             try:
                 logits = self.engine.prefill(request.seq_id, chunk)
             except Exception as err:
-                self._end(request, "error", err)
+                for member in request.group:
+                    self._end(member, "error", err)
             else:
                 self._measure_prefill(len(chunk), time.perf_counter() - start)
                 with self._cond:
@@ -425,7 +569,9 @@ class Scheduler:
                         self._prefix.extend(request.seq_id, chunk)
                 request.prefilled += len(chunk)
                 if request.prefilled == len(request.prompt_ids):
-                    self._advance(request, logits)
+                    group = self._fork_followers(request)
+                    for member in group:  # each choice samples from the same logits: its own copy
+                        self._advance(member, logits.copy() if len(group) > 1 else logits)
         batch = [request for request in live if request.pending is not None]
         if len(batch) == 1 and not reading and self.speculation is not None and self._verify(batch[0]):
             return
@@ -437,6 +583,21 @@ class Scheduler:
                     self._prefix.extend(request.seq_id, [token])
             for request, row in zip(batch, rows):
                 self._advance(request, row)
+
+    def _fork_followers(self, request: _Request) -> list[_Request]:
+        """Give the other choices of `request`, whose prompt is now read, sequences sharing its pages; the
+        choices to sample a first token for (those not cancelled meanwhile)."""
+        group = [request]
+        for follower in request.followers:
+            if follower.cancelled:
+                continue
+            follower.seq_id = self.engine.fork_sequence(request.seq_id)
+            follower.prefilled = len(follower.prompt_ids)
+            if self._prefix:
+                with self._cond:
+                    self._prefix.add(follower.seq_id, follower.prompt_ids)
+            group.append(follower)
+        return group
 
     def _verify(self, request: _Request) -> bool:
         """A speculative step for `request`: its pending token and the proposer's guesses in one forward,
@@ -512,10 +673,10 @@ class Scheduler:
         logprobs = decoding.logprobs[request.sent:]
         request.sent = len(decoding.token_ids)
         if decoding.finished:
-            self._end(request, decoding.stats.finish_reason, StreamEvent(text, new, logprobs))
+            self._end(request, decoding.stats.finish_reason, StreamEvent(text, new, logprobs, index=request.index))
         elif text or new:
             request.emit(StreamEvent(text, new, logprobs, prompt_tokens=len(request.prompt_ids),
-                                     completion_tokens=len(decoding.token_ids)))
+                                     completion_tokens=len(decoding.token_ids), index=request.index))
 
     def _end(self, request: _Request, how: str, last: StreamEvent | BaseException | None = None) -> None:
         """Free a running request's sequence, or keep it as a prefix cache entry if the request ran to
@@ -537,7 +698,8 @@ class Scheduler:
                 self._running.remove(request)
                 self._reserved -= request.reserve
             self._finished[how] += 1
-            self._prompt_tokens += len(request.prompt_ids)
+            if request.leader is None:  # a group of choices read its prompt once
+                self._prompt_tokens += len(request.prompt_ids)
             self._generated_tokens += generated
             if how in ("stop", "length") and generated > 1:
                 self._tpot.observe((time.monotonic() - request.first_token) / (generated - 1))
@@ -562,27 +724,32 @@ class TokenStream:
         self._scheduler = scheduler
         self._request = request
         self._events = events
-        self._done = False
+        self._unfinished = len(request.group)  # choices whose last event has not come yet
 
     @property
     def prompt_tokens(self) -> int:
         """Length of the request's prompt."""
         return len(self._request.prompt_ids)
 
+    @property
+    def choices(self) -> int:
+        """How many choices the request asked for: its events carry their `index`."""
+        return len(self._request.group)
+
     def cancel(self) -> None:
-        """Stop the request (a client that went away); harmless once it has ended."""
+        """Stop the request and all its choices (a client that went away); harmless once it has ended."""
         self._scheduler.cancel(self._request)
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
 
     async def __anext__(self) -> StreamEvent:
-        if self._done:
+        if not self._unfinished:
             raise StopAsyncIteration
         item = await self._events.get()
         if isinstance(item, BaseException):
-            self._done = True
+            self._unfinished = 0
             raise item
         if item.finish_reason is not None:
-            self._done = True
+            self._unfinished -= 1
         return item

@@ -78,6 +78,9 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                              "float cache's logits than q8). Default: the model's dtype")
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="largest number of prompt tokens per prefill call (default 256)")
+    parser.add_argument("--embeddings", action="store_true",
+                        help="also compile the embed function, which `ember serve` answers /v1/embeddings with "
+                             "(Llama-family checkpoint directories; it shares prefill's kernels: little compile time)")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="most sequences decoded together (default 8)")
     parser.add_argument("--memory-budget", type=parse_bytes,
@@ -106,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_dir=args.tokenizer,
         float_activations=args.float_activations,
         kv_quant=args.kv_quant,
+        embeddings=args.embeddings,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
         memory_budget=args.memory_budget,

@@ -72,6 +72,7 @@ class CompileOptions:
     tokenizer_dir: Path | None = None  # an ONNX file's tokenizer and config.json (default: the file's directory)
     # "q8"/"f16": int8/float16 keys and values in the KV cache (CPU targets); None: the model's dtype
     kv_quant: str | None = None
+    embeddings: bool = False  # the `embed` entry, for `ember serve`'s /v1/embeddings (Llama family, builtin frontend)
     show_progress: bool = True
 
 
@@ -121,7 +122,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         stage = _stage_printer(options.show_progress, start)
         stage(f"importing {model_dir}")
         imported = model_source.import_model(model_dir, target.target, model_dtype, frontend=options.frontend,
-                                             tokenizer_dir=options.tokenizer_dir)
+                                             tokenizer_dir=options.tokenizer_dir, embeddings=options.embeddings)
         mod = pipeline.with_entries(imported.mod, target)
         config = _attention_as_built(mod, imported.config)
         if options.kv_quant and config.sliding_window:
@@ -294,6 +295,9 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
                        "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
             "verify": {"inputs": ["input_ids[1, n] int32", "kv_cache"],
                        "outputs": ["logits[1, n, vocab] float32", "kv_cache"], "max_tokens": VERIFY_TOKENS},
+            **({"embed": {"inputs": ["input_ids[1, seq_len] int32", "kv_cache"],
+                          "outputs": ["hidden[1, seq_len, hidden_size] float32", "kv_cache"]}}
+               if options.embeddings else {}),
             "create_paged_kv_cache": {"inputs": ["max_batch_size", "max_total_seq_len", "prefill_chunk_size",
                                                  "page_size", "support_sliding_window"]},
         },
