@@ -25,6 +25,17 @@ from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
 
 _ShapeTuple = tvm_runtime.ShapeTuple
+POOLINGS = ("mean", "last")  # how `pooled_embedding` makes one vector of an input's hidden states
+
+
+def pooled_embedding(hidden: np.ndarray, pooling: str) -> np.ndarray:
+    """One float32 vector of an input's hidden states [n, hidden_size] (`Engine.embed`): their mean or the last
+    token's, divided by its L2 norm as llama.cpp's server does (a zero vector stays zero)."""
+    if pooling not in POOLINGS:
+        raise GenerationError(f"pooling {pooling!r}: choose one of {', '.join(POOLINGS)}")
+    vector = hidden.mean(axis=0, dtype=np.float64) if pooling == "mean" else hidden[-1].astype(np.float64)
+    norm = np.linalg.norm(vector)
+    return (vector / norm if norm > 0 else vector).astype(np.float32)
 
 
 def _builtin(name: str):

@@ -10,6 +10,7 @@ FastAPI brings, the `serve` extra); only the server imports this module.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import time
@@ -17,6 +18,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
+
+import numpy as np
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime import tool_calls
@@ -34,6 +37,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of unio
 # What a request's failure never swallows: the process being stopped, and asyncio's and generators' own
 # control flow. Anything else, a Rust panic from tokenizers (a BaseException) included, fails one request.
 NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+MAX_CHOICES = 16  # `n`, as llama-server bounds it; the artifact's --max-batch may bound it lower
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, OpenAI's limit
 
 
 class ApiError(Exception):
@@ -95,7 +100,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)  # several choices per request are not supported
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: JsonObject | None = None
@@ -165,7 +170,17 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-Request = TypeVar("Request", bound=SamplingFields)
+class EmbeddingRequest(BaseModel):
+    """The body of POST /v1/embeddings."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None  # the model's hidden size only: no truncated (Matryoshka) vectors
+
+
+Request = TypeVar("Request", bound=SamplingFields | EmbeddingRequest)
 
 
 def parse_request(body: bytes, schema: type[Request]) -> Request:
@@ -245,6 +260,56 @@ def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list
     return list(prompt)
 
 
+def check_choices(n: int, max_batch: int, tools: tool_calls.ToolPlan | None = None) -> None:
+    """Refuse more choices than the artifact decodes at once, or several whose tool calls would be read."""
+    if n > max_batch:
+        raise ApiError(400, f"n: {n} choices; this model decodes at most {max_batch} sequences at once "
+                            "(compiled --max-batch)", param="n", code="invalid_value")
+    if n > 1 and tools is not None and tools.returns_calls:
+        raise ApiError(400, "n: several choices of a reply that may call tools are not supported; ask for one",
+                       param="n", code="unsupported_value")
+
+
+def embedding_inputs(request: EmbeddingRequest, vocab_size: int) -> list[str | list[int]]:
+    """The inputs of an embeddings request: texts to tokenize, or token ids checked against the vocabulary."""
+    inputs = request.input
+    if isinstance(inputs, str) or inputs and isinstance(inputs[0], int):
+        inputs = [inputs]
+    if not inputs:
+        raise ApiError(400, "input: no inputs given", param="input", code="invalid_value")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise ApiError(400, f"input: {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} per request",
+                       param="input", code="invalid_value")
+    for index, item in enumerate(inputs):
+        if not item:
+            raise ApiError(400, f"input.{index}: an input is empty", param="input", code="invalid_value")
+        if isinstance(item, list) and not 0 <= min(item) <= max(item) < vocab_size:
+            raise ApiError(400, f"input.{index}: token ids must be in [0, {vocab_size}), got {min(item)}..{max(item)}",
+                           param="input", code="invalid_value")
+    return list(inputs)
+
+
+def check_embedding_lengths(lengths: Sequence[int], context_window: int) -> None:
+    """Refuse an input longer than the context window, naming `input`."""
+    for index, length in enumerate(lengths):
+        if length > context_window:
+            raise ApiError(400, f"input.{index}: {length} tokens, more than this model's context window of "
+                                f"{context_window} tokens", param="input", code="context_length_exceeded")
+
+
+def embedding_response(vectors: Sequence[np.ndarray], model: str, prompt_tokens: int,
+                       encoding_format: str) -> JsonObject:
+    """The body answering /v1/embeddings: each vector as floats, or as base64 of little-endian float32 (the
+    bytes the openai client decodes with numpy)."""
+    def encoded(vector: np.ndarray) -> list[float] | str:
+        if encoding_format == "base64":
+            return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+        return [float(x) for x in np.asarray(vector, np.float32)]
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
 def sampling_params(request: SamplingFields, prompt_len: int, context_window: int, vocab_size: int,
                     prompt_param: str) -> SamplingParams:
     """The sampling parameters `request` asks for, for a prompt of `prompt_len` tokens (named `prompt_param`)."""
@@ -288,10 +353,11 @@ def model_card(name: str, created: int, context_window: int) -> JsonObject:
     return {"id": name, "object": "model", "created": created, "owned_by": "ember", "max_model_len": context_window}
 
 
-def usage(event: StreamEvent) -> dict[str, int]:
-    """The token counts of a request as its last event has them."""
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+def usage(*lasts: StreamEvent) -> dict[str, int]:
+    """The token counts of a request as the last events of its choices have them: the prompt once."""
+    completion = sum(event.completion_tokens for event in lasts)
+    return {"prompt_tokens": lasts[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": lasts[0].prompt_tokens + completion}
 
 
 def chat_logprobs(items: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> JsonObject:
@@ -319,7 +385,7 @@ def merge(events: Sequence[StreamEvent]) -> StreamEvent:
     last = events[-1]
     return StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
                        [lp for e in events for lp in e.logprobs], last.finish_reason, last.prompt_tokens,
-                       last.completion_tokens)
+                       last.completion_tokens, last.index)
 
 
 @dataclass(frozen=True)
@@ -336,6 +402,8 @@ class Reply:
     token_text: Callable[[int], str] = str
     tools: tool_calls.ToolPlan | None = None  # read tool calls out of the reply by this plan
     held: list[StreamEvent] = field(default_factory=list)  # a tool-calling stream's events until its last
+    choices: int = 1  # `n`: events carry the index of their choice
+    ended: list[StreamEvent] = field(default_factory=list)  # a stream's choices' last events, for its usage
     created: int = field(default_factory=lambda: int(time.time()))
     ident: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -345,7 +413,7 @@ class Reply:
         """How `request` is answered (`tools`: the plan of a chat request's tools)."""
         return cls(chat=isinstance(request, ChatRequest), model=model, stream=request.stream,
                    include_usage=request.wants_usage(), logprobs=request.logprob_count() is not None,
-                   token_text=token_text, tools=tools if tools and tools.returns_calls else None)
+                   token_text=token_text, tools=tools if tools and tools.returns_calls else None, choices=request.n)
 
     def head(self) -> JsonObject:
         """The fields every response or chunk of this answer starts with."""
@@ -356,8 +424,8 @@ class Reply:
 
     def whole(self, events: Sequence[StreamEvent]) -> JsonObject:
         """The response to an unstreamed request, from all its events."""
-        merged = merge(events)
-        return {**self.head(), "choices": [self.choice(merged, 0)], "usage": usage(merged)}
+        merged = [merge([event for event in events if event.index == index]) for index in range(self.choices)]
+        return {**self.head(), "choices": [self.choice(one, 0) for one in merged], "usage": usage(*merged)}
 
     def chunks(self, event: StreamEvent, offset: int, first: bool) -> list[JsonObject]:
         """The stream chunks `event` makes (none, one, or one and the usage chunk after the last); `offset`:
@@ -370,26 +438,29 @@ class Reply:
             if self.include_usage:
                 chunk["usage"] = None
             chunks.append(chunk)
-        if event.finish_reason is not None and self.include_usage:
-            chunks.append({**self.head(), "choices": [], "usage": usage(event)})
+        if event.finish_reason is not None:
+            self.ended.append(event)
+            if self.include_usage and len(self.ended) == self.choices:
+                chunks.append({**self.head(), "choices": [], "usage": usage(*self.ended)})
         return chunks
 
     def choice(self, event: StreamEvent, offset: int, first: bool = False) -> JsonObject:
-        """The one choice of a response or chunk holding `event`."""
+        """The choice (`event.index`) of a response or chunk holding `event`."""
         logprobs = None
         if self.logprobs:
             logprobs = (chat_logprobs(event.logprobs, self.token_text) if self.chat else
                         completion_logprobs(event.logprobs, offset, self.token_text))
         if not self.chat:
-            return {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+            return {"index": event.index, "text": event.text, "logprobs": logprobs,
+                    "finish_reason": event.finish_reason}
         if not self.stream:
             message, reason = {"role": "assistant", "content": event.text}, event.finish_reason
             if self.tools is not None:
                 content, calls = tool_calls.parse(event.text, self.tools)
                 message, reason = tool_calls.message(content, calls), tool_calls.finish_reason(reason, calls)
-            return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": event.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         delta = {"role": "assistant", "content": event.text} if first else {"content": event.text}
-        return {"index": 0, "delta": delta if event.text or first else {}, "logprobs": logprobs,
+        return {"index": event.index, "delta": delta if event.text or first else {}, "logprobs": logprobs,
                 "finish_reason": event.finish_reason}
 
     def tool_chunks(self, event: StreamEvent, first: bool) -> list[JsonObject]:

@@ -1,7 +1,8 @@
 """`ember serve`: an OpenAI-compatible HTTP API over the scheduler (FastAPI + uvicorn, the `serve` extra).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent
-events ending in `data: [DONE]`, or whole), GET /v1/models and /v1/models/NAME, /health
+events ending in `data: [DONE]`, or whole; `n` choices fork one prefilled prompt), POST /v1/embeddings
+(artifacts compiled with `--embeddings`; pooled as `--pooling` says), GET /v1/models and /v1/models/NAME, /health
 and /metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams
 through /v1/chat/completions); CORS answers for the web origins the caller allows, none
 by default. Every request runs through one `Scheduler`, which this module only wraps and
@@ -31,18 +32,25 @@ from typing import TypeVar
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime.constrained import JsonConstraints
+from ember.runtime.engine import pooled_embedding
+from ember.runtime.generate import LogitsProcessor
 from ember.runtime.history import default_reply_tokens, fit_history
 from ember.runtime.protocol import (
     NEVER_CAUGHT,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     Reply,
     Request,
     chat_messages,
     chat_tools,
+    check_choices,
+    check_embedding_lengths,
     check_model,
     completion_prompt,
+    embedding_inputs,
+    embedding_response,
     generation_error,
     internal_error,
     model_card,
@@ -61,7 +69,7 @@ MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 4
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 # How many of a `truncation: "auto"` chat's earliest turns were dropped to fit the context window.
 DROPPED_TURNS_HEADER = "X-Dropped-Turns"
-_ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
 _Result = TypeVar("_Result")
 
 try:
@@ -144,8 +152,9 @@ async def _off_loop(work: Callable[[], _Result], param: str) -> _Result:
 class _Api:
     """What the routes do, over one scheduler serving one model."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None) -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None, pooling: str = "mean") -> None:
         self.scheduler = scheduler
+        self.pooling = pooling
         self.engine = scheduler.engine
         self.model_name = model_name
         self.api_key = api_key
@@ -211,6 +220,34 @@ class _Api:
             prompt = await _off_loop(lambda: tokenizer.encode(prompt), "prompt")
         return await self._answer(request, fields, prompt, "prompt")
 
+    async def embeddings(self, request: HttpRequest) -> Response:
+        """POST /v1/embeddings."""
+        fields = await self.read(request, EmbeddingRequest)
+        if not self.engine.has_embeddings:
+            raise ApiError(400, f"the model {self.model_name!r} has no embed function: recompile it with "
+                                "`ember compile --embeddings`", param="model", code="unsupported_value")
+        inputs = embedding_inputs(fields, self.engine.vocab_size)
+        if any(isinstance(item, str) for item in inputs):
+            tokenizer = self._need_tokenizer()
+            inputs = await _off_loop(lambda: [tokenizer.encode(item) if isinstance(item, str) else item
+                                              for item in inputs], "input")
+        check_embedding_lengths([len(ids) for ids in inputs], self.engine.context_window)
+        try:
+            future = self.scheduler.embed(inputs)
+        except GenerationError as err:
+            raise request_error(err, "input") from None
+        try:
+            hidden = await asyncio.wrap_future(future)  # cancelled with this request if its client goes
+        except NEVER_CAUGHT:
+            raise
+        except GenerationError as err:  # the engine refused an input (a sliding window it overflows)
+            raise request_error(err, "input") from None
+        except BaseException as err:
+            raise generation_error(err) from None
+        vectors = [pooled_embedding(states, self.pooling) for states in hidden]
+        return JSONResponse(embedding_response(vectors, self.model_name, sum(len(ids) for ids in inputs),
+                                               fields.encoding_format))
+
     def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ApiError(400, "this artifact has no tokenizer: send prompt token ids to /v1/completions",
@@ -225,6 +262,23 @@ class _Api:
         """Generate for `prompt_ids`: the whole answer, or its SSE stream; a client gone mid-way cancels it."""
         engine = self.engine
         params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
+        check_choices(fields.n, engine.max_batch, tools)
+        processor = await self._processor(fields, tools)
+        if processor is not None and fields.n > 1:  # each choice advances a grammar state of its own
+            processor = [processor, *[await self._processor(fields, tools) for _ in range(fields.n - 1)]]
+        try:
+            stream = await self.scheduler.submit(prompt_ids, params, processor, n=fields.n)
+        except GenerationError as err:
+            raise request_error(err) from None
+        reply = Reply.to(fields, self.model_name, self._token_text, tools)
+        if not fields.stream:
+            return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
+        return StreamingResponse(_events(reply, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _processor(self, fields: ChatRequest | CompletionRequest,
+                         tools: ToolPlan | None) -> LogitsProcessor | None:
+        """The token mask that `response_format`, or a tool_choice that makes the reply a call, holds one reply to."""
         response_format = fields.response_format
         processor = None if response_format is None else \
             await _off_loop(lambda: self.constraints.mask(response_format), "response_format")
@@ -234,15 +288,7 @@ class _Api:
                                param="response_format", code="invalid_value")
             processor = await _off_loop(lambda: self.constraints.grammar_mask(call_grammar(tools), "tool_choice"),
                                         "tool_choice")
-        try:
-            stream = await self.scheduler.submit(prompt_ids, params, processor)
-        except GenerationError as err:
-            raise request_error(err) from None
-        reply = Reply.to(fields, self.model_name, self._token_text, tools)
-        if not fields.stream:
-            return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
-        return StreamingResponse(_events(reply, stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return processor
 
 
 def _answer_errors_in_openai_shape(app: fastapi.FastAPI) -> None:
@@ -262,8 +308,9 @@ def _answer_errors_in_openai_shape(app: fastapi.FastAPI) -> None:
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
-               allowed_origins: Sequence[str] = ()) -> ASGIApp:
-    """The ASGI application serving `scheduler`'s engine as the model `model_name`.
+               allowed_origins: Sequence[str] = (), pooling: str = "mean") -> ASGIApp:
+    """The ASGI application serving `scheduler`'s engine as the model `model_name` (embeddings pooled by
+    `pooling`, one of `engine.POOLINGS`).
 
     `allowed_origins`: web origins (or `*`) whose pages' scripts may call the API from a browser: the
     answers carry CORS headers for them, and their preflight requests are answered. Others are refused
@@ -274,10 +321,11 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
                            allow_headers=["Authorization", "Content-Type"], expose_headers=[DROPPED_TURNS_HEADER],
                            max_age=600)
     _answer_errors_in_openai_shape(app)
-    api, metrics = _Api(scheduler, model_name, api_key), _Metrics()
+    api, metrics = _Api(scheduler, model_name, api_key, pooling), _Metrics()
     page = chat_page_html(api_key is not None)
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completion)
+    app.post("/v1/embeddings")(api.embeddings)
 
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> Response:
@@ -316,12 +364,13 @@ def chat_page_html(needs_key: bool) -> str:
 async def _events(reply: Reply, stream: TokenStream) -> AsyncIterator[str]:
     """A streamed request's server-sent events, ending in `[DONE]`; an error after the status line was sent
     goes in the stream."""
-    offset, first = 0, True
+    offsets: dict[int, int] = {}  # characters streamed so far, by choice
     try:
         async for event in stream:
-            for chunk in reply.chunks(event, offset, first):
+            offset = offsets.get(event.index, 0)
+            for chunk in reply.chunks(event, offset, event.index not in offsets):
                 yield sse(chunk)
-            offset, first = offset + len(event.text), False
+            offsets[event.index] = offset + len(event.text)
     except NEVER_CAUGHT:
         raise
     except BaseException as err:
@@ -413,6 +462,8 @@ def _prometheus(scheduler: Scheduler, responses: Counter[tuple[str, int]]) -> st
            "steps (ember serve --speculate/--draft).", [("", stats.speculative_proposed)])
     metric("ember_speculative_accepted_tokens_total", "counter", "Guessed tokens the model agreed with.",
            [("", stats.speculative_accepted)])
+    metric("ember_embedding_tokens_total", "counter", "Input tokens run through the embed function "
+           "(/v1/embeddings).", [("", stats.embedded_tokens)])
     histogram("ember_time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", stats.ttft)
     histogram("ember_time_per_output_token_seconds", "Seconds per generated token after the first, per request.",
               stats.tpot)
@@ -423,13 +474,13 @@ class Server:
     """An HTTP server for `scheduler`, listening from construction on; `run` it or `start` it in a thread."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> None:
+                 api_key: str | None = None, allowed_origins: Sequence[str] = (), pooling: str = "mean") -> None:
         self.scheduler = scheduler
         self.model_name = model_name
         self._socket = _listen(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins), log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins, pooling),
+                                log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

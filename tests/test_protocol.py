@@ -68,9 +68,9 @@ def _openai_shaped(model: BaseModel) -> None:
     (b"[1]", 400, None, "JSON object"),
     (b'{"model": "m", "prompt": "a", "max_tokens": "5"}', 400, "max_tokens", "max_tokens"),
     (b'{"model": "m", "prompt": "a", "temperature": 3}', 400, "temperature", "temperature"),
-    (b'{"model": "m", "prompt": "a", "n": 2}', 400, "n", "n"),
+    (b'{"model": "m", "prompt": "a", "n": 17}', 400, "n", "n"),
     (b'{"model": "m", "prompt": "a", "echo": true}', 400, "echo", "echo"),
-], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 1", "echo"])
+], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 16", "echo"])
 def test_a_bad_body_is_refused_naming_its_field(body, status, param, words):
     error = _refusal(parse_request, body, CompletionRequest)
     assert (error.status, error.param, error.code) == (status, param, "invalid_json" if param is None else

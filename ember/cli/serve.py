@@ -79,6 +79,10 @@ def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
                              "time. Shorter keeps streams smoother, longer reads prompts in fewer chunks (each "
                              "streams every weight once more) and serves more tokens a second under load; 0: a KV "
                              "page at a time, inf: whole prompts (default 0.1)")
+    parser.add_argument("--pooling", choices=("mean", "last"), default="mean",  # ember.runtime.engine.POOLINGS
+                        help="how /v1/embeddings makes one vector of an input's last hidden states (artifacts "
+                             "compiled with --embeddings): their mean, or the last token's; L2-normalized "
+                             "(default %(default)s)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="free each request's KV pages when it ends instead of reusing them for later prompts "
                              "that start the same way (outputs then never depend on other requests, not even "
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
                    speculation=speculation(args, engine), **stall) as scheduler:
         server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
-                        allowed_origins=args.allow_origin)
+                        allowed_origins=args.allow_origin, pooling=args.pooling)
         print(f"ember: serving {server.model_name} at {server.url}, chat page at {server.page_url} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         for warning in exposure_warnings(args.host, api_key, args.allow_origin):
