@@ -603,7 +603,8 @@ def main() -> int:
     make.add_argument("--skip-1b", action="store_true", help="tiny models only: no 1B benchmark artifacts")
     check = commands.add_parser("run", help="the checks and the benchmark on the GPU machine")
     check.add_argument("--bundle", type=Path, default=REPO / "build" / "gpu-bundle")
-    check.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
+    check.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build" / "gpu-check-out")),
+                       help="where gpu-check.json and gpu-check.log go (default: $OUT, else build/gpu-check-out)")
     check.add_argument("--dry-run", action="store_true", help="stop before the first CUDA call (no GPU needed)")
     check.add_argument("--skip-bench", action="store_true", help="leave out the 1B benchmark artifacts")
     args = parser.parse_args()
