@@ -313,7 +313,7 @@ class Scheduler:
                 raise GenerationError("an input is empty: it needs at least one token")
             if min(ids) < 0 or max(ids) >= engine.vocab_size:
                 raise GenerationError(f"input token ids must be in [0, {engine.vocab_size})")
-            if len(ids) > min(engine.context_window, engine.kv_capacity):
+            if len(ids) > engine.context_window or self._pages(len(ids)) > engine.kv_capacity:
                 raise GenerationError(f"an input is {len(ids)} tokens, more than the context window of "
                                       f"{engine.context_window} tokens")
         with self._cond:
