@@ -143,3 +143,17 @@ def test_leaving_a_stream_cancels_every_choice(served):
         time.sleep(0.02)
     assert now["ember_running_sequences"] == 0 and now["ember_kv_cache_tokens_used"] == 0
     assert served.client.completions.create(model=served.name, prompt="hi", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("n, forks, returns_calls, words", [
+    (2, False, False, "sliding-window"), (2, True, True, "tools"), (5, True, False, "at most 4")],
+    ids=["sliding window", "tool calls", "over --max-batch"])
+def test_check_choices_refuses_what_cannot_fork_or_be_read_naming_n(n, forks, returns_calls, words):
+    from types import SimpleNamespace
+
+    from ember.runtime.protocol import ApiError, check_choices
+
+    with pytest.raises(ApiError) as caught:
+        check_choices(n, 4, forks, SimpleNamespace(returns_calls=returns_calls))
+    assert (caught.value.status, caught.value.param) == (400, "n") and words in caught.value.message
+    check_choices(1, 4, forks, SimpleNamespace(returns_calls=returns_calls))
