@@ -52,10 +52,13 @@ TINY_CHUNK, TINY_BATCH = 64, 4
 BENCH_CHUNK, BENCH_BATCH = 2048, 32
 BENCH_MEMORY_BUDGET = 24 * 2**30  # the KV cache of 32 x 4096 tokens and the weights; torch shares the GPU
 UPLOAD_LIMIT = 64 * 2**20
+# The GPU half stops starting workers past this (the device allows 10 minutes a command; aim well under 8).
+RUN_BUDGET_S, MIN_WORKER_S = 420, 20
+DECODE_CONTEXT = 512 + 128 // 2  # batch-1 decode's mean context in gpu_check_device: 512-token prompt, 128 steps
 FFI_WHEEL_CACHE = Path.home() / ".cache" / "ember" / "tvm-ffi-wheels"
 # Every --quant that compiles for CUDA (checked with this ember: all of ir/quant_formats.FORMATS).
 TINY_LLAMA_QUANTS = ("q0f16", "q0f32", "q4f16", "q8f16", "q4f16_zp", "q4f32", "q8f32")
-# checkpoint -> (frontend, quantizations, role)
+# checkpoint -> (frontend, quantizations); each artifact of them is checked for correctness
 TINY_ARTIFACTS = {
     "llama": ("builtin", TINY_LLAMA_QUANTS),
     "qwen2": ("builtin", ("q0f16", "q0f32")),
@@ -242,11 +245,21 @@ def cpu_references(checkpoint_dir: Path, vocab: int) -> dict[str, np.ndarray]:
     return reference_outputs(model, vocab, torch)
 
 
+def source_digest() -> str:
+    """sha256 of ember's sources (compiler and runtime): an artifact in the work directory compiled from other
+    sources is compiled again, so the bundle's libraries and its runtime copy are of one tree."""
+    digest = hashlib.sha256()
+    for folder in ("ember", "frontend", "ir", "ir_passes", "schedules", "targets", "runtime"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def prepare(out: Path, work: Path, with_1b: bool, compile_into=None) -> Path:
     """Build everything here and pack the bundle into `out`; `compile_into(checkpoint_dir, dest, entry)` compiles
     an artifact (default: `compile_artifact`; the tests pass one that goes through their artifact cache)."""
     compile_into = compile_into or compile_artifact
-    specs, plan = model_specs(with_1b), artifact_plan(with_1b)
+    specs, plan, sources = model_specs(with_1b), artifact_plan(with_1b), source_digest()
     checkpoints = {}
     for name, spec in specs.items():
         start = time.perf_counter()
@@ -254,7 +267,7 @@ def prepare(out: Path, work: Path, with_1b: bool, compile_into=None) -> Path:
         print(f"checkpoint {name}: {len(spec['tensors'])} tensors, {time.perf_counter() - start:.1f} s", flush=True)
     for artifact_id, entry in plan.items():
         dest, stamp = work / "artifacts" / artifact_id, work / "artifacts" / f"{artifact_id}.key"
-        key = json.dumps([entry, checkpoints[entry["checkpoint"]]["sha256"]], sort_keys=True)
+        key = json.dumps([entry, checkpoints[entry["checkpoint"]]["sha256"], sources], sort_keys=True)
         if not (dest / RECIPES_NAME).exists() or not stamp.exists() or stamp.read_text() != key:
             shutil.rmtree(dest, ignore_errors=True)
             start = time.perf_counter()
@@ -478,10 +491,11 @@ def plan_lines(plan: dict, names: list[str]) -> list[str]:
 
 
 class Log:
-    """Lines printed and kept in a log file."""
+    """Lines printed and kept in a log file; `deadline` ends the run's time budget (RUN_BUDGET_S)."""
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", encoding="utf-8")
+        self.deadline = time.perf_counter() + RUN_BUDGET_S
 
     def __call__(self, line: str) -> None:
         """Print `line` and append it to the log."""
@@ -491,7 +505,12 @@ class Log:
 
 
 def worker(log: Log, workdir: Path, name: str, *args: str, timeout: float, device: bool = True) -> dict:
-    """Run one worker in a fresh process of the runtime-only environment; its result, or {"error": ...}."""
+    """Run one worker in a fresh process of the runtime-only environment; its result, {"error": ...}, or
+    {"skipped": ...} when the run's time budget has not `MIN_WORKER_S` left for it."""
+    timeout = min(timeout, log.deadline - time.perf_counter())
+    if timeout < MIN_WORKER_S:
+        log(f"--- {name} {' '.join(args)}: skipped, the run's {RUN_BUDGET_S} s budget is spent")
+        return {"skipped": f"the run's {RUN_BUDGET_S} s budget is spent"}
     script = Path(__file__).with_name("gpu_check_device.py" if device else "gpu_check.py")
     result_path = workdir / f"result-{name}-{'-'.join(args) or 'all'}.json"
     command = [sys.executable, str(script), *([] if device else ["worker"]), name, str(workdir), str(result_path),
@@ -533,6 +552,8 @@ def run(bundle: Path, out: Path, dry_run: bool, skip_bench: bool) -> int:
             report.update(device_checks(log, workdir, plan, names))
             failed += [c["name"] for key in ("correctness", "serve") for c in report[key].get("checks", [])
                        if not c["passed"]] + [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
+            failed += [f"bench {a}" for a, row in report.get("bench", {}).items()  # ember's; a peer's is noted
+                       if a.startswith("llama1b-") and "error" in row]
     report.update(failed=failed, seconds=round(time.perf_counter() - started, 1))
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     log(f"{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'} ({report['seconds']} s); "
@@ -563,17 +584,25 @@ def bench_table(workdir: Path, rows: dict) -> list[str]:
              f"{'runtime':<22}{'prefill512':>11}{'prefill2048':>12}{'decode b1':>10}{'% copy':>8}{'b8':>8}{'b32':>8}"
              f"{'b1 vs eager':>12}"]
     for name, row in rows.items():
-        if "error" in row:
-            lines.append(f"{name:<22} {row['error']}")
+        if "error" in row or "skipped" in row:
+            lines.append(f"{name:<22} {row.get('error') or row['skipped']}")
             continue
         share = ""
         if copy and name in ("llama1b-q0f16", "llama1b-q4f16"):
-            share = f"{100 * row['decode_tokens_per_s'] * decode_bytes(workdir / 'artifacts' / name, 576) / copy:.0f}%"
+            achieved = row["decode_tokens_per_s"] * decode_bytes(workdir / "artifacts" / name, DECODE_CONTEXT)
+            share = f"{100 * achieved / copy:.0f}%"
         prefill, batch = row.get("prefill_tokens_per_s", {}), row.get("decode_batch_tokens_per_s", {})
         ratio = row["decode_tokens_per_s"] / eager["decode_tokens_per_s"] if "decode_tokens_per_s" in eager else 0
         lines.append(f"{name:<22}{prefill.get('512', 0):>11.0f}{prefill.get('2048', 0):>12.0f}"
                      f"{row['decode_tokens_per_s']:>10.1f}{share:>8}{batch.get('8', 0):>8.0f}{batch.get('32', 0):>8.0f}"
                      f"{ratio:>11.2f}x")
+    for name, row in rows.items():
+        kernels = [k for k in row.get("decode_step_kernels", []) if "us_per_step" in k]
+        if kernels:
+            lines.append(f"{name}: one batch-1 decode step, {sum(k['us_per_step'] for k in kernels):.0f} us in "
+                         f"its {len(kernels)} longest kernels:")
+            lines += [f"  {k['us_per_step']:>8.1f} us  x{k['launches_per_step']:<5g} {k['kernel']}"
+                      for k in kernels[:10]]
     return lines
 
 

@@ -134,16 +134,16 @@ def check_artifact(artifact_id: str, entry: dict, workdir: Path, cpu: dict, chec
 
     checkpoint, quant = workdir / "checkpoints" / entry["checkpoint"], entry["quant"]
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    prompts, forced = gpu_check.reference_prompts(vocab), [int(t) for t in cpu["greedy_tokens"][:16]]
+    prompts = gpu_check.reference_prompts(vocab)
+    forced = [int(t) for t in cpu["greedy_tokens"][:gpu_check.DECODE_STEPS]]
     ours = ember_outputs(Engine(load_artifact(workdir / "artifacts" / artifact_id)), prompts, forced)
     reference = torch_outputs(reference_model(checkpoint, quant, torch), prompts, forced, torch)
-    limit = bound(quant)
+    limit, half = bound(quant), None
+    if quant == "q0f16":  # PyTorch's own float16 error on the same weights, for scale
+        half = torch_outputs(reference_model(checkpoint, quant, torch, torch.float16), prompts, forced, torch)
     for part in ("prefill_logits", "decode_logits"):
         error = relative_error(ours[part], reference[part])
-        extra = {}
-        if quant == "q0f16":  # PyTorch's own float16 error on the same weights, for scale
-            half = torch_outputs(reference_model(checkpoint, quant, torch, torch.float16), prompts, forced, torch)
-            extra["torch_float16_error"] = relative_error(half[part], reference[part])
+        extra = {} if half is None else {"torch_float16_error": relative_error(half[part], reference[part])}
         check(checks, f"{artifact_id} {part.split('_')[0]} logits", error <= limit, error=error, bound=limit, **extra)
     agree = next((i for i, (a, b) in enumerate(zip(ours["greedy_tokens"], reference["greedy_tokens"])) if a != b),
                  len(reference["greedy_tokens"]))
@@ -163,6 +163,8 @@ def correctness(workdir: Path) -> dict:
     """Every "check" artifact of the plan on the GPU."""
     import torch
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference computes in float32, not TF32
+    torch.backends.cudnn.allow_tf32 = False
     plan, checks = json.loads((workdir / gpu_check.PLAN_NAME).read_text()), []
     for artifact_id, entry in plan["artifacts"].items():
         if entry["role"] != "check":
