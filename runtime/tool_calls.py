@@ -217,69 +217,372 @@ class ToolCall:
     """One call read out of a reply."""
 
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: str  # the model's JSON text of the arguments, as OpenAI sends it
     id: str
+    complete: bool = True  # False for a call the reply ended in (max_tokens): its arguments are cut off
+
+
+@dataclass(frozen=True)
+class Content:
+    """Text of the reply that is not a call."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call begins: its name is read and its arguments object has begun."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """The next piece of a call's arguments, as the model wrote it: the pieces join into its JSON text."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """A call's arguments object is closed."""
+
+    index: int
+
+
+CallEvent = Content | CallStart | Arguments | CallEnd
+_WHITESPACE = " \t\n\r"
+_HERMES_CLOSE = "</tool_call>"
+
+
+class _ObjectScanner:
+    """One JSON object read a character at a time: its top-level keys and where each one's value lies. It
+    checks the object's own punctuation, not the values inside it (a nested value is only balanced)."""
+
+    def __init__(self) -> None:
+        self.text = "{"
+        self.state = "key_or_end"  # the scanner starts past the opening brace, which `text` holds
+        self.depth = 0  # nesting inside an object or array value
+        self.in_string = self.escape = False
+        self.key: str | None = None
+        self.key_start = self.value_start = 0
+        self.values: dict[str, tuple[int, int]] = {}  # key -> span of its first value in `text`, once it ends
+
+    @property
+    def closed(self) -> bool:
+        """Whether the object's closing brace was read."""
+        return self.state == "closed"
+
+    def value_just_began(self) -> bool:
+        """Whether the last character read began the value of `key`."""
+        return self.state in ("string", "nested", "scalar") and self.value_start == len(self.text) - 1
+
+    def push(self, char: str) -> bool:
+        """Read one more character; False (and not read) if it cannot continue a JSON object."""
+        position = len(self.text)
+        self.text += char
+        if not self._step(char, position):
+            self.text = self.text[:-1]
+            return False
+        return True
+
+    def _step(self, char: str, position: int) -> bool:
+        state = self.state
+        if state in ("key", "string") or (state == "nested" and self.in_string):
+            if self.escape:
+                self.escape = False
+            elif char == "\\":
+                self.escape = True
+            elif char == '"':
+                return self._string_ended(position)
+            return True
+        if state == "nested":
+            if char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self._value_ended(position + 1)
+            return True
+        if state == "scalar":
+            if char not in _WHITESPACE + ",}":
+                return True
+            self._value_ended(position)
+            state = "after"
+        if char in _WHITESPACE:
+            return state != "closed"
+        return self._punctuation(state, char, position)
+
+    def _punctuation(self, state: str, char: str, position: int) -> bool:
+        if state == "key_or_end" and char == '"':
+            self.state, self.key_start = "key", position
+        elif state in ("key_or_end", "after") and char == "}":
+            self.state = "closed"
+        elif state == "after" and char == ",":
+            self.state = "key_or_end"
+        elif state == "colon" and char == ":":
+            self.state = "value"
+        elif state == "value" and char in '"{[-0123456789tfn':
+            self.value_start = position
+            self.state = {'"': "string", "{": "nested", "[": "nested"}.get(char, "scalar")
+            self.depth = 1 if char in "{[" else 0
+        else:
+            return False
+        return True
+
+    def _string_ended(self, position: int) -> bool:
+        if self.state == "nested":
+            self.in_string = False
+        elif self.state == "string":
+            self._value_ended(position + 1)
+        else:
+            try:
+                self.key = json.loads(self.text[self.key_start:position + 1])
+            except json.JSONDecodeError:
+                return False
+            self.state = "colon"
+        return True
+
+    def _value_ended(self, end: int) -> None:
+        self.values.setdefault(self.key or "", (self.value_start, end))
+        self.state = "after"
+
+
+class CallReader:
+    """Reads a reply's calls as its text comes, in any pieces, into `CallEvent`s: content as soon as it cannot
+    be the start of a call (trailing whitespace and a possible opener such as `<tool_` are held back), a call's
+    start once its name is read and its arguments object begins, its arguments piece by piece as written.
+
+    Text that turns out not to be a call (an unknown name, arguments that are not an object, broken syntax) is
+    released as content. Whitespace just before a call, and at the end of a reply with calls, is dropped; after a
+    call, what is left of its syntax is dropped (to `</tool_call>`; to the end for Llama 3.x and Mistral, whose
+    calls end the reply). A call the reply ends in stays, incomplete; a call syntax begun but not yet read to a
+    call when the reply ends is released as content if the reply has no calls, else dropped."""
+
+    def __init__(self, tool_plan: ToolPlan) -> None:
+        self.plan = tool_plan
+        self.syntax = tool_plan.syntax
+        self.mode = "text" if tool_plan.returns_calls else "pass"
+        self.held = ""  # text mode: whitespace and a possible opener, not yet content
+        self.at_start = True  # nothing but whitespace read yet
+        self.region = ""  # the text of the call syntax being read, released if it turns out not to be a call
+        self.region_calls = 0
+        self.in_array = False  # the region is Mistral's array of calls
+        self.scanner: _ObjectScanner | None = None
+        self.name: str | None = None
+        self.arguments_key: str | None = None
+        self.sent = 0  # characters of the scanner's text sent as arguments
+        self.began = False  # the object being read began a call
+        self.tail = ""  # the last characters read while looking for </tool_call>
+        self.calls: list[ToolCall] = []
+        self.open = False  # a call has begun and its arguments are not closed
+        self.events: list[CallEvent] = []
+
+    def feed(self, text: str) -> list[CallEvent]:
+        """The events `text`, the next piece of the reply, makes."""
+        for char in text:
+            self._read(char)
+        self._send_arguments()
+        return self._take()
+
+    def finish(self) -> list[CallEvent]:
+        """The events the end of the reply makes (held text released or dropped; an open call left incomplete)."""
+        if self.open:
+            self.calls[-1] = ToolCall(self.calls[-1].name, self.calls[-1].arguments, self.calls[-1].id, False)
+        elif self.mode == "text" and not self.calls:
+            self._content(self.held)
+        elif self.mode in ("object", "before_object", "after_marker", "array") and not self.calls:
+            self._content(self._region_text())
+        self.mode, self.held = "done", ""
+        return self._take()
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason of the reply read (after `finish`): "tool_calls" if it ended on whole calls."""
+        return finish_reason(reason, self.calls)
+
+    def _take(self) -> list[CallEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        self.at_start = False
+        if self.events and isinstance(self.events[-1], Content):
+            text = self.events.pop().text + text
+        self.events.append(Content(text))
+
+    def _read(self, char: str) -> None:
+        mode = self.mode
+        if mode == "pass":
+            self._content(char)
+        elif mode == "text":
+            self._read_text(char)
+        elif mode == "before_object":
+            self._read_before(char, "{")
+        elif mode == "after_marker":
+            self._read_before(char, "[{")
+        elif mode == "array":
+            self._read_array(char)
+        elif mode == "object":
+            self._read_object(char)
+        elif mode == "to_close":
+            self.tail = (self.tail + char)[-len(_HERMES_CLOSE):]
+            if self.tail == _HERMES_CLOSE:
+                self.mode, self.tail = "text", ""
+
+    def _openers(self, at_start: bool) -> tuple[str, ...]:
+        if self.syntax is HERMES:
+            return ("<tool_call>",)
+        if self.syntax is MISTRAL:  # "[{": a tokenizer whose [TOOL_CALLS] is a special token decodes without it
+            return ("[TOOL_CALLS]", "[{") if at_start else ("[TOOL_CALLS]",)
+        return ("<|python_tag|>", "{") if at_start else ()  # Llama 3.x: a call is the whole reply
+
+    def _read_text(self, char: str) -> None:
+        candidate = self.held + char
+        for cut in range(len(candidate) + 1):
+            rest = candidate[cut:]
+            opener = rest.lstrip(_WHITESPACE)
+            if any(known.startswith(opener) for known in self._openers(self.at_start and cut == 0)):
+                break
+        self._content(candidate[:cut])
+        if self.syntax is LLAMA3 and not self.at_start:
+            self._content(rest)
+            self.mode, self.held = "pass", ""
+        elif opener in self._openers(self.at_start):
+            self.held, self.at_start = "", False
+            self._begin_region(rest[:len(rest) - len(opener)], opener)
+        else:
+            self.held = rest
+
+    def _begin_region(self, space: str, opener: str) -> None:
+        self.region, self.region_calls, self.in_array = space, 0, opener == "[{"
+        if opener == "{":
+            self.mode = "before_object"
+            self._read("{")
+        elif opener == "[{":
+            self.region += "["
+            self.mode = "array"
+            self._read("{")
+        else:
+            self.region += opener
+            self.mode = "after_marker" if opener == "[TOOL_CALLS]" else "before_object"
+
+    def _read_before(self, char: str, openings: str) -> None:
+        if char in _WHITESPACE:
+            self.region += char
+        elif char == "[" and "[" in openings:
+            self.region += char
+            self.mode, self.in_array = "array", True
+        elif char == "{":
+            self._begin_object()
+        else:
+            self._fail(char)
+
+    def _read_array(self, char: str) -> None:
+        if char in _WHITESPACE + ",":
+            self.region += char
+        elif char == "{":
+            self._begin_object()
+        elif char == "]" and self.region_calls:
+            self.mode = "done"
+        else:
+            self._fail(char)
+
+    def _begin_object(self) -> None:
+        self.scanner, self.name, self.arguments_key, self.sent, self.began = _ObjectScanner(), None, None, 0, False
+        self.mode = "object"
+
+    def _read_object(self, char: str) -> None:
+        scanner = self.scanner
+        if not scanner.push(char):
+            self._fail(char)
+            return
+        if not self.began:
+            if scanner.value_just_began() and scanner.key in ("name", self.syntax.arguments_key, "arguments",
+                                                               "parameters"):
+                if scanner.key == "name" and char != '"' or scanner.key != "name" and char != "{":
+                    self._fail(None)
+                    return
+                if scanner.key != "name" and self.arguments_key is None:
+                    self.arguments_key = scanner.key
+            if self.name is None and "name" in scanner.values:
+                start, end = scanner.values["name"]
+                name = json.loads(scanner.text[start:end])
+                if name not in self.plan.functions:
+                    self._fail(None)
+                    return
+                self.name = name
+            if self.name is not None and self.arguments_key is not None:
+                self._start_call()
+        if self.open and self.arguments_key in scanner.values:
+            self._send_arguments()
+            self.events.append(CallEnd(len(self.calls) - 1))
+            self.open = False
+        if scanner.closed:
+            if not self.began:
+                self._fail(None)
+            else:
+                self.mode = "to_close" if self.syntax is HERMES else "array" if self.in_array else "done"
+
+    def _start_call(self) -> None:
+        call = ToolCall(self.name, "", self.syntax.call_id())
+        self.calls.append(call)
+        self.region_calls += 1
+        self.events.append(CallStart(len(self.calls) - 1, call.id, call.name))
+        self.open = self.began = True
+        self.sent = self.scanner.values.get(self.arguments_key, (self.scanner.value_start, 0))[0]
+        self._send_arguments()
+
+    def _send_arguments(self) -> None:
+        if not self.open:
+            return
+        scanner = self.scanner
+        end = scanner.values.get(self.arguments_key, (0, len(scanner.text)))[1]
+        piece, self.sent = scanner.text[self.sent:end], end
+        if not piece:
+            return
+        call = self.calls[-1]
+        self.calls[-1] = ToolCall(call.name, call.arguments + piece, call.id)
+        index = len(self.calls) - 1
+        if self.events and isinstance(self.events[-1], Arguments):
+            piece = self.events.pop().text + piece
+        self.events.append(Arguments(index, piece))
+
+    def _region_text(self) -> str:
+        return self.region + (self.scanner.text if self.mode == "object" else "")
+
+    def _fail(self, char: str | None) -> None:
+        """The syntax being read is not a call: released as content, or dropped after calls it held."""
+        if self.region_calls:
+            self.mode = "to_close" if self.syntax is HERMES else "done"
+            return
+        self._content(self._region_text())
+        self.mode = "pass" if self.syntax is LLAMA3 else "text"
+        self.region = ""
+        if char is not None:
+            self._read(char)
+
+
+def read(text: str, tool_plan: ToolPlan) -> CallReader:
+    """A reader that has read the whole reply `text` (its events taken)."""
+    reader = CallReader(tool_plan)
+    reader.feed(text)
+    reader.finish()
+    return reader
 
 
 def parse(text: str, tool_plan: ToolPlan) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a reply: the calls in the plan's syntax that name one of its functions with object
-    arguments, and the text around them; all text and no calls when there are none (or tool_choice is none)."""
-    if not tool_plan.returns_calls:
-        return text, []
-    syntax = tool_plan.syntax
-    if syntax is HERMES:
-        found = [_json_prefix(match.group(1)) for match in _HERMES_CALL.finditer(text)]
-        if len(found) > 1 and found[-1] is None and not text.rstrip().endswith("</tool_call>"):
-            found.pop()  # a last call cut off by max_tokens: the whole ones before it stand
-        rest = _HERMES_CALL.sub("", text) if found else text
-    elif syntax is MISTRAL:
-        before, marker, after = text.partition("[TOOL_CALLS]")
-        if not marker and text.lstrip().startswith("[{"):  # a tokenizer whose [TOOL_CALLS] is a special token
-            before, marker, after = "", "[TOOL_CALLS]", text  # decodes without it
-        found, rest = (_json_items(after) if marker else [None]), before
-    else:
-        body = text.strip().removeprefix("<|python_tag|>")
-        found, rest = [_json_prefix(body)], ""
-    calls = [_call(item, syntax) for item in found]
-    if not calls or None in calls or not all(call.name in tool_plan.functions for call in calls):
-        return text, []
-    return rest.strip(), calls
-
-
-def _json_prefix(text: str) -> Any:
-    """The JSON value `text` starts with (after whitespace), or None."""
-    try:
-        return json.JSONDecoder().raw_decode(text.lstrip())[0]
-    except json.JSONDecodeError:
-        return None
-
-
-def _json_items(text: str) -> list[Any]:
-    """The whole items of the JSON array `text` starts with (or its one object), even if max_tokens cut the
-    array off after them; [None] if there is no whole item."""
-    decoder, text, items = json.JSONDecoder(), text.lstrip(), []
-    if not text.startswith("["):
-        return [_json_prefix(text)]
-    position = 1
-    while True:
-        position = len(text) - len(text[position:].lstrip(", \n\t"))
-        if position >= len(text) or text[position] == "]":
-            return items or [None]
-        try:
-            item, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            return items or [None]
-        items.append(item)
-
-
-def _call(item: Any, syntax: ToolSyntax) -> ToolCall | None:
-    """A call from its parsed JSON, or None if it is not one."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    arguments = item.get(syntax.arguments_key, item.get("arguments", item.get("parameters")))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False), syntax.call_id())
+    """(content, calls) of a whole reply, as `CallReader` streams them: the content's pieces joined, each call's
+    arguments its pieces joined."""
+    reader = CallReader(tool_plan)
+    events = reader.feed(text) + reader.finish()
+    return "".join(event.text for event in events if isinstance(event, Content)), reader.calls
 
 
 def message(content: str, calls: Sequence[ToolCall]) -> JsonObject:
@@ -299,5 +602,6 @@ def delta_calls(calls: Sequence[ToolCall]) -> JsonObject:
 
 
 def finish_reason(reason: str | None, calls: Sequence[ToolCall]) -> str | None:
-    """OpenAI's finish reason: "tool_calls" for a reply that ended on its calls."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    """OpenAI's finish reason: "tool_calls" for a reply that ended on its calls, all whole (a call cut off by
+    max_tokens leaves "length")."""
+    return "tool_calls" if calls and reason == "stop" and all(call.complete for call in calls) else reason

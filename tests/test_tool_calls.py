@@ -183,3 +183,125 @@ def test_messages_and_chunks_parse_as_the_openai_types():
     assert delta.tool_calls[0].index == 0 and delta.tool_calls[0].function.arguments == '{"zone": "utc"}'
     assert tool_calls.finish_reason("stop", calls) == "tool_calls"
     assert tool_calls.finish_reason("length", calls) == "length" and tool_calls.finish_reason("stop", []) == "stop"
+
+
+STREAMED_TEXTS = [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro\\"m\\u00e9 {x}", "days": 2}}\n'
+               '</tool_call>\n'),
+    ("hermes", 'Before <tool_call>{"name": "get_weather", "arguments": {"city": "A\\\\", "days": 1}}</tool_call> '
+               'after, <tool_ and < tool_call> too'),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": "zone"}\n</tool_call> text'),
+    ("hermes", '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n<tool_call>\n{"na'),
+    ("llama3", '{"name": "get_time", "parameters": {"zone": "cet"}}'),
+    ("llama3", ' <|python_tag|>{"type": "function", "name": "get_time", "arguments": {"zone": "cet"}}'),
+    ("llama3", '{"parameters": {"zone": [1, {"a": "}"}]}, "name": "get_time"}'),
+    ("llama3", '{"answer": 42} is not a call'),
+    ("llama3", "It is sunny {not a call}."),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}]'),
+    ("mistral", '[{"name": "get_time", "arguments": {"zone": "utc"}}]'),
+    ("mistral", "[TOOL_CALLS][{broken"),
+    ("mistral", "[TOOLS] is [text]"),
+    ("mistral", '[TOOL_CALLS]{"name": "get_time", "arguments": {"zone": "ut'),
+]
+
+
+def _assembled(events) -> tuple[str, list[tuple[int, str, str, str]], list[int]]:
+    """(content, [(index, id, name, arguments)], ended indexes) of a stream of reader events."""
+    content, calls, ended = "", {}, []
+    for event in events:
+        if isinstance(event, tool_calls.Content):
+            content += event.text
+        elif isinstance(event, tool_calls.CallStart):
+            calls[event.index] = [event.index, event.id, event.name, ""]
+        elif isinstance(event, tool_calls.Arguments):
+            calls[event.index][3] += event.text
+        else:
+            ended.append(event.index)
+    return content, [tuple(call) for call in calls.values()], ended
+
+
+def _read_in_pieces(text: str, tool_plan, cuts) -> tuple[tool_calls.CallReader, list]:
+    reader, events, start = tool_calls.CallReader(tool_plan), [], 0
+    for cut in [*cuts, len(text)]:
+        events += reader.feed(text[start:cut])
+        start = cut
+    return reader, events + reader.finish()
+
+
+@pytest.mark.parametrize("family, text", STREAMED_TEXTS)
+def test_text_read_in_any_pieces_gives_the_calls_and_content_of_the_whole(family, text):
+    tool_plan = plan(TOOLS, "auto", True, TEMPLATES[family])
+    whole_content, whole_calls = parse(text, tool_plan)
+    rng = np.random.default_rng(0)
+    splits = [range(1, len(text)), *[sorted(rng.choice(len(text), 5, replace=False)) for _ in range(20)]]
+    for cuts in splits:
+        reader, events = _read_in_pieces(text, tool_plan, cuts)
+        content, calls, ended = _assembled(events)
+        assert content == whole_content, (text, cuts)
+        assert [(name, arguments) for _, _, name, arguments in calls] == \
+               [(call.name, call.arguments) for call in whole_calls], (text, cuts)
+        assert [call.name for call in reader.calls] == [call.name for call in whole_calls]
+        assert ended == [i for i, call in enumerate(whole_calls) if call.complete]
+        for call in reader.calls:
+            if call.complete:  # the model's own argument text, whole
+                assert call.arguments in text and isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize("family, text, content, names", [
+    ("hermes", STREAMED_TEXTS[0][1], "Let me look.", ["get_time", "get_weather"]),
+    ("hermes", STREAMED_TEXTS[1][1], "Before after, <tool_ and < tool_call> too", ["get_weather"]),
+    ("hermes", STREAMED_TEXTS[2][1], STREAMED_TEXTS[2][1], []),
+    ("llama3", STREAMED_TEXTS[6][1], "", ["get_time"]),
+    ("llama3", STREAMED_TEXTS[7][1], "", ["get_time"]),
+    ("llama3", STREAMED_TEXTS[8][1], STREAMED_TEXTS[8][1], []),
+    ("mistral", STREAMED_TEXTS[10][1], "Sure.", ["get_time", "get_weather"]),
+    ("mistral", STREAMED_TEXTS[13][1], STREAMED_TEXTS[13][1], []),
+])
+def test_whole_replies_read_into_content_and_calls(family, text, content, names):
+    read_content, calls = parse(text, plan(TOOLS, "auto", True, TEMPLATES[family]))
+    assert read_content == content and [call.name for call in calls] == names
+
+
+def test_arguments_stream_as_the_model_writes_them_and_the_pieces_join_into_them():
+    tool_plan = plan(TOOLS, "auto", True, TEMPLATES["hermes"])
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Troms\\u00f8", "days": 4}}\n</tool_call>'
+    reader, events = _read_in_pieces(text, tool_plan, range(1, len(text)))
+    kinds = [type(event).__name__ for event in events]
+    assert kinds[0] == "CallStart" and kinds[-1] == "CallEnd" and kinds.count("Arguments") > 10
+    pieces = [event.text for event in events if isinstance(event, tool_calls.Arguments)]
+    assert "".join(pieces) == reader.calls[0].arguments == '{"city": "Troms\\u00f8", "days": 4}'
+    start = text.index('"arguments": {') + len('"arguments": {')
+    first, _ = _read_in_pieces(text[:start], tool_plan, [])  # the call is out once its arguments begin
+    assert [call.name for call in first.calls] == ["get_weather"] and not first.calls[0].complete
+
+
+@pytest.mark.parametrize("family, piece, held, then, released", [
+    ("hermes", "Hello <tool_", "Hello", "x", " <tool_x"),
+    ("hermes", "Hello  ", "Hello", "there", "  there"),
+    ("mistral", "Look: [TOOL_", "Look:", "S]", " [TOOL_S]"),
+    ("mistral", "  [", "", "1", "  [1"),
+    ("llama3", " <|python", "", "!", " <|python!"),
+    ("llama3", "Sunny <tool_", "Sunny <tool_", "x", "x"),
+])
+def test_only_what_could_begin_a_call_is_held_back(family, piece, held, then, released):
+    reader = tool_calls.CallReader(plan(TOOLS, "auto", True, TEMPLATES[family]))
+    assert _assembled(reader.feed(piece))[0] == held
+    assert _assembled(reader.feed(then))[0] == released
+
+
+def test_an_unknown_function_is_released_as_text_once_its_name_is_read():
+    reader = tool_calls.CallReader(plan(TOOLS, "auto", True, TEMPLATES["hermes"]))
+    text = '<tool_call>\n{"name": "no_such_tool", "argu'
+    assert _assembled(reader.feed(text)) == (text, [], [])
+
+
+def test_a_call_cut_off_stays_incomplete_and_the_reply_does_not_end_on_calls():
+    tool_plan = plan(TOOLS, "auto", True, TEMPLATES["mistral"])
+    reader = tool_calls.read('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "ut', tool_plan)
+    assert reader.calls[0].arguments == '{"zone": "ut' and not reader.calls[0].complete
+    assert reader.finish_reason("length") == "length" and reader.finish_reason("stop") == "stop"
+    whole = tool_calls.read('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]', tool_plan)
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
