@@ -336,21 +336,34 @@ class DemoBuilds:
         """`get` of each (target, quantization, float_activations, kv_quant), the missing ones compiled side by
         side, one worker process per core: a compile is single-threaded (the edge tests' nine: 84 s in turn)."""
         import ember
-        from ember.driver.compiler import CompileOptions, compile_model
+        from ember.driver.compiler import CompileOptions
 
-        artifacts, missing, keys = [], {}, {}
+        artifacts, wanted, keys = [], {}, {}
         for target, quantization, float_activations, kv_quant in builds:
             float_activations = float_activations or quantization == "q0f32"
             artifact = self.root / (f"{target}-{quantization}-{'float' if float_activations else 'int8'}"
                                     + (f"-kv-{kv_quant}" if kv_quant else ""))
             artifacts.append(artifact)
             if not artifact.exists():
-                options = CompileOptions(target=target, quantization=quantization,
-                                         float_activations=float_activations, kv_quant=kv_quant, show_progress=False)
-                keys[artifact] = artifact_cache.artifact_key(f"demo-{artifact.name}", options,
+                wanted[artifact] = CompileOptions(target=target, quantization=quantization,
+                                                  float_activations=float_activations, kv_quant=kv_quant,
+                                                  show_progress=False)
+                keys[artifact] = artifact_cache.artifact_key(f"demo-{artifact.name}", wanted[artifact],
                                                              [Path(ember.DEMO_MODEL_DIR)])
-                if not artifact_cache.restore(keys[artifact], artifact):
-                    missing[artifact] = options
+        with artifact_cache.locked(keys.values()):  # another test worker building one of them: wait, then restore
+            missing = {artifact: options for artifact, options in wanted.items()
+                       if not artifact_cache.restore(keys[artifact], artifact)}
+            self._compile(missing)
+            for artifact in missing:
+                artifact_cache.store(keys[artifact], artifact)
+        return artifacts
+
+    @staticmethod
+    def _compile(missing: dict[Path, object]) -> None:
+        """Compile the demo into each artifact with its options, side by side in worker processes."""
+        import ember
+        from ember.driver.compiler import compile_model
+
         if len(missing) == 1:
             (artifact, options), = missing.items()
             compile_model(ember.DEMO_MODEL_DIR, artifact, options)
@@ -362,9 +375,6 @@ class DemoBuilds:
                 for done in [pool.submit(compile_model, ember.DEMO_MODEL_DIR, artifact, options)
                              for artifact, options in missing.items()]:
                     done.result()
-        for artifact in missing:
-            artifact_cache.store(keys[artifact], artifact)
-        return artifacts
 
 
 @pytest.fixture(scope="session")

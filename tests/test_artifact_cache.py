@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections import Counter
 from dataclasses import replace
 
@@ -48,12 +49,65 @@ def test_environment_covers_compiler_sources_tvm_and_cpu(monkeypatch):
                (artifact_cache, "host_cpu_flags", lambda: {"sse2"}),
                (artifact_cache.importlib.metadata, "version",
                 lambda name: "0.0.0" if name == "apache-tvm" else real_version(name)),
-               (artifact_cache, "COMPILER_DIRS", ("ember",))]
+               (artifact_cache, "COMPILER_SOURCES", ("ember/driver",))]
     for target, name, value in patches:
         with monkeypatch.context() as patched:
             patched.setattr(target, name, value)
             assert artifact_cache._environment_digest() != digest, name
     assert artifact_cache._environment_digest() == digest
+
+
+def test_environment_covers_the_compiler_not_the_cli(tmp_path, monkeypatch):
+    """An edit under ember/driver changes the digest, one under ember/cli (it only parses options) does not."""
+    digest = artifact_cache._environment_digest()
+    for source in (*artifact_cache.COMPILER_SOURCES, "ember/cli"):
+        copy = shutil.copytree if (artifact_cache.REPO_ROOT / source).is_dir() else shutil.copyfile
+        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
+        copy(artifact_cache.REPO_ROOT / source, tmp_path / source)
+    monkeypatch.setattr(artifact_cache, "REPO_ROOT", tmp_path)
+    assert artifact_cache._environment_digest() == digest
+    with (tmp_path / "ember" / "cli" / "compile.py").open("a") as cli:
+        cli.write("# edited\n")
+    assert artifact_cache._environment_digest() == digest
+    with (tmp_path / "ember" / "driver" / "compiler.py").open("a") as compiler:
+        compiler.write("# edited\n")
+    assert artifact_cache._environment_digest() != digest
+
+
+def test_a_restored_artifact_names_the_checkpoint_it_was_restored_for(cache_root, tiny_models, tiny_llama, tmp_path):
+    """The manifest's `source` of a reused artifact is the restoring session's checkpoint (the compiling session's
+    is gone), and the copy passes the manifest's own checks; the entry itself names no session's path."""
+    checkpoint = tiny_models.checkpoint("llama")
+    artifact_cache.store(artifact_cache.artifact_key("tiny-llama", OPTIONS, [checkpoint]), tiny_llama.artifact_dir)
+    (entry,) = cache_root.iterdir()
+    assert str(checkpoint.resolve()) not in (entry / "manifest.json").read_text()
+    moved = shutil.copytree(checkpoint, tmp_path / "another session" / "llama")
+    assert artifact_cache.restore(artifact_cache.artifact_key("tiny-llama", OPTIONS, [moved]), tmp_path / "restored")
+    manifest = read_manifest(tmp_path / "restored")
+    verify_files(tmp_path / "restored", manifest)
+    assert manifest.source == str(moved.resolve())
+    assert read_manifest(tiny_llama.artifact_dir).source == str(checkpoint.resolve())
+
+
+def test_a_key_being_built_is_waited_for_then_restored(cache_root, tiny_llama, tmp_path):
+    """A second builder of the same key (another test worker) waits for the first, then restores its entry
+    instead of compiling it again."""
+    compiled, restored = [], []
+
+    def second_build():
+        restored.append(artifact_cache.build("k", tmp_path / "second", lambda dest: compiled.append(
+            shutil.copytree(tiny_llama.artifact_dir, dest))))
+
+    def first_compile(dest):
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive(), "the second build did not wait for the first"
+        compiled.append(shutil.copytree(tiny_llama.artifact_dir, dest))
+
+    waiting = threading.Thread(target=second_build)
+    assert not artifact_cache.build("k", tmp_path / "first", first_compile)
+    waiting.join()
+    assert compiled == [tmp_path / "first"] and restored == [True]
 
 
 def test_an_artifact_whose_sources_changed_while_it_compiled_is_not_stored(cache_root, tiny_models, tiny_llama,
