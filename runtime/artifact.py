@@ -18,6 +18,7 @@ from tvm.runtime.vm import VirtualMachine
 from ember.core.errors import ArtifactError
 from ember.core.machine import available_memory, host_cpu_flags
 from ember.core.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
+from ember.runtime.amx import needs_amx, request_amx_permission
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
 
@@ -84,6 +85,8 @@ def _check_machine(path: Path, manifest: Manifest) -> None:
         raise ArtifactError(f"{path}: compiled for a CPU with {', '.join(missing)}, which this machine lacks (the "
                             f"library would die of an illegal instruction); recompile with `ember compile "
                             f"{manifest.source} --target cpu` here, or run it on a CPU that has them")
+    if compiled_for and needs_amx(manifest.target.get("cpu_features", [])):
+        request_amx_permission(str(path))  # before the first tile instruction, which would otherwise be SIGILL
 
 
 def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> None:

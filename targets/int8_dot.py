@@ -1,7 +1,8 @@
 """The integer dot product a CPU target's quantized projections are built on, chosen in one place.
 
 x86 from AVX2 up and aarch64 with the dot-product extension have one (see `_INT8_DOTS`);
-other CPUs take the float path.
+other CPUs take the float path. x86 with AMX-INT8 (level "amx") multiplies prefill's rows on
+AMX tiles (`schedules/amx_matmul.py`) and keeps AVX512-VNNI for decode (`Int8Dot.tiles`).
 
 `schedules/int8_matmul.py` emits whichever instruction sequence `int8_dot_of` picks from the
 target's LLVM features; every other module asks `TargetSpec.int8_dot`.
@@ -27,13 +28,14 @@ class Int8Dot:
     does, on 128-bit registers: half of an interleaved 8-row block each.
     """
 
-    level: str  # the ISA level, as reports name it: "avx512vnni", "avxvnni", "avx512", "avx2", "i8mm", "dotprod"
+    level: str  # the ISA level, as reports name it: "amx", "avx512vnni", "avxvnni", "avx512", "avx2", "i8mm", "dotprod"
     multiply: str  # LLVM intrinsic: byte products -> int32 sums of 4 (vpdpbusd, sdot), or int16 sums of 2 (vpmaddubsw)
     widen: str = ""  # LLVM intrinsic: int16 pairs -> int32 (vpmaddwd); empty when `multiply` gives int32
     sign: str = ""  # LLVM intrinsic: a byte negated where another is negative, zeroed where it is zero
     lanes: int = 8  # int32 lanes of one `multiply` (weight rows): 16 on 512-bit, 8 on 256-bit, 4 on NEON registers
     signed_weights: bool = False  # `multiply` takes the weight bytes signed (sdot: s8 x s8)
     narrow: Int8Dot | None = None  # the same products on half the lanes, for weights of fewer rows
+    tiles: bool = False  # prefill's projections multiply on AMX tiles (`schedules/amx_matmul.py`), decode with this
 
     def for_rows(self, rows: int) -> Int8Dot:
         """This dot product, or its narrower form where `rows` weight rows are not whole multiplies."""
@@ -57,9 +59,13 @@ _PAIRS = {"multiply": "llvm.x86.avx2.pmadd.ub.sw", "widen": "llvm.x86.avx2.pmadd
 # CPUs that split 512-bit operations in two (Zen 4) are not measured.
 # AVX-512 without VNNI runs AVX2's sequence on 256-bit registers (its 32 registers allow a
 # larger tile).
+_AVX512_VNNI = Int8Dot("avx512vnni", multiply="llvm.x86.avx512.vpdpbusd.512", lanes=16,
+                       narrow=Int8Dot("avx512vnni", **_VNNI))
+# AMX (Sapphire Rapids on) computes prefill's 16-row tiles with `tdpbsud`; decode's rows stay on AVX512-VNNI.
 _INT8_DOTS = (
-    (("avx512vnni", "avx512vl"), Int8Dot("avx512vnni", multiply="llvm.x86.avx512.vpdpbusd.512", lanes=16,
-                                         narrow=Int8Dot("avx512vnni", **_VNNI))),
+    (("amx-int8", "amx-tile", "avx512vnni", "avx512vl"),
+     Int8Dot("amx", multiply=_AVX512_VNNI.multiply, lanes=16, narrow=_AVX512_VNNI.narrow, tiles=True)),
+    (("avx512vnni", "avx512vl"), _AVX512_VNNI),
     (("avxvnni",), Int8Dot("avxvnni", **_VNNI)),
     (("avx512bw", "avx512vl"), Int8Dot("avx512", **_PAIRS)),
     (("avx2",), Int8Dot("avx2", **_PAIRS)),

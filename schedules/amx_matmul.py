@@ -1,0 +1,227 @@
+"""ember's int8/int4 matmul on Intel AMX tiles (`amx-int8`), for many activation rows.
+
+The VNNI kernel (`int8_matmul.py`) multiplies 8 weight rows by one activation row per
+instruction; AMX's `tdpbsud` multiplies a 16-row x 64-byte tile of signed bytes by a tile of
+unsigned bytes in VNNI layout into a 16 x 16 int32 tile. The weights need no new layout:
+an `interleaved` block (`ir/quant_formats.py`) is, for one group, 8 words of K x 8 rows x 4
+bytes, exactly a B tile of 8 rows of 32 bytes (8 int32 columns); so are int4's nibbles once
+split into bytes (done per group into a 256-byte buffer, the weights stay 4-bit in memory).
+The activations are quantized as the VNNI path quantizes them (llama.cpp's Q8_0 rounding,
+the same expression), row-major, so a 16-row A tile is one strided load of them.
+
+Why `tdpbsud` (s8 activations x u8 weights): stored weights are unsigned (`v + offset`, or
+int4 levels 0..15) and the activations signed, the operand order AMX's signed-by-unsigned
+form takes with the activations as the row-major A tile. The integer sums are VNNI's:
+sum(q * (v + offset)) - offset * sum(q) (`x_bias`), exact in int32.
+
+A group of 32 values is one `tdpbsud` of K = 32 (a tile's half depth): every group has its
+own scales, so its int32 sums are stored (`tilestored64`) and scaled in float32 with the
+same expression and order as the VNNI kernel, group after group:
+
+    per parallel block tile (units of 8 weight rows, `AMX_KNOBS`):  ldtilecfg
+      per 16 activation rows (the last tile padded; its padded rows never stored):
+        per group g:  A = tileloadd(xq[rows, g])
+          per unit u: B = tileloadd(packed[u, g]) (int4: its bytes), C = 0, C += A . B (tdpbsud)
+                      acc[t, u] += float(C[t] + x_bias[t, g]) * x_scale[t, g] * scale[u, g]
+        y = acc
+      tilerelease
+
+Tiles: 0 = A (16 x 32 bytes), 1..units = B (8 x 32 bytes), then C (16 x 8 int32) per unit:
+at most 8 with `units` <= 3. Linux gives a process AMX state only when asked
+(`ember.runtime.amx.request_amx_permission`); without it the first tile instruction is SIGILL.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ember.ir.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
+from ember.schedules.int8_matmul import supports
+
+_LEVELS = 127.0
+TILE_ROWS = 16  # activation rows of an A and a C tile
+GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
+AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, each its own B and C tile
+MAX_UNITS = 3  # 1 A + 3 B + 3 C tiles of AMX's 8
+# On each kernel: {"format", "n", "k"}.
+BUILD_ATTR = "ember.amx_matmul"
+
+
+def unit_space(n: int) -> list[int]:
+    """The `units` knob values an [n, k] weight takes (blocks must split into whole tasks), the rule's first."""
+    blocks = n // INTERLEAVED_ROWS
+    return [units for units in (2, 1, 3) if blocks % units == 0]
+
+
+def tile_config(units: int) -> list[int]:
+    """The 64-byte `ldtilecfg` operand: palette 1, then each tile's bytes per row (uint16) and rows (uint8)."""
+    config = [0] * 64
+    config[0] = 1
+    shapes = [(TILE_ROWS, GROUP_BYTES)] + [(GROUP_BYTES // 4, GROUP_BYTES)] * units + [(TILE_ROWS, GROUP_BYTES)] * units
+    for tile, (rows, row_bytes) in enumerate(shapes):
+        config[16 + 2 * tile] = row_bytes
+        config[48 + tile] = rows
+    return config
+
+
+def _tile_intrinsics():
+    """The register-numbered AMX intrinsics (void calls: TIR has no x86_amx type for the `.internal` ones)."""
+    def load(tile, address, stride):
+        return T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride))
+
+    def store(tile, address, stride):
+        return T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride))
+
+    def zero(tile):
+        return T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile))
+
+    def dot(dst, a, b):
+        return T.call_llvm_intrin("void", "llvm.x86.tdpbsud", T.int8(dst), T.int8(a), T.int8(b))
+
+    return load, store, zero, dot
+
+
+def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) -> tirx.PrimFunc:
+    """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`, on AMX tiles.
+
+    Same parameters as `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts,
+    y [batch, seq, n]; the same numbers as the VNNI kernel (integer sums equal, scaled in the same order)."""
+    if not supports(fmt, n, k):
+        raise ValueError(f"the AMX int8 matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    space = unit_space(n)
+    units = space[0] if units is None else int(units)
+    if units not in space:
+        raise ValueError(f"AMX matmul units {units} are not among {space} for {n} weight rows")
+    lanes = INTERLEAVED_ROWS
+    groups = k // fmt.group_size
+    words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
+    int4 = fmt.bits == 4
+    offset = fmt.stored_offset
+    zero_point = fmt.zero_point
+    parts = fmt.part_shapes(n, k, INTERLEAVED)
+    packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
+    config = tile_config(units)
+
+    def config_byte(i):
+        """Byte i of `config` (i unrolled to a constant)."""
+        byte = tirx.const(0, "uint8")
+        for index, value in enumerate(config):
+            if value:
+                byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
+        return byte
+    load, store, zero, dot = _tile_intrinsics()
+    vec = tirx.Ramp(0, 1, lanes)
+    nibbles = tirx.Broadcast(tirx.const(0x0F0F0F0F, "uint32"), lanes)
+    four = tirx.Broadcast(tirx.const(4, "uint32"), lanes)
+
+    def padded(rows):
+        """`rows` rounded up to whole 16-row tiles, which the A tile loads read."""
+        return (rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+
+    @T.macro
+    def quantize(mg, seq, x, xq, x_scale, x_bias, x_sum):
+        # The VNNI kernel's quantize step (int8_matmul.py), the same expression: the same q to the bit.
+        with T.sblock("quantize"):
+            T.reads()
+            T.writes()
+            q = T.sblock_alloc_buffer((32,), "int32")
+            m: T.let[T.int64] = mg // groups
+            g: T.let[T.int64] = mg % groups
+            top: T.let[T.float32] = T.call_llvm_pure_intrin(
+                "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
+            inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
+                                                       T.float32(0))
+            q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
+                x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+            total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
+                                                            q[T.Ramp(0, 1, 32)])
+            x_scale[m, g] = top / T.float32(_LEVELS)
+            x_bias[m, g] = total * (-offset)
+            if zero_point:
+                x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
+            xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+
+    @T.macro
+    def row_tile(first, rows, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y, nibble_bytes,
+                 sums, acc):
+        # y for activation rows first .. first + 15 (those below `rows`) and `units` blocks from first_block.
+        for t, u in T.grid(TILE_ROWS, units):
+            acc[t, u, vec] = T.Broadcast(T.float32(0), lanes)
+        for g in T.serial(groups):
+            T.evaluate(load(0, T.address_of(xq[first, g * 8]), k))
+            for u in T.unroll(units):
+                if int4:  # the group's nibbles as bytes, in the interleaved word order: values 4w.. low, 16+4w.. high
+                    for w in T.unroll(words):
+                        word = packed[first_block + u, g * words + w, vec]
+                        nibble_bytes[u, w, vec] = tirx.bitwise_and(word, nibbles)
+                        nibble_bytes[u, words + w, vec] = tirx.bitwise_and(tirx.shift_right(word, four), nibbles)
+                    T.evaluate(load(1 + u, T.address_of(nibble_bytes[u, 0, 0]), GROUP_BYTES))
+                else:
+                    T.evaluate(load(1 + u, T.address_of(packed[first_block + u, g * words, 0]), GROUP_BYTES))
+                T.evaluate(zero(1 + units + u))
+                T.evaluate(dot(1 + units + u, 0, 1 + u))
+                T.evaluate(store(1 + units + u, T.address_of(sums[u, 0, 0]), GROUP_BYTES))
+            for t in T.serial(TILE_ROWS):
+                for u in T.unroll(units):
+                    acc[t, u, vec] = acc[t, u, vec] + T.Cast("float32x8", sums[u, t, vec] + T.Broadcast(
+                        x_bias[first + t, g], lanes)) * (T.Broadcast(x_scale[first + t, g], lanes) * T.Cast(
+                            "float32x8", scale[first_block + u, g, vec]))
+                    if zero_point:
+                        acc[t, u, vec] = acc[t, u, vec] + T.Broadcast(x_sum[first + t, g], lanes) * T.Cast(
+                            "float32x8", low[first_block + u, g, vec])
+        for t in T.serial(TILE_ROWS):
+            if first + t < rows:
+                for u in T.unroll(units):
+                    y[(first + t) // seq, (first + t) % seq, T.Ramp((first_block + u) * lanes, 1, lanes)] = (
+                        acc[t, u, vec])
+
+    @T.macro
+    def matmul(x_handle, packed, scale, low, y_handle):
+        batch = T.int64()
+        seq = T.int64()
+        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
+        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            xq = T.sblock_alloc_buffer((padded(batch * seq), k // 4), "int32")
+            x_scale = T.sblock_alloc_buffer((padded(batch * seq), groups), "float32")
+            x_bias = T.sblock_alloc_buffer((padded(batch * seq), groups), "int32")
+            x_sum = T.sblock_alloc_buffer((padded(batch * seq), groups) if zero_point else (1, 1), "float32")
+            for mg in T.parallel(batch * seq * groups):
+                quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
+            for task in T.parallel(n // (lanes * units)):
+                with T.sblock("task"):
+                    T.reads()
+                    T.writes()
+                    tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
+                    nibble_bytes = T.sblock_alloc_buffer((units, 2 * words if int4 else 1, lanes), "uint32")
+                    sums = T.sblock_alloc_buffer((units, TILE_ROWS, lanes), "int32")
+                    acc = T.sblock_alloc_buffer((TILE_ROWS, units, lanes), "float32")
+                    for i in T.unroll(64):  # tile state is per thread: each task configures its own
+                        tile_config_bytes[i] = config_byte(i)
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
+                    for tile_m in T.serial(padded(batch * seq) // TILE_ROWS):
+                        row_tile(tile_m * TILE_ROWS, batch * seq, task * units, seq, packed, scale, low, xq, x_scale,
+                                 x_bias, x_sum, y, nibble_bytes, sums, acc)
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+
+    if zero_point:
+        @T.prim_func(s_tir=True)
+        def amx_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                                     scale: T.Buffer(scale_shape, SCALE_DTYPE),
+                                     low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, low, y_handle)
+
+        kernel = amx_matmul_with_minimums
+    else:
+        @T.prim_func(s_tir=True)
+        def amx_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                       scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, None, y_handle)
+
+        kernel = amx_matmul
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "units": units})

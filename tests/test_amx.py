@@ -1,0 +1,149 @@
+"""The AMX int8 matmul (schedules/amx_matmul.py): the VNNI kernel's numbers on AMX tiles, its instructions, how a
+target chooses it, and Linux's tile permission (runtime/amx.py)."""
+
+from __future__ import annotations
+
+import errno
+
+import numpy as np
+import pytest
+import tvm
+from helpers import q8_0_activations
+
+from ember.core.errors import ArtifactError
+from ember.core.machine import host_cpu_flags
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
+from ember.runtime import amx
+from ember.schedules import amx_matmul, int8_matmul
+from ember.targets.registry import resolve_target
+
+AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
+VNNI_TARGET = resolve_target('{"kind": "llvm", "mcpu": "cascadelake"}')
+
+
+def _runnable(target):
+    """`target`, or a skip naming the CPU flags its code needs and this host lacks."""
+    missing = sorted(set(target.cpu_features) - set(host_cpu_flags()))
+    if missing:
+        pytest.skip(f"this CPU cannot run {target.tvm_target.get('mcpu')} code (no {', '.join(missing)})")
+    return target
+
+
+@pytest.fixture(scope="module")
+def amx_host():
+    """The AMX target on a host that runs it, with this process's tile permission granted."""
+    target = _runnable(AMX_TARGET)
+    amx.request_amx_permission("test_amx")
+    return target
+
+
+def _build(func, target):
+    return tvm.compile(tvm.IRModule({"main": func}), target=target.target)
+
+
+def _call(lib, fmt, parts, x, n, batch=1):
+    """y [rows, n] from a compiled kernel, with x [rows, k] as `batch` sequences."""
+    rows, k = x.shape
+    y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)),
+                *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    return y.numpy().reshape(rows, n)
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+@pytest.mark.parametrize("n,k,batch,seq,units", [
+    (48, 160, 1, 21, None),  # a whole and a partial 16-row tile; 5 groups: K not a multiple of 64
+    (16, 96, 2, 8, None),  # one whole tile of two sequences; 3 groups
+    (24, 32, 1, 3, 3),  # one group (K = 32), 3 rows of a tile, 3 blocks per task (7 tiles)
+    (24, 224, 1, 17, 1),  # 7 groups, one block per task
+])
+def test_matches_the_vnni_kernel_and_llama_cpp_arithmetic(amx_host, name, n, k, batch, seq, units):
+    """Q8_0-rounded activations times the weight (numpy, float64) to 1e-5, and the AVX512-VNNI kernel's output
+    on the same inputs to float32 rounding of the same sums."""
+    fmt = FORMATS[name]
+    rows = batch * seq
+    rng = np.random.default_rng(n + k + rows)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+    x[0, :32] = 0  # a group of zeros: scale 0, no division by it
+    actual = _call(_build(amx_matmul.amx_int8_matmul(fmt, n, k, units), amx_host), fmt, parts, x, n, batch)
+    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
+    expected = q8_0_activations(x) @ dequantized.T
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert np.abs(actual - x @ dequantized.T).max() > 1e-4 * np.abs(expected).max()  # the rounding is really there
+    vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, VNNI_TARGET.int8_dot, True, VNNI_TARGET.vector_bits),
+                  _runnable(VNNI_TARGET))
+    np.testing.assert_allclose(actual, _call(vnni, fmt, parts, x, n, batch), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+@pytest.mark.parametrize("rows", [1, 16, 19])
+def test_integer_dot_products_are_exact(amx_host, name, rows):
+    """Integer weights (scale 1) and activations whose every group holds a +-127 (scale 1): the output is the
+    integer dot products, numpy's to the bit, the extremes of each format's range included."""
+    fmt = FORMATS[name]
+    n, k = 32, 96
+    low, high = (-127, 127) if fmt.bits == 8 else (0, 15) if fmt.zero_point else (-8, 7)
+    rng = np.random.default_rng(rows)
+    values = rng.integers(low, high + 1, (n, k))
+    values[0], values[1] = low, high
+    x = rng.integers(-127, 128, (rows, k))
+    x[:, ::32] = rng.choice([-127, 127], (rows, k // 32))
+    x[0, :] = np.where(np.arange(k) % 2, 127, -127)
+    ones = np.ones((n, k // fmt.group_size), np.float32)
+    parts = fmt.pack(values, ones, ones * 0 if fmt.zero_point else None, INTERLEAVED)
+    actual = _call(_build(amx_matmul.amx_int8_matmul(fmt, n, k), amx_host), fmt, parts, x.astype(np.float32), n)
+    np.testing.assert_array_equal(actual, x @ values.T)
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+def test_compiles_to_tile_instructions(name):
+    """Compiled, not run (any host): tile config, tile loads, the signed x unsigned tile dot product, tile stores."""
+    fmt = FORMATS[name]
+    lib = _build(amx_matmul.amx_int8_matmul(fmt, 32, 160), AMX_TARGET)
+    assembly = lib.mod.imports[0].inspect_source("s") if lib.mod.imports else lib.mod.inspect_source("s")
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbsud", "tilestored", "tilerelease"):
+        assert instruction in assembly, instruction
+
+
+def test_targets_with_amx_int8_choose_tiles_for_prefill():
+    assert AMX_TARGET.int8_dot.level == "amx" and AMX_TARGET.int8_dot.tiles
+    assert {"amx_tile", "amx_int8"} <= set(AMX_TARGET.cpu_features)
+    with_attrs = resolve_target('{"kind": "llvm", "mcpu": "icelake-server", "mattr": ["+amx-tile", "+amx-int8"]}')
+    assert with_attrs.int8_dot.tiles
+    assert not VNNI_TARGET.int8_dot.tiles and VNNI_TARGET.int8_dot.level == "avx512vnni"
+    assert not resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}').int8_dot.tiles
+
+
+def test_units_outside_the_space_are_refused():
+    with pytest.raises(ValueError, match="units 2 are not among"):
+        amx_matmul.amx_int8_matmul(FORMATS["q8f32"], 24, 64, units=2)
+
+
+def test_tile_config_is_palette_1_with_each_tiles_shape():
+    config = amx_matmul.tile_config(2)
+    assert len(config) == 64 and config[0] == 1
+    assert config[16:26] == [32, 0] * 5  # A, B, B, C, C: 32 bytes a row
+    assert config[48:53] == [16, 8, 8, 16, 16] and not any(config[53:])
+
+
+def test_permission_is_granted_on_an_amx_host(monkeypatch):
+    _runnable(AMX_TARGET)
+    monkeypatch.setattr(amx, "_granted", False)
+    amx.request_amx_permission("model")
+    assert amx._granted
+
+
+def test_a_refused_permission_is_a_one_line_error_naming_the_artifact(monkeypatch):
+    monkeypatch.setattr(amx, "_granted", False)
+    with pytest.raises(ArtifactError) as refused:
+        amx.request_amx_permission("/models/tiny-amx", request=lambda: (-1, errno.EINVAL))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("/models/tiny-amx: ")
+    assert "AMX" in message and "Invalid argument" in message and "--target cpu" in message
+    assert not amx._granted
+
+
+def test_only_artifacts_whose_code_may_use_tiles_ask():
+    assert amx.needs_amx(list(AMX_TARGET.cpu_features))
+    assert not amx.needs_amx(list(VNNI_TARGET.cpu_features))
