@@ -405,7 +405,7 @@ class Reply:
     logprobs: bool = False
     token_text: Callable[[int], str] = str
     tools: tool_calls.ToolPlan | None = None  # read tool calls out of the reply by this plan
-    held: list[StreamEvent] = field(default_factory=list)  # a tool-calling stream's events until its last
+    readers: dict[int, tool_calls.CallReader] = field(default_factory=dict)  # a tool-calling stream's, by choice
     choices: int = 1  # `n`: events carry the index of their choice
     ended: list[StreamEvent] = field(default_factory=list)  # a stream's choices' last events, for its usage
     created: int = field(default_factory=lambda: int(time.time()))
@@ -460,30 +460,28 @@ class Reply:
         if not self.stream:
             message, reason = {"role": "assistant", "content": event.text}, event.finish_reason
             if self.tools is not None:
-                content, calls = tool_calls.parse(event.text, self.tools)
-                message, reason = tool_calls.message(content, calls), tool_calls.finish_reason(reason, calls)
+                reader = tool_calls.read(event.text, self.tools)
+                message, reason = tool_calls.message(reader.content, reader.calls), reader.finish_reason(reason)
             return {"index": event.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         delta = {"role": "assistant", "content": event.text} if first else {"content": event.text}
         return {"index": event.index, "delta": delta if event.text or first else {}, "logprobs": logprobs,
                 "finish_reason": event.finish_reason}
 
     def tool_chunks(self, event: StreamEvent, first: bool) -> list[JsonObject]:
-        """A tool-calling stream's chunks: the role first, then nothing until the last event, when the whole
-        text is read into its content and its calls (each whole in one delta, as the openai client assembles
-        them), the finish reason and the usage."""
-        self.held.append(event)
+        """A tool-calling stream's chunks: the role first, then the content and calls a `CallReader` reads out
+        of each event's text as it comes (a call once its name is read, then its arguments piece by piece), the
+        same as the whole answer's; last the finish reason ("tool_calls" only if the reply ended on whole calls)
+        and the usage."""
+        if event.index not in self.readers:
+            self.readers[event.index] = tool_calls.CallReader(self.tools)
+        reader = self.readers[event.index]
+        read = reader.feed(event.text) + (reader.finish() if event.finish_reason is not None else [])
         chunks = [self.delta_chunk({"role": "assistant"})] if first else []
-        if event.finish_reason is None:
-            return chunks
-        merged = merge(self.held)
-        content, calls = tool_calls.parse(merged.text, self.tools)
-        if content:
-            chunks.append(self.delta_chunk({"content": content}))
-        if calls:
-            chunks.append(self.delta_chunk(tool_calls.delta_calls(calls)))
-        chunks.append(self.delta_chunk({}, tool_calls.finish_reason(merged.finish_reason, calls)))
-        if self.include_usage:
-            chunks.append({**self.head(), "choices": [], "usage": usage(merged)})
+        chunks += [self.delta_chunk(delta) for delta in map(tool_calls.delta, read) if delta is not None]
+        if event.finish_reason is not None:
+            chunks.append(self.delta_chunk({}, reader.finish_reason(event.finish_reason)))
+            if self.include_usage:
+                chunks.append({**self.head(), "choices": [], "usage": usage(event)})
         return chunks
 
     def delta_chunk(self, delta: JsonObject, finish_reason: str | None = None) -> JsonObject:

@@ -5,8 +5,9 @@ template's source: Llama 3.1/3.2 (a bare JSON object `{"name": ..., "parameters"
 Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), Mistral (`[TOOL_CALLS][{"name": ...,
 "arguments": {...}}]`). `plan` checks a request's tools and tool_choice against it; `call_grammar` is the
 llguidance grammar that makes `required` or a named function certain (the reply is a call in that syntax
-whose arguments match the function's JSON schema, then end of sequence); `parse` reads calls back out of
-the model's text, and `message`, `delta_calls` shape them as OpenAI's responses and stream chunks do.
+whose arguments match the function's JSON schema, then end of sequence); `CallReader` reads calls out of the
+model's text as it comes, in any pieces (`parse`: out of a whole reply, the same way), and `message`, `delta`
+shape them as OpenAI's responses and stream chunks do.
 
 Every refusal is a `ToolRequestError` naming the request field at fault.
 """
@@ -26,7 +27,6 @@ from ember.runtime.constrained import JSON_OPTIONS  # fixed whitespace, as for r
 
 JsonObject = dict[str, Any]
 _ALPHANUMERIC = string.ascii_letters + string.digits
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class ToolRequestError(GenerationError):
@@ -380,6 +380,7 @@ class CallReader:
         self.began = False  # the object being read began a call
         self.tail = ""  # the last characters read while looking for </tool_call>
         self.calls: list[ToolCall] = []
+        self.content = ""  # all the content read so far
         self.open = False  # a call has begun and its arguments are not closed
         self.events: list[CallEvent] = []
 
@@ -413,6 +414,7 @@ class CallReader:
         if not text:
             return
         self.at_start = False
+        self.content += text
         if self.events and isinstance(self.events[-1], Content):
             text = self.events.pop().text + text
         self.events.append(Content(text))
@@ -580,9 +582,8 @@ def read(text: str, tool_plan: ToolPlan) -> CallReader:
 def parse(text: str, tool_plan: ToolPlan) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply, as `CallReader` streams them: the content's pieces joined, each call's
     arguments its pieces joined."""
-    reader = CallReader(tool_plan)
-    events = reader.feed(text) + reader.finish()
-    return "".join(event.text for event in events if isinstance(event, Content)), reader.calls
+    reader = read(text, tool_plan)
+    return reader.content, reader.calls
 
 
 def message(content: str, calls: Sequence[ToolCall]) -> JsonObject:
@@ -594,11 +595,18 @@ def message(content: str, calls: Sequence[ToolCall]) -> JsonObject:
         for call in calls]}
 
 
-def delta_calls(calls: Sequence[ToolCall]) -> JsonObject:
-    """A stream chunk's delta carrying `calls` whole, each with its index, as the openai client assembles them."""
-    return {"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}}
-                           for i, call in enumerate(calls)]}
+def delta(event: CallEvent) -> JsonObject | None:
+    """The stream chunk delta of one reader event, as OpenAI streams calls (None for a call's end, which has
+    none): a call's first chunk has its index, id, type, name and empty arguments, the next only its index and
+    the next piece of its arguments."""
+    if isinstance(event, Content):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, Arguments):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return None
 
 
 def finish_reason(reason: str | None, calls: Sequence[ToolCall]) -> str | None:

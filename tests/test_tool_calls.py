@@ -179,8 +179,14 @@ def test_messages_and_chunks_parse_as_the_openai_types():
     calls = [tool_calls.ToolCall("get_time", '{"zone": "utc"}', "call_1")]
     message = openai_types.ChatCompletionMessage.model_validate(tool_calls.message("", calls))
     assert message.content is None and message.tool_calls[0].function.name == "get_time"
-    delta = openai_types.chat_completion_chunk.ChoiceDelta.model_validate(tool_calls.delta_calls(calls))
-    assert delta.tool_calls[0].index == 0 and delta.tool_calls[0].function.arguments == '{"zone": "utc"}'
+    start = openai_types.chat_completion_chunk.ChoiceDelta.model_validate(
+        tool_calls.delta(tool_calls.CallStart(1, "call_1", "get_time")))
+    assert start.tool_calls[0].index == 1 and start.tool_calls[0].function.name == "get_time"
+    assert start.tool_calls[0].id == "call_1" and start.tool_calls[0].function.arguments == ""
+    piece = openai_types.chat_completion_chunk.ChoiceDelta.model_validate(
+        tool_calls.delta(tool_calls.Arguments(1, '{"zone": ')))
+    assert piece.tool_calls[0].id is None and piece.tool_calls[0].function.arguments == '{"zone": '
+    assert tool_calls.delta(tool_calls.CallEnd(1)) is None
     assert tool_calls.finish_reason("stop", calls) == "tool_calls"
     assert tool_calls.finish_reason("length", calls) == "length" and tool_calls.finish_reason("stop", []) == "stop"
 
