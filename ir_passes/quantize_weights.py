@@ -58,7 +58,7 @@ from ember.ir.weight_recipes import (
     set_recipes,
     weight_params,
 )
-from ember.schedules import int8_matmul
+from ember.schedules import amx_matmul, int8_matmul
 from ember.targets.int8_dot import Int8Dot
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
@@ -229,9 +229,12 @@ class _Rewriter(relax.PyExprMutator):
         many_tokens = not few
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:
-            kernel = int8_matmul.int8_dot_matmul(fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
-            self.int8_kernels[key] = self.builder_.add_func(
-                kernel.with_attr(KERNEL_SOURCE_ATTR, int8_matmul.__name__), "int8_dot_matmul")
+            if many_tokens and self.int8_dot.tiles:  # prefill on AMX tiles; decode keeps the vector dot product
+                kernel, source, name = amx_matmul.amx_int8_matmul(fmt, n, k), amx_matmul.__name__, "amx_int8_matmul"
+            else:
+                kernel = int8_matmul.int8_dot_matmul(fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
+                source, name = int8_matmul.__name__, "int8_dot_matmul"
+            self.int8_kernels[key] = self.builder_.add_func(kernel.with_attr(KERNEL_SOURCE_ATTR, source), name)
         kernel = self.int8_kernels[key]
         if len(lead) == 2:
             return self.builder_.emit(relax.call_tir(kernel, [x, *parts.values()],

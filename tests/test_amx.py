@@ -147,3 +147,37 @@ def test_a_refused_permission_is_a_one_line_error_naming_the_artifact(monkeypatc
 def test_only_artifacts_whose_code_may_use_tiles_ask():
     assert amx.needs_amx(list(AMX_TARGET.cpu_features))
     assert not amx.needs_amx(list(VNNI_TARGET.cpu_features))
+
+
+def test_prefill_projections_are_amx_kernels_and_decode_keeps_vnni(tiny_models):
+    """Lowered for an AMX target (any host): every q8f32 projection of prefill is the AMX kernel, every one of
+    decode the VNNI kernel."""
+    from ember.frontend.hf import import_hf_model
+    from ember.ir_passes import pipeline
+
+    imported = import_hf_model(tiny_models.checkpoint("llama"), AMX_TARGET.target, "float32")
+    kernels = pipeline.to_kernels(imported.mod, AMX_TARGET, pipeline.LowerOptions(FORMATS["q8f32"], 64, 4))
+    calls = {name: (kernels[name].script().count("amx_int8_matmul"), kernels[name].script().count("int8_dot_matmul"))
+             for name in ("decode", "prefill")}
+    assert calls == {"decode": (0, 4 * 2 + 1), "prefill": (4 * 2 + 1, 0)}  # qkv, o, gate_up, down per layer; lm_head
+
+
+def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path):
+    """A tiny q8f32 Llama compiled for an AMX CPU and run here (prefill on tiles, decode on VNNI): its logits
+    against transformers on the quantized weights, as every int8 build is checked (`test_quantization`)."""
+    import artifact_cache
+    from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
+    from test_quantization import _assert_logits_match_reference
+
+    from ember.core.manifest import read_manifest
+    from ember.driver.compiler import CompileOptions, compile_model
+
+    _runnable(AMX_TARGET)
+    model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"
+    options = CompileOptions(target='{"kind": "llvm", "mcpu": "sapphirerapids"}', quantization="q8f32",
+                             prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
+    artifact_cache.build(artifact_cache.artifact_key("tiny-llama-amx-q8f32", options, [model_dir]),
+                         artifact_dir, lambda dest: compile_model(model_dir, dest, options))
+    manifest = read_manifest(artifact_dir)
+    assert manifest.activations == "int8" and {"amx_tile", "amx_int8"} <= set(manifest.target["cpu_features"])
+    _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization="q8f32"))
