@@ -72,7 +72,8 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
 
     With `int8_dot` (the target's dot product, `TargetSpec.int8_dot`), projections
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
-    register tiles sized by the target's `vector_bits`), where the format and shape allow it.
+    register tiles sized by the target's `vector_bits`), where the format and shape allow it; on a target
+    with AMX (`Int8Dot.tiles`) prefill's on AMX tiles (`schedules/amx_matmul.py`).
     """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
