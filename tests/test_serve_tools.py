@@ -249,3 +249,81 @@ def test_cli_serve_refuses_a_bad_chat_template_in_one_line(tiny_llama, tmp_path,
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith("ember: error: --chat-template ") and words in lines[0], lines
+
+
+CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "weather"}}, "auto": "auto",
+           "none": "none"}
+
+
+def _assembled(chunks) -> dict:
+    """A raw chat stream put together by hand, as a client would: content, calls by index (name, arguments),
+    finish reason, and which chunks carried what."""
+    content, calls, reason, kinds = "", {}, None, []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.type == "function" and call.function.arguments == "", call
+                calls[call.index] = [call.function.name, ""]
+                kinds.append(("start", call.index))
+            else:
+                assert call.function.name is None and call.function.arguments, call
+                calls[call.index][1] += call.function.arguments
+                kinds.append(("arguments", call.index))
+        kinds.append(("content", None)) if choice.delta.content else None
+    return {"content": content, "calls": [tuple(call) for call in calls.values()], "finish_reason": reason,
+            "kinds": kinds}
+
+
+def _whole(message, reason) -> dict:
+    return {"content": message.content or "", "finish_reason": reason,
+            "calls": [(call.function.name, call.function.arguments) for call in message.tool_calls or []]}
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_a_streamed_reply_assembles_into_the_whole_reply(served, choice):
+    options = dict(tools=TOOLS, tool_choice=CHOICES[choice], parallel_tool_calls=False, max_tokens=100,
+                   temperature=0)
+    whole = served.chat(**options).choices[0]
+    expected = _whole(whole.message, whole.finish_reason)
+    assert bool(expected["calls"]) == (choice in ("required", "named")), expected
+    raw = _assembled(served.chat(stream=True, **options))
+    assert {key: raw[key] for key in expected} == expected
+    with served.client.chat.completions.stream(model=served.name, messages=QUESTION, **options) as stream:
+        try:
+            final = stream.get_final_completion().choices[0]
+        except openai.LengthFinishReasonError as err:  # the helper's refusal to parse a reply cut off (auto, none)
+            final = err.completion.choices[0]  # carries what it assembled
+    assert _whole(final.message, final.finish_reason) == expected
+
+
+def test_a_call_streams_its_arguments_while_they_are_generated(served):
+    chunks = list(served.chat(stream=True, tools=TOOLS, tool_choice={"type": "function", "function": {
+        "name": "weather"}}, max_tokens=100, temperature=0, stream_options={"include_usage": True}))
+    assembled = _assembled(chunks)
+    (name, arguments), = assembled["calls"]
+    pieces = [kind for kind in assembled["kinds"] if kind[0] == "arguments"]
+    assert name == "weather" and len(arguments) >= 20 and assembled["finish_reason"] == "tool_calls"
+    # Each chunk comes from one decoding step's text: the call's start went out with more than half of the
+    # arguments' characters' worth of steps still to come, each in a chunk of its own.
+    assert assembled["kinds"][0] == ("start", 0) and len(pieces) > len(arguments) // 2, assembled["kinds"]
+    assert chunks[-1].usage.completion_tokens >= len(pieces)
+
+
+def test_a_call_cut_off_by_max_tokens_streams_what_was_written_and_finishes_on_length(served):
+    options = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}}, temperature=0)
+    whole = served.chat(max_tokens=100, **options)
+    for max_tokens in range(whole.usage.completion_tokens - 1, 0, -1):
+        cut = served.chat(max_tokens=max_tokens, **options).choices[0]
+        if cut.message.tool_calls and cut.message.tool_calls[0].function.arguments.endswith('"city": "'):
+            break
+    else:
+        pytest.fail("no max_tokens cuts the call inside its arguments")
+    assert cut.finish_reason == "length" and cut.message.tool_calls[0].function.name == "weather"
+    streamed = _assembled(served.chat(stream=True, max_tokens=max_tokens, **options))
+    assert streamed["finish_reason"] == "length" and streamed["calls"] == _whole(cut.message, "length")["calls"]
+    assert whole.choices[0].message.tool_calls[0].function.arguments.startswith(streamed["calls"][0][1])
