@@ -34,7 +34,7 @@ def _arch_prctl() -> tuple[int, int]:
     return result, ctypes.get_errno()
 
 
-def request_amx_permission(what: str, request: Callable[[], tuple[int, int]] = _arch_prctl) -> None:
+def request_amx_permission(what: str, request: Callable[[], tuple[int, int]] | None = None) -> None:
     """Ask Linux for AMX tile state for this process, once; an ArtifactError naming `what` (the artifact) if refused."""
     global _granted
     if _granted:
@@ -42,7 +42,7 @@ def request_amx_permission(what: str, request: Callable[[], tuple[int, int]] = _
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         raise ArtifactError(f"{what}: uses Intel AMX tiles, which need Linux on x86_64; recompile it with "
                             f"`--target cpu` for this machine")
-    result, error = request()
+    result, error = (request or _arch_prctl)()
     if result != 0:
         reason = os.strerror(error) if error else f"returned {result}"
         hint = " (a kernel older than 5.16 has no AMX support)" if error == errno.EINVAL else ""

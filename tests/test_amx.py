@@ -4,6 +4,7 @@ target chooses it, and Linux's tile permission (runtime/amx.py)."""
 from __future__ import annotations
 
 import errno
+import re
 
 import numpy as np
 import pytest
@@ -162,15 +163,17 @@ def test_prefill_projections_are_amx_kernels_and_decode_keeps_vnni(tiny_models):
     assert calls == {"decode": (0, 4 * 2 + 1), "prefill": (4 * 2 + 1, 0)}  # qkv, o, gate_up, down per layer; lm_head
 
 
-def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path):
+def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path, monkeypatch):
     """A tiny q8f32 Llama compiled for an AMX CPU and run here (prefill on tiles, decode on VNNI): its logits
-    against transformers on the quantized weights, as every int8 build is checked (`test_quantization`)."""
+    against transformers on the quantized weights, as every int8 build is checked (`test_quantization`).
+    Where Linux refuses the tile state, loading it is a one-line error naming the artifact."""
     import artifact_cache
     from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
     from test_quantization import _assert_logits_match_reference
 
     from ember.core.manifest import read_manifest
     from ember.driver.compiler import CompileOptions, compile_model
+    from ember.runtime.artifact import load_artifact
 
     _runnable(AMX_TARGET)
     model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"
@@ -181,3 +184,8 @@ def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path
     manifest = read_manifest(artifact_dir)
     assert manifest.activations == "int8" and {"amx_tile", "amx_int8"} <= set(manifest.target["cpu_features"])
     _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization="q8f32"))
+    monkeypatch.setattr(amx, "_granted", False)
+    monkeypatch.setattr(amx, "_arch_prctl", lambda: (-1, errno.EPERM))
+    with pytest.raises(ArtifactError, match=f"^{re.escape(str(artifact_dir))}: Linux refused .*AMX") as refused:
+        load_artifact(artifact_dir)
+    assert "\n" not in str(refused.value)
