@@ -16,6 +16,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import artifact_cache
 import pytest
 import tvm
 import tvm_ffi
@@ -38,14 +39,20 @@ def cuda_artifacts(tiny_models, tmp_path_factory) -> dict[str, Path]:
     from ember.driver.compiler import CompileOptions, compile_model
 
     model_dir, root = tiny_models.checkpoint("llama"), tmp_path_factory.mktemp("cuda")
+    options = {arch: CompileOptions(target=f"cuda:{arch}", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+                                    show_progress=False) for arch in ARCHS}
+    keys = {arch: artifact_cache.artifact_key(f"tiny-llama-cuda-{arch}", options[arch], [model_dir]) for arch in ARCHS}
+
+    def compile_through_cli(dest: Path) -> None:
+        result = run_ember("compile", str(model_dir), "-o", str(dest), "--target", "cuda:sm_90a", "--no-progress",
+                           "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
+        assert result.returncode == 0, result.stderr
+
     with ThreadPoolExecutor(1) as side:  # the CLI's process runs beside this one's compile
-        cli = side.submit(run_ember, "compile", str(model_dir), "-o", str(root / "sm_90a"), "--target", "cuda:sm_90a",
-                          "--no-progress", "--prefill-chunk", str(PREFILL_CHUNK), "--max-batch", str(MAX_BATCH))
-        options = CompileOptions(target="cuda:sm_80", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                 show_progress=False)
-        compile_model(model_dir, root / "sm_80", options)
-        result = cli.result()
-    assert result.returncode == 0, result.stderr
+        cli = side.submit(artifact_cache.build, keys["sm_90a"], root / "sm_90a", compile_through_cli)
+        artifact_cache.build(keys["sm_80"], root / "sm_80",
+                             lambda dest: compile_model(model_dir, dest, options["sm_80"]))
+        cli.result()
     return {arch: root / arch for arch in ARCHS}
 
 
@@ -153,8 +160,10 @@ def test_opencl_artifact_ships_opencl_source(tiny_models, tmp_path):
     at load); this TVM has no OpenCL runtime, so the runtime refuses and says what to install."""
     from ember.driver.compiler import CompileOptions, compile_model
 
+    model_dir, artifact = tiny_models.checkpoint("llama"), tmp_path / "ocl"
     options = CompileOptions(target="opencl", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
-    artifact = compile_model(tiny_models.checkpoint("llama"), tmp_path / "ocl", options).output_dir
+    artifact_cache.build(artifact_cache.artifact_key("tiny-llama-opencl", options, [model_dir]), artifact,
+                         lambda dest: compile_model(model_dir, dest, options))
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert (manifest["target"]["name"], manifest["quantization"]) == ("opencl", "q0f16")
     library = (artifact / "model.so").read_bytes()

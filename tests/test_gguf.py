@@ -24,6 +24,7 @@ import re
 import shutil
 from pathlib import Path
 
+import artifact_cache
 import gguf
 import gguf_files
 import numpy as np
@@ -73,7 +74,8 @@ def compiled(demo_gguf, tmp_path_factory):
             keep = quantization is not None and FORMATS[quantization].quantizes
             options = CompileOptions(quantization=quantization, keep_embedding=keep, keep_lm_head=keep,
                                      max_batch=1, show_progress=False)
-            compile_model(demo_gguf[file_type], out, options)
+            artifact_cache.build(artifact_cache.artifact_key(f"demo-gguf-{file_type}", options, [demo_gguf[file_type]]),
+                                 out, lambda dest: compile_model(demo_gguf[file_type], dest, options))
             artifacts[file_type] = load_artifact(out)
         return Engine(artifacts[file_type])
 

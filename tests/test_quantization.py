@@ -13,6 +13,7 @@ import math
 import re
 import string
 
+import artifact_cache
 import numpy as np
 import pytest
 import tvm
@@ -315,9 +316,10 @@ def test_quantized_model_for_another_isa_level(tiny_models, tmp_path, cpu, quant
 
     level_target("avx2" if cpu == "haswell" else None)  # skips where this CPU cannot run that code
     model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"
-    compile_model(model_dir, artifact_dir, CompileOptions(
-        target=f'{{"kind": "llvm", "mcpu": "{cpu}"}}', quantization=quantization, prefill_chunk=PREFILL_CHUNK,
-        max_batch=MAX_BATCH, show_progress=False))
+    options = CompileOptions(target=f'{{"kind": "llvm", "mcpu": "{cpu}"}}', quantization=quantization,
+                             prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
+    artifact_cache.build(artifact_cache.artifact_key(f"tiny-llama-{cpu}-{quantization}", options, [model_dir]),
+                         artifact_dir, lambda dest: compile_model(model_dir, dest, options))
     manifest = read_manifest(artifact_dir)
     assert manifest.activations == activations and manifest.target["tvm_target"]["mcpu"] == cpu
     _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization=quantization))
