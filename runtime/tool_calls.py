@@ -20,6 +20,7 @@ import secrets
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from ember.core.errors import GenerationError
@@ -263,13 +264,20 @@ class _ObjectScanner:
     checks the object's own punctuation, not the values inside it (a nested value is only balanced)."""
 
     def __init__(self) -> None:
-        self.text = "{"
+        self.chars = ["{"]  # what was read, a list: a string grown a character at a time is quadratic
         self.state = "key_or_end"  # the scanner starts past the opening brace, which `text` holds
         self.depth = 0  # nesting inside an object or array value
         self.in_string = self.escape = False
         self.key: str | None = None
         self.key_start = self.value_start = 0
-        self.values: dict[str, tuple[int, int]] = {}  # key -> span of its first value in `text`, once it ends
+        self.values: dict[str, tuple[int, int]] = {}  # key -> span of its first value, once it ends
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def text(self, start: int = 0, end: int | None = None) -> str:
+        """The characters read from `start` to `end`."""
+        return "".join(self.chars[start:end])
 
     @property
     def closed(self) -> bool:
@@ -278,14 +286,14 @@ class _ObjectScanner:
 
     def value_just_began(self) -> bool:
         """Whether the last character read began the value of `key`."""
-        return self.state in ("string", "nested", "scalar") and self.value_start == len(self.text) - 1
+        return self.state in ("string", "nested", "scalar") and self.value_start == len(self.chars) - 1
 
     def push(self, char: str) -> bool:
         """Read one more character; False (and not read) if it cannot continue a JSON object."""
-        position = len(self.text)
-        self.text += char
+        position = len(self.chars)
+        self.chars.append(char)
         if not self._step(char, position):
-            self.text = self.text[:-1]
+            self.chars.pop()
             return False
         return True
 
@@ -342,7 +350,7 @@ class _ObjectScanner:
             self._value_ended(position + 1)
         else:
             try:
-                self.key = json.loads(self.text[self.key_start:position + 1])
+                self.key = json.loads(self.text(self.key_start, position + 1))
             except json.JSONDecodeError:
                 return False
             self.state = "colon"
@@ -380,13 +388,21 @@ class CallReader:
         self.began = False  # the object being read began a call
         self.tail = ""  # the last characters read while looking for </tool_call>
         self.calls: list[ToolCall] = []
-        self.content = ""  # all the content read so far
+        self.contents: list[str] = []  # all the content read so far, in pieces
         self.open = False  # a call has begun and its arguments are not closed
         self.events: list[CallEvent] = []
 
+    @property
+    def content(self) -> str:
+        """All the content read so far."""
+        return "".join(self.contents)
+
     def feed(self, text: str) -> list[CallEvent]:
         """The events `text`, the next piece of the reply, makes."""
-        for char in text:
+        for position, char in enumerate(text):
+            if self.mode == "pass":  # no call can follow: the rest is content
+                self._content(text[position:])
+                break
             self._read(char)
         self._send_arguments()
         return self._take()
@@ -407,16 +423,23 @@ class CallReader:
         return finish_reason(reason, self.calls)
 
     def _take(self) -> list[CallEvent]:
-        events, self.events = self.events, []
-        return events
+        """The events made since the last take, neighbouring content and pieces of one call's arguments joined."""
+        taken: list[CallEvent] = []
+        for (kind, index), group in groupby(self.events, lambda event: (type(event), getattr(event, "index", 0))):
+            if kind is Content:
+                taken.append(Content("".join(event.text for event in group)))
+            elif kind is Arguments:
+                taken.append(Arguments(index, "".join(event.text for event in group)))
+            else:
+                taken.extend(group)
+        self.events = []
+        return taken
 
     def _content(self, text: str) -> None:
         if not text:
             return
         self.at_start = False
-        self.content += text
-        if self.events and isinstance(self.events[-1], Content):
-            text = self.events.pop().text + text
+        self.contents.append(text)
         self.events.append(Content(text))
 
     def _read(self, char: str) -> None:
@@ -515,7 +538,7 @@ class CallReader:
                     self.arguments_key = scanner.key
             if self.name is None and "name" in scanner.values:
                 start, end = scanner.values["name"]
-                name = json.loads(scanner.text[start:end])
+                name = json.loads(scanner.text(start, end))
                 if name not in self.plan.functions:
                     self._fail(None)
                     return
@@ -545,19 +568,16 @@ class CallReader:
         if not self.open:
             return
         scanner = self.scanner
-        end = scanner.values.get(self.arguments_key, (0, len(scanner.text)))[1]
-        piece, self.sent = scanner.text[self.sent:end], end
+        end = scanner.values.get(self.arguments_key, (0, len(scanner)))[1]
+        piece, self.sent = scanner.text(self.sent, end), end
         if not piece:
             return
         call = self.calls[-1]
         self.calls[-1] = ToolCall(call.name, call.arguments + piece, call.id)
-        index = len(self.calls) - 1
-        if self.events and isinstance(self.events[-1], Arguments):
-            piece = self.events.pop().text + piece
-        self.events.append(Arguments(index, piece))
+        self.events.append(Arguments(len(self.calls) - 1, piece))
 
     def _region_text(self) -> str:
-        return self.region + (self.scanner.text if self.mode == "object" else "")
+        return self.region + (self.scanner.text() if self.mode == "object" else "")
 
     def _fail(self, char: str | None) -> None:
         """The syntax being read is not a call: released as content, or dropped after calls it held."""
