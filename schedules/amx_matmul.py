@@ -5,7 +5,7 @@ instruction; AMX's `tdpbsud` multiplies a 16-row x 64-byte tile of signed bytes 
 unsigned bytes in VNNI layout into a 16 x 16 int32 tile. The weights need no new layout:
 an `interleaved` block (`ir/quant_formats.py`) is, for one group, 8 words of K x 8 rows x 4
 bytes, exactly a B tile of 8 rows of 32 bytes (8 int32 columns); so are int4's nibbles once
-split into bytes (done per group into a 256-byte buffer, the weights stay 4-bit in memory).
+split into bytes (once per parallel task, for all its row tiles; the weights stay 4-bit in memory).
 The activations are quantized as the VNNI path quantizes them (llama.cpp's Q8_0 rounding,
 the same expression), row-major, so a 16-row A tile is one strided load of them.
 
@@ -22,13 +22,14 @@ same expression and order as the VNNI kernel, group after group:
       per 16 activation rows (the last tile padded; its padded rows never stored):
         per group g:  A = tileloadd(xq[rows, g])
           per unit u: B = tileloadd(packed[u, g]) (int4: its bytes), C = 0, C += A . B (tdpbsud)
-                      acc[t, u] += float(C[t] + x_bias[t, g]) * x_scale[t, g] * scale[u, g]
+          acc[t] += float(C[t] + x_bias[t, g]) * x_scale[t, g] * scale[g]   # C[t]: the units' C rows joined
         y = acc
       tilerelease
 
-Tiles: 0 = A (16 x 32 bytes), 1..units = B (8 x 32 bytes), then C (16 x 8 int32) per unit:
-at most 8 with `units` <= 3. Linux gives a process AMX state only when asked
-(`ember.runtime.amx.request_amx_permission`); without it the first tile instruction is SIGILL.
+Tiles: 0 = A (16 x 32 bytes), 1..units = B (8 x 32 bytes), then C (16 x 8 int32) per unit,
+stored side by side so that the epilogue's vectors are 16 weight rows (512 bits) with 2 units.
+Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
+without it the first tile instruction is SIGILL.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from ember.schedules.int8_matmul import supports
 _LEVELS = 127.0
 TILE_ROWS = 16  # activation rows of an A and a C tile
 GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
-AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, each its own B and C tile
-MAX_UNITS = 3  # 1 A + 3 B + 3 C tiles of AMX's 8
+AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, each its own B and C tile: 2 (16 rows, one
+# 512-bit vector in the epilogue) where the blocks pair up, else 1
 # On each kernel: {"format", "n", "k"}.
 BUILD_ATTR = "ember.amx_matmul"
 
@@ -51,7 +52,7 @@ BUILD_ATTR = "ember.amx_matmul"
 def unit_space(n: int) -> list[int]:
     """The `units` knob values an [n, k] weight takes (blocks must split into whole tasks), the rule's first."""
     blocks = n // INTERLEAVED_ROWS
-    return [units for units in (2, 1, 3) if blocks % units == 0]
+    return [units for units in (2, 1) if blocks % units == 0]
 
 
 def tile_config(units: int) -> list[int]:
@@ -112,6 +113,14 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
         return byte
     load, store, zero, dot = _tile_intrinsics()
     vec = tirx.Ramp(0, 1, lanes)
+    width = units * lanes  # the task's weight rows: one vector of the epilogue
+    row = tirx.Ramp(0, 1, width)
+    floats = f"float32x{width}"
+
+    def joined(buffer, first_block, g):
+        """Group g's values of the task's `units` blocks in an interleaved [blocks, groups, 8] buffer, as one vector."""
+        vectors = [buffer[first_block + u, g, vec] for u in range(units)]
+        return vectors[0] if units == 1 else tirx.Shuffle(vectors, [tirx.IntImm("int32", i) for i in range(width)])
     nibbles = tirx.Broadcast(tirx.const(0x0F0F0F0F, "uint32"), lanes)
     four = tirx.Broadcast(tirx.const(4, "uint32"), lanes)
 
@@ -143,38 +152,46 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
             xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
 
     @T.macro
+    def products(g, first, first_block, packed, xq, nibble_bytes, sums):
+        # Group g's int32 sums of the 16 activation rows from `first` and the task's blocks, into sums[g % 2].
+        T.evaluate(load(0, T.address_of(xq[first, g * 8]), k))
+        for u in T.unroll(units):
+            if int4:
+                T.evaluate(load(1 + u, T.address_of(nibble_bytes[u, g * 8, 0]), GROUP_BYTES))
+            else:
+                T.evaluate(load(1 + u, T.address_of(packed[first_block + u, g * words, 0]), GROUP_BYTES))
+            T.evaluate(zero(1 + units + u))
+            T.evaluate(dot(1 + units + u, 0, 1 + u))
+        for u in T.unroll(units):  # the units' C tiles side by side: row t of `sums` is all the task's rows
+            T.evaluate(store(1 + units + u, T.address_of(sums[g % 2, 0, u * lanes]), 4 * width))
+
+    @T.macro
+    def scale_sums(g, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, acc):
+        # acc += group g's sums scaled, as the VNNI kernel scales them.
+        for t in T.unroll(TILE_ROWS):
+            acc[t, row] = acc[t, row] + T.Cast(floats, sums[g % 2, t, row] + T.Broadcast(
+                x_bias[first + t, g], width)) * (T.Broadcast(x_scale[first + t, g], width) * T.Cast(
+                    floats, joined(scale, first_block, g)))
+            if zero_point:
+                acc[t, row] = acc[t, row] + T.Broadcast(x_sum[first + t, g], width) * T.Cast(
+                    floats, joined(low, first_block, g))
+
+    @T.macro
     def row_tile(first, rows, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y, nibble_bytes,
                  sums, acc):
         # y for activation rows first .. first + 15 (those below `rows`) and `units` blocks from first_block.
-        for t, u in T.grid(TILE_ROWS, units):
-            acc[t, u, vec] = T.Broadcast(T.float32(0), lanes)
-        for g in T.serial(groups):
-            T.evaluate(load(0, T.address_of(xq[first, g * 8]), k))
-            for u in T.unroll(units):
-                if int4:  # the group's nibbles as bytes, in the interleaved word order: values 4w.. low, 16+4w.. high
-                    for w in T.unroll(words):
-                        word = packed[first_block + u, g * words + w, vec]
-                        nibble_bytes[u, w, vec] = tirx.bitwise_and(word, nibbles)
-                        nibble_bytes[u, words + w, vec] = tirx.bitwise_and(tirx.shift_right(word, four), nibbles)
-                    T.evaluate(load(1 + u, T.address_of(nibble_bytes[u, 0, 0]), GROUP_BYTES))
-                else:
-                    T.evaluate(load(1 + u, T.address_of(packed[first_block + u, g * words, 0]), GROUP_BYTES))
-                T.evaluate(zero(1 + units + u))
-                T.evaluate(dot(1 + units + u, 0, 1 + u))
-                T.evaluate(store(1 + units + u, T.address_of(sums[u, 0, 0]), GROUP_BYTES))
-            for t in T.serial(TILE_ROWS):
-                for u in T.unroll(units):
-                    acc[t, u, vec] = acc[t, u, vec] + T.Cast("float32x8", sums[u, t, vec] + T.Broadcast(
-                        x_bias[first + t, g], lanes)) * (T.Broadcast(x_scale[first + t, g], lanes) * T.Cast(
-                            "float32x8", scale[first_block + u, g, vec]))
-                    if zero_point:
-                        acc[t, u, vec] = acc[t, u, vec] + T.Broadcast(x_sum[first + t, g], lanes) * T.Cast(
-                            "float32x8", low[first_block + u, g, vec])
+        for t in T.serial(TILE_ROWS):
+            acc[t, row] = T.Broadcast(T.float32(0), width)
+        # Software-pipelined: group g's tile products are issued before group g - 1's sums are scaled, so the
+        # tile unit and the vector units work at once (`sums` holds two groups).
+        for g in T.serial(groups + 1):
+            if g < groups:
+                products(g, first, first_block, packed, xq, nibble_bytes, sums)
+            if g > 0:
+                scale_sums(g - 1, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, acc)
         for t in T.serial(TILE_ROWS):
             if first + t < rows:
-                for u in T.unroll(units):
-                    y[(first + t) // seq, (first + t) % seq, T.Ramp((first_block + u) * lanes, 1, lanes)] = (
-                        acc[t, u, vec])
+                y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes, 1, width)] = acc[t, row]
 
     @T.macro
     def matmul(x_handle, packed, scale, low, y_handle):
@@ -196,12 +213,19 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
                     T.reads()
                     T.writes()
                     tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
-                    nibble_bytes = T.sblock_alloc_buffer((units, 2 * words if int4 else 1, lanes), "uint32")
-                    sums = T.sblock_alloc_buffer((units, TILE_ROWS, lanes), "int32")
-                    acc = T.sblock_alloc_buffer((TILE_ROWS, units, lanes), "float32")
+                    nibble_bytes = T.sblock_alloc_buffer((units, k // 4 if int4 else 1, lanes), "uint32")
+                    sums = T.sblock_alloc_buffer((2, TILE_ROWS, width), "int32")
+                    acc = T.sblock_alloc_buffer((TILE_ROWS, width), "float32")
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
                         tile_config_bytes[i] = config_byte(i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
+                    if int4:  # the task's nibbles as bytes once, for all its row tiles: in the interleaved word
+                        # order of a group, values 4w.. in the low nibbles, 16 + 4w.. in the high ones
+                        for u, g, w in T.grid(units, groups, words):
+                            nibble_bytes[u, g * 8 + w, vec] = tirx.bitwise_and(
+                                packed[task * units + u, g * words + w, vec], nibbles)
+                            nibble_bytes[u, g * 8 + words + w, vec] = tirx.bitwise_and(tirx.shift_right(
+                                packed[task * units + u, g * words + w, vec], four), nibbles)
                     for tile_m in T.serial(padded(batch * seq) // TILE_ROWS):
                         row_tile(tile_m * TILE_ROWS, batch * seq, task * units, seq, packed, scale, low, xq, x_scale,
                                  x_bias, x_sum, y, nibble_bytes, sums, acc)

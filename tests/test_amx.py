@@ -55,8 +55,8 @@ def _call(lib, fmt, parts, x, n, batch=1):
 @pytest.mark.parametrize("n,k,batch,seq,units", [
     (48, 160, 1, 21, None),  # a whole and a partial 16-row tile; 5 groups: K not a multiple of 64
     (16, 96, 2, 8, None),  # one whole tile of two sequences; 3 groups
-    (24, 32, 1, 3, 3),  # one group (K = 32), 3 rows of a tile, 3 blocks per task (7 tiles)
-    (24, 224, 1, 17, 1),  # 7 groups, one block per task
+    (24, 32, 1, 3, None),  # one group (K = 32), 3 rows of a tile, an odd number of blocks: one block per task
+    (32, 224, 1, 17, 1),  # 7 groups, one block per task where they could pair
 ])
 def test_matches_the_vnni_kernel_and_llama_cpp_arithmetic(amx_host, name, n, k, batch, seq, units):
     """Q8_0-rounded activations times the weight (numpy, float64) to 1e-5, and the AVX512-VNNI kernel's output
