@@ -437,6 +437,26 @@ def pytest_collection_modifyitems(config, items) -> None:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+def pytest_sessionfinish(session) -> None:
+    """In a pytest-xdist worker: hand this worker's tallies to the controller, which prints the summary."""
+    import hostile
+
+    if (output := getattr(session.config, "workeroutput", None)) is not None:
+        output["artifact_cache"] = dict(artifact_cache.TALLY)
+        output["hostile"] = [[parser, outcome, count] for (parser, outcome), count in hostile.TALLY.counts.items()]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: runs in the controller as each worker finishes
+def pytest_testnodedown(node, error) -> None:
+    """Add a finished worker's tallies to the controller's."""
+    import hostile
+
+    output = getattr(node, "workeroutput", {})
+    artifact_cache.TALLY.update(output.get("artifact_cache", {}))
+    for parser, outcome, count in output.get("hostile", []):
+        hostile.TALLY.counts[parser, outcome] += count
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The artifact cache's tally, and the hostile-input corpus's (`test_hostile_corpus.py`) when it ran."""
     import hostile
