@@ -161,12 +161,16 @@ def locked(keys: Iterable[str]) -> Iterator[None]:
     another process building one of them waits until this one stored it. No locks while the cache is off."""
     with ExitStack() as held:
         if enabled():
-            lock_root = CACHE_ROOT.with_name(CACHE_ROOT.name + ".locks")
-            lock_root.mkdir(parents=True, exist_ok=True)
+            _lock_root().mkdir(parents=True, exist_ok=True)
             for key in sorted(set(keys)):
-                lock = held.enter_context(open(lock_root / key, "a"))
+                lock = held.enter_context(open(_lock_root() / key, "a"))
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+def _lock_root() -> Path:
+    """The lock files' folder: beside the cache, so listing the cache shows entries only."""
+    return CACHE_ROOT.with_name(CACHE_ROOT.name + ".locks")
 
 
 def _relocate(artifact: Path, renames: dict[str, str]) -> None:
@@ -211,6 +215,8 @@ def _prune(name: str) -> None:
         return
     for entry in entries[KEEP_PER_NAME:]:
         _evict(entry)
+        # Its lock goes too: an outdated key's, which no session builds any more.
+        _lock_root().joinpath(entry.name).unlink(missing_ok=True)
 
 
 def _evict(entry: Path) -> None:

@@ -159,9 +159,12 @@ def test_only_the_newest_used_entries_of_a_name_are_kept(cache_root, tiny_llama,
         artifact_cache.store(key, tiny_llama.artifact_dir)
         os.utime(cache_root / key, (1000 + age, 1000 + age))
     monkeypatch.setattr(artifact_cache, "KEEP_PER_NAME", 2)
+    with artifact_cache.locked(keys):  # their lock files
+        pass
     assert artifact_cache.restore(keys[0], tmp_path / "used")  # now the newest used
     artifact_cache.store(keys[3], tiny_llama.artifact_dir)
     assert sorted(p.name for p in cache_root.iterdir()) == sorted([keys[0], keys[3], other])
+    assert sorted(p.name for p in artifact_cache._lock_root().iterdir()) == sorted([keys[0], keys[3]])
 
 
 def test_env_var_turns_the_cache_off(cache_root, tiny_llama, tmp_path, monkeypatch):
