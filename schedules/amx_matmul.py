@@ -208,6 +208,11 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
             x_sum = T.sblock_alloc_buffer((padded(batch * seq), groups) if zero_point else (1, 1), "float32")
             for mg in T.parallel(batch * seq * groups):
                 quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
+            # The last A tile loads whole 16 rows. Writing its rows past the batch keeps them in xq: TVM sizes a
+            # buffer by the elements loads and stores touch, and a tile load (an address) touches one, so without
+            # this write xq ends at the batch and the load reads up to 15 rows of K past it (a fault at K = 16384).
+            for pad, g in T.grid(padded(batch * seq) - batch * seq, groups):
+                xq[batch * seq + pad, T.Ramp(g * 8, 1, 8)] = T.Broadcast(T.int32(0), 8)
             for task in T.parallel(n // (lanes * units)):
                 with T.sblock("task"):
                     T.reads()

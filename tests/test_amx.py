@@ -97,6 +97,37 @@ def test_integer_dot_products_are_exact(amx_host, name, rows):
     np.testing.assert_array_equal(actual, x @ values.T)
 
 
+_LONG_K_PARTIAL_TILE = """
+import numpy as np, tvm
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
+from ember.runtime import amx
+from ember.schedules import amx_matmul
+from ember.targets.registry import resolve_target
+amx.request_amx_permission("test")
+fmt, n, k, rows = FORMATS["q8f32"], 16, 32768, 17
+rng = np.random.default_rng(0)
+parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+x = rng.standard_normal((1, rows, k)).astype(np.float32)
+lib = tvm.compile(tvm.IRModule({"main": amx_matmul.amx_int8_matmul(fmt, n, k)}),
+                  target=resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}').target)
+y = tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))
+lib["main"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+expected = x[0] @ fmt.dequantize(parts, k, INTERLEAVED).T
+print(np.abs(y.numpy()[0] - expected).max() / np.abs(expected).max())
+"""
+
+
+def test_a_partial_row_tile_of_a_long_k_reads_only_its_own_rows(amx_host):
+    """17 rows of K = 32768: the last tile's A load spans 16 rows of 32 KiB, past the batch's 17. Run in a child
+    process, so that a read past the quantized activations' buffer (a segmentation fault) fails this test alone."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _LONG_K_PARTIAL_TILE], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert float(child.stdout.split()[-1]) < 0.02  # the activations' int8 rounding, nothing more
+
+
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_compiles_to_tile_instructions(name):
     """Compiled, not run (any host): tile config, tile loads, the signed x unsigned tile dot product, tile stores."""
