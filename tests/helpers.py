@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import artifact_cache
 import models
 import numpy as np
 
@@ -44,6 +45,18 @@ def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str, tol
 def run_ember(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m ember ARGS` in a subprocess; text output captured."""
     return run_python("-m", "ember", *args, env=env, timeout=timeout)
+
+
+def compile_cached(what: str, model: Path, dest: Path, *args: str) -> None:
+    """`ember compile MODEL -o DEST ARGS` in a subprocess (it must succeed), or its artifact from the test-artifact
+    cache: for tests whose artifact is an input, not what they check. Not for a model whose KV cache the CLI would
+    size to this machine's free memory (the key does not cover it)."""
+    def compile_into(into: Path) -> None:
+        result = run_ember("compile", str(model), "-o", str(into), *args)
+        assert result.returncode == 0, result.stderr
+
+    key = artifact_cache.artifact_key(what, args, [model])
+    artifact_cache.build(key, dest, compile_into)
 
 
 def run_python(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

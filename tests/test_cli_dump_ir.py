@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_ember, run_main
+from helpers import assert_one_line_error, compile_cached, run_ember, run_main
+
+from ember import DEMO_MODEL_DIR
 
 
 def pipeline_phase_names() -> list[str]:
@@ -35,8 +38,7 @@ def test_dump_ir_writes_one_script_per_phase(tmp_path):
         ast.parse(script, filename=name)
     assert "T.prim_func" in (dump / "03-legalize.py").read_text()
 
-    plain = run_ember("compile", "demo", "-o", str(tmp_path / "plain"), "--no-progress")
-    assert plain.returncode == 0, plain.stderr
+    compile_cached("demo-cli", Path(DEMO_MODEL_DIR), tmp_path / "plain", "--no-progress")
     manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("dumped", "plain")]
     assert manifests[0]["files"] == manifests[1]["files"]
 

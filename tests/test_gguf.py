@@ -191,7 +191,9 @@ def test_random_model_logits_match_llama_cpp(sentencepiece_gguf, tmp_path, model
 def _float32_logit_error(path: Path, tmp_path: Path, tokens: int) -> float:
     """max |logit difference| / max |logit| of `path` compiled at q0f32 against llama.cpp, over `tokens`
     random tokens of a 1000-token vocabulary after <s>."""
-    compile_model(path, tmp_path / "out", CompileOptions(quantization="q0f32", max_batch=1, show_progress=False))
+    options = CompileOptions(quantization="q0f32", max_batch=1, show_progress=False)
+    artifact_cache.build(artifact_cache.artifact_key(f"gguf-{path.stem}", options, [path]), tmp_path / "out",
+                         lambda dest: compile_model(path, dest, options))
     engine = Engine(load_artifact(tmp_path / "out"))
     ids = [1] + np.random.default_rng(0).integers(3, 1000, tokens - 1).tolist()
     ours = engine.prefill(engine.add_sequence(), ids, all_logits=True)

@@ -14,7 +14,7 @@ import sys
 import models
 import numpy as np
 import pytest
-from helpers import REPO_ROOT, assert_one_line_error, run_ember
+from helpers import REPO_ROOT, assert_one_line_error, compile_cached, run_ember
 from safetensors.numpy import load_file, save_file
 from test_artifact_integrity import INDEX, SHARD, edit_manifest
 
@@ -38,10 +38,8 @@ def newer_cpu_artifact(tiny_models, tmp_path_factory):
     if platform.machine() != "x86_64" or host is None:
         pytest.skip("compares x86 CPU flags from /proc/cpuinfo")
     artifact = tmp_path_factory.mktemp("newer-cpu") / "artifact"
-    result = run_ember("compile", str(tiny_models.checkpoint("llama")), "-o", str(artifact), "--no-progress",
-                       "--max-batch", "1", "--prefill-chunk", "16",
-                       "--target", json.dumps({"kind": "llvm", "mcpu": NEWER_CPU}))
-    assert result.returncode == 0, result.stderr
+    compile_cached("tiny-llama-newer-cpu", tiny_models.checkpoint("llama"), artifact, "--no-progress", "--max-batch",
+                   "1", "--prefill-chunk", "16", "--target", json.dumps({"kind": "llvm", "mcpu": NEWER_CPU}))
     missing = sorted(set(manifest_of(artifact)["target"]["cpu_features"]) - host)
     if not missing:
         pytest.skip(f"this CPU has every feature of {NEWER_CPU}")
@@ -212,8 +210,7 @@ def wider_llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("wider-llama")
     model_dir = models.write_model(models.random_model(models.make_config(
         "llama", tie_word_embeddings=False, intermediate_size=96)), root / "checkpoint")
-    result = run_ember("compile", str(model_dir), "-o", str(root / "artifact"), "--no-progress", "--max-batch", "1")
-    assert result.returncode == 0, result.stderr
+    compile_cached("tiny-llama-wider", model_dir, root / "artifact", "--no-progress", "--max-batch", "1")
     return root / "artifact"
 
 
