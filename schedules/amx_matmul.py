@@ -19,15 +19,18 @@ own scales, so its int32 sums are stored (`tilestored64`) and scaled in float32 
 same expression and order as the VNNI kernel, group after group:
 
     per parallel block tile (units of 8 weight rows, `AMX_KNOBS`):  ldtilecfg
+      wide = the units' blocks side by side (int4: as bytes), once for all row tiles
       per 16 activation rows (the last tile padded; its padded rows never stored):
-        per group g:  A = tileloadd(xq[rows, g])
-          per unit u: B = tileloadd(packed[u, g]) (int4: its bytes), C = 0, C += A . B (tdpbsud)
-          acc[t] += float(C[t] + x_bias[t, g]) * x_scale[t, g] * scale[g]   # C[t]: the units' C rows joined
+        per group g:  A = tileloadd(xq[rows, g]), B = tileloadd(wide[g]), C = 0, C += A . B (tdpbsud)
+          acc[t] += float(C[t] + x_bias[t, g]) * x_scale[t, g] * scale[g]
         y = acc
       tilerelease
 
-Tiles: 0 = A (16 x 32 bytes), 1..units = B (8 x 32 bytes), then C (16 x 8 int32) per unit,
-stored side by side so that the epilogue's vectors are 16 weight rows (512 bits) with 2 units.
+Tiles: 0 = A (16 x 32 bytes), 1 = B (8 x 4 * width bytes), 2 = C (16 x width int32), width = 8 * units
+weight rows. Two blocks side by side fill a B tile's 64-byte rows: one `tdpbsud` gives 16 x 16 sums, twice
+what a block alone gives, and one C tile row is one 512-bit vector of the epilogue. The accumulators are
+two 8-row buffers, each under TVM's 1 KiB stack limit: on the stack LLVM keeps them in registers (a 1 KiB
+buffer is heap memory, loaded and stored in every group).
 Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
 without it the first tile instruction is SIGILL.
 """
@@ -42,9 +45,10 @@ from ember.schedules.int8_matmul import supports
 
 _LEVELS = 127.0
 TILE_ROWS = 16  # activation rows of an A and a C tile
+HALF_ROWS = TILE_ROWS // 2  # rows of one accumulator buffer
 GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
-AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, each its own B and C tile: 2 (16 rows, one
-# 512-bit vector in the epilogue) where the blocks pair up, else 1
+AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, side by side in its B and C tiles: 2 (16 rows,
+# 64-byte tile rows) where the blocks pair up, else 1
 # On each kernel: {"format", "n", "k"}.
 BUILD_ATTR = "ember.amx_matmul"
 
@@ -59,7 +63,8 @@ def tile_config(units: int) -> list[int]:
     """The 64-byte `ldtilecfg` operand: palette 1, then each tile's bytes per row (uint16) and rows (uint8)."""
     config = [0] * 64
     config[0] = 1
-    shapes = [(TILE_ROWS, GROUP_BYTES)] + [(GROUP_BYTES // 4, GROUP_BYTES)] * units + [(TILE_ROWS, GROUP_BYTES)] * units
+    row_bytes = units * INTERLEAVED_ROWS * 4
+    shapes = [(TILE_ROWS, GROUP_BYTES), (GROUP_BYTES // 4, row_bytes), (TILE_ROWS, row_bytes)]
     for tile, (rows, row_bytes) in enumerate(shapes):
         config[16 + 2 * tile] = row_bytes
         config[48 + tile] = rows
@@ -152,46 +157,46 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
             xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
 
     @T.macro
-    def products(g, first, first_block, packed, xq, nibble_bytes, sums):
-        # Group g's int32 sums of the 16 activation rows from `first` and the task's blocks, into sums[g % 2].
+    def products(g, first, xq, wide, sums):
+        # Group g's int32 sums of the 16 activation rows from `first` and the task's weight rows, into sums[g % 2].
         T.evaluate(load(0, T.address_of(xq[first, g * 8]), k))
-        for u in T.unroll(units):
-            if int4:
-                T.evaluate(load(1 + u, T.address_of(nibble_bytes[u, g * 8, 0]), GROUP_BYTES))
-            else:
-                T.evaluate(load(1 + u, T.address_of(packed[first_block + u, g * words, 0]), GROUP_BYTES))
-            T.evaluate(zero(1 + units + u))
-            T.evaluate(dot(1 + units + u, 0, 1 + u))
-        for u in T.unroll(units):  # the units' C tiles side by side: row t of `sums` is all the task's rows
-            T.evaluate(store(1 + units + u, T.address_of(sums[g % 2, 0, u * lanes]), 4 * width))
+        T.evaluate(load(1, T.address_of(wide[g * 8, 0]), 4 * width))
+        T.evaluate(zero(2))
+        T.evaluate(dot(2, 0, 1))
+        T.evaluate(store(2, T.address_of(sums[g % 2, 0, 0]), 4 * width))
 
     @T.macro
-    def scale_sums(g, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, acc):
-        # acc += group g's sums scaled, as the VNNI kernel scales them.
-        for t in T.unroll(TILE_ROWS):
-            acc[t, row] = acc[t, row] + T.Cast(floats, sums[g % 2, t, row] + T.Broadcast(
+    def scale_sums(g, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, acc, half):
+        # acc += group g's sums of rows half * 8 .. half * 8 + 7 scaled, as the VNNI kernel scales them.
+        for h in T.unroll(HALF_ROWS):
+            t = half * HALF_ROWS + h
+            acc[h, row] = acc[h, row] + T.Cast(floats, sums[g % 2, t, row] + T.Broadcast(
                 x_bias[first + t, g], width)) * (T.Broadcast(x_scale[first + t, g], width) * T.Cast(
                     floats, joined(scale, first_block, g)))
             if zero_point:
-                acc[t, row] = acc[t, row] + T.Broadcast(x_sum[first + t, g], width) * T.Cast(
+                acc[h, row] = acc[h, row] + T.Broadcast(x_sum[first + t, g], width) * T.Cast(
                     floats, joined(low, first_block, g))
 
     @T.macro
-    def row_tile(first, rows, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y, nibble_bytes,
-                 sums, acc):
+    def row_tile(first, rows, first_block, seq, scale, low, xq, x_scale, x_bias, x_sum, y, wide, sums, top, bottom):
         # y for activation rows first .. first + 15 (those below `rows`) and `units` blocks from first_block.
-        for t in T.serial(TILE_ROWS):
-            acc[t, row] = T.Broadcast(T.float32(0), width)
+        for h in T.unroll(HALF_ROWS):
+            top[h, row] = T.Broadcast(T.float32(0), width)
+            bottom[h, row] = T.Broadcast(T.float32(0), width)
         # Software-pipelined: group g's tile products are issued before group g - 1's sums are scaled, so the
         # tile unit and the vector units work at once (`sums` holds two groups).
         for g in T.serial(groups + 1):
             if g < groups:
-                products(g, first, first_block, packed, xq, nibble_bytes, sums)
+                products(g, first, xq, wide, sums)
             if g > 0:
-                scale_sums(g - 1, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, acc)
-        for t in T.serial(TILE_ROWS):
-            if first + t < rows:
-                y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes, 1, width)] = acc[t, row]
+                scale_sums(g - 1, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, top, 0)
+                scale_sums(g - 1, first, first_block, scale, low, x_scale, x_bias, x_sum, sums, bottom, 1)
+        for h in T.unroll(HALF_ROWS):
+            if first + h < rows:
+                y[(first + h) // seq, (first + h) % seq, T.Ramp(first_block * lanes, 1, width)] = top[h, row]
+            if first + HALF_ROWS + h < rows:
+                y[(first + HALF_ROWS + h) // seq, (first + HALF_ROWS + h) % seq,
+                  T.Ramp(first_block * lanes, 1, width)] = bottom[h, row]
 
     @T.macro
     def matmul(x_handle, packed, scale, low, y_handle):
@@ -218,22 +223,26 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
                     T.reads()
                     T.writes()
                     tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
-                    nibble_bytes = T.sblock_alloc_buffer((units, k // 4 if int4 else 1, lanes), "uint32")
+                    wide = T.sblock_alloc_buffer((k // 4, width), "uint32")
                     sums = T.sblock_alloc_buffer((2, TILE_ROWS, width), "int32")
-                    acc = T.sblock_alloc_buffer((TILE_ROWS, width), "float32")
+                    top = T.sblock_alloc_buffer((HALF_ROWS, width), "float32")
+                    bottom = T.sblock_alloc_buffer((HALF_ROWS, width), "float32")
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
                         tile_config_bytes[i] = config_byte(i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
-                    if int4:  # the task's nibbles as bytes once, for all its row tiles: in the interleaved word
-                        # order of a group, values 4w.. in the low nibbles, 16 + 4w.. in the high ones
-                        for u, g, w in T.grid(units, groups, words):
-                            nibble_bytes[u, g * 8 + w, vec] = tirx.bitwise_and(
+                    # The task's blocks side by side, once for all its row tiles; int4's nibbles as bytes, in the
+                    # interleaved word order of a group: values 4w.. in the low nibbles, 16 + 4w.. in the high ones.
+                    for u, g, w in T.grid(units, groups, words):
+                        if int4:
+                            wide[g * 8 + w, T.Ramp(u * lanes, 1, lanes)] = tirx.bitwise_and(
                                 packed[task * units + u, g * words + w, vec], nibbles)
-                            nibble_bytes[u, g * 8 + words + w, vec] = tirx.bitwise_and(tirx.shift_right(
-                                packed[task * units + u, g * words + w, vec], four), nibbles)
+                            wide[g * 8 + words + w, T.Ramp(u * lanes, 1, lanes)] = tirx.bitwise_and(
+                                tirx.shift_right(packed[task * units + u, g * words + w, vec], four), nibbles)
+                        else:
+                            wide[g * 8 + w, T.Ramp(u * lanes, 1, lanes)] = packed[task * units + u, g * words + w, vec]
                     for tile_m in T.serial(padded(batch * seq) // TILE_ROWS):
-                        row_tile(tile_m * TILE_ROWS, batch * seq, task * units, seq, packed, scale, low, xq, x_scale,
-                                 x_bias, x_sum, y, nibble_bytes, sums, acc)
+                        row_tile(tile_m * TILE_ROWS, batch * seq, task * units, seq, scale, low, xq, x_scale, x_bias,
+                                 x_sum, y, wide, sums, top, bottom)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     if zero_point:

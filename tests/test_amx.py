@@ -155,8 +155,9 @@ def test_units_outside_the_space_are_refused():
 def test_tile_config_is_palette_1_with_each_tiles_shape():
     config = amx_matmul.tile_config(2)
     assert len(config) == 64 and config[0] == 1
-    assert config[16:26] == [32, 0] * 5  # A, B, B, C, C: 32 bytes a row
-    assert config[48:53] == [16, 8, 8, 16, 16] and not any(config[53:])
+    assert config[16:22] == [32, 0, 64, 0, 64, 0] and not any(config[22:48])  # A: 32 bytes a row; B, C: 2 blocks
+    assert config[48:51] == [16, 8, 16] and not any(config[51:])
+    assert amx_matmul.tile_config(1)[16:22] == [32, 0, 32, 0, 32, 0]
 
 
 def test_permission_is_granted_on_an_amx_host(monkeypatch):
