@@ -195,8 +195,9 @@ def test_prefill_projections_are_amx_kernels_and_decode_keeps_vnni(tiny_models):
     assert calls == {"decode": (0, 4 * 2 + 1), "prefill": (4 * 2 + 1, 0)}  # qkv, o, gate_up, down per layer; lm_head
 
 
-def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path, monkeypatch):
-    """A tiny q8f32 Llama compiled for an AMX CPU and run here (prefill on tiles, decode on VNNI): its logits
+@pytest.mark.parametrize("quantization", ["q8f32", "q4f32"])
+def test_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path, monkeypatch, quantization):
+    """A tiny q8f32 or q4f32 Llama compiled for an AMX CPU and run here (prefill on tiles, decode on VNNI): its logits
     against transformers on the quantized weights, as every int8 build is checked (`test_quantization`).
     Where Linux refuses the tile state, loading it is a one-line error naming the artifact."""
     import artifact_cache
@@ -209,13 +210,13 @@ def test_q8f32_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path
 
     _runnable(AMX_TARGET)
     model_dir, artifact_dir = tiny_models.checkpoint("llama"), tmp_path / "artifact"
-    options = CompileOptions(target='{"kind": "llvm", "mcpu": "sapphirerapids"}', quantization="q8f32",
+    options = CompileOptions(target='{"kind": "llvm", "mcpu": "sapphirerapids"}', quantization=quantization,
                              prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
-    artifact_cache.build(artifact_cache.artifact_key("tiny-llama-amx-q8f32", options, [model_dir]),
+    artifact_cache.build(artifact_cache.artifact_key(f"tiny-llama-amx-{quantization}", options, [model_dir]),
                          artifact_dir, lambda dest: compile_model(model_dir, dest, options))
     manifest = read_manifest(artifact_dir)
     assert manifest.activations == "int8" and {"amx_tile", "amx_int8"} <= set(manifest.target["cpu_features"])
-    _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization="q8f32"))
+    _assert_logits_match_reference(TinyModel("llama", model_dir, artifact_dir, quantization=quantization))
     monkeypatch.setattr(amx, "_granted", False)
     monkeypatch.setattr(amx, "_arch_prctl", lambda: (-1, errno.EPERM))
     with pytest.raises(ArtifactError, match=f"^{re.escape(str(artifact_dir))}: Linux refused .*AMX") as refused:
