@@ -20,11 +20,13 @@ PyTorch's where it ran.
         --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime,onnxruntime-genai --threads 2 --repeats 3
     python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --isa avx2,native --ember q8f32,q4f32 \\
         --llama-cpp Q8_0,Q4_0 --peers ""
+    python scripts/bench_cpu.py --isa avx512-vnni,amx --ember q8f32,q4f32 --llama-cpp Q8_0,Q4_0 --peers ""
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -41,6 +43,19 @@ from ember.targets.hardware import cpu_fingerprint, measure_host
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
+
+# ember's prefill on AMX tiles (`schedules/amx_matmul.py`) beside llama.cpp's AVX512-VNNI build: llama.cpp's own
+# AMX build segfaults on Q8_0/Q4_0 on this Sapphire Rapids host (build_llama_cpp._NO_AMX), so this level's
+# llama.cpp is that build, shared with level avx512-vnni (whose ember build is ember's VNNI one).
+AMX_LEVEL = dataclasses.replace(build_llama_cpp.LEVELS["avx512-vnni"], name="amx",
+                                ember_target='{"kind": "llvm", "mcpu": "sapphirerapids"}',
+                                needs=build_llama_cpp.LEVELS["avx512-vnni"].needs + ("amx_tile", "amx_int8"))
+ISA_LEVELS = {**build_llama_cpp.LEVELS, "amx": AMX_LEVEL}
+
+
+def llama_cpp_level(level: build_llama_cpp.Level) -> build_llama_cpp.Level:
+    """The llama.cpp build an ISA level's table runs (amx: the AVX512-VNNI build)."""
+    return build_llama_cpp.LEVELS["avx512-vnni"] if level is AMX_LEVEL else level
 
 
 def measure_ember(artifact: Path, prompt_ids: list[int], new_tokens: int, threads: int) -> peers.Measurement:
@@ -153,8 +168,9 @@ def main() -> None:
                         help="checkpoint dir; created with random weights of --shape if missing")
     parser.add_argument("--shape", choices=SHAPES, default="110m")
     parser.add_argument("--isa", default="native",
-                        help=f"ISA levels ({', '.join(build_llama_cpp.LEVELS)}), comma-separated: per level, ember "
-                             "compiled for that level's --target next to llama.cpp built for it")
+                        help=f"ISA levels ({', '.join(ISA_LEVELS)}), comma-separated: per level, ember compiled "
+                             "for that level's --target next to llama.cpp built for it (amx: ember's AMX build next "
+                             "to llama.cpp's AVX512-VNNI build, its AMX build segfaulting here)")
     parser.add_argument("--ember", default="q0f32,q8f32,q4f32", help="ember --quant formats, comma-separated")
     parser.add_argument("--llama-cpp", default="F32,Q8_0,Q4_0",
                         help=f"llama.cpp GGUF types ({', '.join(peers.LLAMA_CPP_TYPES)}), comma-separated")
@@ -163,18 +179,18 @@ def main() -> None:
     peers.add_run_options(parser)
     args = parser.parse_args()
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-    unknown = [name for name in split(args.isa) if name not in build_llama_cpp.LEVELS]
+    unknown = [name for name in split(args.isa) if name not in ISA_LEVELS]
     if unknown:
-        parser.error(f"--isa: unknown level {unknown[0]!r} (known: {', '.join(build_llama_cpp.LEVELS)})")
+        parser.error(f"--isa: unknown level {unknown[0]!r} (known: {', '.join(ISA_LEVELS)})")
 
     levels, skipped = [], []
     for name in split(args.isa):
-        missing = build_llama_cpp.missing_flags(build_llama_cpp.LEVELS[name])
+        missing = build_llama_cpp.missing_flags(ISA_LEVELS[name])
         if missing:
             skipped.append(f"ISA level {name} skipped: this host cannot execute it (no {', '.join(missing)})")
             print(skipped[-1], file=sys.stderr)
         else:
-            levels.append(build_llama_cpp.LEVELS[name])
+            levels.append(ISA_LEVELS[name])
 
     if not (args.model / "config.json").exists():
         peers.make_random_llama(args.model, **SHAPES[args.shape])
@@ -196,8 +212,8 @@ def main() -> None:
                                                                                     args.threads)
             bytes_per_token[level.name, f"ember {fmt}"] = ember_bytes_per_token(artifact)
         if split(args.llama_cpp):
-            package = build_llama_cpp.ensure_built(level)
-            builds[level.name] = (package, build_llama_cpp.check_isa(level,
+            package = build_llama_cpp.ensure_built(llama_cpp_level(level))
+            builds[level.name] = (package, build_llama_cpp.check_isa(llama_cpp_level(level),
                                                                     build_llama_cpp.package_libraries(package)))
         for qtype in split(args.llama_cpp):
             runners[level.name, f"llama.cpp {qtype}"] = lambda q=qtype, d=package: peers.measure_llama_cpp(
@@ -247,8 +263,10 @@ def main() -> None:
         title = f"ISA level {level.name}: ember --target {level.ember_target} (compile, untuned: {compiled})"
         if level.name in builds:
             package, counts = builds[level.name]
-            title += (f"\n  llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(level)}; objdump: "
-                      f"{counts['zmm']} zmm instructions, {counts['vpdpbusd']} vpdpbusd")
+            title += (f"\n  llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(llama_cpp_level(level))}"
+                      f"; objdump: {counts['zmm']} zmm instructions, {counts['vpdpbusd']} vpdpbusd")
+            if level is AMX_LEVEL:
+                title += "\n  llama.cpp without AMX: its AMX build segfaults on Q8_0/Q4_0 on this host"
         print_table(title, *table_of(level.name), bandwidth, reference and reference.token_ids)
     if any(table == "peers" for table, _ in summary):
         print_table("float32 peers (each dispatches to this host's ISA at run time)", *table_of("peers"), bandwidth,
