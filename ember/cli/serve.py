@@ -47,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "that knows tool calls: Llama 3.1, Qwen2.5/Hermes or Mistral syntax)")
     _add_access_arguments(parser)
     _add_scheduling_arguments(parser)
+    _add_cluster_arguments(parser)
     add_speculation_arguments(parser, serving=True)
     add_threads_argument(parser)
     return parser
@@ -89,9 +90,22 @@ def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
                              "in the last float bits)")
 
 
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Replicas on a Ray cluster (the cluster extra; docs/cluster.md)."""
+    parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                        help="serve from replicas of the engine on a Ray cluster, one OpenAI endpoint here: join the "
+                             "cluster whose head is at ADDRESS (HOST:PORT, as `ray start --head` prints), or start "
+                             "one on this machine when none is given. Needs pip install 'ember[cluster]'")
+    parser.add_argument("--replicas", type=whole_number(0), metavar="N",
+                        help="with --ray: how many replicas, each a Ray actor process with --threads CPUs "
+                             "(default 1 each) and its own prefix cache (default 2)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the artifact and serve it until Ctrl-C."""
     api_key = _api_key(args)
+    if args.ray is not None or args.replicas is not None:
+        return _run_cluster(args, api_key)
     from ember.runtime import Engine, load_artifact
     from ember.runtime.scheduler import Scheduler
     from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
@@ -113,10 +127,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
+    """Serve the artifact from --replicas replicas on the Ray cluster of --ray until Ctrl-C."""
+    if args.ray is None:
+        raise EmberError("--replicas: applies only with --ray")
+    replicas = 2 if args.replicas is None else args.replicas
+    if replicas == 0:
+        raise EmberError("--replicas 0: a cluster needs at least one replica")
+    if args.speculate is not None or args.draft is not None:
+        raise EmberError("--speculate/--draft: not available with --ray yet; serve without them")
+    if not (args.artifact / "manifest.json").is_file():
+        raise EmberError(f"{args.artifact}: not an artifact directory (no manifest.json)")
+    from ember.cluster.replica import ReplicaSettings  # Ray is checked for before anything starts
+    from ember.cluster.serve import serve
+
+    settings = ReplicaSettings(
+        str(args.artifact.resolve()), args.artifact.resolve().name, threads=args.threads or 1, api_key=api_key,
+        chat_template=None if args.chat_template is None else _read_chat_template(args.chat_template),
+        max_queue=args.max_queue, max_decode_stall=args.max_decode_stall, prefix_cache=not args.no_prefix_cache,
+        pooling=args.pooling)
+    for warning in exposure_warnings(args.host, api_key, args.allow_origin):
+        print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
+    serve(settings, replicas, args.ray or None, args.host, args.port)
+    return 0
+
+
 def _use_chat_template(artifact: Artifact, path: Path) -> None:
     """Chat with the Jinja template in `path` instead of the artifact's own."""
     if artifact.tokenizer is None:
         raise EmberError(f"--chat-template {path}: this artifact has no tokenizer to chat with")
+    artifact.tokenizer.use_chat_template(_read_chat_template(path), f"--chat-template {path}")
+
+
+def _read_chat_template(path: Path) -> str:
+    """The source of the Jinja template in `path`, checked to be a readable, non-empty text file."""
     if not path.is_file() or path.stat().st_size > MAX_TEMPLATE_BYTES:
         raise EmberError(f"--chat-template {path}: not a file of at most {MAX_TEMPLATE_BYTES // 2**20} MiB")
     try:
@@ -125,7 +169,7 @@ def _use_chat_template(artifact: Artifact, path: Path) -> None:
         raise EmberError(f"--chat-template {path}: cannot read it as UTF-8 text: {err}") from None
     if not source.strip():
         raise EmberError(f"--chat-template {path}: the file is empty")
-    artifact.tokenizer.use_chat_template(source, f"--chat-template {path}")
+    return source
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -1,0 +1,282 @@
+"""The cluster's one OpenAI endpoint: an HTTP proxy in front of the replicas.
+
+Each request goes to the replica the router picks (router.py) and its answer comes back as the replica's
+server wrote it, so the API and its errors are `ember serve`'s. A replica that fails before answering
+(its process died, its connection broke) is dropped from this request and the request goes to another:
+nothing had reached the client yet. A streamed answer is relayed event by event, each event whole; if its
+replica dies mid-stream the client gets one OpenAI error event and `data: [DONE]`, never a stream cut short
+without a word nor one continued by another replica. /health and /metrics are the front's own: per-replica
+load, routing and restarts, and each replica's own metrics labelled with its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ember.cluster.router import Router, routing_key
+from ember.core.errors import EmberError
+from ember.runtime.protocol import ApiError, internal_error, sse
+
+try:
+    import aiohttp
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.types import Receive, Scope, Send
+except ImportError as err:
+    raise EmberError(f"ember serve --ray needs aiohttp and starlette ({err.name} is missing): "
+                     "pip install 'ember[cluster]'") from None
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20  # as runtime/server.py's: a larger body is refused before it reaches a replica
+REPLICA_HEADER = "X-Ember-Replica"  # which replica answered, on every relayed response
+# Hop-by-hop and framing headers: the front writes its own.
+_NOT_RELAYED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date",
+                          "server"})
+_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
+METRICS_TIMEOUT = 2.0  # seconds a replica's /metrics may take before /metrics leaves it out
+
+
+class _LostError(Exception):
+    """The replica broke off before its answer reached the client: another may answer instead."""
+
+
+def create_front(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The ASGI application relaying every request but /health and /metrics to `router`'s replicas."""
+    front = _Front(router)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await front.lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        request = HttpRequest(scope, receive)
+        release: Callable[[], Awaitable[None]] | None = None
+        try:
+            if scope["path"] == "/health":
+                response = front.health()
+            elif scope["path"] == "/metrics":
+                response = PlainTextResponse(await front.metrics(), media_type="text/plain; version=0.0.4")
+            else:
+                response, release = await front.relay(request)
+        except ApiError as err:
+            response = JSONResponse(err.body(), status_code=err.status)
+        except Exception as err:  # a bug: OpenAI's 500, and the front goes on
+            log.error("internal error relaying a request", exc_info=err)
+            response = JSONResponse(internal_error(err).body(), status_code=500)
+        try:
+            await response(scope, receive, send)
+        finally:
+            if release is not None:
+                await release()
+
+    return app
+
+
+class _Front:
+    """The proxy's state: the router and one HTTP client session for all replicas."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._session: aiohttp.ClientSession | None = None
+        self.retried = 0  # requests sent to another replica after theirs failed before answering
+        self.lost_streams = 0  # streams ended with an error event because their replica died
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client session, made on the serving event loop."""
+        if self._session is None:
+            # No total timeout: a long generation is no failure; a dead replica's socket is closed by its OS.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                                  auto_decompress=False)
+        return self._session
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        """Answer the server's startup and shutdown; the client session closes at shutdown."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._session is not None:
+                    await self._session.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def relay(self, request: HttpRequest) -> tuple[Response, Callable[[], Awaitable[None]]]:
+        """The replica's response to `request`, and what to call once it has been sent."""
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
+        key = routing_key(request.url.path, bytes(body)) if request.method == "POST" else None
+        headers = {name: value for name, value in request.headers.items() if name.lower() not in _NOT_RELAYED}
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        tried: set[int] = set()
+        while True:
+            replica = self.router.pick(key, frozenset(tried))
+            if replica is None:
+                raise ApiError(503, "no replica is serving right now (each one that died is being replaced); "
+                                    "retry shortly", code="no_replica", kind="server_error")
+            try:
+                response, release = await self._ask(replica.index, replica.info["url"] + target, request.method,
+                                                    headers, bytes(body))
+            except _LostError as err:
+                self.router.done(replica)
+                log.warning("ember: replica %d failed before answering (%s); trying another", replica.index, err)
+                tried.add(replica.index)
+                self.retried += 1
+                continue
+            except BaseException:
+                self.router.done(replica)
+                raise
+
+            async def finish(replica=replica, release=release) -> None:
+                try:
+                    await release()
+                finally:
+                    self.router.done(replica)
+
+            return response, finish
+
+    async def _ask(self, index: int, url: str, method: str, headers: dict[str, str],
+                   body: bytes) -> tuple[Response, Callable[[], Awaitable[None]]]:
+        """Replica `index`'s response, whole or (for an event stream) from its first whole event on."""
+        try:
+            upstream = await self.session.request(method, url, data=body, headers=headers)
+        except _BROKEN as err:
+            raise _LostError(str(err) or type(err).__name__) from None
+        relayed = {name: value for name, value in upstream.headers.items() if name.lower() not in _NOT_RELAYED}
+        relayed[REPLICA_HEADER] = str(index)
+
+        async def release() -> None:
+            upstream.release()
+            upstream.close()
+
+        try:
+            if upstream.content_type != "text/event-stream":
+                content = await upstream.read()
+                await release()
+                return Response(content, upstream.status, relayed), _nothing
+            first = await _next_event(upstream)
+            if first is None:
+                raise _LostError("the stream ended before its first event")
+        except _BROKEN as err:
+            await release()
+            raise _LostError(str(err) or type(err).__name__) from None
+        except BaseException:
+            await release()
+            raise
+        return StreamingResponse(self._events(index, first, upstream), upstream.status, relayed), release
+
+    async def _events(self, index: int, first: bytes, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The replica's events, each whole; if the replica dies mid-stream, an error event and [DONE]."""
+        event: bytes | None = first
+        while event is not None:
+            yield event
+            if event.startswith(b"data: [DONE]"):
+                return
+            try:
+                event = await _next_event(upstream)
+            except _BROKEN:
+                event = None
+        self.lost_streams += 1
+        log.warning("ember: replica %d died mid-stream; the stream ends with an error event", index)
+        lost = ApiError(503, f"the replica generating this stream (replica {index}) stopped mid-answer; what was "
+                             "streamed is all there is: send the request again", code="replica_lost",
+                        kind="server_error")
+        yield sse(lost.body()).encode()
+        yield sse("[DONE]").encode()
+
+    def health(self) -> Response:
+        """GET /health: 200 while any replica serves, 503 when none does; each replica's state either way."""
+        replicas = self.router.snapshot()
+        alive = sum(replica["alive"] for replica in replicas)
+        status = "ok" if alive == len(replicas) else "degraded" if alive else "unavailable"
+        return JSONResponse({"status": status, "replicas": replicas, "retried": self.retried,
+                             "lost_streams": self.lost_streams}, status_code=200 if alive else 503)
+
+    async def metrics(self) -> str:
+        """GET /metrics: the front's figures per replica, then every live replica's own, labelled replica="i"."""
+        replicas = self.router.snapshot()
+        families = _Families()
+        families.add("ember_cluster_replica_up", "gauge", "1 while the replica serves, 0 while it is replaced.",
+                     [(r["replica"], int(r["alive"])) for r in replicas])
+        families.add("ember_cluster_replica_in_flight", "gauge", "Requests the front has relayed to the replica "
+                     "and not yet answered.", [(r["replica"], r["in_flight"]) for r in replicas])
+        families.add("ember_cluster_requests_routed_total", "counter", "Requests the front sent to the replica.",
+                     [(r["replica"], r["routed"]) for r in replicas])
+        families.add("ember_cluster_prefix_routed_total", "counter", "Requests sent to the replica because it "
+                     "answered their prompt's start before (prefix-cache-aware routing).",
+                     [(r["replica"], r["prefix_routed"]) for r in replicas])
+        families.add("ember_cluster_replica_restarts_total", "counter", "Times the replica died and was replaced.",
+                     [(r["replica"], r["restarts"]) for r in replicas])
+        texts = await asyncio.gather(*[self._replica_metrics(r["url"]) for r in replicas if r["alive"]])
+        for replica, text in zip([r for r in replicas if r["alive"]], texts):
+            families.merge(replica["replica"], text)
+        return families.text() + (f"ember_cluster_retried_requests_total {self.retried}\n"
+                                  f"ember_cluster_lost_streams_total {self.lost_streams}\n")
+
+    async def _replica_metrics(self, url: str) -> str:
+        """A replica's /metrics text; empty when it does not answer in time."""
+        try:
+            async with self.session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT)) as got:
+                return await got.text() if got.status == 200 else ""
+        except (*_BROKEN, asyncio.TimeoutError):
+            return ""
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _next_event(upstream: aiohttp.ClientResponse) -> bytes | None:
+    """The stream's next whole server-sent event (ending in a blank line); None at its end. An event cut off by
+    the connection's end raises `IncompleteReadError`, as a broken connection raises its own error."""
+    event = await upstream.content.readuntil(b"\n\n", max_size=MAX_BODY_BYTES)
+    if not event:
+        return None
+    if not event.endswith(b"\n\n"):
+        raise asyncio.IncompleteReadError(event, None)
+    return event
+
+
+class _Families:
+    """Prometheus metric families gathered from several sources, each family's samples together."""
+
+    def __init__(self) -> None:
+        self._header: dict[str, list[str]] = {}
+        self._samples: dict[str, list[str]] = {}
+
+    def add(self, name: str, kind: str, helptext: str, samples: list[tuple[int, float]]) -> None:
+        """A family of one sample per replica."""
+        self._header[name] = [f"# HELP {name} {helptext}", f"# TYPE {name} {kind}"]
+        self._samples[name] = [f'{name}{{replica="{index}"}} {value}' for index, value in samples]
+
+    def merge(self, replica: int, text: str) -> None:
+        """A replica's exposition, each sample labelled with `replica`."""
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP "):
+                family = line.split()[2]
+                self._samples.setdefault(family, [])
+                self._header.setdefault(family, [])
+            if family is None or not line.strip():
+                continue
+            if line.startswith("#"):
+                if len(self._header[family]) < 2:
+                    self._header[family].append(line)
+                continue
+            name, brace, rest = line.partition("{")
+            if brace:
+                self._samples[family].append(f'{name}{{replica="{replica}",{rest}')
+            else:
+                name, _, value = line.partition(" ")
+                self._samples[family].append(f'{name}{{replica="{replica}"}} {value}')
+
+    def text(self) -> str:
+        """The exposition, family by family."""
+        return "".join("\n".join([*self._header[name], *self._samples[name]]) + "\n" for name in self._header)

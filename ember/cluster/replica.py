@@ -1,0 +1,191 @@
+"""Replicas of ember's serving engine as Ray actors, and the pool that starts, watches and replaces them.
+
+Each replica is one Ray actor process that loads the artifact, runs its own `Scheduler` (and so its own
+engine threads and prefix cache) and answers HTTP with `ember serve`'s own server (runtime/server.py) on
+its node's address: the front relays requests to it, so every endpoint, field and error is `ember serve`'s.
+The artifact must be at the same path on every node that hosts a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember.cluster.router import Router
+from ember.core.errors import EmberError
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+except ImportError as err:
+    raise EmberError(f"ember serve --ray needs Ray ({err.name} is missing): pip install 'ember[cluster]'") from None
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10.0  # seconds for a cluster address to answer before `--ray ADDRESS` gives up
+START_TIMEOUT = 300.0  # seconds for a replica to be placed, load the artifact and listen
+RESTART_DELAY = 2.0  # seconds between tries to replace a dead replica whose replacement failed
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How every replica serves: `ember serve`'s options, as plain data that travels to the actors."""
+
+    artifact_dir: str
+    model_name: str
+    threads: int = 1
+    api_key: str | None = None
+    chat_template: str | None = None  # the template's source, read by the CLI
+    max_queue: int = 256
+    max_decode_stall: float | None = None
+    prefix_cache: bool = True
+    pooling: str = "mean"
+
+
+class ReplicaActor:
+    """One replica: an engine, its scheduler and `ember serve`'s HTTP server, in a Ray actor's process."""
+
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+
+    def start(self, settings: ReplicaSettings) -> dict:
+        """Load the artifact and serve it on this node's address; returns where (url, pid, node)."""
+        from ember.runtime import Engine, load_artifact
+        from ember.runtime.scheduler import Scheduler
+        from ember.runtime.server import Server
+
+        try:
+            artifact = load_artifact(Path(settings.artifact_dir), threads=settings.threads)
+            if settings.chat_template is not None:
+                if artifact.tokenizer is None:
+                    raise EmberError("--chat-template: this artifact has no tokenizer to chat with")
+                artifact.tokenizer.use_chat_template(settings.chat_template, "--chat-template")
+            engine = Engine(artifact)
+            stall = {} if settings.max_decode_stall is None else {"max_decode_stall": settings.max_decode_stall}
+            scheduler = Scheduler(engine, max_queue=settings.max_queue, prefix_cache=settings.prefix_cache, **stall)
+            node = ray.util.get_node_ip_address()
+            server = Server(scheduler, settings.model_name, node, 0, settings.api_key, pooling=settings.pooling)
+            server.start()
+        except EmberError as err:  # travels to the front as itself: one line there
+            raise EmberError(f"replica on {socket.gethostname()}: {err}") from None
+        self._server = server  # kept alive with the actor
+        return {"url": server.page_url.rstrip("/"), "pid": os.getpid(), "node": node}
+
+    def wait_stopped(self) -> None:
+        """Return when the replica stops; its caller learns of the process's death by this call's failure."""
+        self._stopped.wait()
+
+
+class ReplicaPool:
+    """Starts `router`'s replicas as actors, replaces each one that dies, and stops them all."""
+
+    def __init__(self, router: Router, settings: ReplicaSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self._actor_class = ray.remote(num_cpus=settings.threads, max_concurrency=2, max_restarts=0)(ReplicaActor)
+        self._actors: dict[int, object] = {}
+        self._stopped_refs: dict[int, object] = {}
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start every replica and wait until each serves; if one cannot, stop them all and raise its error."""
+        pending = {index: self._launch(index) for index in range(len(self.router.replicas))}
+        try:
+            for index, ready in pending.items():
+                self._serve(index, ready)
+        except BaseException:
+            self.stop()
+            raise
+        self._watcher = threading.Thread(target=self._watch, name="ember-replica-watcher", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Kill every replica's actor."""
+        self._closing.set()
+        for actor in self._actors.values():
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()
+
+    def _launch(self, index: int) -> object:
+        """A new actor for replica `index`; returns the reference its address will arrive by."""
+        actor = self._actor_class.options(name=None).remote()
+        self._actors[index] = actor
+        return actor.start.remote(self.settings)
+
+    def _serve(self, index: int, ready: object) -> None:
+        """Wait for replica `index`'s address and let the router send it requests."""
+        try:
+            info = ray.get(ready, timeout=START_TIMEOUT)
+        except GetTimeoutError:
+            raise EmberError(f"replica {index} did not start within {START_TIMEOUT:g} s: the cluster may lack a "
+                             f"free node with {self.settings.threads} CPU(s) (--threads)") from None
+        except RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, EmberError) else err
+            raise EmberError(f"replica {index} failed to start: {str(cause).strip().splitlines()[-1]}") from None
+        except RayError as err:
+            raise EmberError(f"replica {index} failed to start: {str(err).strip().splitlines()[0]}") from None
+        self._stopped_refs[index] = self._actors[index].wait_stopped.remote()
+        self.router.set_alive(index, info)
+        log.warning("ember: replica %d serving at %s (pid %s)", index, info["url"], info["pid"])
+
+    def _watch(self) -> None:
+        """Replace each replica whose process dies, until the pool stops."""
+        while not self._closing.is_set():
+            by_ref = {ref: index for index, ref in self._stopped_refs.items()}
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=0.5)
+            for ref in ready:
+                if not self._closing.is_set():
+                    self._replace(by_ref[ref])
+
+    def _replace(self, index: int) -> None:
+        """Take dead replica `index` out of routing and start another in its place, retrying until it serves."""
+        self.router.set_dead(index)
+        del self._stopped_refs[index]
+        log.warning("ember: replica %d died; starting a replacement", index)
+        while not self._closing.is_set():
+            ray.kill(self._actors[index], no_restart=True)
+            try:
+                self._serve(index, self._launch(index))
+                self.router.replicas[index].restarts += 1
+                return
+            except EmberError as err:
+                log.warning("ember: %s; trying again", err)
+                time.sleep(RESTART_DELAY)
+
+
+def connect(address: str | None, threads: int, replicas: int) -> None:
+    """Join the Ray cluster at `address` (host:port of its head), or start one on this machine when None; refuse
+    with one line an address that does not answer or a cluster with fewer CPUs than the replicas need."""
+    if address is not None:
+        _probe(address)
+    # In the main thread: Ray's client started from another one cannot reach its own GCS.
+    local = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False,
+                 **local)
+    except (RayError, ConnectionError, RuntimeError, ValueError) as err:
+        where = f"--ray {address}" if address else "--ray"
+        raise EmberError(f"{where}: cannot join the Ray cluster: {str(err).strip().splitlines()[0]}") from None
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if replicas * threads > cpus:
+        ray.shutdown()
+        raise EmberError(f"--replicas {replicas}: the Ray cluster has {cpus:g} CPUs and each replica takes {threads} "
+                         f"(--threads), so at most {int(cpus // threads)} replicas fit")
+
+
+def _probe(address: str) -> None:
+    """Raise one line unless a TCP server answers at `address` within CONNECT_TIMEOUT."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise EmberError(f"--ray {address}: not HOST:PORT (the address `ray start --head` prints)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as err:
+        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
+        raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None

@@ -1,0 +1,79 @@
+"""`ember serve --ray`: join (or start) a Ray cluster, start the replicas, and serve the front until Ctrl-C."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import uvicorn
+
+from ember.cluster.front import create_front
+from ember.cluster.replica import ReplicaPool, ReplicaSettings, connect, ray
+from ember.cluster.router import Router
+from ember.core.errors import GenerationError
+from ember.runtime.server import _listen
+
+
+class ClusterServer:
+    """The front on host:port over `replicas` replicas on the Ray cluster at `address` (None: a local one)."""
+
+    def __init__(self, settings: ReplicaSettings, replicas: int, address: str | None,
+                 host: str = "127.0.0.1", port: int = 8000) -> None:
+        self._socket = _listen(host, port)  # before Ray: a port in use is one line with nothing started
+        self.host, self.port = self._socket.getsockname()[:2]
+        self.router = Router(replicas)
+        try:
+            connect(address, settings.threads, replicas)
+            self.pool = ReplicaPool(self.router, settings)
+            try:
+                self.pool.start()
+            except BaseException:
+                ray.shutdown()
+                raise
+        except BaseException:
+            self._socket.close()
+            raise
+        config = uvicorn.Config(create_front(self.router), log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL of the OpenAI API (ends in /v1)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def run(self) -> None:
+        """Serve until interrupted, then stop the replicas and leave the cluster."""
+        try:
+            self._server.run(sockets=[self._socket])
+        finally:
+            self._socket.close()
+            self.pool.stop()
+            ray.shutdown()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve from a background thread; returns once it accepts connections."""
+        self._thread = threading.Thread(target=self.run, name="ember-cluster-front", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise GenerationError(f"the front on {self.url} did not start within {timeout:g} s")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop a server `start`ed in a thread."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: str, port: int) -> None:
+    """Serve `settings.artifact_dir` from `replicas` replicas until Ctrl-C."""
+    server = ClusterServer(settings, replicas, address, host, port)
+    print(f"ember: serving {settings.model_name} at {server.url} from {replicas} replicas on Ray "
+          f"({address or 'a local cluster'}; Ctrl-C stops)", file=sys.stderr, flush=True)
+    server.run()
