@@ -1,0 +1,238 @@
+"""`ember serve --ray`: replicas on a two-node Ray cluster on loopback behind one OpenAI endpoint.
+
+The cluster is started by `ray start` here (a head and a second node, one CPU each, in a temporary directory of
+their own) and stopped by killing the processes whose command line names that directory. The tiny long-context
+llama serves; the official `openai` client talks to the front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers import REPO_ROOT, run_ember
+
+from ember.cluster.router import Router, routing_key
+
+pytestmark = pytest.mark.cluster
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+START_TIMEOUT = 240  # seconds for a node or the served replicas to come up on a loaded 2-core machine
+MAX_TOKENS = 48
+# The loopback cluster, its nodes and its clients agree on no token (Ray's default mode would ask each for one).
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _ray(*args: str, temp_dir: str) -> None:
+    ray_cli = Path(sys.executable).with_name("ray")
+    result = subprocess.run([str(ray_cli), "start", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                             "--disable-usage-stats", f"--temp-dir={temp_dir}", *args],
+                            capture_output=True, text=True, timeout=START_TIMEOUT, env=RAY_ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _stop_processes_under(temp_dir: str) -> None:
+    """Kill this cluster's processes (each one's command line names its temp dir), and only them."""
+    ours = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in part for part in process.info["cmdline"] or ()):
+            ours.append(process)
+    for process in ours:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ours, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The head's address (127.0.0.1:PORT) of a Ray cluster of two one-CPU nodes on loopback."""
+    temp_dir = tempfile.mkdtemp(prefix="ember-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = _free_port()
+    try:
+        _ray("--head", f"--port={port}", "--include-dashboard=false", temp_dir=temp_dir)
+        _ray(f"--address=127.0.0.1:{port}", temp_dir=temp_dir)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_processes_under(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster_url(ray_cluster, tiny_llama_long, tmp_path_factory):
+    """`ember serve --ray CLUSTER --replicas 2` on a free loopback port: its base URL, once both replicas serve."""
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    port = _free_port()
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama_long.artifact_dir),
+                                    "--ray", ray_cluster, "--replicas", "2", "--port", str(port)],
+                                   cwd=REPO_ROOT, stderr=stderr, stdout=subprocess.DEVNULL, env=RAY_ENV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not re.search(r"serving \S+ at http://", log.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=10) as answer:
+        return json.load(answer)
+
+
+def _metric(url: str, name: str, replica: int) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    match = re.search(rf'^{name}{{replica="{replica}"}} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _stream(client, prompt: str, max_tokens: int = MAX_TOKENS, pause: threading.Barrier | None = None):
+    """A greedy streamed completion: (replica that answered, text, the error that ended it or None)."""
+    with client.completions.with_streaming_response.create(model="llama-long", prompt=prompt, stream=True,
+                                                           max_tokens=max_tokens, temperature=0) as response:
+        replica, pieces = int(response.headers["x-ember-replica"]), []
+        try:
+            for count, chunk in enumerate(response.parse()):
+                pieces.append(chunk.choices[0].text if chunk.choices else "")
+                if pause is not None and count == 2:
+                    pause.wait(timeout=120)
+        except openai.APIError as err:
+            return replica, "".join(pieces), err
+    return replica, "".join(pieces), None
+
+
+def test_routing_key_is_the_prompt_start():
+    """Chats sharing system messages share a key whatever their user turn; completions share it by their start."""
+    system = {"role": "system", "content": "You answer as a pirate."}
+    chat = [json.dumps({"model": "m", "messages": [system, {"role": "user", "content": question}]}).encode()
+            for question in ("hi", "bye")]
+    assert routing_key("/v1/chat/completions", chat[0]) == routing_key("/v1/chat/completions", chat[1])
+    plain = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert routing_key("/v1/chat/completions", plain) != routing_key("/v1/chat/completions", chat[0])
+    long = "x" * 300
+    assert routing_key("/v1/completions", json.dumps({"prompt": long + "a"}).encode()) == \
+        routing_key("/v1/completions", json.dumps({"prompt": long + "b"}).encode())
+    assert routing_key("/v1/completions", b"{not json") is None
+
+
+def test_router_keeps_a_prefix_on_its_replica_unless_it_is_far_busier():
+    """A known prefix goes to its replica; a new one to the least loaded; a dead replica's prefixes move."""
+    router = Router(2, slack=0)
+    router.set_alive(0, {"url": "a"})
+    router.set_alive(1, {"url": "b"})
+    first = router.pick("k")
+    assert router.pick("other").index != first.index  # least loaded
+    assert router.pick("k").index == first.index and first.prefix_routed == 1
+    assert router.pick("k").index != first.index  # 2 in flight there against 1: past the slack
+    router.set_dead(first.index)
+    assert router.pick("k").index != first.index
+    router.set_dead(1 - first.index)
+    assert router.pick("k") is None
+
+
+def test_an_unreachable_cluster_address_is_one_line(tiny_llama):
+    """An address where no Ray cluster answers, and --replicas 0, fail with one line, nothing started."""
+    closed = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{_free_port()}", timeout=60)
+    assert closed.returncode == 1
+    assert closed.stderr.strip().count("\n") == 0 and "no Ray cluster answers there" in closed.stderr
+    zero = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", "--replicas", "0", timeout=60)
+    assert zero.returncode == 1 and zero.stderr.strip().count("\n") == 0 and "--replicas 0" in zero.stderr
+
+
+def test_more_replicas_than_the_cluster_hosts_is_one_line(ray_cluster, tiny_llama):
+    """Three one-CPU replicas on a two-CPU cluster are refused before any starts."""
+    result = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", ray_cluster, "--replicas", "3", timeout=120,
+                        env=RAY_ENV)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ember: error: --replicas 3: the Ray cluster has 2 CPUs"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_concurrent_streams_equal_their_solo_runs(cluster_url):
+    """16 concurrent greedy streams through two replicas equal the same prompts run one at a time."""
+    client = _client(cluster_url)
+    prompts = [f"Once upon a time number {i}" for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda prompt: _stream(client, prompt), prompts))
+    solo = [_stream(client, prompt) for prompt in prompts]
+    assert [error for _, _, error in together] == [None] * 16
+    assert [text for _, text, _ in together] == [text for _, text, _ in solo]
+    assert {replica for replica, _, _ in together} == {0, 1}  # distinct prompts spread to the least loaded
+    assert all(replica["url"].startswith("http://127.0.0.1:") for replica in _health(cluster_url)["replicas"])
+
+
+def test_a_shared_system_prompt_lands_on_one_replica(cluster_url):
+    """Chats that share a system prompt go to one replica, whose prefix cache then serves their start."""
+    client = _client(cluster_url)
+    system = {"role": "system", "content": "You are a terse assistant who answers in riddles. " * 6}
+    replicas = []
+    for question in ("What is the sea?", "Who are you?", "Where is home?", "Why?", "When?", "How?"):
+        answer = client.chat.completions.with_raw_response.create(
+            model="llama-long", messages=[system, {"role": "user", "content": question}], max_tokens=4)
+        replicas.append(int(answer.headers["x-ember-replica"]))
+    assert len(set(replicas)) == 1, replicas
+    assert _metric(cluster_url, "ember_cluster_prefix_routed_total", replicas[0]) >= 5
+    assert _metric(cluster_url, "ember_prefix_cache_hits_total", replicas[0]) >= 5
+
+
+def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster_url):
+    """SIGKILL to one replica mid-run: the other's streams finish whole, the dead one's end with an error event
+    (what they streamed a prefix of their solo run), the next requests are served, and a replacement starts."""
+    client = _client(cluster_url)
+    prompts = [f"A long tale, chapter {i}:" for i in range(8)]
+    solo = {prompt: _stream(client, prompt, 600)[1] for prompt in prompts}
+    before = {replica["replica"]: replica["pid"] for replica in _health(cluster_url)["replicas"]}
+    started = threading.Barrier(len(prompts) + 1)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        runs = [pool.submit(_stream, client, prompt, 600, started) for prompt in prompts]
+        started.wait(timeout=120)
+        victim = max(before, key=lambda index: _health(cluster_url)["replicas"][index]["in_flight"])
+        os.kill(before[victim], signal.SIGKILL)
+        results = dict(zip(prompts, (run.result(timeout=120) for run in runs)))
+    lost = 0
+    for prompt, (replica, text, error) in results.items():
+        if error is None:
+            assert text == solo[prompt]
+        else:  # never silently cut short, nor continued by another replica
+            assert replica == victim and "stopped mid-answer" in str(error) and solo[prompt].startswith(text)
+            lost += 1
+    assert lost >= 1
+    assert all(error is None for replica, _, error in results.values() if replica != victim)
+    assert _stream(client, prompts[0], 600)[1] == solo[prompts[0]]  # served at once by the survivor
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (state := _health(cluster_url)["replicas"][victim])["alive"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    assert state["restarts"] == 1 and state["pid"] != before[victim]
