@@ -56,7 +56,7 @@ def _stop_processes_under(temp_dir: str) -> None:
     """Kill this cluster's processes (each one's command line names its temp dir), and only them."""
     ours = []
     for process in psutil.process_iter(["cmdline"]):
-        if any(temp_dir in part for part in process.info["cmdline"] or ()):
+        if process.pid != os.getpid() and any(temp_dir in part for part in process.info["cmdline"] or ()):
             ours.append(process)
     for process in ours:
         try:
