@@ -73,7 +73,8 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
     With `int8_dot` (the target's dot product, `TargetSpec.int8_dot`), projections
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
     register tiles sized by the target's `vector_bits`), where the format and shape allow it; on a target
-    with AMX (`Int8Dot.tiles`) prefill's on AMX tiles (`schedules/amx_matmul.py`).
+    with AMX (`Int8Dot.tiles`) prefill's on AMX tiles (`schedules/amx_matmul.py`) from
+    `amx_matmul.VNNI_BELOW_ROWS` rows of a call up, its shorter calls on the vector dot product.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
@@ -230,8 +231,9 @@ class _Rewriter(relax.PyExprMutator):
         many_tokens = not few
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:
-            if many_tokens and self.int8_dot.tiles:  # prefill on AMX tiles; decode keeps the vector dot product
-                kernel, source, name = amx_matmul.amx_int8_matmul(fmt, n, k), amx_matmul.__name__, "amx_int8_matmul"
+            if many_tokens and self.int8_dot.tiles:  # prefill on AMX tiles, short calls and decode on the vector dot
+                kernel = amx_matmul.amx_int8_matmul(fmt, n, k, vnni=self.int8_dot, vector_bits=self.vector_bits)
+                source, name = amx_matmul.__name__, "amx_int8_matmul"
             else:
                 kernel = int8_matmul.int8_dot_matmul(fmt, n, k, self.int8_dot, many_tokens, self.vector_bits)
                 source, name = int8_matmul.__name__, "int8_dot_matmul"

@@ -41,7 +41,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
-from ember.schedules.int8_matmul import supports
+from ember.schedules.int8_matmul import int8_dot_compute, supports
+from ember.targets.int8_dot import Int8Dot
 
 _LEVELS = 127.0
 TILE_ROWS = 16  # activation rows of an A and a C tile
@@ -49,7 +50,11 @@ HALF_ROWS = TILE_ROWS // 2  # rows of one accumulator buffer
 GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
 AMX_KNOBS = ("units",)  # 8-row weight blocks per parallel task, side by side in its B and C tiles: 2 (16 rows,
 # 64-byte tile rows) where the blocks pair up, else 1
-# On each kernel: {"format", "n", "k"}.
+# Calls of fewer rows run the VNNI kernel's body: with one or two 16-row tiles, copying a task's blocks side by
+# side and padding the rows cost more than the tiles gain ([2048, 2048] q4f32: 4 rows 0.45 ms against VNNI's 0.11,
+# 16 rows 0.49 against 0.39; 40 rows 1.09 against 1.68; loaded 2-vCPU host, 1 thread).
+VNNI_BELOW_ROWS = 32
+# On each kernel: {"format", "n", "k", "units", "vnni_below"} (0: tiles for every row count).
 BUILD_ATTR = "ember.amx_matmul"
 
 
@@ -88,11 +93,13 @@ def _tile_intrinsics():
     return load, store, zero, dot
 
 
-def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) -> tirx.PrimFunc:
+def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, vnni: Int8Dot | None = None,
+                    vector_bits: int = 512, vnni_below: int = VNNI_BELOW_ROWS) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`, on AMX tiles.
 
     Same parameters as `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts,
-    y [batch, seq, n]; the same numbers as the VNNI kernel (integer sums equal, scaled in the same order)."""
+    y [batch, seq, n]; the same numbers as the VNNI kernel (integer sums equal, scaled in the same order).
+    With `vnni` (the target's dot product), calls of fewer than `vnni_below` rows run the VNNI kernel's body."""
     if not supports(fmt, n, k):
         raise ValueError(f"the AMX int8 matmul does not compute a [{n}, {k}] {fmt.name} weight")
     space = unit_space(n)
@@ -198,13 +205,11 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
                 y[(first + HALF_ROWS + h) // seq, (first + HALF_ROWS + h) % seq,
                   T.Ramp(first_block * lanes, 1, width)] = bottom[h, row]
 
+    vector = None if vnni is None else int8_dot_compute(fmt, n, k, vnni, True, vector_bits)
+
     @T.macro
-    def matmul(x_handle, packed, scale, low, y_handle):
-        batch = T.int64()
-        seq = T.int64()
-        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
-        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
-        with T.sblock("root"):
+    def tiles(batch, seq, x, packed, scale, low, y):
+        with T.sblock("amx"):
             T.reads()
             T.writes()
             xq = T.sblock_alloc_buffer((padded(batch * seq), k // 4), "int32")
@@ -251,6 +256,19 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
                                  x_sum, y, wide, sums, top, bottom)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
+    @T.macro
+    def matmul(x_handle, packed, scale, low, y_handle):
+        batch = T.int64()
+        seq = T.int64()
+        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
+        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
+        if vnni is None:
+            tiles(batch, seq, x, packed, scale, low, y)
+        elif batch * seq < vnni_below:
+            vector(batch, seq, x, packed, scale, low, y)
+        else:
+            tiles(batch, seq, x, packed, scale, low, y)
+
     if zero_point:
         @T.prim_func(s_tir=True)
         def amx_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
@@ -268,4 +286,5 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None) 
             matmul(x_handle, packed, scale, None, y_handle)
 
         kernel = amx_matmul
-    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "units": units})
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "units": units,
+                                         "vnni_below": vnni_below if vnni is not None else 0})

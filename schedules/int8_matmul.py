@@ -334,10 +334,49 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     vector_bits: int, knobs: Sequence[int] | None = None) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`.
 
+    See `int8_dot_compute` for the arguments; parameters: x [batch, seq, k] float32, the weight's parts, y."""
+    compute = int8_dot_compute(fmt, n, k, dot, many_tokens, vector_bits, knobs)
+    zero_point = fmt.zero_point
+    parts = fmt.part_shapes(n, k, INTERLEAVED)
+    packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
+
+    @T.macro
+    def matmul(x_handle, packed, scale, low, y_handle):
+        batch = T.int64()
+        seq = T.int64()
+        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
+        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
+        compute(batch, seq, x, packed, scale, low, y)
+
+    if zero_point:
+        @T.prim_func(s_tir=True)
+        def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                                      scale: T.Buffer(scale_shape, SCALE_DTYPE),
+                                      low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, low, y_handle)
+
+        kernel = int8_matmul_with_minimums
+    else:
+        @T.prim_func(s_tir=True)
+        def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                        scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+            matmul(x_handle, packed, scale, None, y_handle)
+
+        kernel = int8_matmul
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
+
+
+def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool,
+                     vector_bits: int, knobs: Sequence[int] | None = None):
+    """The macro `compute(batch, seq, x, packed, scale, low, y)` of the int8 matmul's body (x, y: buffers).
+
     `dot` is the target's u8 x s8 dot product on 256-bit vectors (`TargetSpec.int8_dot`).
     `many_tokens`: prefill (rows quantized in parallel, a register tile over several rows)
     rather than decode (one token per sequence). `knobs`: one of `knob_space` (default: the
-    rule's). Parameters: x [batch, seq, k] float32, the weight's parts (packed, scale), y [batch, seq, n]."""
+    rule's). x [batch, seq, k] float32, the weight's parts (packed, scale, low: None without a zero point),
+    y [batch, seq, n] float32."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
     target_dot, dot = dot, kernel_dot(dot, n, many_tokens)
@@ -355,8 +394,6 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     # int8 weights on vpmaddubsw (the sign trick below) and on sdot are made signed again: no offset to take out.
     offset = 0 if fmt.bits == 8 and (dot.signed_weights or not dot.accumulates) else fmt.stored_offset
     zero_point = fmt.zero_point
-    parts = fmt.part_shapes(n, k, INTERLEAVED)
-    packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     word_loop = T.unroll if unroll else T.serial
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
     # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
@@ -555,11 +592,7 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
             xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
 
     @T.macro
-    def matmul(x_handle, packed, scale, low, y_handle):
-        batch = T.int64()
-        seq = T.int64()
-        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
-        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
+    def compute(batch, seq, x, packed, scale, low, y):
         with T.sblock("root"):
             T.reads()
             T.writes()
@@ -588,21 +621,4 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
                     halving_tails(batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                                   x_sum, y)
 
-    if zero_point:
-        @T.prim_func(s_tir=True)
-        def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                                      scale: T.Buffer(scale_shape, SCALE_DTYPE),
-                                      low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-            matmul(x_handle, packed, scale, low, y_handle)
-
-        kernel = int8_matmul_with_minimums
-    else:
-        @T.prim_func(s_tir=True)
-        def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                        scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-            matmul(x_handle, packed, scale, None, y_handle)
-
-        kernel = int8_matmul
-    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
+    return compute

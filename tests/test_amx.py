@@ -128,6 +128,23 @@ def test_a_partial_row_tile_of_a_long_k_reads_only_its_own_rows(amx_host):
     assert float(child.stdout.split()[-1]) < 0.02  # the activations' int8 rounding, nothing more
 
 
+@pytest.mark.parametrize("name", ["q8f32", "q4f32_zp"])
+def test_calls_below_the_row_threshold_run_the_vnni_body(amx_host, name):
+    """With the target's dot product, one kernel holds both bodies: calls of fewer than `vnni_below` rows take the
+    VNNI one, longer calls the tiles; either equals the VNNI kernel to the bit, on both sides of the threshold."""
+    fmt, n, k = FORMATS[name], 48, 160
+    rng = np.random.default_rng(3)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    both = _build(amx_matmul.amx_int8_matmul(fmt, n, k, vnni=amx_host.int8_dot, vector_bits=amx_host.vector_bits),
+                  amx_host)
+    assembly = both.mod.imports[0].inspect_source("s") if both.mod.imports else both.mod.inspect_source("s")
+    assert "tdpbsud" in assembly and "vpdpbusd" in assembly
+    vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
+    for rows in (1, amx_matmul.VNNI_BELOW_ROWS - 1, amx_matmul.VNNI_BELOW_ROWS, 40):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        np.testing.assert_array_equal(_call(both, fmt, parts, x, n), _call(vnni, fmt, parts, x, n), f"{rows} rows")
+
+
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_compiles_to_tile_instructions(name):
     """Compiled, not run (any host): tile config, tile loads, the signed x unsigned tile dot product, tile stores."""
