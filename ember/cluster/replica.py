@@ -68,7 +68,7 @@ class ReplicaActor:
             engine = Engine(artifact)
             stall = {} if settings.max_decode_stall is None else {"max_decode_stall": settings.max_decode_stall}
             scheduler = Scheduler(engine, max_queue=settings.max_queue, prefix_cache=settings.prefix_cache, **stall)
-            node = ray.util.get_node_ip_address()
+            node = _node_address()
             server = Server(scheduler, settings.model_name, node, 0, settings.api_key, pooling=settings.pooling)
             server.start()
         except EmberError as err:  # travels to the front as itself: one line there
@@ -79,6 +79,13 @@ class ReplicaActor:
     def wait_stopped(self) -> None:
         """Return when the replica stops; its caller learns of the process's death by this call's failure."""
         self._stopped.wait()
+
+
+def _node_address() -> str:
+    """The address this actor's node joined the cluster with (127.0.0.1 for loopback nodes), which the front
+    reaches it by; not the machine's outward address that `ray.util.get_node_ip_address` guesses."""
+    here = ray.get_runtime_context().get_node_id()
+    return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == here)
 
 
 class ReplicaPool:
