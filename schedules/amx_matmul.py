@@ -31,6 +31,8 @@ weight rows. Two blocks side by side fill a B tile's 64-byte rows: one `tdpbsud`
 what a block alone gives, and one C tile row is one 512-bit vector of the epilogue. The accumulators are
 two 8-row buffers, each under TVM's 1 KiB stack limit: on the stack LLVM keeps them in registers (a 1 KiB
 buffer is heap memory, loaded and stored in every group).
+Built with the target's dot product (as `QuantizeWeights` builds it), the kernel also holds the VNNI
+kernel's body (`int8_matmul.int8_dot_compute`) and runs it for calls of fewer than `VNNI_BELOW_ROWS` rows.
 Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
 without it the first tile instruction is SIGILL.
 """
