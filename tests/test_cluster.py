@@ -169,10 +169,22 @@ def test_router_keeps_a_prefix_on_its_replica_unless_it_is_far_busier():
 
 
 def test_an_unreachable_cluster_address_is_one_line(tiny_llama):
-    """An address where no Ray cluster answers, and --replicas 0, fail with one line, nothing started."""
+    """An address where nothing answers, one where a server other than Ray's does, and --replicas 0 fail with one
+    line within seconds, nothing started."""
     closed = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{_free_port()}", timeout=60)
     assert closed.returncode == 1
     assert closed.stderr.strip().count("\n") == 0 and "no Ray cluster answers there" in closed.stderr
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # answers, but HTTP/1 as a web server would
+        def refuse() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=refuse, daemon=True).start()
+        other = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{listener.getsockname()[1]}",
+                          timeout=60)
+    assert other.returncode == 1 and other.stderr.strip().count("\n") == 0
+    assert "not a Ray cluster's head" in other.stderr
     zero = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", "--replicas", "0", timeout=60)
     assert zero.returncode == 1 and zero.stderr.strip().count("\n") == 0 and "--replicas 0" in zero.stderr
 

@@ -186,13 +186,25 @@ def connect(address: str | None, threads: int, replicas: int) -> None:
                          f"(--threads), so at most {int(cpus // threads)} replicas fit")
 
 
+# An HTTP/2 client's opening (the preface, then an empty SETTINGS frame): a gRPC server such as Ray's GCS answers
+# it at once with a SETTINGS frame of its own, which another kind of server does not. ray.init, pointed at a server
+# that is not Ray's, would wait for minutes.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+
+
 def _probe(address: str) -> None:
-    """Raise one line unless a TCP server answers at `address` within CONNECT_TIMEOUT."""
+    """Raise one line unless a gRPC server (as a Ray cluster's head is) answers at `address` within
+    CONNECT_TIMEOUT."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise EmberError(f"--ray {address}: not HOST:PORT (the address `ray start --head` prints)")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT) as connection:
+            connection.sendall(_HTTP2_HELLO)
+            frame = connection.recv(9)
     except OSError as err:
         reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
         raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
+    if len(frame) < 4 or frame[3] != _HTTP2_SETTINGS:
+        raise EmberError(f"--ray {address}: what answers there is not a Ray cluster's head (it does not speak gRPC)")
