@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
@@ -36,6 +37,7 @@ REPLICA_HEADER = "X-Ember-Replica"  # which replica answered, on every relayed r
 _NOT_RELAYED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date",
                           "server"})
 _BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
+_Answer = TypeVar("_Answer")
 METRICS_TIMEOUT = 2.0  # seconds a replica's /metrics may take before /metrics leaves it out
 
 
@@ -122,8 +124,9 @@ class _Front:
                 raise ApiError(503, "no replica is serving right now (each one that died is being replaced); "
                                     "retry shortly", code="no_replica", kind="server_error")
             try:
-                response, release = await self._ask(replica.index, replica.info["url"] + target, request.method,
-                                                    headers, bytes(body))
+                response, release = await _unless_disconnected(
+                    request, self._ask(replica.index, replica.info["url"] + target, request.method, headers,
+                                       bytes(body)))
             except _LostError as err:
                 self.router.done(replica)
                 log.warning("ember: replica %d failed before answering (%s); trying another", replica.index, err)
@@ -152,14 +155,13 @@ class _Front:
         relayed = {name: value for name, value in upstream.headers.items() if name.lower() not in _NOT_RELAYED}
         relayed[REPLICA_HEADER] = str(index)
 
-        async def release() -> None:
-            upstream.release()
+        async def release() -> None:  # a stream's connection is not reused: its client may have left mid-way
             upstream.close()
 
         try:
             if upstream.content_type != "text/event-stream":
                 content = await upstream.read()
-                await release()
+                upstream.release()  # read to its end: the connection serves the next request
                 return Response(content, upstream.status, relayed), _nothing
             first = await _next_event(upstream)
             if first is None:
@@ -227,6 +229,27 @@ class _Front:
                 return await got.text() if got.status == 200 else ""
         except (*_BROKEN, asyncio.TimeoutError):
             return ""
+
+
+async def _unless_disconnected(request: HttpRequest, answer: Awaitable[_Answer]) -> _Answer:
+    """`answer`'s result, or cancel it (which closes the replica's connection, and so stops its generation) when
+    the client disconnects first, as `ember serve` does."""
+    task = asyncio.ensure_future(answer)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection", code="client_closed")
+    return task.result()
 
 
 async def _nothing() -> None:
