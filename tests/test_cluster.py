@@ -225,6 +225,22 @@ def test_a_shared_system_prompt_lands_on_one_replica(cluster_url):
     assert _metric(cluster_url, "ember_prefix_cache_hits_total", replicas[0]) >= 5
 
 
+def _generated(url: str) -> float:
+    return sum(_metric(url, "ember_generation_tokens_total", replica) for replica in (0, 1))
+
+
+def test_a_client_gone_before_its_whole_answer_stops_its_generation(cluster_url):
+    """A client that closes its connection before a whole answer arrives cancels that generation on its replica."""
+    before = _generated(cluster_url)
+    body = json.dumps({"model": "llama-long", "prompt": "hi", "max_tokens": 900, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", int(cluster_url.rsplit(":", 1)[1]))) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.02)
+    time.sleep(3)
+    assert _generated(cluster_url) - before < 900
+
+
 def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster_url):
     """SIGKILL to one replica mid-run: the other's streams finish whole, the dead one's end with an error event
     (what they streamed a prefix of their solo run), whole answers not yet given are answered by the survivor,
