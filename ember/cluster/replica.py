@@ -51,7 +51,7 @@ class ReplicaActor:
     """One replica: an engine, its scheduler and `ember serve`'s HTTP server, in a Ray actor's process."""
 
     def __init__(self) -> None:
-        self._stopped = threading.Event()
+        self._forever = threading.Event()  # never set: wait_stopped returns only by the process's death
 
     def start(self, settings: ReplicaSettings) -> dict:
         """Load the artifact and serve it on this node's address; returns where (url, pid, node)."""
@@ -77,8 +77,8 @@ class ReplicaActor:
         return {"url": server.page_url.rstrip("/"), "pid": os.getpid(), "node": node}
 
     def wait_stopped(self) -> None:
-        """Return when the replica stops; its caller learns of the process's death by this call's failure."""
-        self._stopped.wait()
+        """Block for the actor's life: its caller learns of the process's death by this call's failure."""
+        self._forever.wait()
 
 
 def _node_address() -> str:
@@ -115,13 +115,13 @@ class ReplicaPool:
     def stop(self) -> None:
         """Kill every replica's actor."""
         self._closing.set()
-        for actor in self._actors.values():
+        for actor in list(self._actors.values()):  # the watcher may be replacing one meanwhile
             ray.kill(actor, no_restart=True)
         self._actors.clear()
 
     def _launch(self, index: int) -> object:
         """A new actor for replica `index`; returns the reference its address will arrive by."""
-        actor = self._actor_class.options(name=None).remote()
+        actor = self._actor_class.remote()
         self._actors[index] = actor
         return actor.start.remote(self.settings)
 
@@ -145,7 +145,12 @@ class ReplicaPool:
         """Replace each replica whose process dies, until the pool stops."""
         while not self._closing.is_set():
             by_ref = {ref: index for index, ref in self._stopped_refs.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=0.5)
+            try:
+                ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=0.5)
+            except Exception:
+                if self._closing.is_set():  # Ray shut down under it: the pool is stopping
+                    return
+                raise
             for ref in ready:
                 if not self._closing.is_set():
                     self._replace(by_ref[ref])

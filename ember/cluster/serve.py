@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import sys
-import threading
-import time
 
 import uvicorn
 
 from ember.cluster.front import create_front
 from ember.cluster.replica import ReplicaPool, ReplicaSettings, connect, ray
 from ember.cluster.router import Router
-from ember.core.errors import GenerationError
 from ember.runtime.server import _listen
 
 
@@ -37,7 +34,6 @@ class ClusterServer:
         config = uvicorn.Config(create_front(self.router), log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -53,22 +49,6 @@ class ClusterServer:
             self._socket.close()
             self.pool.stop()
             ray.shutdown()
-
-    def start(self, timeout: float = 30.0) -> None:
-        """Serve from a background thread; returns once it accepts connections."""
-        self._thread = threading.Thread(target=self.run, name="ember-cluster-front", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise GenerationError(f"the front on {self.url} did not start within {timeout:g} s")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        """Stop a server `start`ed in a thread."""
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
 
 
 def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: str, port: int) -> None:
