@@ -78,11 +78,33 @@ class Manifest:
     # Each weight's shape and dtype as the compiled graph takes it, {name: {"shape": [...], "dtype": "float32"}}:
     # what the weight index must hold. Empty in manifests written before the field (then unchecked).
     param_types: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # A pipeline artifact's (`compile --pipeline-stages`): {"stages": ["stage-0", ...], "layers": [[begin, end], ...],
+    # "hidden_size": H}, each stage an artifact in its own directory; None (and absent from the JSON) otherwise.
+    pipeline: dict[str, Any] | None = None
+    # One stage's: {"index": i, "count": K, "layers": [begin, end], "input": "token_ids" | "hidden",
+    # "output": "hidden" | "logits", "hidden_size": H}; None (and absent) for a whole model.
+    pipeline_stage: dict[str, Any] | None = None
     manifest_sha256: str = ""  # `manifest_digest` of every other field, set by `write_manifest`
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON data."""
-        return asdict(self)
+        """The manifest as JSON data (the pipeline fields only where set)."""
+        data = asdict(self)
+        for key in _PIPELINE_FIELDS:
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+_PIPELINE_FIELDS = ("pipeline", "pipeline_stage")
+
+
+def required_files(data: dict[str, Any]) -> list[str]:
+    """The files a manifest must list: the library and weight index, in each stage's directory for a pipeline."""
+    pipeline = data.get("pipeline")
+    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+    if isinstance(stages, list) and stages and all(isinstance(stage, str) for stage in stages):
+        return [f"{stage}/{relpath}" for stage in stages for relpath in REQUIRED_FILES]
+    return list(REQUIRED_FILES)
 
 
 def manifest_digest(data: dict[str, Any]) -> str:
@@ -128,7 +150,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
         raise ArtifactError(f"{path}: the manifest was edited after compile (its content does not match its "
                             f"manifest_sha256); recompile the artifact with `ember compile`")
     _check_fields(path, data, SCHEMA, "")
-    _check_file_list(path, data["files"])
+    _check_file_list(path, data["files"], required_files(data))
     _check_cpu_features(path, data["target"])
     _check_param_types(path, data.get("param_types", {}))
     try:
@@ -159,7 +181,7 @@ def check_ember_artifact(artifact_dir: Path) -> None:
     if data.get("manifest_sha256") != manifest_digest(data):
         raise ArtifactError(f"{path}: not an ember manifest as ember wrote it (its content does not match its "
                             f"manifest_sha256)")
-    _check_file_list(path, data["files"])
+    _check_file_list(path, data["files"], required_files(data))
     _verify_listed_files(Path(artifact_dir), data["files"])
 
 
@@ -351,10 +373,10 @@ def _check_param_types(path: Path, types: Any) -> None:
                             f"{{\"shape\": [sizes], \"dtype\": name}}, got {reprlib.repr(types)}")
 
 
-def _check_file_list(path: Path, files: dict[str, Any]) -> None:
+def _check_file_list(path: Path, files: dict[str, Any], required: list[str]) -> None:
     """Refuse a file list that misses a required file, or names a path outside the artifact (absolute,
     `..`, not normalized, a backslash) or an entry that is not {"sha256": hex, "size": bytes}."""
-    for relpath in REQUIRED_FILES:
+    for relpath in required:
         if relpath not in files:
             raise ArtifactError(f"{path}: the manifest does not list {relpath}; recompile the artifact")
     for relpath, entry in files.items():

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import tvm
 from tvm import relax
@@ -39,6 +40,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
+from ember.ir_passes.split_pipeline_stages import split_pipeline_stage, stage_layers
 from ember.runtime.artifact import PARAM_TYPES_FUNCTION
 from ember.schedules import int8_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
@@ -73,6 +75,7 @@ class CompileOptions:
     # "q8"/"f16": int8/float16 keys and values in the KV cache (CPU targets); None: the model's dtype
     kv_quant: str | None = None
     embeddings: bool = False  # the `embed` entry, for `ember serve`'s /v1/embeddings (Llama family, builtin frontend)
+    pipeline_stages: int | None = None  # split the layers into this many stage artifacts (OUT/stage-i)
     show_progress: bool = True
 
 
@@ -113,6 +116,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     check_sizes(options.prefill_chunk, options.max_batch)
     _check_kv_quant(options, target)
+    check_pipeline_options(options)
     check_output_dir(output_dir)
     tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
     quantization = FORMATS[options.quantization]
@@ -124,16 +128,46 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         imported = model_source.import_model(model_dir, target.target, model_dtype, frontend=options.frontend,
                                              tokenizer_dir=options.tokenizer_dir, embeddings=options.embeddings)
         mod = pipeline.with_entries(imported.mod, target)
+        build = _Build(imported, target, options, model_dir, types_as_stored, tuning, quantization, stage)
+        if options.pipeline_stages is None:
+            built = build.artifact(mod, staging, dump_ir)
+        else:
+            built = _build_pipeline(build, mod, staging, dump_ir)
+        replace_dir(staging, output_dir)
+    manifest, memory, schedules, params, recipes = built
+    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules, params, recipes)
+
+
+@dataclass
+class _Build:
+    """What building one artifact from an imported module needs beyond the module (one per compile)."""
+
+    imported: Any
+    target: TargetSpec
+    options: CompileOptions
+    model_dir: Path
+    types_as_stored: bool
+    tuning: TuningDatabase | None
+    quantization: QuantFormat
+    stage: Callable[[str], None]
+
+    def artifact(self, mod: tvm.IRModule, staging: Path, dump_ir: Path | None,
+                 pipeline_stage: dict[str, Any] | None = None) -> tuple:
+        """Lower, build and convert `mod` into the artifact directory `staging`; (manifest, memory, schedules,
+        params, recipes)."""
+        imported, target, options, model_dir, stage = self.imported, self.target, self.options, self.model_dir, \
+            self.stage
+        model_dtype = self.quantization.dtype
         config = _attention_as_built(mod, imported.config)
         if options.kv_quant and config.sliding_window:
             raise EmberError(f"--kv-quant {options.kv_quant}: {model_dir} attends through a sliding window of "
                              f"{config.sliding_window} tokens, which the {options.kv_quant} KV cache does not support")
         prefill_chunk = min(options.prefill_chunk, config.context_window)
-        tensor_formats = model_source.stored_formats(imported) if types_as_stored else {}
+        tensor_formats = model_source.stored_formats(imported) if self.types_as_stored else {}
 
         stage(f"lowering and scheduling for {target.describe()}")
-        lower_options = pipeline.LowerOptions(quantization, prefill_chunk, options.max_batch,
-                                              options.keep_embedding, options.keep_lm_head, tuning,
+        lower_options = pipeline.LowerOptions(self.quantization, prefill_chunk, options.max_batch,
+                                              options.keep_embedding, options.keep_lm_head, self.tuning,
                                               int8_activations=not options.float_activations,
                                               tensor_formats=tensor_formats, kv_quant=options.kv_quant)
         with tvm_warnings_hidden():
@@ -160,6 +194,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
                        for p in weight_params(lowered["decode"])}
         _add_param_types(lowered, param_types)
+        staging.mkdir(exist_ok=True)
         build_library(lowered, target, staging / LIBRARY_NAME)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
@@ -169,9 +204,90 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
                              activations(lowered))
         manifest.param_types = param_types
+        if pipeline_stage is not None:
+            manifest.pipeline_stage = pipeline_stage
+            manifest.entry_functions = _stage_entries(manifest.entry_functions, pipeline_stage)
         write_manifest(staging, manifest)
-        replace_dir(staging, output_dir)
-    return CompileResult(output_dir, manifest, memory, time.perf_counter() - start, schedules, params, recipes)
+        return manifest, memory, schedules, params, recipes
+
+
+def _build_pipeline(build: _Build, mod: tvm.IRModule, staging: Path, dump_ir: Path | None) -> tuple:
+    """Each stage of `mod` (`--pipeline-stages`) as an artifact in `staging`/stage-i, then the pipeline's manifest
+    naming them, which seals every stage's files; the first stage's (manifest, memory, schedules, params, recipes)."""
+    count = build.options.pipeline_stages
+    config = _attention_as_built(mod, build.imported.config)
+    _check_pipeline_stages(count, config, build.options)
+    hidden = config.hidden_size
+    ranges = stage_layers(config.num_hidden_layers, count)
+    names = [f"stage-{index}" for index in range(count)]
+    results = []
+    for index, (name, layers) in enumerate(zip(names, ranges)):
+        build.stage(f"stage {index + 1} of {count}: layers {layers[0]}..{layers[1] - 1}")
+        stage_mod = split_pipeline_stage(mod, layers, hidden)
+        description = {"index": index, "count": count, "layers": list(layers),
+                       "input": "token_ids" if index == 0 else "hidden",
+                       "output": "logits" if index == count - 1 else "hidden", "hidden_size": hidden}
+        results.append(build.artifact(stage_mod, staging / name, dump_ir and dump_ir / name, description))
+    manifests = [result[0] for result in results]
+    whole = dataclasses.replace(
+        manifests[-1], model=config.to_json(), entry_functions={}, params=[], param_types={},
+        kv_cache={**manifests[-1].kv_cache, "num_layers": config.num_hidden_layers},
+        memory=_pipeline_memory([m.memory for m in manifests]), pipeline_stage=None,
+        pipeline={"stages": names, "layers": [list(layers) for layers in ranges], "hidden_size": hidden})
+    write_manifest(staging, whole)
+    return (whole, *results[0][1:])
+
+
+def _stage_entries(entries: dict[str, dict], stage: dict[str, Any]) -> dict[str, dict]:
+    """A stage's entry functions: a later stage takes `hidden` in place of `input_ids`; all but the last give
+    `hidden` in place of logits (float32, [.., n, hidden_size])."""
+    def swapped(spec: str) -> str:
+        name, _, rest = spec.partition("[")
+        if name not in ("input_ids", "logits"):
+            return spec
+        if name == "input_ids" and stage["input"] == "token_ids" or name == "logits" and stage["output"] == "logits":
+            return spec
+        return f"hidden[{rest.split(']')[0].rsplit(',', 1)[0]}, {stage['hidden_size']}] float32" if name == "logits" \
+            else f"hidden[{rest.split(']')[0]}, {stage['hidden_size']}] float32"
+
+    return {function: {**spec, "inputs": [swapped(s) for s in spec.get("inputs", [])],
+                       "outputs": [swapped(s) for s in spec.get("outputs", [])]}
+            if "inputs" in spec and "outputs" in spec else spec
+            for function, spec in entries.items()}
+
+
+def _pipeline_memory(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The memory of the whole pipeline: its stages' weights and KV cache added, the largest workspace."""
+    return {"weight_bytes": sum(m["weight_bytes"] for m in stages),
+            "kv_bytes_per_token": sum(m["kv_bytes_per_token"] for m in stages),
+            "context_window": stages[0]["context_window"],
+            "peak_workspace_bytes": max(m["peak_workspace_bytes"] for m in stages), "workspace_bytes": {}}
+
+
+def check_pipeline_options(options: CompileOptions) -> None:
+    """Refuse, before any work, a --pipeline-stages below 1 or with an option a split model cannot have."""
+    count = options.pipeline_stages
+    if count is None:
+        return
+    if count < 1:
+        raise EmberError(f"--pipeline-stages {count}: must be at least 1 (the number of stages to split the "
+                         "model's layers into)")
+    if options.embeddings:
+        raise EmberError(f"--pipeline-stages {count} cannot be combined with --embeddings: the embed entry's "
+                         "final norm is on the last stage; compile the embedding model whole")
+    if options.kv_quant:
+        raise EmberError(f"--pipeline-stages {count} cannot be combined with --kv-quant: the quantized KV cache "
+                         "is not split by layers")
+
+
+def _check_pipeline_stages(count: int, config: ModelConfig, options: CompileOptions) -> None:
+    """Refuse a --pipeline-stages the model cannot be split into: more stages than layers, a sliding window."""
+    if count > config.num_hidden_layers:
+        raise EmberError(f"--pipeline-stages {count}: the model has {config.num_hidden_layers} layers; give at most "
+                         f"{config.num_hidden_layers} stages")
+    if config.sliding_window:
+        raise EmberError(f"--pipeline-stages {count}: the model attends through a sliding window of "
+                         f"{config.sliding_window} tokens, which a pipeline's stages do not support")
 
 
 def _add_param_types(lowered: tvm.IRModule, param_types: dict[str, dict]) -> None:
