@@ -1,7 +1,10 @@
-"""Helpers shared by the tests: prompts, logit comparison, running the CLI."""
+"""Helpers shared by the tests: prompts, logit comparison, running the CLI, serving in this process."""
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import json
 import os
 import re
 import signal
@@ -32,6 +35,27 @@ def q8_0_activations(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         inverse = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
     return (np.rint(groups * inverse) * (top / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def call_matmul_kernel(lib, fmt, parts: dict[str, np.ndarray], x: np.ndarray, n: int, batch: int = 1) -> np.ndarray:
+    """y [rows, n] from a compiled quantized-matmul kernel (`main(x, *fmt.parts, y)`), with x [rows, k] as `batch`
+    sequences."""
+    import tvm
+
+    rows, k = x.shape
+    y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)),
+                *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
+    return y.numpy().reshape(rows, n)
+
+
+def llama_cpp_matmul_reference(fmt, parts: dict, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's x @ W.T (Q8_0-rounded activations times the dequantized interleaved weight) and the exact one,
+    in float64."""
+    from ember.ir.quant_formats import INTERLEAVED
+
+    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
+    return q8_0_activations(x) @ dequantized.T, x.astype(np.float64) @ dequantized.T
 
 
 def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str, tol: float = 1e-4) -> None:
@@ -141,3 +165,140 @@ def deadline(seconds: int = 60):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+SERVE_TIMEOUT = 60  # seconds a served request may take; catches a hang, never a speed
+
+
+class Served:
+    """A server (a thread on a free loopback port, stopped by `close`) over its own load of an artifact, and an
+    `openai` client for it. Needs the serve extra and the `openai` client: skip on them before using it."""
+
+    def __init__(self, artifact_dir: Path, api_key: str | None = None, max_queue: int = 256,
+                 kv_capacity: int | None = None, speculation=None, pooling: str = "mean") -> None:
+        import openai
+
+        from ember.runtime import Engine, Scheduler, load_artifact
+        from ember.runtime.server import Server
+
+        engine = Engine(load_artifact(artifact_dir))
+        if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows
+            engine.kv_capacity = kv_capacity
+        self.scheduler = Scheduler(engine, max_queue=max_queue, speculation=speculation)
+        self.name = artifact_dir.name
+        self.server = Server(self.scheduler, self.name, port=0, api_key=api_key, pooling=pooling)
+        self.server.start()
+        self.api_key = api_key or "unused"
+        self.client = openai.OpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0,
+                                    timeout=SERVE_TIMEOUT)
+
+    def async_client(self):
+        """An `openai.AsyncOpenAI` client for the server."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0,
+                                  timeout=SERVE_TIMEOUT)
+
+    def concurrently(self, one, jobs) -> list:
+        """`one(client, ids, max_tokens)` for every (ids, max_tokens, _) of `jobs` at once on one async
+        client, all done within SERVE_TIMEOUT; their results in the order of `jobs`."""
+
+        async def run_all():
+            client = self.async_client()
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)),
+                                              SERVE_TIMEOUT)
+            finally:
+                await client.close()
+
+        return asyncio.run(run_all())
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed JSON or text) of one raw HTTP request."""
+        connection = http.client.HTTPConnection(self.server.host, self.server.port, timeout=SERVE_TIMEOUT)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            data = response.read().decode("utf-8")
+        finally:
+            connection.close()
+        try:
+            return response.status, json.loads(data)
+        except json.JSONDecodeError:
+            return response.status, data
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{labels}': value}."""
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def close(self) -> None:
+        """Stop the server and its scheduler."""
+        self.server.stop()
+        self.scheduler.close()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+# A local Ray cluster on loopback for the `cluster` tests. Its nodes and clients agree on no token (Ray's default
+# mode would ask each for one).
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+RAY_START_TIMEOUT = 240  # seconds for a node to come up on a loaded 2-core machine
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def local_ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[str]:
+    """The head's address (127.0.0.1:PORT) of a Ray cluster of `nodes` nodes of `cpus` CPUs each, started by
+    `ray start` in a temporary directory of its own and stopped by killing the processes that name it."""
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="ember-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = free_port()
+    ray_cli = Path(sys.executable).with_name("ray")
+
+    def start(*args: str) -> None:
+        result = subprocess.run([str(ray_cli), "start", f"--num-cpus={cpus}", "--disable-usage-stats",
+                                 f"--temp-dir={temp_dir}", *args],
+                                capture_output=True, text=True, timeout=RAY_START_TIMEOUT, env=RAY_ENV)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    try:
+        start("--head", f"--port={port}", "--include-dashboard=false")
+        for _ in range(nodes - 1):
+            start(f"--address=127.0.0.1:{port}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_processes_under(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_processes_under(temp_dir: str) -> None:
+    """Kill a local Ray cluster's processes (each one's command line names its temp dir), and only them."""
+    import psutil
+
+    ours = []
+    for process in psutil.process_iter(["cmdline"]):
+        if process.pid != os.getpid() and any(temp_dir in part for part in process.info["cmdline"] or ()):
+            ours.append(process)
+    for process in ours:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ours, timeout=30)

@@ -11,81 +11,41 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, run_ember
+from helpers import RAY_ENV, RAY_START_TIMEOUT, REPO_ROOT, free_port, local_ray_cluster, run_ember
 
 from ember.cluster.router import Router, routing_key
 
 pytestmark = pytest.mark.cluster
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray")
-psutil = pytest.importorskip("psutil")
+pytest.importorskip("psutil")
 
-START_TIMEOUT = 240  # seconds for a node or the served replicas to come up on a loaded 2-core machine
+START_TIMEOUT = RAY_START_TIMEOUT  # seconds for the served replicas to come up on a loaded 2-core machine
 MAX_TOKENS = 48
-# The loopback cluster, its nodes and its clients agree on no token (Ray's default mode would ask each for one).
-RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _ray(*args: str, temp_dir: str) -> None:
-    ray_cli = Path(sys.executable).with_name("ray")
-    result = subprocess.run([str(ray_cli), "start", "--num-cpus=1",
-                             "--disable-usage-stats", f"--temp-dir={temp_dir}", *args],
-                            capture_output=True, text=True, timeout=START_TIMEOUT, env=RAY_ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _stop_processes_under(temp_dir: str) -> None:
-    """Kill this cluster's processes (each one's command line names its temp dir), and only them."""
-    ours = []
-    for process in psutil.process_iter(["cmdline"]):
-        if process.pid != os.getpid() and any(temp_dir in part for part in process.info["cmdline"] or ()):
-            ours.append(process)
-    for process in ours:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(ours, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """The head's address (127.0.0.1:PORT) of a Ray cluster of two one-CPU nodes on loopback."""
-    temp_dir = tempfile.mkdtemp(prefix="ember-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = _free_port()
-    try:
-        _ray("--head", f"--port={port}", "--include-dashboard=false", temp_dir=temp_dir)
-        _ray(f"--address=127.0.0.1:{port}", temp_dir=temp_dir)
-        yield f"127.0.0.1:{port}"
-    finally:
-        _stop_processes_under(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_ray_cluster(nodes=2, cpus=1) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
 def cluster_url(ray_cluster, tiny_llama_long, tmp_path_factory):
     """`ember serve --ray CLUSTER --replicas 2` on a free loopback port: its base URL, once both replicas serve."""
     log = tmp_path_factory.mktemp("cluster") / "serve.log"
-    port = _free_port()
+    port = free_port()
     with open(log, "w") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(tiny_llama_long.artifact_dir),
                                     "--ray", ray_cluster, "--replicas", "2", "--port", str(port)],
@@ -171,7 +131,7 @@ def test_router_keeps_a_prefix_on_its_replica_unless_it_is_far_busier():
 def test_an_unreachable_cluster_address_is_one_line(tiny_llama):
     """An address where nothing answers, one where a server other than Ray's does, and --replicas 0 fail with one
     line within seconds, nothing started."""
-    closed = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{_free_port()}", timeout=60)
+    closed = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{free_port()}", timeout=60)
     assert closed.returncode == 1
     assert closed.stderr.strip().count("\n") == 0 and "no Ray cluster answers there" in closed.stderr
     with socket.create_server(("127.0.0.1", 0)) as listener:  # answers, but HTTP/1 as a web server would

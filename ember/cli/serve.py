@@ -140,6 +140,11 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
         raise EmberError(f"{args.artifact}: not an artifact directory (no manifest.json)")
     from ember.cluster.replica import ReplicaSettings  # Ray is checked for before anything starts
     from ember.cluster.serve import serve
+    from ember.core.manifest import read_manifest
+
+    pipeline = read_manifest(args.artifact).pipeline is not None
+    if pipeline and args.replicas is not None:
+        raise EmberError(f"--replicas: {args.artifact} is a pipeline artifact, served as one chain of its stages")
 
     settings = ReplicaSettings(
         str(args.artifact.resolve()), args.artifact.resolve().name, threads=args.threads or 1, api_key=api_key,
@@ -148,7 +153,12 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
         pooling=args.pooling)
     for warning in exposure_warnings(args.host, api_key, args.allow_origin):
         print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
-    serve(settings, replicas, args.ray or None, args.host, args.port)
+    if pipeline:
+        from ember.cluster.pipeline import serve_pipeline
+
+        serve_pipeline(settings, args.ray or None, args.host, args.port, args.allow_origin)
+    else:
+        serve(settings, replicas, args.ray or None, args.host, args.port)
     return 0
 
 
