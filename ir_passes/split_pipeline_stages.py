@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ember.core.errors import EmberError
@@ -128,6 +129,11 @@ class _EntrySplit:
                 "bfloat")) and isinstance(info.shape, relax.ShapeExpr)
                 and int(info.shape.values[2]) == self.hidden_size)
 
+    def rows_shape(self) -> relax.ShapeExpr:
+        """The shape hidden states cross stages in: the token ids' shape and hidden_size ([b, 1, H] in decode
+        whatever the graph's own layout: a traced graph's decode runs its batch as one sequence [1, b, H])."""
+        return relax.ShapeExpr([*self.input_ids.ty.shape.values, self.hidden_size])
+
     def stage(self, begin: int, end: int) -> relax.Function:
         """This entry for layers [begin, end): its input, its bindings, its output."""
         start = self.boundary(begin) if begin > 0 else None
@@ -135,9 +141,10 @@ class _EntrySplit:
         kept: list[relax.Binding] = []
         params = list(self.func.params)
         if start is not None:
-            hidden = relax.Var("hidden", _as_dtype(start.residual.ty, HIDDEN_DTYPE))
+            hidden = relax.Var("hidden", relax.TensorType(self.rows_shape(), HIDDEN_DTYPE))
             params[0] = hidden
-            kept.append(relax.VarBinding(start.residual, _cast(hidden, str(start.residual.ty.dtype))))
+            kept.append(relax.VarBinding(start.residual, _reshaped(_cast(hidden, str(start.residual.ty.dtype)),
+                                                                   start.residual.ty.shape)))
         for index, binding in enumerate(self.bindings):
             if stop is not None and index >= stop.position:
                 break
@@ -147,8 +154,9 @@ class _EntrySplit:
         if stop is None:
             output = self.func.body.body
         else:
-            hidden_out = relax.DataflowVar("hidden_out", _as_dtype(stop.residual.ty, HIDDEN_DTYPE))
-            kept.append(relax.VarBinding(hidden_out, _cast(stop.residual, HIDDEN_DTYPE)))
+            hidden_out = relax.DataflowVar("hidden_out", relax.TensorType(self.rows_shape(), HIDDEN_DTYPE))
+            kept.append(relax.VarBinding(hidden_out, _reshaped(_cast(stop.residual, HIDDEN_DTYPE),
+                                                               hidden_out.ty.shape)))
             result = relax.Tuple([hidden_out, self.kv_cache])
             output = relax.Var("gv", relax.TupleType([hidden_out.ty, self.kv_cache.ty]))
             kept.append(relax.VarBinding(output, result))
@@ -156,8 +164,9 @@ class _EntrySplit:
         return relax.Function(params, body, output.ty, self.func.is_pure, self.func.attrs)
 
 
-def _as_dtype(info: relax.TensorType, dtype: str) -> relax.TensorType:
-    return relax.TensorType(info.shape, dtype)
+def _reshaped(value: relax.Expr, shape: relax.Expr) -> relax.Expr:
+    """`value` in `shape` (itself when it has that shape already)."""
+    return value if tvm_ffi.structural_equal(value.ty.shape, shape) else relax.op.reshape(value, shape)
 
 
 def _cast(value: relax.Expr, dtype: str) -> relax.Expr:

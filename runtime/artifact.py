@@ -51,6 +51,10 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
     """
     path = Path(path)
     manifest = read_manifest(path)
+    if manifest.pipeline is not None:
+        raise ArtifactError(f"{path}: a model split into {len(manifest.pipeline['stages'])} pipeline stages "
+                            f"(`--pipeline-stages`); serve it with `ember serve --ray`, or run it with "
+                            f"ember.runtime.pipeline.LocalPipeline")
     _check_machine(path, manifest)
     if manifest.tvm_version != tvm.__version__:
         raise ArtifactError(

@@ -83,6 +83,12 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                              "(Llama-family checkpoint directories; it shares prefill's kernels: little compile time)")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="most sequences decoded together (default 8)")
+    parser.add_argument("--pipeline-stages", type=int, default=None, metavar="K",
+                        help="split the model by layers into K stages, each an artifact of its own in OUT/stage-i "
+                             "holding only its layers' weights and KV cache (the first stages get the extra layer "
+                             "where they do not divide evenly), for `ember serve --ray` to run a stage per machine; "
+                             "see docs/cluster.md. At most the model's layer count; not with --embeddings or "
+                             "--kv-quant")
     parser.add_argument("--memory-budget", type=parse_bytes,
                         help="memory for weights + workspace + KV cache, e.g. 4GB; sets the longest context "
                              "the artifact allows and the KV cache's size (default on GPUs: 90%% of its memory)")
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         float_activations=args.float_activations,
         kv_quant=args.kv_quant,
         embeddings=args.embeddings,
+        pipeline_stages=args.pipeline_stages,
         prefill_chunk=args.prefill_chunk,
         max_batch=args.max_batch,
         memory_budget=args.memory_budget,
@@ -119,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     result = compile_model(model_dir, args.output, options, dump_ir=args.dump_ir)
     memory = result.memory
     print(f"compiled {model_dir} -> {result.output_dir} in {result.seconds:.1f} s")
+    pipeline = result.manifest.pipeline
+    if pipeline is not None:
+        print("  stages: " + ", ".join(f"{name} (layers {begin}..{end - 1})"
+                                       for name, (begin, end) in zip(pipeline["stages"], pipeline["layers"])))
+        print(f"  {args.output}/stage-0 alone:")
     if args.tuning_db is not None:
         print(f"  {describe_schedule_sources(result.schedules)}")
     print(f"  weights {mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "

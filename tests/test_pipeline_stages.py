@@ -1,0 +1,161 @@
+"""`ember compile --pipeline-stages K`: a model split by layers into stage artifacts, chained in one process
+(`LocalPipeline`), computes the logits of the whole artifact (`Engine`) at prefill and over greedy decode, for one
+sequence and for four decoded together; bad values of the option are refused in one line, nothing written.
+
+Three-layer checkpoints (the shared tiny models have two), so that K = 3 splits each layer apart and K = 2 splits
+them unevenly: a Llama through ember's own definition and a GPT-2 through the torch.export frontend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import artifact_cache
+import models
+import numpy as np
+import pytest
+from helpers import assert_one_line_error, prompt_ids, run_ember
+
+from ember.core.errors import ArtifactError
+from ember.core.manifest import read_manifest
+
+LAYERS = 3
+PREFILL_CHUNK = 16  # below the longest prompt, so prefill runs in chunks through every stage
+MAX_BATCH = 4
+DECODE_STEPS = 32
+TOLERANCE = 1e-5
+FRONTENDS = {"llama": "builtin", "gpt2": "torch-export"}
+
+
+def _write_checkpoint(name: str, out_dir: Path) -> Path:
+    """A random checkpoint of `name` with `LAYERS` layers."""
+    from transformers import AutoConfig
+
+    if name == "llama":
+        config = models.make_config("llama", num_hidden_layers=LAYERS, tie_word_embeddings=False)
+    else:
+        shape = {**models.EXPORTED_MODELS["gpt2"], "n_layer": LAYERS}
+        config = AutoConfig.for_model("gpt2", **models._EXPORTED_COMMON, **shape)
+    return models.write_model(models.random_model(config), out_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipeline-checkpoints")
+    return {name: _write_checkpoint(name, root / name) for name in FRONTENDS}
+
+
+@pytest.fixture(scope="module")
+def compiled(checkpoints, tmp_path_factory):
+    """(model name, stages or None for the whole model) -> its artifact directory, compiled once (or cached)."""
+    from ember.driver.compiler import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("pipeline-artifacts")
+    done: dict[tuple[str, int | None], Path] = {}
+
+    def get(name: str, stages: int | None) -> Path:
+        if (name, stages) not in done:
+            options = CompileOptions(frontend=FRONTENDS[name], prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+                                     pipeline_stages=stages, show_progress=False)
+            dest = root / f"{name}-{stages or 'whole'}"
+            key = artifact_cache.artifact_key(f"pipeline-{name}-{stages or 'whole'}", options, [checkpoints[name]])
+            artifact_cache.build(key, dest, lambda into: compile_model(checkpoints[name], into, options))
+            done[name, stages] = dest
+        return done[name, stages]
+
+    return get
+
+
+def _compare(whole, pipeline, prompts: list[list[int]]) -> float:
+    """Largest difference between the two engines' logits over prefill and DECODE_STEPS greedy decode steps
+    of `prompts` decoded together; the tokens fed are the whole artifact's greedy choices."""
+    whole_ids = [whole.add_sequence() for _ in prompts]
+    pipe_ids = [pipeline.add_sequence() for _ in prompts]
+    worst, tokens = 0.0, []
+    for w, p, prompt in zip(whole_ids, pipe_ids, prompts):
+        expected, actual = whole.prefill(w, prompt, all_logits=True), pipeline.prefill(p, prompt, all_logits=True)
+        assert actual.shape == expected.shape == (len(prompt), whole.vocab_size)
+        worst = max(worst, float(np.abs(actual - expected).max()))
+        tokens.append(int(expected[-1].argmax()))
+    for _ in range(DECODE_STEPS):
+        expected, actual = whole.decode(whole_ids, tokens), pipeline.decode(pipe_ids, tokens)
+        assert actual.shape == expected.shape == (len(prompts), whole.vocab_size)
+        worst = max(worst, float(np.abs(actual - expected).max()))
+        tokens = [int(row.argmax()) for row in expected]
+    return worst
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("name", list(FRONTENDS))
+def test_chained_stages_compute_the_whole_models_logits(compiled, name, stages):
+    """One sequence, then four decoded together: the chain's logits equal the whole artifact's within 1e-5."""
+    from ember.runtime import Engine, load_artifact
+    from ember.runtime.pipeline import LocalPipeline
+
+    whole_artifact = load_artifact(compiled(name, None))
+    pipeline_dir = compiled(name, stages)
+    single = _compare(Engine(whole_artifact), LocalPipeline(pipeline_dir), [prompt_ids(37, seed=1)])
+    batch = [prompt_ids(n, seed=n) for n in (5, 37, 9, 20)]
+    together = _compare(Engine(whole_artifact), LocalPipeline(pipeline_dir), batch)
+    assert single <= TOLERANCE and together <= TOLERANCE, (single, together)
+
+
+@pytest.mark.parametrize("name", list(FRONTENDS))
+def test_stages_hold_their_own_layers_weights_and_cache(compiled, name):
+    """Each stage's manifest names its layers, input and output; its KV cache holds its layers only; the stages'
+    weights together are the whole model's, each stored once but for GPT-2's tied embedding, which the first
+    (token embedding) and last (output projection) stage both read."""
+    pipeline_dir = compiled(name, 2)
+    top = read_manifest(pipeline_dir)
+    assert top.pipeline == {"stages": ["stage-0", "stage-1"], "layers": [[0, 2], [2, 3]],
+                            "hidden_size": top.model["hidden_size"]}
+    stages = [read_manifest(pipeline_dir / stage) for stage in top.pipeline["stages"]]
+    assert [(s.pipeline_stage["input"], s.pipeline_stage["output"]) for s in stages] == \
+        [("token_ids", "hidden"), ("hidden", "logits")]
+    assert [s.kv_cache["num_layers"] for s in stages] == [2, 1]
+    whole = read_manifest(compiled(name, None))
+    names = [param for s in stages for param in s.params]
+    shared = {"transformer.wte.weight"} if name == "gpt2" else set()
+    assert sorted(set(names)) == sorted(whole.params)
+    assert {param for param in names if names.count(param) > 1} == shared
+    assert stages[0].memory["weight_bytes"] < whole.memory["weight_bytes"]
+
+
+def test_load_artifact_refuses_a_pipeline_in_one_line(compiled):
+    from ember.runtime import load_artifact
+
+    with pytest.raises(ArtifactError, match="pipeline stages") as caught:
+        load_artifact(compiled("llama", 2))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("stages", "extra", "expected"), [
+    ("4", [], ["--pipeline-stages 4", f"{LAYERS} layers"]),
+    ("0", [], ["--pipeline-stages 0", "at least 1"]),
+    ("-2", [], ["--pipeline-stages -2", "at least 1"]),
+    ("2", ["--embeddings"], ["--pipeline-stages 2", "--embeddings"]),
+    ("2", ["--kv-quant", "q8"], ["--pipeline-stages 2", "--kv-quant"]),
+])
+def test_bad_pipeline_stages_are_refused_in_one_line(checkpoints, tmp_path, stages, extra, expected):
+    """Exit 1, one line naming the option (and the layer count), nothing written at -o nor beside it."""
+    out = tmp_path / "out"
+    result = run_ember("compile", str(checkpoints["llama"]), "-o", str(out), "--pipeline-stages", stages,
+                       "--no-progress", *extra)
+    assert_one_line_error(result, *expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_pipeline_artifact_manifest_is_sealed_over_every_stage(compiled, tmp_path):
+    """An edit to a stage's file is caught by the pipeline's own manifest."""
+    import shutil
+
+    from ember.runtime.pipeline import LocalPipeline
+
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled("llama", 2), copy)
+    data = json.loads((copy / "stage-1" / "tokenizer_config.json").read_text())
+    data["edited"] = True
+    (copy / "stage-1" / "tokenizer_config.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="stage-1/tokenizer_config.json"):
+        LocalPipeline(copy)
