@@ -386,10 +386,9 @@ async def _collect(stream: TokenStream) -> list[StreamEvent]:
     return [event async for event in stream]
 
 
-async def _unless_disconnected(request: HttpRequest, stream: TokenStream) -> list[StreamEvent]:
-    """All of `stream`'s events, or cancel the request when the client disconnects before they are in."""
-    task = asyncio.ensure_future(_collect(stream))
-
+async def wait_unless_disconnected(request: HttpRequest, task: asyncio.Future[object],
+                                  on_cancel: Callable[[], object] | None = None) -> None:
+    """Wait for `task`; when the client disconnects first, cancel it (and call `on_cancel`) and raise a 499."""
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -401,9 +400,17 @@ async def _unless_disconnected(request: HttpRequest, stream: TokenStream) -> lis
         watcher.cancel()
         if not task.done():
             task.cancel()
-            stream.cancel()
+            if on_cancel is not None:
+                on_cancel()
+    # A task just cancelled is not done yet: it takes the cancellation on its next step.
     if not task.done() or task.cancelled():
         raise ApiError(499, "the client closed the connection", code="client_closed")
+
+
+async def _unless_disconnected(request: HttpRequest, stream: TokenStream) -> list[StreamEvent]:
+    """All of `stream`'s events, or cancel the request when the client disconnects before they are in."""
+    task = asyncio.ensure_future(_collect(stream))
+    await wait_unless_disconnected(request, task, stream.cancel)
     try:
         return task.result()
     except NEVER_CAUGHT:
@@ -477,7 +484,7 @@ class Server:
                  api_key: str | None = None, allowed_origins: Sequence[str] = (), pooling: str = "mean") -> None:
         self.scheduler = scheduler
         self.model_name = model_name
-        self._socket = _listen(host, port)
+        self._socket = listen(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(create_app(scheduler, model_name, api_key, allowed_origins, pooling),
                                 log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
@@ -492,15 +499,11 @@ class Server:
     @property
     def page_url(self) -> str:
         """The URL of the chat page (ends in /)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/"
+        return http_url(self.host, self.port)
 
     def run(self) -> None:
         """Serve until interrupted (Ctrl-C, SIGTERM)."""
-        try:
-            self._server.run(sockets=[self._socket])
-        finally:
-            self._socket.close()
+        serve_on(self._server, self._socket)
 
     def start(self, timeout: float = 30.0) -> None:
         """Serve from a background thread; returns once it accepts connections."""
@@ -519,7 +522,20 @@ class Server:
             self._thread.join(timeout=30)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def http_url(host: str, port: int) -> str:
+    """The http URL of host:port, ending in /, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
+def serve_on(server: uvicorn.Server, listener: socket.socket) -> None:
+    """Run `server` on the `listen`ing socket until it exits, then close the socket."""
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port, or an `EmberError` naming --host/--port.
 
     Its protocol is IPPROTO_TCP, not 0 as `socket.create_server` leaves it: asyncio turns Nagle's algorithm off

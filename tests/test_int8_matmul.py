@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import q8_0_activations
+from helpers import call_matmul_kernel, llama_cpp_matmul_reference, q8_0_activations
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.schedules import int8_matmul
@@ -58,24 +58,9 @@ def _compile(target, fmt, n, k, many_tokens):
     return tvm.compile(tvm.IRModule({"main": func}), target=target.target)
 
 
-def _call(lib, fmt, parts, x, n, batch=1):
-    """y [rows, n] from a compiled kernel, with x [rows, k] as `batch` sequences."""
-    rows, k = x.shape
-    y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
-    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)),
-                *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
-    return y.numpy().reshape(rows, n)
-
-
 def _run(target, fmt, parts, x, n, many_tokens, batch=1):
     """y [rows, n] from the kernel compiled for `target`, with x [rows, k] as `batch` sequences."""
-    return _call(_compile(target, fmt, n, x.shape[1], many_tokens), fmt, parts, x, n, batch)
-
-
-def _llama_cpp_reference(fmt, parts, x, k):
-    """llama.cpp's result (Q8_0-rounded activations times the weight) and the exact one, in float64."""
-    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
-    return q8_0_activations(x) @ dequantized.T, x.astype(np.float64) @ dequantized.T
+    return call_matmul_kernel(_compile(target, fmt, n, x.shape[1], many_tokens), fmt, parts, x, n, batch)
 
 
 @pytest.mark.parametrize("level", INT8_LEVELS)
@@ -98,7 +83,7 @@ def test_matches_llama_cpp_arithmetic(level, name, n, k, batch, seq, many_tokens
     x[0, :32] = 0  # a group of zeros: scale 0, no division by it
     parts = fmt.quantize(weight, INTERLEAVED)
     actual = _run(target, fmt, parts, x, n, many_tokens, batch)
-    expected, exact = _llama_cpp_reference(fmt, parts, x, k)
+    expected, exact = llama_cpp_matmul_reference(fmt, parts, x, k)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert np.abs(actual - exact).max() > 1e-4 * np.abs(exact).max()  # the rounding is really there
 
@@ -120,11 +105,11 @@ def test_decode_of_a_batch_matches_llama_cpp_arithmetic(level, name):
     lib = _compile(target, fmt, n, k, many_tokens=False)
     for batch in range(1, 18):
         x = rng.standard_normal((batch, k)).astype(np.float32) * rng.uniform(0.1, 10, (batch, 1)).astype(np.float32)
-        expected, _exact = _llama_cpp_reference(fmt, parts, x, k)
-        actual = _call(lib, fmt, parts, x, n, batch)
+        expected, _exact = llama_cpp_matmul_reference(fmt, parts, x, k)
+        actual = call_matmul_kernel(lib, fmt, parts, x, n, batch)
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
                                    err_msg=f"{batch} sequences")
-        alone = np.concatenate([_call(lib, fmt, parts, x[row:row + 1], n) for row in range(batch)])
+        alone = np.concatenate([call_matmul_kernel(lib, fmt, parts, x[row:row + 1], n) for row in range(batch)])
         np.testing.assert_array_equal(actual, alone, err_msg=f"{batch} sequences against each alone")
 
 

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import REPO_ROOT, ember_serve, prompt_ids
+from helpers import REPO_ROOT, Served, ember_serve, prompt_ids
 
 from ember.cli import main
 from ember.core.errors import GenerationError
@@ -31,71 +31,12 @@ from ember.runtime.sampling import sample_token, token_logprob
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from ember.runtime.server import Server
-
 API_KEY = "test-key"
 TIMEOUT = 60  # seconds; catches a hang, never a speed
 
 
 def _greedy(max_tokens: int, **options) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_tokens, **options)
-
-
-class Served:
-    """A server over its own load of an artifact, and clients for it."""
-
-    def __init__(self, artifact_dir, api_key: str | None = None, max_queue: int = 256, kv_capacity: int | None = None,
-                 speculation=None):
-        engine = Engine(load_artifact(artifact_dir))
-        if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows
-            engine.kv_capacity = kv_capacity
-        self.scheduler = Scheduler(engine, max_queue=max_queue, speculation=speculation)
-        self.name = artifact_dir.name
-        self.server = Server(self.scheduler, self.name, port=0, api_key=api_key)
-        self.server.start()
-        self.api_key = api_key or "unused"
-        self.client = openai.OpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0, timeout=TIMEOUT)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.server.url, api_key=self.api_key, max_retries=0, timeout=TIMEOUT)
-
-    def concurrently(self, one, jobs) -> list:
-        """`one(client, ids, max_tokens)` for every (ids, max_tokens, _) of `jobs` at once on one async
-        client, all done within TIMEOUT; their results in the order of `jobs`."""
-
-        async def run_all():
-            client = self.async_client()
-            try:
-                return await asyncio.wait_for(asyncio.gather(*(one(client, ids, m) for ids, m, _ in jobs)), TIMEOUT)
-            finally:
-                await client.close()
-
-        return asyncio.run(run_all())
-
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        """(status, parsed JSON or text) of one raw HTTP request."""
-        connection = http.client.HTTPConnection(self.server.host, self.server.port, timeout=TIMEOUT)
-        try:
-            connection.request(method, path, body=body, headers=headers or {})
-            response = connection.getresponse()
-            data = response.read().decode("utf-8")
-        finally:
-            connection.close()
-        try:
-            return response.status, json.loads(data)
-        except json.JSONDecodeError:
-            return response.status, data
-
-    def metrics(self) -> dict[str, float]:
-        """/metrics as {'name{labels}': value}."""
-        status, text = self.request("GET", "/metrics")
-        assert status == 200
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-    def close(self) -> None:
-        self.server.stop()
-        self.scheduler.close()
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +47,8 @@ def demo_dir(demo_builds):
 
 @pytest.fixture(scope="module")
 def demo(demo_dir):
-    served = Served(demo_dir)
-    yield served
-    served.close()
+    with Served(demo_dir) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +59,8 @@ def demo_reference(demo_dir):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    served = Served(tiny_llama.artifact_dir, api_key=API_KEY)
-    yield served
-    served.close()
+    with Served(tiny_llama.artifact_dir, api_key=API_KEY) as served:
+        yield served
 
 
 def _reference(artifact, prompt, max_tokens: int):
@@ -199,9 +138,8 @@ def test_demo_logit_bias_moves_the_pick_as_openai_documents(demo, demo_reference
 
 @pytest.fixture(scope="module")
 def long_served(tiny_llama_long):
-    served = Served(tiny_llama_long.artifact_dir)
-    yield served
-    served.close()
+    with Served(tiny_llama_long.artifact_dir) as served:
+        yield served
 
 
 def test_concurrent_streams_match_their_solo_runs(long_served, tiny_llama_long):
@@ -744,9 +682,9 @@ def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatc
 def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatch, capsys):
     from ember.runtime import server as server_module
 
-    listen = server_module._listen
+    listen = server_module.listen
     # The server listens on loopback whatever --host says (tests never listen elsewhere), and returns at once.
-    monkeypatch.setattr(server_module, "_listen", lambda host, port: listen("127.0.0.1", port))
+    monkeypatch.setattr(server_module, "listen", lambda host, port: listen("127.0.0.1", port))
     monkeypatch.setattr(server_module.Server, "run", lambda server: None)
     artifact = str(tiny_llama.artifact_dir)
     cases = [
@@ -780,10 +718,10 @@ def test_connections_send_each_chunk_at_once():
     """The server's connections have Nagle's algorithm off (TCP_NODELAY), as asyncio sets it on sockets it
     accepts from a TCP listener: with it on, every streamed token after a response's first write waited for
     the client's delayed ACK on a kept-alive connection (~40 ms a token with the `openai` client)."""
-    from ember.runtime.server import _listen
+    from ember.runtime.server import listen
 
     async def accept_one() -> int:
-        listener = _listen("127.0.0.1", 0)
+        listener = listen("127.0.0.1", 0)
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
         class Probe(asyncio.Protocol):

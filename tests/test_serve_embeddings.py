@@ -13,16 +13,14 @@ import json
 import artifact_cache
 import numpy as np
 import pytest
-from helpers import ember_serve, prompt_ids
+from helpers import Served, ember_serve, prompt_ids
 
 from ember.core.errors import EmberError
-from ember.runtime import Engine, Scheduler, load_artifact
+from ember.runtime import load_artifact
 from ember.runtime.engine import pooled_embedding
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-
-from ember.runtime.server import Server  # noqa: E402  (after the skips: it needs FastAPI)
 
 TIMEOUT = 60  # seconds; catches a hang, never a speed
 PREFILL_CHUNK = 16  # below the longer inputs: the embed entry runs in chunks
@@ -43,26 +41,10 @@ def embedding_artifact(tiny_models, tmp_path_factory):
     return artifact_dir
 
 
-class Served:
-    """An in-process server over its own load of an artifact, and an openai client for it."""
-
-    def __init__(self, artifact_dir, pooling: str = "mean") -> None:
-        self.scheduler = Scheduler(Engine(load_artifact(artifact_dir)))
-        self.name = artifact_dir.name
-        self.server = Server(self.scheduler, self.name, port=0, pooling=pooling)
-        self.server.start()
-        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-    def close(self) -> None:
-        self.server.stop()
-        self.scheduler.close()
-
-
 @pytest.fixture(scope="module")
 def served(embedding_artifact):
-    served = Served(embedding_artifact)
-    yield served
-    served.close()
+    with Served(embedding_artifact) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

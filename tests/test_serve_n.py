@@ -11,51 +11,21 @@ import socket
 import time
 
 import pytest
-from helpers import prompt_ids
+from helpers import Served, prompt_ids
 
-from ember.runtime import Engine, Scheduler, load_artifact
 from ember.runtime.scheduler import choice_seed
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from ember.runtime.server import Server  # noqa: E402  (after the skips: it needs FastAPI)
-
 TIMEOUT = 60  # seconds; catches a hang, never a speed
 PREFILL = "ember_prefill_tokens_total"
 
 
-class Served:
-    """An in-process server over its own load of an artifact, and an openai client for it."""
-
-    def __init__(self, artifact_dir) -> None:
-        self.scheduler = Scheduler(Engine(load_artifact(artifact_dir)))
-        self.name = artifact_dir.name
-        self.server = Server(self.scheduler, self.name, port=0)
-        self.server.start()
-        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-    def metrics(self) -> dict[str, float]:
-        """/metrics as {'name{labels}': value}."""
-        connection = http.client.HTTPConnection(self.server.host, self.server.port, timeout=TIMEOUT)
-        try:
-            connection.request("GET", "/metrics")
-            text = connection.getresponse().read().decode("utf-8")
-        finally:
-            connection.close()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-    def close(self) -> None:
-        self.server.stop()
-        self.scheduler.close()
-
-
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    served = Served(tiny_llama.artifact_dir)
-    yield served
-    served.close()
+    with Served(tiny_llama.artifact_dir) as served:
+        yield served
 
 
 def _texts(reply) -> list[str]:

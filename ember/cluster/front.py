@@ -19,6 +19,7 @@ from typing import TypeVar
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
 from ember.runtime.protocol import ApiError, internal_error, sse
+from ember.runtime.server import wait_unless_disconnected
 
 try:
     import aiohttp
@@ -235,20 +236,7 @@ async def _unless_disconnected(request: HttpRequest, answer: Awaitable[_Answer])
     """`answer`'s result, or cancel it (which closes the replica's connection, and so stops its generation) when
     the client disconnects first, as `ember serve` does."""
     task = asyncio.ensure_future(answer)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise ApiError(499, "the client closed the connection", code="client_closed")
+    await wait_unless_disconnected(request, task)
     return task.result()
 
 

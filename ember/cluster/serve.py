@@ -9,7 +9,7 @@ import uvicorn
 from ember.cluster.front import create_front
 from ember.cluster.replica import ReplicaPool, ReplicaSettings, connect, ray
 from ember.cluster.router import Router
-from ember.runtime.server import _listen
+from ember.runtime.server import http_url, listen, serve_on
 
 
 class ClusterServer:
@@ -17,7 +17,7 @@ class ClusterServer:
 
     def __init__(self, settings: ReplicaSettings, replicas: int, address: str | None,
                  host: str = "127.0.0.1", port: int = 8000) -> None:
-        self._socket = _listen(host, port)  # before Ray: a port in use is one line with nothing started
+        self._socket = listen(host, port)  # before Ray: a port in use is one line with nothing started
         self.host, self.port = self._socket.getsockname()[:2]
         self.router = Router(replicas)
         try:
@@ -38,15 +38,13 @@ class ClusterServer:
     @property
     def url(self) -> str:
         """The base URL of the OpenAI API (ends in /v1)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return http_url(self.host, self.port) + "v1"
 
     def run(self) -> None:
         """Serve until interrupted, then stop the replicas and leave the cluster."""
         try:
-            self._server.run(sockets=[self._socket])
+            serve_on(self._server, self._socket)
         finally:
-            self._socket.close()
             self.pool.stop()
             ray.shutdown()
 
