@@ -368,6 +368,42 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
     return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
 
 
+def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0):
+    """The macro `quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)`: group mg % groups of activation row mg // groups
+    quantized (llama.cpp's Q8_0 rounding) into xq's 8 words, its scale, its bias (-offset * sum(q); none written
+    where offset is None) and, with a zero point, x_scale * sum(q). The int8 and the AMX kernels both call it, so
+    their q are the same to the bit. xq is [rows, groups * 8] words, or with `tile_rows`, tiles of that many rows'
+    group, each contiguous: row m's group g at xq[(m // tile_rows * groups + g) * tile_rows + m % tile_rows, 0:8]."""
+    @T.macro
+    def quantize(mg, seq, x, xq, x_scale, x_bias, x_sum):
+        with T.sblock("quantize"):
+            T.reads()
+            T.writes()
+            q = T.sblock_alloc_buffer((32,), "int32")
+            m: T.let[T.int64] = mg // groups
+            g: T.let[T.int64] = mg % groups
+            top: T.let[T.float32] = T.call_llvm_pure_intrin(
+                "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
+            inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
+                                                       T.float32(0))
+            q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
+                x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+            total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
+                                                            q[T.Ramp(0, 1, 32)])
+            x_scale[m, g] = top / T.float32(_LEVELS)
+            if offset is not None:
+                x_bias[m, g] = total * (-offset)
+            if zero_point:
+                x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
+            if tile_rows > 0:
+                xq[(m // tile_rows * groups + g) * tile_rows + m % tile_rows, T.Ramp(0, 1, 8)] = T.reinterpret(
+                    "int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+            else:
+                xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+
+    return quantize
+
+
 def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool,
                      vector_bits: int, knobs: Sequence[int] | None = None):
     """The macro `compute(batch, seq, x, packed, scale, low, y)` of the int8 matmul's body (x, y: buffers).
@@ -569,27 +605,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
             last_rows(1, total, first_block + part * rest_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
                       x_sum, y)
 
-    @T.macro
-    def quantize(mg, seq, x, xq, x_scale, x_bias, x_sum):
-        with T.sblock("quantize"):
-            T.reads()
-            T.writes()
-            q = T.sblock_alloc_buffer((32,), "int32")
-            m: T.let[T.int64] = mg // groups
-            g: T.let[T.int64] = mg % groups
-            top: T.let[T.float32] = T.call_llvm_pure_intrin(
-                "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
-            inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
-                                                       T.float32(0))
-            q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
-                x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
-            total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
-                                                            q[T.Ramp(0, 1, 32)])
-            x_scale[m, g] = top / T.float32(_LEVELS)
-            x_bias[m, g] = total * (-offset)
-            if zero_point:
-                x_sum[m, g] = T.Cast("float32", total) * (top / T.float32(_LEVELS))
-            xq[m, T.Ramp(g * 8, 1, 8)] = T.reinterpret("int32x8", T.Cast("int8x32", q[T.Ramp(0, 1, 32)]))
+    quantize = quantize_rows(groups, offset, zero_point)
 
     @T.macro
     def compute(batch, seq, x, packed, scale, low, y):

@@ -138,7 +138,7 @@ def test_calls_below_the_row_threshold_run_the_vnni_body(amx_host, name):
     both = _build(amx_matmul.amx_int8_matmul(fmt, n, k, vnni=amx_host.int8_dot, vector_bits=amx_host.vector_bits),
                   amx_host)
     assembly = both.mod.imports[0].inspect_source("s") if both.mod.imports else both.mod.inspect_source("s")
-    assert "tdpbsud" in assembly and "vpdpbusd" in assembly
+    assert "tdpbssd" in assembly and "vpdpbusd" in assembly
     vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
     for rows in (1, amx_matmul.VNNI_BELOW_ROWS - 1, amx_matmul.VNNI_BELOW_ROWS, 40):
         x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -147,11 +147,11 @@ def test_calls_below_the_row_threshold_run_the_vnni_body(amx_host, name):
 
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
 def test_compiles_to_tile_instructions(name):
-    """Compiled, not run (any host): tile config, tile loads, the signed x unsigned tile dot product, tile stores."""
+    """Compiled, not run (any host): tile config, tile loads, the signed x signed tile dot product, tile stores."""
     fmt = FORMATS[name]
     lib = _build(amx_matmul.amx_int8_matmul(fmt, 32, 160), AMX_TARGET)
     assembly = lib.mod.imports[0].inspect_source("s") if lib.mod.imports else lib.mod.inspect_source("s")
-    for instruction in ("ldtilecfg", "tileloadd", "tdpbsud", "tilestored", "tilerelease"):
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbssd", "tilestored", "tilerelease"):
         assert instruction in assembly, instruction
 
 
@@ -164,17 +164,24 @@ def test_targets_with_amx_int8_choose_tiles_for_prefill():
     assert not resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}').int8_dot.tiles
 
 
-def test_units_outside_the_space_are_refused():
+def test_knobs_outside_the_space_are_refused():
     with pytest.raises(ValueError, match="units 2 are not among"):
         amx_matmul.amx_int8_matmul(FORMATS["q8f32"], 24, 64, units=2)
+    with pytest.raises(ValueError, match="units 4 are not among"):
+        amx_matmul.amx_int8_matmul(FORMATS["q8f32"], 48, 64, units=4)
+    with pytest.raises(ValueError, match="row_tiles 3 are not among"):
+        amx_matmul.amx_int8_matmul(FORMATS["q8f32"], 64, 64, row_tiles=3)
 
 
 def test_tile_config_is_palette_1_with_each_tiles_shape():
-    config = amx_matmul.tile_config(2)
+    """2 x 2: A tiles 0-1 (16 rows of 32 bytes), B tiles 2-3 (8 rows of 2 blocks' 64 bytes), C tiles 4-7."""
+    config = amx_matmul.tile_config(4, 2)
     assert len(config) == 64 and config[0] == 1
-    assert config[16:22] == [32, 0, 64, 0, 64, 0] and not any(config[22:48])  # A: 32 bytes a row; B, C: 2 blocks
-    assert config[48:51] == [16, 8, 16] and not any(config[51:])
-    assert amx_matmul.tile_config(1)[16:22] == [32, 0, 32, 0, 32, 0]
+    assert config[16:32] == [32, 0, 32, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0, 64, 0] and not any(config[32:48])
+    assert config[48:56] == [16, 16, 8, 8, 16, 16, 16, 16] and not any(config[56:])
+    one = amx_matmul.tile_config(1, 1)  # one A, one B of one block (32 bytes a row), one C
+    assert one[16:26] == [32, 0, 0, 0, 32, 0, 0, 0, 32, 0] and one[48:53] == [16, 0, 8, 0, 16]
+    assert not any(one[26:48]) and not any(one[53:])
 
 
 def test_permission_is_granted_on_an_amx_host(monkeypatch):
