@@ -239,21 +239,21 @@ def _build_pipeline(build: _Build, mod: tvm.IRModule, staging: Path, dump_ir: Pa
 
 
 def _stage_entries(entries: dict[str, dict], stage: dict[str, Any]) -> dict[str, dict]:
-    """A stage's entry functions: a later stage takes `hidden` in place of `input_ids`; all but the last give
-    `hidden` in place of logits (float32, [.., n, hidden_size])."""
-    def swapped(spec: str) -> str:
-        name, _, rest = spec.partition("[")
-        if name not in ("input_ids", "logits"):
-            return spec
-        if name == "input_ids" and stage["input"] == "token_ids" or name == "logits" and stage["output"] == "logits":
-            return spec
-        return f"hidden[{rest.split(']')[0].rsplit(',', 1)[0]}, {stage['hidden_size']}] float32" if name == "logits" \
-            else f"hidden[{rest.split(']')[0]}, {stage['hidden_size']}] float32"
+    """A stage's entry functions: a later stage takes float32 `hidden` [.., n, hidden_size] in place of `input_ids`
+    [.., n]; all but the last give `hidden` of their input's positions in place of logits."""
+    def rows(spec: str) -> str:
+        return f"hidden[{spec.partition('[')[2].split(']')[0]}, {stage['hidden_size']}] float32"
 
-    return {function: {**spec, "inputs": [swapped(s) for s in spec.get("inputs", [])],
-                       "outputs": [swapped(s) for s in spec.get("outputs", [])]}
-            if "inputs" in spec and "outputs" in spec else spec
-            for function, spec in entries.items()}
+    described = {}
+    for function, spec in entries.items():
+        inputs, outputs = spec.get("inputs", []), spec.get("outputs")
+        if not inputs or outputs is None or not inputs[0].startswith("input_ids["):
+            described[function] = spec
+            continue
+        first = inputs[0] if stage["input"] == "token_ids" else rows(inputs[0])
+        last = outputs[0] if stage["output"] == "logits" else rows(inputs[0])
+        described[function] = {**spec, "inputs": [first, *inputs[1:]], "outputs": [last, *outputs[1:]]}
+    return described
 
 
 def _pipeline_memory(stages: list[dict[str, Any]]) -> dict[str, Any]:
