@@ -181,7 +181,7 @@ def _completion(client, prompt: str, max_tokens: int = DECODE_STEPS) -> str:
 
 def test_served_split_answers_equal_the_whole_model(served_pipeline, split_llama, tmp_path):
     """Four concurrent greedy completions through the official client from the three-stage pipeline equal the
-    unsplit artifact's from plain `ember serve`."""
+    unsplit artifact's from plain `ember serve`, and so do both choices of a request for two."""
     prompts = [f"Once upon a time number {i}" for i in range(4)]
     client = _client(served_pipeline[0])
     client.model_name = split_llama[3].name
@@ -195,6 +195,9 @@ def test_served_split_answers_equal_the_whole_model(served_pipeline, split_llama
         whole = [_completion(whole_client, prompt) for prompt in prompts]
     assert split == whole
     assert all(len(text) > 0 for text in split)
+    choices = client.completions.create(model=client.model_name, prompt=prompts[0], max_tokens=DECODE_STEPS,
+                                        temperature=0, logit_bias=NO_EOS, n=2).choices
+    assert [choice.text for choice in choices] == [whole[0]] * 2  # n > 1: forked on every stage
 
 
 def _stage_pids(log: Path) -> dict[int, int]:
