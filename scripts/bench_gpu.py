@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
+from gpu_check_device import timed_decode  # noqa: E402
 
 SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256)
 TORCH_ROW = "pytorch-eager fp16"
@@ -105,15 +106,7 @@ def _ember_worker(request: dict) -> dict:
         return tokens, prefill_s, decode_s
 
     def batched(steps: int) -> float:
-        seqs = [engine.add_sequence() for _ in prompts]
-        tokens = [int(np.argmax(engine.prefill(seq, prompt))) for seq, prompt in zip(seqs, prompts)]
-        start = time.perf_counter()
-        for _ in range(steps):
-            tokens = [int(t) for t in np.argmax(engine.decode(seqs, tokens), axis=-1)]
-        seconds = time.perf_counter() - start
-        for seq in seqs:
-            engine.remove_sequence(seq)
-        return seconds
+        return timed_decode(engine, prompts, steps)
 
     single(prompts[0], 4)  # warm-up; captures decode's CUDA graphs for batch 1
     batched(2)  # and for the full batch

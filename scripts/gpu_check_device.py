@@ -245,17 +245,23 @@ def bench_ember(workdir: Path, artifact_id: str) -> dict:
         engine.remove_sequence(seq)
 
     def decode(prompts: list[list[int]], steps: int) -> float:
-        seqs = [engine.add_sequence() for _ in prompts]
-        tokens = [int(np.argmax(engine.prefill(seq, p))) for seq, p in zip(seqs, prompts)]
-        start = time.perf_counter()
-        for _ in range(steps):
-            tokens = [int(t) for t in np.argmax(engine.decode(seqs, tokens), axis=-1)]
-        seconds = time.perf_counter() - start
-        for seq in seqs:
-            engine.remove_sequence(seq)
-        return seconds
+        return timed_decode(engine, prompts, steps)
 
     return run_bench(prefill, decode, vocab, kernels=lambda: decode_kernels(decode, vocab))
+
+
+def timed_decode(engine, prompts: list[list[int]], steps: int) -> float:
+    """Seconds for `steps` greedy decode steps of `prompts` as one batch (their prefills before, untimed); the
+    sequences are removed after. `scripts/bench_gpu.py` measures batches with it too."""
+    seqs = [engine.add_sequence() for _ in prompts]
+    tokens = [int(np.argmax(engine.prefill(seq, p))) for seq, p in zip(seqs, prompts)]
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = [int(t) for t in np.argmax(engine.decode(seqs, tokens), axis=-1)]
+    seconds = time.perf_counter() - start
+    for seq in seqs:
+        engine.remove_sequence(seq)
+    return seconds
 
 
 def run_bench(prefill, decode, vocab: int, kernels=None) -> dict:
