@@ -3,6 +3,15 @@
 tokenizer_config.json (Llama 3.1 Instruct, Qwen2.5 Instruct, Mistral 7B Instruct v0.3): tests serve them
 with `--chat-template` over one tiny model, and compare ember's rendering with transformers'."""
 
+# Llama 3.1's template lists the tools in the same words in the system message and in the first user message.
+_LLAMA31_TOOLS = r"""    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+"""
+
 LLAMA31 = r"""{{- bos_token }}
 {%- if custom_tools is defined %}
     {%- set tools = custom_tools %}
@@ -37,13 +46,7 @@ LLAMA31 = r"""{{- bos_token }}
 {{- "Today Date: " + date_string + "\n\n" }}
 {%- if tools is not none and not tools_in_user_message %}
     {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-{%- endif %}
+""" + _LLAMA31_TOOLS + r"""{%- endif %}
 {{- system_message }}
 {{- "<|eot_id|>" }}
 
@@ -59,13 +62,7 @@ LLAMA31 = r"""{{- bos_token }}
     {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
     {{- "Given the following functions, please respond with a JSON for a function call " }}
     {{- "with its proper arguments that best answers the given prompt.\n\n" }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
+""" + _LLAMA31_TOOLS + r"""    {{- first_user_message + "<|eot_id|>"}}
 {%- endif %}
 
 {%- for message in messages %}
