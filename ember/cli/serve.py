@@ -95,7 +95,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                         help="serve from replicas of the engine on a Ray cluster, one OpenAI endpoint here: join the "
                              "cluster whose head is at ADDRESS (HOST:PORT, as `ray start --head` prints), or start "
-                             "one on this machine when none is given. Needs pip install 'ember[cluster]'")
+                             "one on this machine when none is given. A pipeline artifact (compile --pipeline-stages) "
+                             "is served from one actor per stage instead. Needs pip install 'ember[cluster]'")
     parser.add_argument("--replicas", type=whole_number(0), metavar="N",
                         help="with --ray: how many replicas, each a Ray actor process with --threads CPUs "
                              "(default 1 each) and its own prefix cache (default 2)")
