@@ -209,7 +209,8 @@ def _stage_pids(log: Path) -> dict[int, int]:
 def test_a_killed_stage_ends_its_streams_with_an_error_and_is_restarted(served_pipeline, split_llama):
     """SIGKILL to the middle stage mid-stream: the stream ends with one OpenAI error event naming the stage (what
     it streamed a prefix of its solo run), the server keeps answering, and once the stage is restarted a request
-    is answered as before."""
+    is answered as before; a stage killed while nothing runs is restarted under the next request, which is served
+    whole."""
     url, log = served_pipeline
     client = _client(url)
     client.model_name = split_llama[3].name
@@ -232,6 +233,10 @@ def test_a_killed_stage_ends_its_streams_with_an_error_and_is_restarted(served_p
     after = _stage_pids(log)
     assert after[1] != before[1] and after[0] == before[0] and after[2] == before[2]
     assert "stage 1 (pid %d) died; restarting it" % before[1] in log.read_text()
+    os.kill(after[0], signal.SIGKILL)  # while nothing runs: the next request finds it dead and is served whole
+    time.sleep(1)
+    assert _completion(client, prompt, 200) == solo
+    assert _stage_pids(log)[0] != after[0]
 
 
 def test_bad_cluster_input_is_one_line(ray_cluster, split_llama):

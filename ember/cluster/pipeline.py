@@ -10,8 +10,9 @@ only the last stage's logits come back to the front.
 A stage process that dies fails the step it was in: every request then running ends with one error (a stream
 with an OpenAI error event, then `data: [DONE]`), and the stage is restarted at once on its node (elsewhere if the
 node is gone). The KV cache of every running sequence lost that stage's layers, so every sequence then known is
-dropped; later requests wait for the restarted stage to load, then are served. The prefix cache is off for a
-pipeline: its entries would outlive a stage's restart without their pages.
+dropped; later requests wait for the restarted stage to load, then are served (a stage that died while
+nothing ran is found dead by the next request, whose prompt then goes through the restarted stage). The prefix
+cache is off for a pipeline: its entries would outlive a stage's restart without their pages.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def split_costs(layers: int = 80, hidden: int = 8192, intermediate: int = 28672,
                      "kv_bytes_per_token": per_stage * 2 * kv_heads * head_dim * kv_dtype_bytes,
                      "hop_bytes_per_token": hidden * 4, "hops_per_token": count - 1})
     return rows
+
+
+class StageLostError(GenerationError):
+    """A stage's process died under a step: the step failed, and the stage is restarting."""
 
 
 class StageActor:
@@ -323,8 +328,22 @@ class PipelineEngine:
         self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
         last = len(self.stages) - 1
-        out = self._chain(lambda i, x: self.stages[i].actor.prefill.remote(seq_id, x, all_logits and i == last),
-                          tokens)
+
+        def run() -> np.ndarray:
+            return self._chain(lambda i, x: self.stages[i].actor.prefill.remote(seq_id, x, all_logits and i == last),
+                               tokens)
+
+        try:
+            out = run()
+        except StageLostError:
+            if self._lengths[seq_id]:  # it held tokens that the dead stage's cache took with it
+                raise
+            # A stage that died while this new sequence had nothing yet (it was idle, say): start it again on
+            # the restarted chain, so a request after the death is served, not failed.
+            for stage in self.stages:
+                stage.actor.remove.remote(seq_id)
+            self._epoch[seq_id] = self._deaths
+            out = run()
         self._lengths[seq_id] += len(tokens)
         return out
 
@@ -374,7 +393,7 @@ class PipelineEngine:
             pass
         raise self._lost(refs)
 
-    def _lost(self, refs: list) -> GenerationError:
+    def _lost(self, refs: list) -> StageLostError:
         """Restart each stage whose process died under `refs`; the error that ends the step."""
         dead = []
         for stage, ref in zip(self.stages, refs):
@@ -393,7 +412,7 @@ class PipelineEngine:
             stage.launch(self._actor_class)
         where = ", ".join(f"stage {stage.spec.index} (layers {stage.spec.layers[0]}-{stage.spec.layers[1] - 1})"
                           for stage in dead) or "a stage"
-        return GenerationError(f"pipeline {where} stopped mid-answer; it is restarting: send the request again")
+        return StageLostError(f"pipeline {where} stopped mid-answer; it is restarting: send the request again")
 
     def _await_restarts(self) -> None:
         """Wait for each restarted stage to load (an `EmberError` if it cannot: this step fails, the next waits
