@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,33 @@ def test_the_wheel_compiles_runs_and_packages_the_demo(venv, tmp_path):
     assert json.loads(text) and json.loads(text) in generated.stdout, (text, generated.stdout)
     packaged = (tmp_path / "pkg" / "requirements-runtime.txt").read_text().splitlines()
     assert requirements(packaged) == requirements(RUNTIME_REQUIREMENTS.read_text().splitlines())
+
+
+def test_the_wheel_analyzes_and_serves_with_its_data_files(venv, tmp_path):
+    """The wheel's hardware presets, chat page and server: `ember analyze` on a board preset, and `ember serve` of
+    a demo compiled with --embeddings answering / (the chat page) and /v1/embeddings; stopped by its own PID."""
+    ember = venv / "bin" / "ember"
+    analysis = check([ember, "analyze", "demo", "--hardware", "raspberry-pi-5"], cwd=tmp_path).stdout
+    assert "on raspberry-pi-5: Raspberry Pi 5" in analysis, analysis
+    serve_help = check([ember, "serve", "--help"], cwd=tmp_path).stdout
+    assert all(option in serve_help for option in ("--ray", "--chat-template", "--pooling")), serve_help
+    check([ember, "compile", "demo", "-o", "art", "--embeddings", "--no-progress"], cwd=tmp_path)
+    server = subprocess.Popen([ember, "serve", "art", "--port", "0", "--threads", "1"], cwd=tmp_path,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stderr.readline()  # once it listens, or when it ends
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line
+        base = match.group(1)
+        with urllib.request.urlopen(base + "/", timeout=60) as page:
+            assert page.status == 200 and b"<html" in page.read().lower()
+        request = urllib.request.Request(base + "/v1/embeddings", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "art", "input": "And the LORD said"}).encode())
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert len(json.load(answer)["data"][0]["embedding"]) == 256  # the demo's hidden size
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def test_runtime_requirements_pin_what_pyproject_pins():
