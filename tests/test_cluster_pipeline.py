@@ -240,19 +240,23 @@ def test_a_killed_stage_ends_its_streams_with_an_error_and_is_restarted(served_p
 
 
 def test_bad_cluster_input_is_one_line(ray_cluster, split_llama):
-    """An address where no cluster answers, nodes offering less memory than a stage needs, and --replicas with a
-    pipeline artifact each fail with one line, before any stage starts."""
+    """An address where no cluster answers, nodes offering less memory than a stage needs, stages wanting more CPUs
+    than the cluster has, and --replicas with a pipeline artifact each fail with one line, before any stage
+    starts."""
     artifact = str(split_llama[2])
     closed = run_ember("serve", artifact, "--ray", f"127.0.0.1:{free_port()}", timeout=60)
     assert closed.returncode == 1 and closed.stderr.strip().count("\n") == 0, closed.stderr
     assert "no Ray cluster answers there" in closed.stderr
     small = run_ember("serve", artifact, "--ray", ray_cluster, timeout=120,
                       env={**RAY_ENV, "EMBER_RAY_NODE_MEMORY": "100000"})
-    assert small.returncode == 1, small.stderr
-    last = small.stderr.strip().splitlines()[-1]
+    assert small.returncode == 1 and small.stderr.strip().count("\n") == 0, small.stderr
+    last = small.stderr.strip()
     assert re.match(r"ember: error: stage 0 \(layers 0-1\) needs [\d.]+ MiB of memory \(weights [\d.]+ MiB\), and "
                     r"no node of the Ray cluster has that much left: the most is 0.1 MiB \(EMBER_RAY_NODE_MEMORY", last)
-    assert "Traceback" not in small.stderr
+    threads = run_ember("serve", artifact, "--ray", ray_cluster, "--threads", "3", timeout=120, env=RAY_ENV)
+    assert threads.returncode == 1 and threads.stderr.strip().count("\n") == 0, threads.stderr
+    assert threads.stderr.strip().endswith("its 2 stages take 3 CPU(s) each (--threads) and the Ray "
+                                                            "cluster has 4")
     replicas = run_ember("serve", artifact, "--ray", ray_cluster, "--replicas", "2", timeout=60)
     assert replicas.returncode == 1 and "is a pipeline artifact" in replicas.stderr
     assert replicas.stderr.strip().count("\n") == 0
