@@ -48,7 +48,7 @@ from ember.schedules.int8_matmul import int8_dot_compute, quantize_rows, support
 from ember.targets.int8_dot import Int8Dot
 
 TILE_ROWS = 16  # activation rows of an A and a C tile
-HALF_ROWS = TILE_ROWS // 2  # rows of one register accumulator buffer
+PART_VECTORS = 8  # 16-lane accumulators a scaling pass keeps in registers (a buffer under TVM's 1 KiB stack limit)
 PASS_GROUPS = 4  # groups whose sums are scaled in one pass over the accumulators
 GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
 PAIR = 2  # blocks side by side in one B tile's 64-byte rows
@@ -172,6 +172,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
     col_tiles, col_rows = column_tiles(units)
     block_rows = row_tiles * TILE_ROWS  # activation rows of one row block
     passes = (groups + PASS_GROUPS - 1) // PASS_GROUPS
+    part_rows = PART_VECTORS // col_tiles  # rows of the accumulators a pass keeps in registers
 
     def config_byte(i):
         """Byte i of `config` (i unrolled to a constant)."""
@@ -220,32 +221,36 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                 T.evaluate(store(4 + 2 * r + c, T.address_of(sums[slot, r, c, 0, 0]), 4 * col_rows))
 
     @T.macro
-    def scale_half(g, slot, row, r, c, first_block, scale, low, x_scale, x_sum, sums, part):
-        # part (8 rows of one C tile, in registers) += group g's sums of those rows scaled, with the VNNI
-        # kernel's expression.
-        for h in T.unroll(HALF_ROWS):
-            part[h, col] = part[h, col] + T.Cast(floats, sums[slot, r, c, row % TILE_ROWS + h, col]) * (
-                T.Broadcast(x_scale[row + h, g], col_rows) * joined(scale, first_block + c * PAIR, g))
-            if zero_point:
-                part[h, col] = part[h, col] + T.Broadcast(x_sum[row + h, g], col_rows) * joined(
-                    low, first_block + c * PAIR, g)
+    def scale_rows(g, slot, row, r, first_block, scale, low, x_scale, x_sum, sums, part):
+        # part (`part_rows` rows of the task's weight rows, in registers) += group g's sums of those rows scaled,
+        # with the VNNI kernel's expression; each row's scale broadcast once for its column tiles.
+        for h in T.unroll(part_rows):
+            for c in T.unroll(col_tiles):
+                part[c, h, col] = part[c, h, col] + T.Cast(floats, sums[slot, r, c, row % TILE_ROWS + h, col]) * (
+                    T.Broadcast(x_scale[row + h, g], col_rows) * joined(scale, first_block + c * PAIR, g))
+                if zero_point:
+                    part[c, h, col] = part[c, h, col] + T.Broadcast(x_sum[row + h, g], col_rows) * joined(
+                        low, first_block + c * PAIR, g)
 
     @T.macro
     def scale_pass(j, first, first_block, scale, low, x_scale, x_sum, sums, acc, part):
-        # acc += pass j's groups' sums scaled: per C tile half, its accumulators loaded into registers once
-        # for the pass's groups, not once a group.
+        # acc += pass j's groups' sums scaled: `part_rows` rows at a time, their accumulators loaded into registers
+        # once for the pass's groups, not once a group.
         for r in T.unroll(row_tiles):
-            for c in T.unroll(col_tiles):
-                for half in T.unroll(2):
-                    for h in T.unroll(HALF_ROWS):
-                        part[h, col] = acc[r * TILE_ROWS + half * HALF_ROWS + h, T.Ramp(c * col_rows, 1, col_rows)]
-                    for i in T.unroll(PASS_GROUPS):
-                        if j * PASS_GROUPS + i < groups:
-                            scale_half(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i,
-                                       first + r * TILE_ROWS + half * HALF_ROWS, r, c, first_block, scale, low,
-                                       x_scale, x_sum, sums, part)
-                    for h in T.unroll(HALF_ROWS):
-                        acc[r * TILE_ROWS + half * HALF_ROWS + h, T.Ramp(c * col_rows, 1, col_rows)] = part[h, col]
+            for quarter in T.unroll(TILE_ROWS // part_rows):
+                for c in T.unroll(col_tiles):
+                    for h in T.unroll(part_rows):
+                        part[c, h, col] = acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1,
+                                                                                                col_rows)]
+                for i in T.unroll(PASS_GROUPS):
+                    if j * PASS_GROUPS + i < groups:
+                        scale_rows(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i,
+                                   first + r * TILE_ROWS + quarter * part_rows, r, first_block, scale, low,
+                                   x_scale, x_sum, sums, part)
+                for c in T.unroll(col_tiles):
+                    for h in T.unroll(part_rows):
+                        acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)] = part[
+                            c, h, col]
 
     @T.macro
     def row_block(first, rows, first_block, seq, scale, low, xq, x_scale, x_sum, y, wide, sums, acc, part):
@@ -298,7 +303,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                     sums = T.sblock_alloc_buffer((2 * PASS_GROUPS, row_tiles, col_tiles, TILE_ROWS, col_rows),
                                                  "int32")
                     acc = T.sblock_alloc_buffer((block_rows, width), "float32")
-                    part = T.sblock_alloc_buffer((HALF_ROWS, col_rows), "float32")  # under 1 KiB: in registers
+                    part = T.sblock_alloc_buffer((col_tiles, part_rows, col_rows), "float32")  # < 1 KiB: registers
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
                         tile_config_bytes[i] = config_byte(i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))

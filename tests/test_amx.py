@@ -97,6 +97,20 @@ def test_integer_dot_products_are_exact(amx_host, name, rows):
     np.testing.assert_array_equal(actual, x @ values.T)
 
 
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+@pytest.mark.parametrize("units,row_tiles", [(4, 2), (4, 1), (2, 2), (1, 2), (1, 1)])
+def test_every_tile_blocking_equals_the_vnni_kernel_to_the_bit(amx_host, name, units, row_tiles):
+    """Each (units, row_tiles) knob pair: two 16-row column tiles or one (or one block alone), two 16-row A tiles or
+    one; 37 rows (a partial row block) and 7 groups (K not a multiple of 64), the VNNI kernel's output to the bit."""
+    fmt, n, k, rows = FORMATS[name], 64, 224, 37
+    rng = np.random.default_rng(units * 10 + row_tiles)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    tiles = _build(amx_matmul.amx_int8_matmul(fmt, n, k, units, row_tiles=row_tiles), amx_host)
+    vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
+    np.testing.assert_array_equal(_call(tiles, fmt, parts, x, n), _call(vnni, fmt, parts, x, n))
+
+
 _LONG_K_PARTIAL_TILE = """
 import numpy as np, tvm
 from ember.ir.quant_formats import FORMATS, INTERLEAVED
