@@ -173,6 +173,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
     block_rows = row_tiles * TILE_ROWS  # activation rows of one row block
     passes = (groups + PASS_GROUPS - 1) // PASS_GROUPS
     part_rows = PART_VECTORS // col_tiles  # rows of the accumulators a pass keeps in registers
+    parts = block_rows // part_rows
 
     def config_byte(i):
         """Byte i of `config` (i unrolled to a constant)."""
@@ -233,39 +234,37 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                         low, first_block + c * PAIR, g)
 
     @T.macro
-    def scale_pass(j, first, first_block, scale, low, x_scale, x_sum, sums, acc, part):
-        # acc += pass j's groups' sums scaled: `part_rows` rows at a time, their accumulators loaded into registers
-        # once for the pass's groups, not once a group.
-        for r in T.unroll(row_tiles):
-            for quarter in T.unroll(TILE_ROWS // part_rows):
-                for c in T.unroll(col_tiles):
-                    for h in T.unroll(part_rows):
-                        part[c, h, col] = acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1,
-                                                                                                col_rows)]
-                for i in T.unroll(PASS_GROUPS):
-                    if j * PASS_GROUPS + i < groups:
-                        scale_rows(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i,
-                                   first + r * TILE_ROWS + quarter * part_rows, r, first_block, scale, low,
-                                   x_scale, x_sum, sums, part)
-                for c in T.unroll(col_tiles):
-                    for h in T.unroll(part_rows):
-                        acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)] = part[
-                            c, h, col]
+    def scale_part(j, p, first, first_block, scale, low, x_scale, x_sum, sums, acc, part):
+        # acc += pass j's groups' sums of part p (`part_rows` rows) scaled: the part's accumulators loaded into
+        # registers once for the pass's groups, not once a group.
+        for c in T.unroll(col_tiles):
+            for h in T.unroll(part_rows):
+                part[c, h, col] = acc[p * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)]
+        for i in T.unroll(PASS_GROUPS):
+            if j * PASS_GROUPS + i < groups:
+                scale_rows(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first + p * part_rows, p * part_rows //
+                           TILE_ROWS, first_block, scale, low, x_scale, x_sum, sums, part)
+        for c in T.unroll(col_tiles):
+            for h in T.unroll(part_rows):
+                acc[p * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)] = part[c, h, col]
 
     @T.macro
     def row_block(first, rows, first_block, seq, scale, low, xq, x_scale, x_sum, y, wide, sums, acc, part):
         # y for activation rows first .. first + block_rows - 1 (those below `rows`) and the task's weight rows.
         for t in T.serial(block_rows):
             acc[t, T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
-        # Software-pipelined by passes of PASS_GROUPS groups: a pass's tile products are issued before the previous
-        # pass's sums are scaled, so the tile unit and the vector units work at once (`sums` holds two passes).
+        # Software-pipelined by passes of PASS_GROUPS groups: pass j's tile products are issued while pass j - 1's
+        # sums are scaled (`sums` holds two passes), one group's products between parts of the scaling, so the
+        # tile unit's work and the vector units' are near each other in the instruction stream (as two blocks,
+        # the scaling filled the reorder buffer and the next products waited behind it).
         for j in T.serial(passes + 1):
-            if j < passes:
+            for p in T.unroll(parts):
                 for i in T.unroll(PASS_GROUPS):
-                    if j * PASS_GROUPS + i < groups:
-                        products(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first, xq, wide, sums)
-            if j > 0:
-                scale_pass(j - 1, first, first_block, scale, low, x_scale, x_sum, sums, acc, part)
+                    if i * parts // PASS_GROUPS == p:
+                        if j < passes and j * PASS_GROUPS + i < groups:
+                            products(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first, xq, wide, sums)
+                if j > 0:
+                    scale_part(j - 1, p, first, first_block, scale, low, x_scale, x_sum, sums, acc, part)
         for t in T.serial(block_rows):
             if first + t < rows:
                 y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes, 1, width)] = acc[
