@@ -10,21 +10,23 @@ tiles, as signed bytes (stored `v + offset` less the offset: int8 xor 0x80, int4
 so the integer sums are sum(q * v) with no bias to add (the VNNI kernel's `x_bias` gives the
 same integers: sum(q * (v + offset)) - offset * sum(q)). The weights in memory are the same at
 every level, and stay 4-bit. The activations are quantized as the VNNI path quantizes them
-(`int8_matmul.quantize_rows`, the same macro), row-major, so a 16-row A tile is one strided load.
+(`int8_matmul.quantize_rows`, the same macro), 16-row tile by tile, so an A tile is one contiguous load.
 
 A group of 32 values is one `tdpbssd` of K = 32 (a tile's half depth): every group has its own
 scales, so its int32 sums are stored (`tilestored64`) and scaled in float32, with the VNNI kernel's
 expression (acc += float(sums) * (x_scale * scale)), group after group. That scaling is most of
-the work; the tile unit does the products of group g + 1 while the vector units scale group g's:
+the work; the tile unit does the products of pass j (`PASS_GROUPS` groups) while the vector units scale
+pass j - 1's:
 
     per parallel block tile (`units` blocks of 8 weight rows):  ldtilecfg
       wide = the units' blocks side by side as signed bytes, once for all row blocks
       per `row_tiles` x 16 activation rows (the last block padded; its padded rows never stored):
         acc = 0
-        per group g:
+        per pass j, per group g of pass j (one between each part of the scaling):
           A_r = tileloadd(xq[rows r, g]), B_c = tileloadd(wide[g, c]), C_rc = A_r . B_c (tdpbssd)
-          sums[g % 2] = C (tilestored)
-          acc[r, c] += float(sums[(g - 1) % 2][r, c]) * (x_scale[rows r, g - 1] * scale[c, g - 1])
+          sums[j % 2, g] = C (tilestored, after all four products)
+        per 8-vector part of acc:  part = acc;  per group g of pass j - 1:
+          part += float(sums[(j - 1) % 2, g][rows]) * (x_scale[rows, g] * scale[c, g]);  acc = part
         y = acc
       tilerelease
 
@@ -32,6 +34,16 @@ Tiles (`tile_config`): 0, 1 = A (16 x 32 bytes) of 2 row tiles, 2, 3 = B (8 x 4 
 tiles of 16 weight rows (two blocks side by side fill a B tile's 64-byte rows), 4 + 2r + c = C_rc (16 x 16
 int32). With 2 x 2 (32 rows x 32 weight rows, `units` 4 and `row_tiles` 2, the rule's), each tile load feeds
 two products and four products are in flight at once; each C row is one 512-bit vector of the scaling.
+The quantized activations are stored tile by tile (`quantize_rows`' `tile_rows`): an A tile is 512 contiguous bytes,
+one stream, where row-major rows 2 * K apart were 16 streams of 32 bytes a line. Interleaving the products with the
+scaling keeps the two kinds of work close in the instruction stream (as two blocks, the scaling filled the reorder
+buffer and the next products waited behind it). Parallel tasks over row chunks as well (each thread's xq chunk in
+its L2) measured slower: [2048, 8192] q8f32, 2048 rows, 2 threads, 225 against 185 ms.
+Where the time goes (`scripts/bench_amx_kernel.py`, [2048, 2048] q8f32, 512 rows, 1 thread, loaded 2-vCPU
+Sapphire Rapids host; each variant with a part removed): the tile work alone 12.6 ms (loads, zeroing and products
+6.3, the 4 KiB of tile stores per group another 6.3), the scaling alone 9.2 ms, both 17 ms before the interleaving,
+VNNI 24 ms. The scaling is three vector instructions per 16 sums per group, as in the VNNI kernel: with a scale
+every 32 weights, it and the stores set the pace, not the products (1.2x-1.5x VNNI, not the 4x+ of the products).
 Built with the target's dot product (as `QuantizeWeights` builds it), the kernel also holds the VNNI
 kernel's body (`int8_matmul.int8_dot_compute`) and runs it for calls of fewer than `VNNI_BELOW_ROWS` rows.
 Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
@@ -55,10 +67,11 @@ PAIR = 2  # blocks side by side in one B tile's 64-byte rows
 AMX_KNOBS = ("units", "row_tiles")  # 8-row weight blocks per parallel task (4: two 16-row column tiles, 2: one,
 # 1: one 8-row tile where blocks do not pair up), and 16-row A tiles per row block (2 or 1)
 ROW_TILE_SPACE = (2, 1)
-# Calls of fewer rows run the VNNI kernel's body: with one or two 16-row tiles, copying a task's blocks side by
-# side and padding the rows cost more than the tiles gain ([2048, 2048] q4f32: 4 rows 0.45 ms against VNNI's 0.11,
-# 16 rows 0.49 against 0.39; 40 rows 1.09 against 1.68; loaded 2-vCPU host, 1 thread).
-VNNI_BELOW_ROWS = 32
+# Calls of fewer rows run the VNNI kernel's body: with one 32-row block, copying a task's blocks side by side and
+# padding the rows cost what the tiles gain. [2048, 2048], 2 threads, loaded 2-vCPU host, AMX/VNNI speed: 32 rows
+# 1.01x (q8f32) and 1.00x (q4f32), 48 rows (padded to 64) 0.90x and 0.79x, 64 rows 1.17x and 1.00x, 128 rows 1.40x
+# and 1.34x.
+VNNI_BELOW_ROWS = 64
 # On each kernel: {"format", "n", "k", "units", "row_tiles", "vnni_below"} (0: tiles for every row count).
 BUILD_ATTR = "ember.amx_matmul"
 

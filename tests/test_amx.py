@@ -154,7 +154,7 @@ def test_calls_below_the_row_threshold_run_the_vnni_body(amx_host, name):
     assembly = both.mod.imports[0].inspect_source("s") if both.mod.imports else both.mod.inspect_source("s")
     assert "tdpbssd" in assembly and "vpdpbusd" in assembly
     vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
-    for rows in (1, amx_matmul.VNNI_BELOW_ROWS - 1, amx_matmul.VNNI_BELOW_ROWS, 40):
+    for rows in (1, amx_matmul.VNNI_BELOW_ROWS - 1, amx_matmul.VNNI_BELOW_ROWS, amx_matmul.VNNI_BELOW_ROWS + 8):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         np.testing.assert_array_equal(_call(both, fmt, parts, x, n), _call(vnni, fmt, parts, x, n), f"{rows} rows")
 
