@@ -8,10 +8,9 @@ In each entry (prefill, decode, verify) the bindings are walked in order. A valu
 computed from the input ids; the *boundary* before layer L is the last point before layer L's attention where
 exactly one token-dependent value is live, and it is the residual stream [b, n, hidden] (the last: in a Llama
 block the stream after the attention's residual add is such a point too, but halfway through layer L-1).
-Values that do not depend
-on the tokens (transposed weights, positions read from the KV cache, rotary tables) may be live across a boundary:
-a later stage computes them again from its own weights and cache. A graph with no such boundary (a value of an
-earlier layer read again later) is refused, naming the entry and the layer.
+Values that do not depend on the tokens (transposed weights, positions read from the KV cache, rotary tables) may
+be live across a boundary: a later stage computes them again from its own weights and cache. A graph with no such
+boundary (a value of an earlier layer read again later) is refused, naming the entry and the layer.
 
 Stage i keeps the bindings between its boundaries: the first takes the token ids and holds the embedding; the
 others take the residual stream as float32 `hidden` [b, n, hidden_size]; the last holds the final norm and the
