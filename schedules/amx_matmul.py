@@ -22,11 +22,12 @@ pass j - 1's:
       wide = the units' blocks side by side as signed bytes, once for all row blocks
       per `row_tiles` x 16 activation rows (the last block padded; its padded rows never stored):
         acc = 0
-        per pass j, per group g of pass j (one between each part of the scaling):
-          A_r = tileloadd(xq[rows r, g]), B_c = tileloadd(wide[g, c]), C_rc = A_r . B_c (tdpbssd)
-          sums[j % 2, g] = C (tilestored, after all four products)
-        per 8-vector part of acc:  part = acc;  per group g of pass j - 1:
-          part += float(sums[(j - 1) % 2, g][rows]) * (x_scale[rows, g] * scale[c, g]);  acc = part
+        per pass j:
+          per group g of pass j:
+            A_r = tileloadd(xq[rows r, g]), B_c = tileloadd(wide[g, c]), C_rc = A_r . B_c (tdpbssd)
+            sums[j % 2, g] = C (tilestored, after all four products)
+          per 8-vector part of acc:  part = acc;  per group g of pass j - 1:
+            part += float(sums[(j - 1) % 2, g][rows]) * (x_scale[rows, g] * scale[c, g]);  acc = part
         y = acc
       tilerelease
 
@@ -35,15 +36,15 @@ tiles of 16 weight rows (two blocks side by side fill a B tile's 64-byte rows), 
 int32). With 2 x 2 (32 rows x 32 weight rows, `units` 4 and `row_tiles` 2, the rule's), each tile load feeds
 two products and four products are in flight at once; each C row is one 512-bit vector of the scaling.
 The quantized activations are stored tile by tile (`quantize_rows`' `tile_rows`): an A tile is 512 contiguous bytes,
-one stream, where row-major rows 2 * K apart were 16 streams of 32 bytes a line. Interleaving the products with the
-scaling keeps the two kinds of work close in the instruction stream (as two blocks, the scaling filled the reorder
-buffer and the next products waited behind it). Parallel tasks over row chunks as well (each thread's xq chunk in
-its L2) measured slower: [2048, 8192] q8f32, 2048 rows, 2 threads, 225 against 185 ms.
-Where the time goes (`scripts/bench_amx_kernel.py`, [2048, 2048] q8f32, 512 rows, 1 thread, loaded 2-vCPU
-Sapphire Rapids host; each variant with a part removed): the tile work alone 12.6 ms (loads, zeroing and products
-6.3, the 4 KiB of tile stores per group another 6.3), the scaling alone 9.2 ms, both 17 ms before the interleaving,
-VNNI 24 ms. The scaling is three vector instructions per 16 sums per group, as in the VNNI kernel: with a scale
-every 32 weights, it and the stores set the pace, not the products (1.2x-1.5x VNNI, not the 4x+ of the products).
+one stream, where row-major rows 2 * K apart were 16 streams of 32 bytes a line. Tried and slower: each group's
+products issued between parts of the previous pass's scaling (0.92x-0.98x, quiet host), parallel tasks over row
+chunks as well, each thread's xq chunk in its L2 ([2048, 8192] q8f32, 2048 rows, 2 threads: 225 against 185 ms),
+passes of 1 or 8 groups (0.9x, 0.8x), and 16 accumulators in registers (0.85x).
+Where the time goes ([2048, 2048] q8f32, 512 rows, 1 thread, quiet 2-vCPU Sapphire Rapids host, a variant with a
+part removed each): the tile work alone 5.6 ms (loads, zeroing and products 2.7, the 4 KiB of tile stores per group
+another 2.9), the scaling alone 3.7 ms, both 7.5-7.9 ms; VNNI 11.4 ms. The scaling is three vector instructions per
+16 sums per group, as in the VNNI kernel: with a scale every 32 weights, it and the tile stores set the pace, not
+the products (1.3x-1.6x VNNI, where the products alone run 4x).
 Built with the target's dot product (as `QuantizeWeights` builds it), the kernel also holds the VNNI
 kernel's body (`int8_matmul.int8_dot_compute`) and runs it for calls of fewer than `VNNI_BELOW_ROWS` rows.
 Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
@@ -186,7 +187,6 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
     block_rows = row_tiles * TILE_ROWS  # activation rows of one row block
     passes = (groups + PASS_GROUPS - 1) // PASS_GROUPS
     part_rows = PART_VECTORS // col_tiles  # rows of the accumulators a pass keeps in registers
-    parts = block_rows // part_rows
 
     def config_byte(i):
         """Byte i of `config` (i unrolled to a constant)."""
@@ -247,37 +247,39 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                         low, first_block + c * PAIR, g)
 
     @T.macro
-    def scale_part(j, p, first, first_block, scale, low, x_scale, x_sum, sums, acc, part):
-        # acc += pass j's groups' sums of part p (`part_rows` rows) scaled: the part's accumulators loaded into
-        # registers once for the pass's groups, not once a group.
-        for c in T.unroll(col_tiles):
-            for h in T.unroll(part_rows):
-                part[c, h, col] = acc[p * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)]
-        for i in T.unroll(PASS_GROUPS):
-            if j * PASS_GROUPS + i < groups:
-                scale_rows(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first + p * part_rows, p * part_rows //
-                           TILE_ROWS, first_block, scale, low, x_scale, x_sum, sums, part)
-        for c in T.unroll(col_tiles):
-            for h in T.unroll(part_rows):
-                acc[p * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)] = part[c, h, col]
+    def scale_pass(j, first, first_block, scale, low, x_scale, x_sum, sums, acc, part):
+        # acc += pass j's groups' sums scaled: `part_rows` rows at a time, their accumulators loaded into registers
+        # once for the pass's groups, not once a group.
+        for r in T.unroll(row_tiles):
+            for quarter in T.unroll(TILE_ROWS // part_rows):
+                for c in T.unroll(col_tiles):
+                    for h in T.unroll(part_rows):
+                        part[c, h, col] = acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1,
+                                                                                                col_rows)]
+                for i in T.unroll(PASS_GROUPS):
+                    if j * PASS_GROUPS + i < groups:
+                        scale_rows(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i,
+                                   first + r * TILE_ROWS + quarter * part_rows, r, first_block, scale, low,
+                                   x_scale, x_sum, sums, part)
+                for c in T.unroll(col_tiles):
+                    for h in T.unroll(part_rows):
+                        acc[r * TILE_ROWS + quarter * part_rows + h, T.Ramp(c * col_rows, 1, col_rows)] = part[
+                            c, h, col]
 
     @T.macro
     def row_block(first, rows, first_block, seq, scale, low, xq, x_scale, x_sum, y, wide, sums, acc, part):
         # y for activation rows first .. first + block_rows - 1 (those below `rows`) and the task's weight rows.
         for t in T.serial(block_rows):
             acc[t, T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
-        # Software-pipelined by passes of PASS_GROUPS groups: pass j's tile products are issued while pass j - 1's
-        # sums are scaled (`sums` holds two passes), one group's products between parts of the scaling, so the
-        # tile unit's work and the vector units' are near each other in the instruction stream (as two blocks,
-        # the scaling filled the reorder buffer and the next products waited behind it).
+        # Software-pipelined by passes of PASS_GROUPS groups: a pass's tile products are issued before the previous
+        # pass's sums are scaled, so the tile unit and the vector units work at once (`sums` holds two passes).
         for j in T.serial(passes + 1):
-            for p in T.unroll(parts):
+            if j < passes:
                 for i in T.unroll(PASS_GROUPS):
-                    if i * parts // PASS_GROUPS == p:
-                        if j < passes and j * PASS_GROUPS + i < groups:
-                            products(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first, xq, wide, sums)
-                if j > 0:
-                    scale_part(j - 1, p, first, first_block, scale, low, x_scale, x_sum, sums, acc, part)
+                    if j * PASS_GROUPS + i < groups:
+                        products(j * PASS_GROUPS + i, j % 2 * PASS_GROUPS + i, first, xq, wide, sums)
+            if j > 0:
+                scale_pass(j - 1, first, first_block, scale, low, x_scale, x_sum, sums, acc, part)
         for t in T.serial(block_rows):
             if first + t < rows:
                 y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes, 1, width)] = acc[
