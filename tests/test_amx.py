@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-from helpers import q8_0_activations
+from helpers import call_matmul_kernel, llama_cpp_matmul_reference
 
 from ember.core.errors import ArtifactError
 from ember.core.machine import host_cpu_flags
@@ -42,15 +42,6 @@ def _build(func, target):
     return tvm.compile(tvm.IRModule({"main": func}), target=target.target)
 
 
-def _call(lib, fmt, parts, x, n, batch=1):
-    """y [rows, n] from a compiled kernel, with x [rows, k] as `batch` sequences."""
-    rows, k = x.shape
-    y = tvm.runtime.tensor(np.zeros((batch, rows // batch, n), np.float32))
-    lib["main"](tvm.runtime.tensor(x.reshape(batch, rows // batch, k)),
-                *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), y)
-    return y.numpy().reshape(rows, n)
-
-
 @pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
 @pytest.mark.parametrize("n,k,batch,seq,units", [
     (48, 160, 1, 21, None),  # a whole and a partial 16-row tile; 5 groups: K not a multiple of 64
@@ -67,14 +58,13 @@ def test_matches_the_vnni_kernel_and_llama_cpp_arithmetic(amx_host, name, n, k, 
     parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
     x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
     x[0, :32] = 0  # a group of zeros: scale 0, no division by it
-    actual = _call(_build(amx_matmul.amx_int8_matmul(fmt, n, k, units), amx_host), fmt, parts, x, n, batch)
-    dequantized = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float64)
-    expected = q8_0_activations(x) @ dequantized.T
+    actual = call_matmul_kernel(_build(amx_matmul.amx_int8_matmul(fmt, n, k, units), amx_host), fmt, parts, x, n, batch)
+    expected, exact = llama_cpp_matmul_reference(fmt, parts, x, k)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    assert np.abs(actual - x @ dequantized.T).max() > 1e-4 * np.abs(expected).max()  # the rounding is really there
+    assert np.abs(actual - exact).max() > 1e-4 * np.abs(expected).max()  # the rounding is really there
     vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, VNNI_TARGET.int8_dot, True, VNNI_TARGET.vector_bits),
                   _runnable(VNNI_TARGET))
-    np.testing.assert_allclose(actual, _call(vnni, fmt, parts, x, n, batch), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(actual, call_matmul_kernel(vnni, fmt, parts, x, n, batch), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
@@ -93,7 +83,8 @@ def test_integer_dot_products_are_exact(amx_host, name, rows):
     x[0, :] = np.where(np.arange(k) % 2, 127, -127)
     ones = np.ones((n, k // fmt.group_size), np.float32)
     parts = fmt.pack(values, ones, ones * 0 if fmt.zero_point else None, INTERLEAVED)
-    actual = _call(_build(amx_matmul.amx_int8_matmul(fmt, n, k), amx_host), fmt, parts, x.astype(np.float32), n)
+    kernel = _build(amx_matmul.amx_int8_matmul(fmt, n, k), amx_host)
+    actual = call_matmul_kernel(kernel, fmt, parts, x.astype(np.float32), n)
     np.testing.assert_array_equal(actual, x @ values.T)
 
 
@@ -108,7 +99,8 @@ def test_every_tile_blocking_equals_the_vnni_kernel_to_the_bit(amx_host, name, u
     x = rng.standard_normal((rows, k)).astype(np.float32)
     tiles = _build(amx_matmul.amx_int8_matmul(fmt, n, k, units, row_tiles=row_tiles), amx_host)
     vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
-    np.testing.assert_array_equal(_call(tiles, fmt, parts, x, n), _call(vnni, fmt, parts, x, n))
+    np.testing.assert_array_equal(call_matmul_kernel(tiles, fmt, parts, x, n),
+                                  call_matmul_kernel(vnni, fmt, parts, x, n))
 
 
 _LONG_K_PARTIAL_TILE = """
@@ -156,7 +148,8 @@ def test_calls_below_the_row_threshold_run_the_vnni_body(amx_host, name):
     vnni = _build(int8_matmul.int8_dot_matmul(fmt, n, k, amx_host.int8_dot, True, amx_host.vector_bits), amx_host)
     for rows in (1, amx_matmul.VNNI_BELOW_ROWS - 1, amx_matmul.VNNI_BELOW_ROWS, amx_matmul.VNNI_BELOW_ROWS + 8):
         x = rng.standard_normal((rows, k)).astype(np.float32)
-        np.testing.assert_array_equal(_call(both, fmt, parts, x, n), _call(vnni, fmt, parts, x, n), f"{rows} rows")
+        np.testing.assert_array_equal(call_matmul_kernel(both, fmt, parts, x, n),
+                                      call_matmul_kernel(vnni, fmt, parts, x, n), f"{rows} rows")
 
 
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
