@@ -3,7 +3,8 @@ stage, on a two-node cluster on loopback started here (helpers.local_ray_cluster
 
 The model is the tiny llama with three layers, so it splits three ways. Its split artifacts must give the unsplit
 artifact's logits, through the chain of actors (in this process: `PipelineEngine`) and through `ember serve --ray`
-(the official `openai` client's greedy answers equal the unsplit server's).
+(the official `openai` client's greedy answers equal the unsplit server's). The logits check also runs (marked slow)
+on a random Llama of the ~110M shape scripts/bench_cpu.py benchmarks, at a context of 512.
 """
 
 from __future__ import annotations
@@ -68,6 +69,31 @@ def split_llama(tmp_path_factory) -> dict[int, Path]:
     return artifacts
 
 
+# scripts/bench_cpu.py's SHAPES["110m"] as transformers names it; the context cut to 512 to keep the KV cache small.
+LLAMA_110M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, vocab_size=32000, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def split_llama_110m(tmp_path_factory) -> dict[int, Path]:
+    """A random Llama of the ~110M shape compiled whole (key 1) and split into 2 and 3 stages; its checkpoint stored
+    in bfloat16 (half float32's ~500 MB), which the default q0f32 compile widens to float32 for every artifact."""
+    import torch
+
+    root = tmp_path_factory.mktemp("split-llama-110m")
+    # initializer_range 0.02 (transformers' default) keeps 768-wide hidden states and logits at trained-model scale
+    config = models.make_config("llama", **LLAMA_110M, tie_word_embeddings=False, initializer_range=0.02)
+    checkpoint = root / "checkpoint"
+    # no tokenizer (the tiny one has too few tokens for 32000): the test feeds token ids, as the benchmark does
+    models.random_model(config).to(torch.bfloat16).save_pretrained(checkpoint, safe_serialization=True)
+    artifacts = {}
+    for stages in (1, 2, 3):
+        artifacts[stages] = root / f"llama-110m-{stages}"
+        extra = () if stages == 1 else ("--pipeline-stages", str(stages))
+        compile_cached(f"llama-110m-{stages}", checkpoint, artifacts[stages], *COMPILE_ARGS, *extra)
+    return artifacts
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Two two-CPU nodes on loopback: room for three one-CPU stages."""
@@ -104,13 +130,16 @@ def _greedy_run(engine, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.n
     return first, steps
 
 
+@pytest.mark.parametrize("model", [pytest.param("split_llama", id="tiny"),
+                                   pytest.param("split_llama_110m", id="110m", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_split_logits_equal_the_whole_model(joined, split_llama, stages):
+def test_split_logits_equal_the_whole_model(request, joined, model, stages):
     """K stages as actors across the two nodes give the unsplit artifact's logits within 1e-5, at prefill and over
-    32 batched greedy decode steps for four prompts of different lengths."""
+    32 batched greedy decode steps for four prompts of different lengths: for the tiny llama and the ~110M one."""
+    artifacts = request.getfixturevalue(model)
     prompts = [prompt_ids(length, seed) for seed, length in enumerate((5, 17, 70, 33))]
-    whole_first, whole_steps = _greedy_run(Engine(load_artifact(split_llama[1], threads=1)), prompts)
-    engine = PipelineEngine(split_llama[stages])
+    whole_first, whole_steps = _greedy_run(Engine(load_artifact(artifacts[1], threads=1)), prompts)
+    engine = PipelineEngine(artifacts[stages])
     try:
         nodes = {stage.node.node_id for stage in engine.stages}
         assert len(nodes) == 2  # spread over both nodes
