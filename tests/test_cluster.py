@@ -128,6 +128,20 @@ def test_router_keeps_a_prefix_on_its_replica_unless_it_is_far_busier():
     assert router.pick("k") is None
 
 
+def test_router_without_prefix_routing_sends_a_known_prefix_to_the_least_loaded_replica():
+    """With prefix_routing=False a prefix seen before is spread like any request: the replicas take turns."""
+    router = Router(2, prefix_routing=False)
+    router.set_alive(0, {"url": "a"})
+    router.set_alive(1, {"url": "b"})
+    picked = []
+    for _ in range(4):
+        replica = router.pick("k")
+        picked.append(replica.index)
+        router.done(replica)
+    assert picked == [0, 1, 0, 1]
+    assert sum(replica["prefix_routed"] for replica in router.snapshot()) == 0
+
+
 def test_an_unreachable_cluster_address_is_one_line(tiny_llama):
     """An address where nothing answers, one where a server other than Ray's does, and --replicas 0 fail with one
     line within seconds, nothing started."""

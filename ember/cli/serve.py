@@ -100,6 +100,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=whole_number(0), metavar="N",
                         help="with --ray: how many replicas, each a Ray actor process with --threads CPUs "
                              "(default 1 each) and its own prefix cache (default 2)")
+    parser.add_argument("--no-prefix-routing", action="store_true",
+                        help="with --ray: send each request to the least loaded replica, not to the one whose prefix "
+                             "cache holds its prompt's start (to measure what prefix-aware routing gains)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +162,7 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
 
         serve_pipeline(settings, args.ray or None, args.host, args.port, args.allow_origin)
     else:
-        serve(settings, replicas, args.ray or None, args.host, args.port)
+        serve(settings, replicas, args.ray or None, args.host, args.port, prefix_routing=not args.no_prefix_routing)
     return 0
 
 

@@ -5,7 +5,8 @@ A request's routing key is the start of its prompt as the client sent it: a chat
 PREFIX_TOKENS token ids. Requests with the same key go to the replica that answered the last one,
 whose prefix cache then holds those KV pages (as SGLang's and Ray Serve's LLM routers do), unless it
 is busier than the least loaded replica by more than `slack` requests: a hot system prompt then
-spreads instead of queueing on one replica. Everything else goes to the least loaded replica.
+spreads instead of queueing on one replica. Everything else goes to the least loaded replica, as every
+request does with `prefix_routing=False` (`ember serve --ray --no-prefix-routing`, to measure what it gains).
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ class ReplicaLoad:
 class Router:
     """Picks a replica per request and counts what each one holds; safe to call from any thread."""
 
-    def __init__(self, replicas: int, slack: int = DEFAULT_SLACK) -> None:
+    def __init__(self, replicas: int, slack: int = DEFAULT_SLACK, prefix_routing: bool = True) -> None:
         self.replicas = [ReplicaLoad(index) for index in range(replicas)]
         self.slack = slack
+        self.prefix_routing = prefix_routing
         self._owners: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -90,7 +92,7 @@ class Router:
             if not alive:
                 return None
             least = min(alive, key=lambda replica: (replica.in_flight, replica.routed, replica.index))
-            owner = self.replicas[self._owners[key]] if key in self._owners else None
+            owner = self.replicas[self._owners[key]] if self.prefix_routing and key in self._owners else None
             chosen = least
             if owner is not None and owner in alive and owner.in_flight <= least.in_flight + self.slack:
                 chosen = owner

@@ -16,10 +16,10 @@ class ClusterServer:
     """The front on host:port over `replicas` replicas on the Ray cluster at `address` (None: a local one)."""
 
     def __init__(self, settings: ReplicaSettings, replicas: int, address: str | None,
-                 host: str = "127.0.0.1", port: int = 8000) -> None:
+                 host: str = "127.0.0.1", port: int = 8000, prefix_routing: bool = True) -> None:
         self._socket = listen(host, port)  # before Ray: a port in use is one line with nothing started
         self.host, self.port = self._socket.getsockname()[:2]
-        self.router = Router(replicas)
+        self.router = Router(replicas, prefix_routing=prefix_routing)
         try:
             connect(address, settings.threads, replicas)
             self.pool = ReplicaPool(self.router, settings)
@@ -49,9 +49,10 @@ class ClusterServer:
             ray.shutdown()
 
 
-def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: str, port: int) -> None:
+def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: str, port: int,
+          prefix_routing: bool = True) -> None:
     """Serve `settings.artifact_dir` from `replicas` replicas until Ctrl-C."""
-    server = ClusterServer(settings, replicas, address, host, port)
+    server = ClusterServer(settings, replicas, address, host, port, prefix_routing)
     print(f"ember: serving {settings.model_name} at {server.url} from {replicas} replicas on Ray "
           f"({address or 'a local cluster'}; Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()
