@@ -83,6 +83,39 @@ def compile_cached(what: str, model: Path, dest: Path, *args: str) -> None:
     artifact_cache.build(key, dest, compile_into)
 
 
+# Three-layer checkpoints for `--pipeline-stages` (the shared tiny models have two): K = 3 splits each layer apart,
+# K = 2 splits them unevenly. test_pipeline_stages and test_cluster_pipeline compile them alike, so one cache entry
+# serves both.
+PIPELINE_LAYERS = 3
+PIPELINE_FRONTENDS = {"llama": "builtin", "gpt2": "torch-export"}
+PIPELINE_PREFILL_CHUNK = 16  # below the longest prompts, so prefill runs in chunks through every stage
+PIPELINE_MAX_BATCH = 4
+
+
+def write_pipeline_checkpoint(name: str, out_dir: Path) -> Path:
+    """A random checkpoint of `name` (a key of PIPELINE_FRONTENDS) with PIPELINE_LAYERS layers."""
+    from transformers import AutoConfig
+
+    if name == "llama":
+        config = models.make_config("llama", num_hidden_layers=PIPELINE_LAYERS, tie_word_embeddings=False)
+    else:
+        shape = {**models.EXPORTED_MODELS["gpt2"], "n_layer": PIPELINE_LAYERS}
+        config = AutoConfig.for_model("gpt2", **models._EXPORTED_COMMON, **shape)
+    return models.write_model(models.random_model(config), out_dir)
+
+
+def compile_pipeline_cached(name: str, checkpoint: Path, dest: Path, stages: int | None) -> Path:
+    """The checkpoint of `name` compiled in this process, whole (`stages` None) or split into `stages`, into `dest`
+    (or restored from the test-artifact cache); returns `dest`."""
+    from ember.driver.compiler import CompileOptions, compile_model
+
+    options = CompileOptions(frontend=PIPELINE_FRONTENDS[name], prefill_chunk=PIPELINE_PREFILL_CHUNK,
+                             max_batch=PIPELINE_MAX_BATCH, pipeline_stages=stages, show_progress=False)
+    key = artifact_cache.artifact_key(f"pipeline-{name}-{stages or 'whole'}", options, [checkpoint])
+    artifact_cache.build(key, dest, lambda into: compile_model(checkpoint, into, options))
+    return dest
+
+
 def run_python(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python ARGS` in a subprocess from the repository root."""
     return subprocess.run(

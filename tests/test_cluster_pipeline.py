@@ -3,8 +3,9 @@ stage, on a two-node cluster on loopback started here (helpers.local_ray_cluster
 
 The model is the tiny llama with three layers, so it splits three ways. Its split artifacts must give the unsplit
 artifact's logits, through the chain of actors (in this process: `PipelineEngine`) and through `ember serve --ray`
-(the official `openai` client's greedy answers equal the unsplit server's). The logits check also runs (marked slow)
-on a random Llama of the ~110M shape scripts/bench_cpu.py benchmarks, at a context of 512.
+(the official `openai` client's greedy answers equal the unsplit server's). The logits check also runs on
+test_pipeline_stages' three-layer GPT-2 through the torch.export frontend (its artifacts, from the same compiles), and
+(marked slow) on a random Llama of the ~110M shape scripts/bench_cpu.py benchmarks, at a context of 512.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from helpers import (
     RAY_START_TIMEOUT,
     REPO_ROOT,
     compile_cached,
+    compile_pipeline_cached,
     ember_serve,
     free_port,
     local_ray_cluster,
     prompt_ids,
     run_ember,
+    write_pipeline_checkpoint,
 )
 
 pytestmark = pytest.mark.cluster
@@ -67,6 +70,16 @@ def split_llama(tmp_path_factory) -> dict[int, Path]:
         extra = () if stages == 1 else ("--pipeline-stages", str(stages))
         compile_cached(f"tiny-llama-3-layers-{stages}", checkpoint, artifacts[stages], *COMPILE_ARGS, *extra)
     return artifacts
+
+
+@pytest.fixture(scope="module")
+def split_gpt2(tmp_path_factory) -> dict[int, Path]:
+    """test_pipeline_stages' three-layer GPT-2 (torch.export frontend) compiled whole (key 1) and split into 2 and 3
+    stages, with the same compile calls, so the artifact cache serves both files the same entries."""
+    root = tmp_path_factory.mktemp("split-gpt2")
+    checkpoint = write_pipeline_checkpoint("gpt2", root / "checkpoint")
+    return {stages: compile_pipeline_cached("gpt2", checkpoint, root / f"gpt2-{stages}", stages if stages > 1 else None)
+            for stages in (1, 2, 3)}
 
 
 # scripts/bench_cpu.py's SHAPES["110m"] as transformers names it; the context cut to 512 to keep the KV cache small.
@@ -130,12 +143,13 @@ def _greedy_run(engine, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.n
     return first, steps
 
 
-@pytest.mark.parametrize("model", [pytest.param("split_llama", id="tiny"),
+@pytest.mark.parametrize("model", [pytest.param("split_llama", id="tiny"), pytest.param("split_gpt2", id="gpt2"),
                                    pytest.param("split_llama_110m", id="110m", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_split_logits_equal_the_whole_model(request, joined, model, stages):
     """K stages as actors across the two nodes give the unsplit artifact's logits within 1e-5, at prefill and over
-    32 batched greedy decode steps for four prompts of different lengths: for the tiny llama and the ~110M one."""
+    32 batched greedy decode steps for four prompts of different lengths: for the tiny llama, a GPT-2 through the
+    torch.export frontend and the ~110M llama."""
     artifacts = request.getfixturevalue(model)
     prompts = [prompt_ids(length, seed) for seed, length in enumerate((5, 17, 70, 33))]
     whole_first, whole_steps = _greedy_run(Engine(load_artifact(artifacts[1], threads=1)), prompts)

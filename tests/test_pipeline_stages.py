@@ -11,57 +11,43 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import artifact_cache
-import models
 import numpy as np
 import pytest
-from helpers import assert_one_line_error, prompt_ids, run_ember
+from helpers import (
+    PIPELINE_FRONTENDS,
+    PIPELINE_LAYERS,
+    assert_one_line_error,
+    compile_pipeline_cached,
+    prompt_ids,
+    run_ember,
+    write_pipeline_checkpoint,
+)
 
 from ember.core.errors import ArtifactError
 from ember.core.manifest import read_manifest
 
-LAYERS = 3
-PREFILL_CHUNK = 16  # below the longest prompt, so prefill runs in chunks through every stage
-MAX_BATCH = 4
+LAYERS = PIPELINE_LAYERS
 DECODE_STEPS = 32
 TOLERANCE = 1e-5
-FRONTENDS = {"llama": "builtin", "gpt2": "torch-export"}
-
-
-def _write_checkpoint(name: str, out_dir: Path) -> Path:
-    """A random checkpoint of `name` with `LAYERS` layers."""
-    from transformers import AutoConfig
-
-    if name == "llama":
-        config = models.make_config("llama", num_hidden_layers=LAYERS, tie_word_embeddings=False)
-    else:
-        shape = {**models.EXPORTED_MODELS["gpt2"], "n_layer": LAYERS}
-        config = AutoConfig.for_model("gpt2", **models._EXPORTED_COMMON, **shape)
-    return models.write_model(models.random_model(config), out_dir)
+FRONTENDS = PIPELINE_FRONTENDS
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipeline-checkpoints")
-    return {name: _write_checkpoint(name, root / name) for name in FRONTENDS}
+    return {name: write_pipeline_checkpoint(name, root / name) for name in FRONTENDS}
 
 
 @pytest.fixture(scope="module")
 def compiled(checkpoints, tmp_path_factory):
     """(model name, stages or None for the whole model) -> its artifact directory, compiled once (or cached)."""
-    from ember.driver.compiler import CompileOptions, compile_model
-
     root = tmp_path_factory.mktemp("pipeline-artifacts")
     done: dict[tuple[str, int | None], Path] = {}
 
     def get(name: str, stages: int | None) -> Path:
         if (name, stages) not in done:
-            options = CompileOptions(frontend=FRONTENDS[name], prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
-                                     pipeline_stages=stages, show_progress=False)
             dest = root / f"{name}-{stages or 'whole'}"
-            key = artifact_cache.artifact_key(f"pipeline-{name}-{stages or 'whole'}", options, [checkpoints[name]])
-            artifact_cache.build(key, dest, lambda into: compile_model(checkpoints[name], into, options))
-            done[name, stages] = dest
+            done[name, stages] = compile_pipeline_cached(name, checkpoints[name], dest, stages)
         return done[name, stages]
 
     return get
