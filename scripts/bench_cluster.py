@@ -258,9 +258,13 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
-def _level(server: ClusterServed, requests: list, concurrency: int) -> dict[str, float]:
-    """bench_serve's figures of `requests` sent to `server`, `concurrency` at a time."""
-    _, bench_serve, _ = _scripts()
+def _level(server: ClusterServed, requests: list, concurrency: int, args: argparse.Namespace | None = None
+           ) -> dict[str, float]:
+    """bench_serve's figures of `requests` sent to `server`, `concurrency` at a time; a measured level (`args`
+    given) waits up to --quiet-wait for an idle machine first and counts in `args.busy` if it never came."""
+    _, bench_serve, peers = _scripts()
+    if args is not None:
+        args.busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
     return bench_serve.level_row(*asyncio.run(bench_serve.run_level(server.served, requests, concurrency)))
 
 
@@ -290,7 +294,7 @@ def bench_layouts(args: argparse.Namespace, artifact: Path, log_dir: Path) -> di
         for round_ in range(args.rounds):
             for index, concurrency in enumerate(args.concurrency):
                 for name, server in servers.items():
-                    row = _level(server, levels[1 + round_ * len(args.concurrency) + index], concurrency)
+                    row = _level(server, levels[1 + round_ * len(args.concurrency) + index], concurrency, args)
                     rows.setdefault((name, concurrency), []).append(row)
                     print(f"  round {round_ + 1} c{concurrency} {name}: {row['tok_s']:.1f} tok/s", flush=True)
     finally:
@@ -324,7 +328,7 @@ def bench_prefix_routing(args: argparse.Namespace, artifact: Path, log_dir: Path
             requests = _shared_prompt_requests(args, rng)  # fresh system prompts: every round starts cold
             for name, server in servers.items():
                 before = server.metrics()
-                row = _level(server, requests, args.prefix_concurrency)
+                row = _level(server, requests, args.prefix_concurrency, args)
                 after = server.metrics()
                 grew = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
                 row["hit_share"] = grew["ember_prefix_cache_hit_tokens_total"] / grew["ember_prompt_tokens_total"]
@@ -351,11 +355,13 @@ def bench_replicas(args: argparse.Namespace) -> None:
     log_dir = Path(args.work) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     artifact = _replica_artifact(args)
-    start = time.perf_counter()
+    start, args.busy = time.perf_counter(), 0
     layouts = bench_layouts(args, artifact, log_dir)
     routing = bench_prefix_routing(args, artifact, log_dir)
     print(f"\nmeasured in {time.perf_counter() - start:.0f} s; round of median tok/s (TTFT of that round), "
           "lowest-highest tok/s of the rounds")
+    if args.busy:
+        print(f"warning: {args.busy} level(s) started on a busy machine (after --quiet-wait {args.quiet_wait:g} s)")
     print(f"{'replicas x threads':<22} {'conc':>4} {'out tokens':>10} {'tok/s':>8} {'rounds':>11} {'TTFT p50 ms':>11} "
           f"{'TTFT p99 ms':>11}")
     for (name, concurrency), rounds in layouts.items():
@@ -388,13 +394,15 @@ def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replicas", action="store_true", help="measure served replicas instead of one hop")
     group.add_argument("--concurrency", type=lambda text: [int(v) for v in text.split(",")], default=[8, 16],
                        help="comma-separated client counts (default 8,16)")
-    group.add_argument("--requests", type=int, default=32, help="requests a level")
+    group.add_argument("--requests", type=int, default=64, help="requests a level")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--context", type=int, default=2048, help="the checkpoint's context (holds a system prompt)")
     group.add_argument("--system-prompts", type=int, default=4, help="distinct shared prompts a round")
     group.add_argument("--system-len", type=int, default=1000, help="tokens of each shared prompt")
-    group.add_argument("--prefix-requests", type=int, default=32, help="shared-prompt requests a round")
+    group.add_argument("--prefix-requests", type=int, default=64, help="shared-prompt requests a round")
     group.add_argument("--prefix-concurrency", type=int, default=8)
+    group.add_argument("--quiet-wait", type=float, default=30,
+                       help="seconds to wait for an idle machine before each level (then it runs anyway)")
 
 
 def main() -> None:
