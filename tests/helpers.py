@@ -306,13 +306,14 @@ def local_ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[str]:
     ray_cli = Path(sys.executable).with_name("ray")
 
     def start(*args: str) -> None:
+        # Ports Ray would otherwise take at fixed defaults get free ones: two test workers may each run a cluster.
         result = subprocess.run([str(ray_cli), "start", f"--num-cpus={cpus}", "--disable-usage-stats",
-                                 f"--temp-dir={temp_dir}", *args],
+                                 f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={free_port()}", *args],
                                 capture_output=True, text=True, timeout=RAY_START_TIMEOUT, env=RAY_ENV)
         assert result.returncode == 0, result.stdout + result.stderr
 
     try:
-        start("--head", f"--port={port}", "--include-dashboard=false")
+        start("--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false")
         for _ in range(nodes - 1):
             start(f"--address=127.0.0.1:{port}")
         yield f"127.0.0.1:{port}"
