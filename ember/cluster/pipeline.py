@@ -29,12 +29,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ember.cluster.replica import START_TIMEOUT, ReplicaSettings, connect, ray
+from ember.cluster.replica import ReplicaSettings, connect, ray, wait_started
 from ember.core.errors import EmberError, GenerationError
 from ember.core.manifest import read_manifest
 
 try:
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+    from ray.exceptions import RayActorError, RayError, RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as err:
     raise EmberError(f"ember serve --ray needs Ray ({err.name} is missing): pip install 'ember[cluster]'") from None
@@ -227,17 +227,8 @@ class _Stage:
 
     def wait_ready(self) -> None:
         """Wait for the stage to load; one line if it cannot."""
-        name = f"stage {self.spec.index}"
-        try:
-            self.info = ray.get(self.ready, timeout=START_TIMEOUT)
-        except GetTimeoutError:
-            raise EmberError(f"{name} did not start within {START_TIMEOUT:g} s: the cluster may lack a free CPU "
-                             f"on node {self.node.address} (--threads {self.threads})") from None
-        except RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, EmberError) else err
-            raise EmberError(f"{name} failed to start: {str(cause).strip().splitlines()[-1]}") from None
-        except RayError as err:
-            raise EmberError(f"{name} failed to start: {str(err).strip().splitlines()[0]}") from None
+        self.info = wait_started(self.ready, f"stage {self.spec.index}", f"the cluster may lack a free CPU on node "
+                                 f"{self.node.address} (--threads {self.threads})")
         self.loading = False
         log.warning("ember: stage %d (layers %d-%d) serving on node %s, pid %s", self.spec.index,
                     self.spec.layers[0], self.spec.layers[1] - 1, self.info["node"], self.info["pid"])

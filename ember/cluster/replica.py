@@ -81,6 +81,19 @@ class ReplicaActor:
         self._forever.wait()
 
 
+def wait_started(ready: object, name: str, timeout_hint: str) -> dict:
+    """What an actor's start call returned; one line naming `name` if it timed out (with `timeout_hint`) or failed."""
+    try:
+        return ray.get(ready, timeout=START_TIMEOUT)
+    except GetTimeoutError:
+        raise EmberError(f"{name} did not start within {START_TIMEOUT:g} s: {timeout_hint}") from None
+    except RayTaskError as err:
+        cause = err.cause if isinstance(err.cause, EmberError) else err
+        raise EmberError(f"{name} failed to start: {str(cause).strip().splitlines()[-1]}") from None
+    except RayError as err:
+        raise EmberError(f"{name} failed to start: {str(err).strip().splitlines()[0]}") from None
+
+
 def _node_address() -> str:
     """The address this actor's node joined the cluster with (127.0.0.1 for loopback nodes), which the front
     reaches it by; not the machine's outward address that `ray.util.get_node_ip_address` guesses."""
@@ -127,16 +140,8 @@ class ReplicaPool:
 
     def _serve(self, index: int, ready: object) -> None:
         """Wait for replica `index`'s address and let the router send it requests."""
-        try:
-            info = ray.get(ready, timeout=START_TIMEOUT)
-        except GetTimeoutError:
-            raise EmberError(f"replica {index} did not start within {START_TIMEOUT:g} s: the cluster may lack a "
-                             f"free node with {self.settings.threads} CPU(s) (--threads)") from None
-        except RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, EmberError) else err
-            raise EmberError(f"replica {index} failed to start: {str(cause).strip().splitlines()[-1]}") from None
-        except RayError as err:
-            raise EmberError(f"replica {index} failed to start: {str(err).strip().splitlines()[0]}") from None
+        info = wait_started(ready, f"replica {index}",
+                            f"the cluster may lack a free node with {self.settings.threads} CPU(s) (--threads)")
         self._stopped_refs[index] = self._actors[index].wait_stopped.remote()
         self.router.set_alive(index, info)
         log.warning("ember: replica %d serving at %s (pid %s)", index, info["url"], info["pid"])
