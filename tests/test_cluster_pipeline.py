@@ -57,6 +57,16 @@ TOLERANCE = 1e-5
 NO_EOS = {str(models.EOS_ID): -100}  # greedy answers run to max_tokens
 
 
+def _compile_whole_and_split(checkpoint: Path, root: Path, name: str, cache_key: str) -> dict[int, Path]:
+    """`checkpoint` compiled whole (key 1) and split into 2 and 3 stages, under `root`, through the artifact cache."""
+    artifacts = {}
+    for stages in (1, 2, 3):
+        artifacts[stages] = root / f"{name}-{stages}"
+        extra = () if stages == 1 else ("--pipeline-stages", str(stages))
+        compile_cached(f"{cache_key}-{stages}", checkpoint, artifacts[stages], *COMPILE_ARGS, *extra)
+    return artifacts
+
+
 @pytest.fixture(scope="module")
 def split_llama(tmp_path_factory) -> dict[int, Path]:
     """The three-layer tiny llama compiled whole (key 1) and split into 2 and 3 stages."""
@@ -64,12 +74,7 @@ def split_llama(tmp_path_factory) -> dict[int, Path]:
     model_type, overrides = models.TINY_MODELS["llama"]
     config = models.make_config(model_type, **{**overrides, "num_hidden_layers": 3})
     checkpoint = models.write_model(models.random_model(config), root / "checkpoint")
-    artifacts = {}
-    for stages in (1, 2, 3):
-        artifacts[stages] = root / f"llama-{stages}"
-        extra = () if stages == 1 else ("--pipeline-stages", str(stages))
-        compile_cached(f"tiny-llama-3-layers-{stages}", checkpoint, artifacts[stages], *COMPILE_ARGS, *extra)
-    return artifacts
+    return _compile_whole_and_split(checkpoint, root, "llama", "tiny-llama-3-layers")
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +104,7 @@ def split_llama_110m(tmp_path_factory) -> dict[int, Path]:
     checkpoint = root / "checkpoint"
     # no tokenizer (the tiny one has too few tokens for 32000): the test feeds token ids, as the benchmark does
     models.random_model(config).to(torch.bfloat16).save_pretrained(checkpoint, safe_serialization=True)
-    artifacts = {}
-    for stages in (1, 2, 3):
-        artifacts[stages] = root / f"llama-110m-{stages}"
-        extra = () if stages == 1 else ("--pipeline-stages", str(stages))
-        compile_cached(f"llama-110m-{stages}", checkpoint, artifacts[stages], *COMPILE_ARGS, *extra)
-    return artifacts
+    return _compile_whole_and_split(checkpoint, root, "llama-110m", "llama-110m")
 
 
 @pytest.fixture(scope="module")
