@@ -5,4 +5,5 @@
 - `quant_formats`: the quantized weight formats (packing, scales, the numpy reference).
 - `kv_cache`: the paged KV cache every model attends through, and the tag on its kernels.
 - `module_utils`: small helpers to read and rebuild IRModules.
+- `tvmscript`: TVMScript parsed without scanning `sys.modules` for every frame, and each kernel once.
 """

@@ -57,6 +57,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
+from ember.ir.tvmscript import parsed_once
 from ember.schedules.int8_matmul import int8_dot_compute, quantize_rows, supports
 from ember.targets.int8_dot import Int8Dot
 
@@ -165,6 +166,7 @@ def _signed_wide_copy(fmt: QuantFormat, k: int, units: int):
     return copy
 
 
+@parsed_once
 def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, vnni: Int8Dot | None = None,
                     vector_bits: int = 512, vnni_below: int = VNNI_BELOW_ROWS,
                     row_tiles: int | None = None) -> tirx.PrimFunc:

@@ -29,6 +29,7 @@ import math
 
 from tvm.script import tirx as T
 
+from ember.ir.tvmscript import parsed_once
 from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import exp2, reduce_lanes
 
@@ -42,6 +43,7 @@ AHEAD = 16
 _START_MAX = -5e4
 
 
+@parsed_once
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                            page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.

@@ -101,6 +101,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
+from ember.ir.tvmscript import parsed_once
 from ember.schedules.common import prefetch
 from ember.targets.int8_dot import Int8Dot
 
@@ -330,6 +331,7 @@ def rebuild(func: tirx.PrimFunc, dot: Int8Dot, vector_bits: int, knobs: Sequence
     return kernel.with_attrs(dict(func.attrs))
 
 
+@parsed_once
 def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool,
                     vector_bits: int, knobs: Sequence[int] | None = None) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`.

@@ -42,6 +42,7 @@ import math
 from tvm.script import tirx as T
 
 from ember.ir.kv_cache import KVRows
+from ember.ir.tvmscript import parsed_once
 from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
 
@@ -258,6 +259,7 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
     return attention_tasks
 
 
+@parsed_once
 def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, lanes: int,
                              symbol: str, rows: KVRows | None = None):
     """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]; with `rows`,
@@ -321,6 +323,7 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     return prefill_ragged
 
 
+@parsed_once
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
                             lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages,

@@ -31,7 +31,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import inspect
 import shutil
 import subprocess
 from concurrent.futures import ProcessPoolExecutor
@@ -48,31 +47,13 @@ from helpers import q8_0_activations, run_ember
 
 from ember.core.without_torch import hide_torch_from_tvm
 from ember.ir.quant_formats import FORMATS
+from ember.ir.tvmscript import stacks_from_linecache
 
 PREFILL_CHUNK = 64  # below the 100-token prompts, so prefill runs in chunks
 MAX_BATCH = 4
 CLI_COMPILED = ("llama",)
 LONG_CONTEXT = 1024  # the long-context tiny llama's: serving tests send prompts of up to 400 tokens
 LONG_MAX_BATCH = 8
-
-
-# TVMScript evaluates a kernel's expressions as code named "<ast>", and each macro or prim_func it parses walks the
-# stack with inspect, which looks up every frame's module: for "<ast>", a file no module is loaded from, that is a
-# scan of all of sys.modules, to answer None. A test process holds torch and transformers (~4,000 modules, 3x the
-# CLI's), and the scans took a quarter of each in-process compile (a tiny exported model: ~4 s of ~17 s).
-TVMSCRIPT_SOURCE = "<ast>"
-_getmodule = inspect.getmodule
-
-
-def _getmodule_skipping_tvmscript(obj, _filename=None):
-    """inspect.getmodule, answering None at once for a frame or code object of TVMScript's "<ast>" code (which has
-    neither __module__ nor __name__ to find it by), as its scan of sys.modules would."""
-    if _filename == TVMSCRIPT_SOURCE and (inspect.isframe(obj) or inspect.iscode(obj)):
-        return None
-    return _getmodule(obj, _filename)
-
-
-inspect.getmodule = _getmodule_skipping_tvmscript
 
 
 @dataclass
@@ -309,6 +290,15 @@ def cli_compiled_llama(tiny_models, tmp_path_factory) -> TinyModel:
     model_dir = tiny_models.checkpoint("llama")
     artifact_dir = tmp_path_factory.mktemp("cli-compiled") / "llama"
     return TinyModel("llama", model_dir, artifact_dir, compile_through_cli(model_dir, artifact_dir))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stacks_read_from_linecache():
+    """Kernels parsed outside `ember compile` (a test building one kernel, or lowering a module itself) read the
+    stack as the compiler does (`ember.ir.tvmscript`): a test process holds torch and transformers, ~4,000 modules
+    for `inspect` to scan per frame otherwise."""
+    with stacks_from_linecache():
+        yield
 
 
 @pytest.fixture(scope="session")

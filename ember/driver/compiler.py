@@ -37,6 +37,7 @@ from ember.frontend.gguf import conversion_summary
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
 from ember.ir.kv_cache import KV_ROWS
 from ember.ir.quant_formats import FORMATS, QuantFormat
+from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
@@ -102,6 +103,7 @@ def check_sizes(prefill_chunk: int, max_batch: int) -> None:
         raise EmberError(f"--max-batch {max_batch}: must be between 1 and {MAX_BATCH}")
 
 
+@stacks_from_linecache()
 def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
                   dump_ir: Path | None = None) -> CompileResult:
     """Compile `model_dir`, a Hugging Face checkpoint directory or a GGUF file, into an artifact at `output_dir`;

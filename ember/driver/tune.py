@@ -37,10 +37,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import json
-import linecache
 import logging
 import math
 import os
@@ -65,6 +63,7 @@ from ember.driver.farm import Farm, runner_arguments, runner_session
 from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend import source as model_source
 from ember.ir.quant_formats import FORMATS
+from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir_passes import pipeline
 from ember.runtime.device import use_cpu_threads
 from ember.schedules import int8_matmul
@@ -142,6 +141,7 @@ class TunedKernel:
     comparison: Comparison | None
 
 
+@stacks_from_linecache()
 def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     """Tune the hottest kernels of `model` (a checkpoint or an artifact) into `options.db`."""
     model, options = _resolve_model(Path(model), options)
@@ -342,32 +342,13 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
 
 
 def _import_tensor_intrinsics() -> None:
-    """Import TVM's tensor intrinsics, which meta_schedule's `TuneContext` imports on first use, in ~1 s, not ~30.
-
-    The module defines ~250 TVMScript functions, and each decorator calls `inspect.stack()`. For every frame of
-    the import machinery on the stack (`<frozen importlib._bootstrap>`, which is no file) that scans all of
-    `sys.modules`: 30 s of every tune's start with TVM alone loaded, 37 s beside torch (measured here). The
-    parser reads each frame, its locals, and the source line of its caller's caller; `linecache` gives that
-    line as `inspect` would, so the stack is built from the frames directly while the module imports.
-    """
+    """Import TVM's tensor intrinsics, which meta_schedule's `TuneContext` imports on first use, in ~1 s, not ~30:
+    the module defines ~250 TVMScript functions, each decorator reads the stack, and the import machinery's
+    frames are files no module was loaded from (see `ember.ir.tvmscript`)."""
     if "tvm.s_tir.tensor_intrin" in sys.modules:
         return
-
-    def frames_with_their_line(context: int = 1) -> list[inspect.FrameInfo]:
-        frames, frame = [], sys._getframe(1)
-        while frame is not None:
-            filename, lineno = frame.f_code.co_filename, frame.f_lineno
-            line = linecache.getline(filename, lineno) if context > 0 else ""
-            frames.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name,
-                                            [line] if line else None, 0 if line else None))
-            frame = frame.f_back
-        return frames
-
-    stack, inspect.stack = inspect.stack, frames_with_their_line
-    try:
+    with stacks_from_linecache():
         import tvm.s_tir.tensor_intrin  # noqa: F401
-    finally:
-        inspect.stack = stack
 
 
 def _measure_next_knobs(kernel: HotKernel, count: int, database: TuningDatabase, target: TargetSpec,

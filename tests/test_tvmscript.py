@@ -1,0 +1,58 @@
+"""`ember.ir.tvmscript`: stacks read from linecache equal inspect's own records, and a kernel builder parses once."""
+
+import inspect
+
+from tvm.script import tirx as T
+
+from ember.ir.tvmscript import parsed_once, stacks_from_linecache
+
+
+def _nested(depth: int, read):
+    return read() if depth == 0 else _nested(depth - 1, read)
+
+
+def _with_inspects_reads(records: list[inspect.FrameInfo], context: int) -> list[tuple]:
+    """Each record beside what `inspect.getframeinfo` (which looks up each frame's module) reads of its frame now:
+    called on the line that read the stack, so every frame is still on the line recorded."""
+    return [((r.filename, r.lineno, r.function, r.code_context, r.index),
+             (i.filename, i.lineno, i.function, i.code_context, i.index))
+            for r, i in ((record, inspect.getframeinfo(record.frame, context)) for record in records)]
+
+
+def _here():
+    return inspect.currentframe().f_back
+
+
+def test_stack_and_outer_frames_read_each_frame_as_inspect_does():
+    with stacks_from_linecache():
+        assert inspect.stack.__module__ == inspect.getouterframes.__module__ == "ember.ir.tvmscript"
+        for context in (0, 1, 3, 6):
+            stack = _nested(3, lambda c=context: _with_inspects_reads(inspect.stack(c), c))
+            outer = _nested(2, lambda c=context: _with_inspects_reads(inspect.getouterframes(_here(), c), c))
+            assert [ours[2] for ours, _ in stack[:5]] == ["<lambda>", *["_nested"] * 4]
+            assert [ours[2] for ours, _ in outer[:4]] == ["<lambda>", *["_nested"] * 3]
+            for ours, theirs in stack + outer:
+                assert ours == theirs
+            assert len(stack) > 8 and any(ours[3] for ours, _ in stack) == (context > 0)
+
+
+def test_a_builder_parses_each_argument_tuple_once():
+    parses = []
+
+    @parsed_once
+    def add_constant(n: int, constants: tuple[int, ...]):
+        parses.append((n, constants))
+        total = sum(constants)
+
+        @T.prim_func
+        def add(a: T.Buffer((n,), "int32"), b: T.Buffer((n,), "int32")):
+            for i in range(n):
+                b[i] = a[i] + total
+
+        return add
+
+    first = add_constant(4, [1, 2])
+    assert add_constant(4, (1, 2)) is first  # a list argument is keyed as the tuple of its items
+    other = add_constant(8, (1, 2))
+    assert other is not first and parses == [(4, (1, 2)), (8, (1, 2))]
+    assert "a[i] + 3" in first.script()
