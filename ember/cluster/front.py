@@ -19,7 +19,7 @@ from typing import TypeVar
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
 from ember.runtime.protocol import ApiError, internal_error, sse
-from ember.runtime.server import wait_unless_disconnected
+from ember.runtime.server import MAX_BODY_BYTES, wait_unless_disconnected
 
 try:
     import aiohttp
@@ -32,7 +32,6 @@ except ImportError as err:
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 2**20  # as runtime/server.py's: a larger body is refused before it reaches a replica
 REPLICA_HEADER = "X-Ember-Replica"  # which replica answered, on every relayed response
 # Hop-by-hop and framing headers: the front writes its own.
 _NOT_RELAYED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date",
