@@ -56,9 +56,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir.quant_formats import INTERLEAVED, INTERLEAVED_ROWS, SCALE_DTYPE, QuantFormat
+from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
 from ember.ir.tvmscript import parsed_once
-from ember.schedules.int8_matmul import int8_dot_compute, quantize_rows, supports
+from ember.schedules.int8_matmul import int8_dot_compute, matmul_prim_func, quantize_rows, supports
 from ember.targets.int8_dot import Int8Dot
 
 TILE_ROWS = 16  # activation rows of an A and a C tile
@@ -182,8 +182,6 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
     lanes = INTERLEAVED_ROWS
     groups = k // fmt.group_size
     zero_point = fmt.zero_point
-    parts = fmt.part_shapes(n, k, INTERLEAVED)
-    packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
     config = tile_config(units, row_tiles)
     col_tiles, col_rows = column_tiles(units)
     block_rows = row_tiles * TILE_ROWS  # activation rows of one row block
@@ -330,11 +328,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     @T.macro
-    def matmul(x_handle, packed, scale, low, y_handle):
-        batch = T.int64()
-        seq = T.int64()
-        x = T.match_buffer(x_handle, (batch, seq, k), "float32")
-        y = T.match_buffer(y_handle, (batch, seq, n), "float32")
+    def compute(batch, seq, x, packed, scale, low, y):
         if vnni is None:
             tiles(batch, seq, x, packed, scale, low, y)
         elif batch * seq < vnni_below:
@@ -342,22 +336,6 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
         else:
             tiles(batch, seq, x, packed, scale, low, y)
 
-    if zero_point:
-        @T.prim_func(s_tir=True)
-        def amx_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                                     scale: T.Buffer(scale_shape, SCALE_DTYPE),
-                                     low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-            matmul(x_handle, packed, scale, low, y_handle)
-
-        kernel = amx_matmul_with_minimums
-    else:
-        @T.prim_func(s_tir=True)
-        def amx_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                       scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-            matmul(x_handle, packed, scale, None, y_handle)
-
-        kernel = amx_matmul
+    kernel = matmul_prim_func("amx_matmul", fmt, n, k, compute)
     return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "units": units, "row_tiles": row_tiles,
                                          "vnni_below": vnni_below if vnni is not None else 0})

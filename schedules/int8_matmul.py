@@ -338,7 +338,14 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
 
     See `int8_dot_compute` for the arguments; parameters: x [batch, seq, k] float32, the weight's parts, y."""
     compute = int8_dot_compute(fmt, n, k, dot, many_tokens, vector_bits, knobs)
-    zero_point = fmt.zero_point
+    kernel = matmul_prim_func("int8_matmul", fmt, n, k, compute)
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
+
+
+def matmul_prim_func(name: str, fmt: QuantFormat, n: int, k: int, compute) -> tirx.PrimFunc:
+    """The PrimFunc `name` (`name`_with_minimums with a zero point) over x [batch, seq, k] float32, an [n, k] weight's
+    interleaved parts in `fmt` and y [batch, seq, n], its body the macro `compute(batch, seq, x, packed, scale, low,
+    y)` (low: None without a zero point)."""
     parts = fmt.part_shapes(n, k, INTERLEAVED)
     packed_shape, scale_shape = parts["packed"][0], parts["scale"][0]
 
@@ -350,24 +357,23 @@ def int8_dot_matmul(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens:
         y = T.match_buffer(y_handle, (batch, seq, n), "float32")
         compute(batch, seq, x, packed, scale, low, y)
 
-    if zero_point:
+    if fmt.zero_point:
         @T.prim_func(s_tir=True)
-        def int8_matmul_with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                                      scale: T.Buffer(scale_shape, SCALE_DTYPE),
-                                      low: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+        def with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                          scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
+                          y_handle: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
             matmul(x_handle, packed, scale, low, y_handle)
 
-        kernel = int8_matmul_with_minimums
-    else:
-        @T.prim_func(s_tir=True)
-        def int8_matmul(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
-                        scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
-            matmul(x_handle, packed, scale, None, y_handle)
+        return with_minimums.with_attr("global_symbol", f"{name}_with_minimums")
 
-        kernel = int8_matmul
-    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "many_tokens": many_tokens})
+    @T.prim_func(s_tir=True)
+    def without_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, "uint32"),
+                         scale: T.Buffer(scale_shape, SCALE_DTYPE), y_handle: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})  # 8: opaque, never fused
+        matmul(x_handle, packed, scale, None, y_handle)
+
+    return without_minimums.with_attr("global_symbol", name)
 
 
 def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0):
