@@ -74,7 +74,8 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
     register tiles sized by the target's `vector_bits`), where the format and shape allow it; on a target
     with AMX (`Int8Dot.tiles`) prefill's on AMX tiles (`schedules/amx_matmul.py`) from
-    `amx_matmul.VNNI_BELOW_ROWS` rows of a call up, its shorter calls on the vector dot product.
+    `amx_matmul.VNNI_BELOW_ROWS` rows of a call up (a knob of `ember tune`), its shorter calls on the vector dot
+    product.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")

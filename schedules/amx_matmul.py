@@ -47,16 +47,20 @@ another 2.9), the scaling alone 3.7 ms, both 7.5-7.9 ms; VNNI 11.4 ms. The scali
 the products (1.3x-1.6x VNNI, where the products alone run 4x).
 Built with the target's dot product (as `QuantizeWeights` builds it), the kernel also holds the VNNI
 kernel's body (`int8_matmul.int8_dot_compute`) and runs it for calls of fewer than `VNNI_BELOW_ROWS` rows.
+`ember tune` tunes that threshold with the tile blocking (`knob_space`; compile rebuilds a kernel, `rebuild`).
 Linux gives a process AMX state only when asked (`ember.runtime.amx.request_amx_permission`);
 without it the first tile instruction is SIGILL.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
+from ember.ir.quant_formats import FORMATS, INTERLEAVED_ROWS, QuantFormat
 from ember.ir.tvmscript import parsed_once
 from ember.schedules.int8_matmul import int8_dot_compute, matmul_prim_func, quantize_rows, supports
 from ember.targets.int8_dot import Int8Dot
@@ -66,14 +70,19 @@ PART_VECTORS = 8  # 16-lane accumulators a scaling pass keeps in registers (a bu
 PASS_GROUPS = 4  # groups whose sums are scaled in one pass over the accumulators
 GROUP_BYTES = 32  # K bytes of one group: an A tile's row, a B tile's row (8 columns x 4 bytes)
 PAIR = 2  # blocks side by side in one B tile's 64-byte rows
-AMX_KNOBS = ("units", "row_tiles")  # 8-row weight blocks per parallel task (4: two 16-row column tiles, 2: one,
-# 1: one 8-row tile where blocks do not pair up), and 16-row A tiles per row block (2 or 1)
+AMX_KNOBS = ("units", "row_tiles", "vnni_below")  # 8-row weight blocks per parallel task (4: two 16-row column
+# tiles, 2: one, 1: one 8-row tile where blocks do not pair up), 16-row A tiles per row block (2 or 1), and the rows
+# from which a call runs on tiles (below: the VNNI body), as `ember tune` enumerates them (`knob_space`)
 ROW_TILE_SPACE = (2, 1)
 # Calls of fewer rows run the VNNI kernel's body: with one 32-row block, copying a task's blocks side by side and
 # padding the rows cost what the tiles gain. [2048, 2048], 2 threads, loaded 2-vCPU host, AMX/VNNI speed: 32 rows
 # 1.01x (q8f32) and 1.00x (q4f32), 48 rows (padded to 64) 0.90x and 0.79x, 64 rows 1.17x and 1.00x, 128 rows 1.40x
 # and 1.34x.
 VNNI_BELOW_ROWS = 64
+VNNI_BELOW_SPACE = (32, 64, 128)  # the thresholds `ember tune` tries
+# Row counts between those thresholds: `ember tune` times a kernel at them, beside its prefill rows, so that the
+# threshold is chosen by what each side of it measures (`tuning.timed_rows`).
+THRESHOLD_ROWS = (48, 96)
 # On each kernel: {"format", "n", "k", "units", "row_tiles", "vnni_below"} (0: tiles for every row count).
 BUILD_ATTR = "ember.amx_matmul"
 
@@ -82,6 +91,38 @@ def unit_space(n: int) -> list[int]:
     """The `units` knob values an [n, k] weight takes (blocks must split into whole tasks), the rule's first."""
     blocks = n // INTERLEAVED_ROWS
     return [units for units in (4, 2, 1) if blocks % units == 0]
+
+
+def knob_space(n: int) -> list[list[int]]:
+    """Every (units, row_tiles, vnni_below) an [n, k] weight's kernel takes, the rule's first."""
+    rule = [unit_space(n)[0], ROW_TILE_SPACE[0], VNNI_BELOW_ROWS]
+    space = [[units, row_tiles, below] for units in unit_space(n) for row_tiles in ROW_TILE_SPACE
+             for below in VNNI_BELOW_SPACE]
+    return [rule, *(knobs for knobs in space if knobs != rule)]
+
+
+def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
+    """What `func` computes and its knobs if `amx_int8_matmul` built it (`BUILD_ATTR`, as plain values), else None."""
+    built = (func.attrs or {}).get(BUILD_ATTR)
+    if built is None:
+        return None
+    return {"format": str(built["format"]), **{name: int(built[name]) for name in ("n", "k", *AMX_KNOBS)}}
+
+
+def kernel_knob_space(func: tirx.PrimFunc) -> list[list[int]] | None:
+    """`knob_space` of a kernel `amx_int8_matmul` built with the VNNI body (None for any other PrimFunc)."""
+    built = built_as(func)
+    return None if built is None or not built["vnni_below"] else knob_space(built["n"])
+
+
+def rebuild(func: tirx.PrimFunc, vnni: Int8Dot, vector_bits: int, knobs: Sequence[int]) -> tirx.PrimFunc:
+    """The kernel `func` (built by `amx_int8_matmul` with `vnni`) built again with `knobs` (`AMX_KNOBS`), keeping
+    `func`'s other attributes."""
+    built = built_as(func)
+    units, row_tiles, vnni_below = knobs
+    kernel = amx_int8_matmul(FORMATS[built["format"]], built["n"], built["k"], units, vnni, vector_bits, vnni_below,
+                             row_tiles)
+    return kernel.with_attrs({**dict(func.attrs), BUILD_ATTR: kernel.attrs[BUILD_ATTR]})
 
 
 def column_tiles(units: int) -> tuple[int, int]:
@@ -174,7 +215,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
 
     Same parameters as `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts,
     y [batch, seq, n]; the same numbers as the VNNI kernel (integer sums equal, scaled with the same expression).
-    `units`, `row_tiles`: the knobs (`AMX_KNOBS`), the rule's where None.
+    `units`, `row_tiles`, `vnni_below`: the knobs (`AMX_KNOBS`), the rule's where None (or defaulted).
     With `vnni` (the target's dot product), calls of fewer than `vnni_below` rows run the VNNI kernel's body."""
     if not supports(fmt, n, k):
         raise ValueError(f"the AMX int8 matmul does not compute a [{n}, {k}] {fmt.name} weight")

@@ -18,7 +18,10 @@ times one by one with the same builder and runner. A record has the same form as
 float matmul's: a trace of one `SampleCategorical` per knob (here nothing else), whose
 decisions are the knobs, for the workload of the rule-built kernel; compile rebuilds
 the kernel with them (`schedule_with`). Its workload keeps `int8_matmul.BUILD_ATTR`,
-which says what the kernel computes and which symbolic sizes are decode's.
+which says what the kernel computes and which symbolic sizes are decode's. The AMX matmul
+(`amx_matmul.py`, prefill on a target with AMX-INT8) is tuned the same way: its knobs
+(`AMX_KNOBS`: tile blocking, and the row count from which calls run on tiles, `knob_space`:
+at most 18) are kept in its `BUILD_ATTR`, so its workload is that of the rule-built kernel.
 
 Shapes. A kernel is tuned as its *workload*: the PrimFunc with `batch_size = 1`
 (decode's common case) and `seq_len`/`num_logits = min(TUNE_SEQ_LEN, bound)`
@@ -37,12 +40,17 @@ at one row and at the most rows a call of it takes (`timed_rows`: the artifact's
 `--max-batch`, or a verify step's tokens), and its time is the sum. Those rows are
 part of its workload (`TIMED_ROWS_ATTR`, absent at one row, the key every decode kernel
 had before): a record measured for one batch bound does not apply to another's kernels.
+An AMX kernel's row threshold is chosen the same way: each trial is timed at its prefill tokens and at
+rows between the thresholds tried (`amx_matmul.THRESHOLD_ROWS`), which one side or the other of each
+threshold runs, the times summed.
 
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
 on the same random inputs at a size that exercises the symbolic tails (37 tokens,
 5 sequences) and must agree within rtol 1e-4; a mismatch is a warning and the rule
 stays. So does a record whose knobs are the rule's own (`ember tune` records them
-when the search does not beat the rule). Tuned kernels carry
+when the search does not beat the rule). An AMX kernel's record goes by the check `ember tune` made
+(`checks.json`), as a farm device's records do: a compile's process has no permission to run tiles.
+Tuned kernels carry
 `ember.schedule_source = "tuning"` so the compile report can count them.
 """
 
@@ -62,7 +70,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ember.ir.module_utils import replace_functions, schedulable_kernels, upper_bounds
-from ember.schedules import int8_matmul
+from ember.schedules import amx_matmul, int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase, describe
 from ember.targets.registry import TargetSpec
@@ -79,17 +87,19 @@ _TUNE_SIZES = {"seq_len": TUNE_SEQ_LEN, "num_logits": TUNE_SEQ_LEN, "batch_size"
 RTOL = 1e-4
 
 
-def workload(func: tirx.PrimFunc, rows: int = 1) -> tvm.IRModule | None:
+def workload(func: tirx.PrimFunc, rows: int | None = None) -> tvm.IRModule | None:
     """The static-shaped module `func` is tuned as (its records' key), or None if it has sizes ember does
-    not tune; for an int8 decode kernel, `rows` sets its activation rows (a decode batch) for timing."""
-    sizes = _sizes(func, {**_TUNE_SIZES, "batch_size": rows})
+    not tune; `rows` (one of its `timed_rows`) sets the activation rows it is timed at: an int8 decode kernel's
+    batch, an AMX kernel's prefill tokens."""
+    sizes = _sizes(func, _TUNE_SIZES if rows is None else _timing_sizes(func, rows))
     if sizes is None:
         return None
     static = func.specialize(_static_buffers(func, sizes)) if sizes else func
     bare = tirx.PrimFunc(static.params, static.body, static.ret_type)
     attrs = {"global_symbol": "main", "tirx.noalias": True}
-    if int8_matmul.BUILD_ATTR in (func.attrs or {}):
-        attrs[int8_matmul.BUILD_ATTR] = func.attrs[int8_matmul.BUILD_ATTR]
+    for built in (int8_matmul.BUILD_ATTR, amx_matmul.BUILD_ATTR):
+        if built in (func.attrs or {}):
+            attrs[built] = func.attrs[built]
     if len(timed := timed_rows(func)) > 1:  # (one row only: the key ember had before it timed batches)
         attrs[TIMED_ROWS_ATTR] = list(timed)
     return tvm.IRModule({"main": bare.with_attrs(attrs)})
@@ -97,29 +107,45 @@ def workload(func: tirx.PrimFunc, rows: int = 1) -> tvm.IRModule | None:
 
 def timed_rows(func: tirx.PrimFunc) -> tuple[int, ...]:
     """The activation rows an int8 decode kernel's trials are timed at (their times summed): one, and the most
-    a call of it takes when that is more (its batch bound, or a verify step's tokens); () for other kernels,
-    timed at their workload's shape."""
+    a call of it takes when that is more (its batch bound, or a verify step's tokens); an AMX kernel's: its
+    prefill tokens and `amx_matmul.THRESHOLD_ROWS` (within its bound); () for other kernels, timed at their
+    workload's shape."""
     attrs = func.attrs or {}
     if TIMED_ROWS_ATTR in attrs:  # a workload, or a kernel rebuilt from one
         return tuple(int(rows) for rows in attrs[TIMED_ROWS_ATTR])
+    bounds = upper_bounds(func)
+    if amx_matmul.kernel_knob_space(func) is not None:
+        bound = bounds.get("seq", TUNE_SEQ_LEN)
+        return tuple(sorted({min(rows, bound) for rows in (*amx_matmul.THRESHOLD_ROWS, TUNE_SEQ_LEN)}))
     built = int8_matmul.built_as(func)
     if built is None or built["many_tokens"]:
         return ()
-    bounds = upper_bounds(func)
     most = bounds.get("batch", 1) * bounds.get("seq", 1)  # decode: [batch, 1]; verify: [1, tokens]
     return (1, most) if most > 1 else (1,)
 
 
+def matmul_built_as(func: tirx.PrimFunc) -> dict | None:
+    """What an int8 or AMX matmul kernel computes ({"format", "n", "k", "many_tokens"}: AMX's serve prefill), else
+    None."""
+    built = int8_matmul.built_as(func)
+    if built is None and (amx := amx_matmul.built_as(func)) is not None:
+        built = {"format": amx["format"], "n": amx["n"], "k": amx["k"], "many_tokens": True}
+    return built
+
+
 def is_tunable(func: tirx.PrimFunc, target: TargetSpec) -> bool:
-    """Whether `func` has knobs to tune: the matmul rule schedules it, or it is an int8 matmul."""
+    """Whether `func` has knobs to tune: the matmul rule schedules it, or it is an int8 or AMX matmul."""
     return enumerated_space(func, target) is not None or NTMatmul(target.vector_bits).apply(
         func, target.target, False) is not None
 
 
 def enumerated_space(func: tirx.PrimFunc, target: TargetSpec) -> list[list[int]] | None:
-    """Every knob tuple of an int8 matmul kernel, the rule's first (None for kernels meta_schedule searches)."""
-    return None if target.int8_dot is None else int8_matmul.kernel_knob_space(func, target.int8_dot,
-                                                                               target.vector_bits)
+    """Every knob tuple of an int8 or AMX matmul kernel, the rule's first (None for kernels meta_schedule
+    searches)."""
+    if target.int8_dot is None:
+        return None
+    space = int8_matmul.kernel_knob_space(func, target.int8_dot, target.vector_bits)
+    return amx_matmul.kernel_knob_space(func) if space is None else space
 
 
 def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
@@ -203,26 +229,31 @@ def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: Targe
     if enumerated_space(tuned_as["main"], target) is None:
         NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
     else:  # the knobs alone: the kernel is rebuilt from them
-        for name, (candidates, default) in zip(int8_matmul.INT8_KNOBS, _knob_choices(tuned_as["main"], target)):
-            choose(name, candidates, default)
+        for candidates, default in _knob_choices(tuned_as["main"], target):  # `INT8_KNOBS` or `AMX_KNOBS`
+            choose("", candidates, default)
     return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as),
                                     None if run_secs is None else [run_secs], target.target,
                                     ms.arg_info.ArgInfo.from_prim_func(tuned_as["main"]))
 
 
 def record_knobs(record: ms.database.TuningRecord) -> list[int]:
-    """The knob values a record chose, in the order of `MATMUL_KNOBS` (`INT8_KNOBS` for an int8 matmul)."""
+    """The knob values a record chose, in the order of `MATMUL_KNOBS` (`INT8_KNOBS` for an int8 matmul,
+    `AMX_KNOBS` for an AMX one)."""
     trace = record.trace
     return [int(inst.attrs[0][int(trace.decisions[inst])]) for inst in trace.insts
             if inst.kind.name == "SampleCategorical"]
 
 
 def schedule_with(func: tirx.PrimFunc, knobs: list[int] | None, target: TargetSpec) -> tirx.PrimFunc | None:
-    """`func` scheduled by the matmul rule, or an int8 matmul rebuilt, with `knobs` (None: the rule's defaults)."""
+    """`func` scheduled by the matmul rule, or an int8 or AMX matmul rebuilt, with `knobs` (None: the rule's
+    defaults)."""
     space = enumerated_space(func, target)
     if space is not None:
-        knobs = space[0] if knobs is None else knobs
-        return int8_matmul.rebuild(func, target.int8_dot, target.vector_bits, knobs) if knobs in space else None
+        knobs = space[0] if knobs is None else list(knobs)
+        if knobs not in space:
+            return None
+        rebuild = amx_matmul.rebuild if amx_matmul.built_as(func) is not None else int8_matmul.rebuild
+        return rebuild(func, target.int8_dot, target.vector_bits, knobs)
     rule = NTMatmul(target.vector_bits) if knobs is None else NTMatmul(target.vector_bits, choose=_replay(knobs))
     try:
         sch = rule.apply(func, target.target, False)
@@ -256,8 +287,8 @@ def compare(func: tirx.PrimFunc, knobs: list[int], target: TargetSpec, timed: bo
     if sizes is None or tuned is None or rule is None:
         return None
     inputs = _random_arguments(func, sizes)
-    # Timed on the check's inputs, or an int8 decode kernel at each of its `timed_rows` (the times summed).
-    timing = [_random_arguments(rule, _sizes(rule, {**_TUNE_SIZES, "batch_size": rows}))
+    # Timed on the check's inputs, or an int8 decode or AMX kernel at each of its `timed_rows` (the times summed).
+    timing = [_random_arguments(rule, _sizes(rule, _timing_sizes(rule, rows)))
               for rows in timed_rows(func)] if timed else []
     runs, results = [], []
     for scheduled in (rule, tuned):
@@ -298,20 +329,22 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None or (device and record.target.export() != target.target.export()):
-                if "batch" in upper_bounds(func):  # a decode kernel (not a verify step's copy), for the notice below
-                    untuned_rows.add(timed_rows(func))
+                if "batch" in upper_bounds(func) and amx_matmul.built_as(func) is None:
+                    untuned_rows.add(timed_rows(func))  # a decode kernel (not a verify step's copy): the notice below
                 continue
             knobs = record_knobs(record)
             if knobs == rule_knobs(func, target):
                 # The rule won the search: it schedules this kernel itself.
                 updates[gv.name_hint] = func.with_attr(SCHEDULE_SOURCE_ATTR, "rule-won-tuning")
                 continue
-            if device:
+            if device or amx_matmul.built_as(func) is not None:
+                # An AMX kernel's tiles need Linux's permission, which a compile's process has not asked for: its
+                # record goes by the check `ember tune` made, as a device's do.
                 checked = database.checked(tuned_as, knobs)
                 if not checked:
                     why = "was never checked against the rule" if checked is None else "differed from the rule"
-                    log.warning("tuning record for %s (%s) %s on the device; using the rule", gv.name_hint, knobs,
-                                why)
+                    log.warning("tuning record for %s (%s) %s %s; using the rule", gv.name_hint, knobs, why,
+                                "on the device" if device else "when tuned")
                     continue
             elif (check := compare(func, knobs, target)) is None or not check.agrees:
                 why = "does not fit" if check is None else f"differs from the rule by {check.max_error:.3g}"
@@ -366,9 +399,9 @@ def schedule_sources(mod: tvm.IRModule) -> ScheduleSources:
 
 
 def _tunable_kernels(mod: tvm.IRModule) -> list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
-    """The kernels a tuning record may schedule: those the rules own, and the int8 matmuls."""
+    """The kernels a tuning record may schedule: those the rules own, and the int8 and AMX matmuls."""
     int8 = [(gv, func) for gv, func in mod.functions_items()
-            if isinstance(func, tirx.PrimFunc) and int8_matmul.built_as(func) is not None]
+            if isinstance(func, tirx.PrimFunc) and matmul_built_as(func) is not None]
     return [*schedulable_kernels(mod), *int8]
 
 
@@ -400,9 +433,14 @@ def _replay(knobs: list[int]) -> KnobChooser:
     return choose
 
 
+def _timing_sizes(func: tirx.PrimFunc, rows: int) -> dict[str, int]:
+    """The sizes `func` is timed at with `rows` activation rows: an AMX kernel's prefill tokens, else a batch."""
+    return {**_TUNE_SIZES, ("seq_len" if amx_matmul.built_as(func) is not None else "batch_size"): rows}
+
+
 def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.IntImm] | None:
     """Each symbolic size of `func`'s buffers bound to `values` (clipped to its bound); None if one is unknown."""
-    built = int8_matmul.built_as(func)
+    built = matmul_built_as(func)
     if built is not None:  # its [batch, seq] is a decode step's [batch_size, 1] or a prefill chunk's
         values = {"batch": values["batch_size"], "seq": values["seq_len"] if built["many_tokens"] else 1}
     bounds = upper_bounds(func)

@@ -24,10 +24,13 @@ from tvm import te, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ember.core.errors import TuningError
+from ember.core.machine import host_cpu_flags
 from ember.driver.tune import HotKernel, Measurer, tune_kernel
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS
-from ember.schedules import int8_matmul, schedule_passes
+from ember.runtime import amx
+from ember.runtime.amx import AMX_FLAGS
+from ember.schedules import amx_matmul, int8_matmul, schedule_passes
 from ember.schedules.tuning import (
     SCHEDULE_SOURCE_ATTR,
     ScheduleSources,
@@ -182,6 +185,27 @@ def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
     result = run_ember("tune", str(tmp_path / "missing"), "--db", str(db))
     assert result.returncode == 1 and "missing" in result.stderr and "Traceback" not in result.stderr
     assert not db.exists()
+
+
+@pytest.mark.skipif(resolve_target("cpu").arch != "x86_64", reason="the targets compared are x86 CPUs")
+def test_tune_takes_a_target_whose_extensions_this_cpu_has(tmp_path, monkeypatch):
+    """`ember tune` measures here: it takes a --target of this CPU's architecture whose extensions this CPU has (an
+    AMX mcpu where LLVM names the CPU one without AMX) and refuses one with an extension it lacks, before any work."""
+    from ember.core.errors import EmberError
+    from ember.driver import tune
+
+    haswell = '{"kind": "llvm", "mcpu": "haswell"}'
+    features = set(resolve_target(haswell).cpu_features)
+
+    def tuned(flags):
+        monkeypatch.setattr(tune, "host_cpu_flags", lambda: flags)
+        with pytest.raises(EmberError) as refused:
+            tune.tune_model(tmp_path / "missing", tune.TuneOptions(db=tmp_path / "db", target=haswell))
+        return str(refused.value)
+
+    assert "missing" in tuned(features)  # past the target: the model is what is wrong
+    assert "measures kernels on this machine" in tuned(features - {"avx2"})
+    assert not (tmp_path / "db").exists()
 
 
 @pytest.mark.parametrize("option, value", [("--max-batch", "0"), ("--max-batch", "-1"), ("--max-batch", "2000"),
@@ -352,6 +376,71 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
         tuning_db=db, show_progress=False))
     assert result.schedules.tuned == len(sharing) and result.manifest.activations == "int8"
     _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q4f32"))
+
+
+AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
+
+
+@pytest.mark.skipif(not set(AMX_FLAGS) <= (host_cpu_flags() or set()),
+                    reason="this CPU has no AMX int8 tiles (no amx_tile, amx_int8 in /proc/cpuinfo)")
+def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_path, caplog):
+    """On an AMX target, prefill's AMX matmuls are tuned: their (units, row_tiles, vnni_below) tuples, the rule's
+    first, timed at the prefill tokens and between the thresholds tried; compile applies a record only once its
+    check against the rule (made when tuning: a compile has no tile permission) agreed, rebuilding the kernel with
+    the record's knobs, and the model still matches transformers on its quantized weights."""
+    from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
+    from test_quantization import _assert_logits_match_reference
+
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.driver.tune import hot_kernels
+    from ember.frontend.hf import import_hf_model
+    from ember.ir_passes import pipeline
+
+    target, checkpoint, db = AMX_TARGET, tiny_models.checkpoint("llama"), tmp_path / "db"
+    imported = import_hf_model(checkpoint, target.target, "float32")
+    lowered = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q8f32"], PREFILL_CHUNK,
+                                                                              MAX_BATCH))
+    tiles = [kernel for kernel in hot_kernels(lowered, target) if amx_matmul.built_as(kernel.workload["main"])]
+    assert tiles and {kernel.phases for kernel in tiles} == {"prefill"}
+    hottest = tiles[0]
+    func = hottest.workload["main"]
+    space = enumerated_space(func, target)
+    assert rule_knobs(func, target) == space[0] and space[0][1:] == [2, amx_matmul.VNNI_BELOW_ROWS]
+    assert {knobs[2] for knobs in space} == set(amx_matmul.VNNI_BELOW_SPACE) and len(space) == space_size(func, target)
+    assert timed_rows(func) == (48, PREFILL_CHUNK)  # between the thresholds 32 and 64, and a whole prefill chunk
+    database = TuningDatabase.for_tuning(db)
+    assert tune_kernel(hottest, 2, database, target, time.monotonic() + 300) == 2
+    trials = database.records.get_all_tuning_records()
+    assert sorted(record_knobs(record) for record in trials) == sorted(space[:2])
+    assert all(record.run_secs for record in trials)  # run on tiles: the runner's workers have the permission
+
+    # A faster record of tiles from 32 rows, one row tile per block: unchecked, compile keeps the rule.
+    other = [space[0][0], 1, 32]
+    database.records.commit_tuning_record(knobs_record(hottest.workload, database, target, 1e-10, other))
+    mod = tvm.IRModule({hottest.name: lowered[hottest.name]})
+
+    def applied():
+        with caplog.at_level(logging.WARNING, logger="ember"), target.target:
+            return apply_tuning_database(TuningDatabase.for_compiling(db), target)(mod)
+
+    assert schedule_sources(applied()) == ScheduleSources(tuned=0, rule_won=0, untuned=1)
+    assert "was never checked against the rule when tuned" in caplog.text
+    amx.request_amx_permission("test_tuning")  # the check runs the tiles in this process, as `ember tune` does
+    check = compare(func, other, target)
+    database.record_check(hottest.workload, other, check.agrees, check.max_error)
+    result = applied()
+    assert check.agrees and schedule_sources(result) == ScheduleSources(tuned=1, rule_won=0, untuned=0)
+    rebuilt = amx_matmul.built_as(result[hottest.name])
+    assert [rebuilt[name] for name in amx_matmul.AMX_KNOBS] == other
+
+    sharing = [func for func in lowered.functions.values() if isinstance(func, tirx.PrimFunc)
+               and (tuned_as := workload(func)) is not None and tvm_ffi.structural_equal(tuned_as, hottest.workload)]
+    out = tmp_path / "artifact"
+    compiled = compile_model(checkpoint, out, CompileOptions(
+        target=json.dumps(target.tvm_target), quantization="q8f32", prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH,
+        tuning_db=db, show_progress=False))
+    assert compiled.schedules.tuned == len(sharing) >= 1
+    _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q8f32"))
 
 
 @pytest.mark.skipif(resolve_target("cpu").int8_dot is None, reason="this CPU has no int8 dot-product instruction")

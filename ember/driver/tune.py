@@ -6,8 +6,8 @@ weighted by how often a generation calls it: its call sites in `decode` (run onc
 per new token, `DECODE_STEPS_PER_PREFILL` tokens per prompt chunk) and in `prefill`,
 times a roofline-shaped cost at its tuning shape (the larger of its FLOPs and
 `FLOPS_PER_BYTE` times the bytes it touches). The hottest matmuls (the kernels whose
-schedule has knobs, `schedules/tuning.py`: the float matmuls and the int8 dot-product
-matmuls) share the trial budget in proportion to their weight.
+schedule has knobs, `schedules/tuning.py`: the float matmuls, the int8 dot-product
+matmuls and, on an AMX target, prefill's AMX matmuls) share the trial budget in proportion to their weight.
 
 Tuning runs in rounds of a few trials with meta_schedule's local builder and runner
 (one build worker, long timeouts: LLVM is slow on small machines), which append
@@ -17,7 +17,9 @@ starts after `--budget` minutes. An int8 matmul's few knob tuples are built and 
 in order, the rule's first, by the same builder and runner, each round skipping the
 tuples already on disk; a decode kernel's at one sequence and at `--max-batch` (or a
 verify step's tokens), its time the sum, so that knobs a little faster for one stream
-cannot win by slowing a batch more (`schedules/tuning.py`, `timed_rows`). After a kernel's last round, its best
+cannot win by slowing a batch more (`schedules/tuning.py`, `timed_rows`); an AMX kernel's (tile blocking and
+the row count from which calls run on tiles) at its prefill tokens and at row counts between the thresholds
+tried, so that the threshold is chosen by what each side measures. After a kernel's last round, its best
 record is run against the rule-based kernel on random inputs: the report shows both
 times and flags a record that disagrees numerically (compile would reject it), and
 if the rule is faster, a record of the rule's own knobs is added so that the
@@ -54,8 +56,8 @@ from tvm import relax, s_tir
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ember.core.errors import FarmError, TuningError
-from ember.core.machine import cpu_fingerprint
+from ember.core.errors import ArtifactError, FarmError, TuningError
+from ember.core.machine import cpu_fingerprint, host_cpu_flags
 from ember.core.manifest import MANIFEST_NAME, read_manifest
 from ember.driver.codegen import cross_linker
 from ember.driver.compiler import check_sizes
@@ -65,8 +67,8 @@ from ember.frontend import source as model_source
 from ember.ir.quant_formats import FORMATS
 from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir_passes import pipeline
+from ember.runtime.amx import AMX_FLAGS, needs_amx, request_amx_permission
 from ember.runtime.device import use_cpu_threads
-from ember.schedules import int8_matmul
 from ember.schedules.tuning import (
     BUILD_FUNCTION,
     EXPORT_FUNCTION,
@@ -77,6 +79,7 @@ from ember.schedules.tuning import (
     is_tunable,
     knobs_record,
     load_here,
+    matmul_built_as,
     record_knobs,
     register_build_function,
     schedule_with,
@@ -146,10 +149,10 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     """Tune the hottest kernels of `model` (a checkpoint or an artifact) into `options.db`."""
     model, options = _resolve_model(Path(model), options)
     target = resolve_target(options.target)
-    if options.farm is None and (target.is_gpu or target.tvm_target != resolve_target("cpu").tvm_target):
+    if options.farm is None and not _runs_here(target):
         raise TuningError(f"--target {options.target}: `ember tune` measures kernels on this machine, so it "
-                          "tunes only for this CPU (--target cpu); tune for another CPU on devices of it with "
-                          "--rpc-tracker HOST:PORT --device-key KEY")
+                          "tunes only for this CPU (--target cpu, or a CPU whose extensions it has); tune for "
+                          "another CPU on devices of it with --rpc-tracker HOST:PORT --device-key KEY")
     if target.is_gpu:
         raise TuningError(f"--target {options.target}: `ember tune` tunes CPU kernels only")
     quantization = options.quantization or model_source.default_quantization(model, target.default_quantization)
@@ -164,6 +167,11 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         check_for_tuning(options.db, fingerprint)
         # Kernels are timed (in runner subprocesses, which inherit it) on as many threads as the runtime gives them.
         use_cpu_threads()
+        if needs_amx(target.cpu_features):
+            try:  # the check against the rule runs AMX kernels in this process (the runner's workers ask themselves)
+                request_amx_permission("ember tune")
+            except ArtifactError as err:
+                raise TuningError(f"--target {options.target}: {err}") from None
         measurer = Measurer.here()
     else:
         cross_linker(target)  # a missing cross toolchain is refused before any work
@@ -208,6 +216,16 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     return results
 
 
+def _runs_here(target: TargetSpec) -> bool:
+    """Whether this machine runs `target`'s kernels: its own CPU target, or a CPU of its architecture whose
+    extensions it has (an AMX `mcpu` where LLVM names this CPU one without AMX, as some VMs make it)."""
+    host = resolve_target("cpu")
+    if target.is_gpu or target.tvm_target == host.tvm_target:
+        return not target.is_gpu
+    flags = host_cpu_flags()
+    return bool(target.arch) and target.arch == host.arch and flags is not None and set(target.cpu_features) <= flags
+
+
 @dataclass
 class Measurer:
     """Where kernels are timed: meta_schedule's builder and runner, how a kernel library is run for the
@@ -225,8 +243,9 @@ class Measurer:
         # One worker, a long timeout: LLVM is slow on small machines.
         builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=BUILD_SECONDS, f_build=BUILD_FUNCTION,
                                           initializer=register_build_function)
-        return cls(builder, ms.runner.LocalRunner(timeout_sec=RUN_SECONDS, evaluator_config=_EVALUATOR),
-                   lambda: contextlib.nullcontext(load_here))
+        runner = ms.runner.LocalRunner(timeout_sec=RUN_SECONDS, evaluator_config=_EVALUATOR,
+                                       initializer=allow_tiles)
+        return cls(builder, runner, lambda: contextlib.nullcontext(load_here))
 
     @classmethod
     def on(cls, farm: Farm, devices: int, target: TargetSpec) -> Measurer:
@@ -250,6 +269,14 @@ class Measurer:
 
         return cls(builder, runner, functools.partial(_kernels_on, farm, cross_linker(target)), serving,
                    farm.wait_for_devices)
+
+
+def allow_tiles() -> None:
+    """Runs in each of meta_schedule's local runner workers: on a host with AMX, asks Linux for the tile state its
+    AMX kernels need (without it their first tile instruction is SIGILL; a refusal leaves their trials failed)."""
+    if set(AMX_FLAGS) <= (host_cpu_flags() or set()):
+        with contextlib.suppress(ArtifactError):
+            request_amx_permission("ember tune")
 
 
 @contextlib.contextmanager
@@ -478,8 +505,9 @@ def _cost(tuned_as: tvm.IRModule) -> float:
     func = tuned_as["main"]
     data = sum(math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(param.dtype).bits // 8
                for param in func.params)
-    built = int8_matmul.built_as(func)
-    # TVM's estimate cannot read the int8 matmul's vector code; its multiply-adds are those of the matmul it computes.
+    built = matmul_built_as(func)
+    # TVM's estimate cannot read the int8 and AMX matmuls' vector and tile code; their multiply-adds are those of the
+    # matmul they compute.
     flops = (2 * math.prod(int(d) for d in func.params[0].shape[:-1]) * built["n"] * built["k"] if built
              else s_tir.analysis.estimate_tir_flops(tuned_as))
     return max(flops, FLOPS_PER_BYTE * data)
