@@ -660,6 +660,18 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
         assert "--allow-origin: not a web origin (scheme://host[:port]" in capsys.readouterr().err
 
 
+def test_cli_serve_refuses_cluster_options_without_ray(tiny_llama, monkeypatch, capsys):
+    """--replicas and --no-prefix-routing mean something only with --ray: without it each is one line naming the
+    option, exit 1, nothing served."""
+    from ember.runtime import server as server_module
+
+    monkeypatch.setattr(server_module.Server, "run", lambda server: None)  # were it served: return at once
+    for option in (["--replicas", "2"], ["--no-prefix-routing"]):
+        assert main(["serve", str(tiny_llama.artifact_dir), "--port", "0", *option]) == 1, option
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"ember: error: {option[0]}: applies only with --ray"], err
+
+
 def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):
     """`--max-decode-stall` is the scheduler's bound, and without it the scheduler's default, which the help names."""
     from ember.runtime import scheduler as scheduler_module

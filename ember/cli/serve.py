@@ -108,7 +108,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the artifact and serve it until Ctrl-C."""
     api_key = _api_key(args)
-    if args.ray is not None or args.replicas is not None:
+    if args.ray is not None or args.replicas is not None or args.no_prefix_routing:
         return _run_cluster(args, api_key)
     from ember.runtime import Engine, load_artifact
     from ember.runtime.scheduler import Scheduler
@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
     """Serve the artifact from --replicas replicas on the Ray cluster of --ray until Ctrl-C."""
     if args.ray is None:
-        raise EmberError("--replicas: applies only with --ray")
+        raise EmberError(f"{'--replicas' if args.replicas is not None else '--no-prefix-routing'}: applies only "
+                         "with --ray")
     replicas = 2 if args.replicas is None else args.replicas
     if replicas == 0:
         raise EmberError("--replicas 0: a cluster needs at least one replica")
@@ -142,13 +143,16 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
         raise EmberError("--speculate/--draft: not available with --ray yet; serve without them")
     if not (args.artifact / "manifest.json").is_file():
         raise EmberError(f"{args.artifact}: not an artifact directory (no manifest.json)")
-    from ember.cluster.replica import ReplicaSettings  # Ray is checked for before anything starts
-    from ember.cluster.serve import serve
     from ember.core.manifest import read_manifest
 
     pipeline = read_manifest(args.artifact).pipeline is not None
     if pipeline and args.replicas is not None:
         raise EmberError(f"--replicas: {args.artifact} is a pipeline artifact, served as one chain of its stages")
+    if pipeline and args.no_prefix_routing:
+        raise EmberError(f"--no-prefix-routing: {args.artifact} is a pipeline artifact, served as one chain of its "
+                         "stages, with no replicas to route among")
+    from ember.cluster.replica import ReplicaSettings  # Ray is checked for before anything starts
+    from ember.cluster.serve import serve
 
     settings = ReplicaSettings(
         str(args.artifact.resolve()), args.artifact.resolve().name, threads=args.threads or 1, api_key=api_key,
