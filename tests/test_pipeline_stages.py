@@ -18,8 +18,10 @@ from helpers import (
     PIPELINE_LAYERS,
     assert_one_line_error,
     compile_pipeline_cached,
+    free_port,
     prompt_ids,
     run_ember,
+    run_main,
     write_pipeline_checkpoint,
 )
 
@@ -145,3 +147,27 @@ def test_pipeline_artifact_manifest_is_sealed_over_every_stage(compiled, tmp_pat
     (copy / "stage-1" / "tokenizer_config.json").write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="stage-1/tokenizer_config.json"):
         LocalPipeline(copy)
+
+
+def test_inspect_says_which_stage_an_artifact_is(compiled, capsys):
+    """A stage keeps the whole model's source; `ember inspect` names its place in the chain and its layers, and on
+    the pipeline artifact lists the stages."""
+    pipeline_dir = compiled("llama", 2)
+    rows = []
+    for path in (pipeline_dir / "stage-0", pipeline_dir / "stage-1", pipeline_dir):
+        result = run_main(capsys, "inspect", str(path))
+        assert result.returncode == 0, result.stderr
+        rows.append({key: value for key, _, value in (line.strip().partition("  ")
+                                                      for line in result.stdout.splitlines())})
+    assert rows[0]["pipeline stage"].strip() == "1 of 2 (stage-0): layers 0-1, takes token ids, gives hidden states"
+    assert rows[1]["pipeline stage"].strip() == "2 of 2 (stage-1): layers 2-2, takes hidden states, gives logits"
+    assert rows[2]["pipeline"].strip() == "2 stages: stage-0 (layers 0-1), stage-1 (layers 2-2)"
+    assert "pipeline stage" not in rows[2] and "pipeline" not in rows[0]
+
+
+def test_serve_refuses_prefix_routing_for_a_pipeline_artifact(compiled):
+    """A pipeline artifact is served as one chain, no replicas to route among: --no-prefix-routing is refused in
+    one line naming it, before any Ray cluster is reached (the address given has none)."""
+    result = run_ember("serve", str(compiled("llama", 2)), "--ray", f"127.0.0.1:{free_port()}", "--no-prefix-routing",
+                       timeout=60)
+    assert_one_line_error(result, "--no-prefix-routing", "is a pipeline artifact")

@@ -49,6 +49,7 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
                      f"TVM {manifest.tvm_version})"),
         ("source", manifest.source),
         *_source_weight_rows(manifest.source_weights),
+        *_pipeline_rows(manifest),
         ("model", f"{model['model_type']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                   f"{model['num_attention_heads']} heads / {model['num_key_value_heads']} KV heads, "
                   f"ffn {model['intermediate_size']}, vocab {model['vocab_size']}"),
@@ -66,6 +67,22 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
         ("weights", f"{len(manifest.params)} tensors"),
         ("files", ", ".join(f"{name} ({entry['sha256'][:12]})" for name, entry in manifest.files.items())),
     ]
+
+
+def _pipeline_rows(manifest) -> list[tuple[str, str]]:
+    """For a pipeline artifact (compile --pipeline-stages) its stages, and for one of its stages which one it is:
+    a stage keeps the whole model's source, so nothing else says it holds only some of the layers."""
+    if manifest.pipeline is not None:
+        stages = ", ".join(f"{name} (layers {first}-{end - 1})"
+                           for name, (first, end) in zip(manifest.pipeline["stages"], manifest.pipeline["layers"]))
+        return [("pipeline", f"{len(manifest.pipeline['stages'])} stages: {stages}")]
+    stage = manifest.pipeline_stage
+    if stage is None:
+        return []
+    first, end = stage["layers"]
+    carried = {"token_ids": "token ids", "hidden": "hidden states", "logits": "logits"}
+    return [("pipeline stage", f"{stage['index'] + 1} of {stage['count']} (stage-{stage['index']}): layers "
+                               f"{first}-{end - 1}, takes {carried[stage['input']]}, gives {carried[stage['output']]}")]
 
 
 def _describe_target(target: dict) -> str:
