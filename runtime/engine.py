@@ -42,7 +42,51 @@ def _builtin(name: str):
     return tvm.get_global_func(f"vm.builtin.{name}")
 
 
-class Engine:
+class SequenceChecks:
+    """The checks an engine makes on sequence ids, lengths and token ids before its model sees them, over its
+    `_lengths` (sequence id -> tokens held), `max_batch`, `context_window` and `vocab_size`: one copy for `Engine`
+    and for the cluster's chain of pipeline stages, so both refuse alike."""
+
+    _lengths: dict[int, int]
+    max_batch: int
+    context_window: int
+    vocab_size: int
+
+    def _check_free_slot(self) -> None:
+        if len(self._lengths) >= self.max_batch:
+            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
+
+    def _check_known(self, seq_id: int) -> None:
+        if seq_id not in self._lengths:
+            raise GenerationError(f"unknown sequence id {seq_id}")
+
+    def _fork_length(self, parent: int, length: int | None) -> int:
+        """The tokens of `parent` a fork shares: `length`, checked, or all of them."""
+        length = self._lengths[parent] if length is None else length
+        if not 0 < length <= self._lengths[parent]:
+            raise GenerationError(f"cannot fork sequence {parent} at {length}: it has {self._lengths[parent]} tokens")
+        return length
+
+    def _check_truncate(self, seq_id: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[seq_id]:
+            raise GenerationError(f"sequence {seq_id} has only {self._lengths[seq_id]} tokens")
+
+    def _check_context(self, new_tokens: dict[int, int]) -> None:
+        for seq_id, new in new_tokens.items():
+            if self._lengths[seq_id] + new > self.context_window:
+                raise GenerationError(
+                    f"sequence {seq_id} would hold {self._lengths[seq_id] + new} tokens, more than the "
+                    f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+                )
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise GenerationError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
+        return tokens.astype(np.int32)
+
+
+class Engine(SequenceChecks):
     """Runs an artifact's prefill and decode over one paged KV cache."""
 
     def __init__(self, artifact: Artifact, max_context: int | None = None) -> None:
@@ -78,8 +122,7 @@ class Engine:
 
     def add_sequence(self) -> int:
         """Start an empty sequence; returns its id."""
-        if len(self._lengths) >= self.max_batch:
-            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
+        self._check_free_slot()
         seq_id = next(self._ids)
         self._f_add(self.kv_cache, seq_id)
         if self.sliding_window:
@@ -92,11 +135,8 @@ class Engine:
         self._check_known(parent)
         if self.sliding_window:
             raise GenerationError("forking a sequence is not supported for sliding-window attention")
-        if len(self._lengths) >= self.max_batch:
-            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
-        length = self._lengths[parent] if length is None else length
-        if not 0 < length <= self._lengths[parent]:
-            raise GenerationError(f"cannot fork sequence {parent} at {length}: it has {self._lengths[parent]} tokens")
+        self._check_free_slot()
+        length = self._fork_length(parent, length)
         child = next(self._ids)
         self._f_fork(self.kv_cache, parent, child, length)
         self._lengths[child] = length
@@ -111,9 +151,8 @@ class Engine:
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop the tokens of `seq_id` after the first `length`."""
         self._check_known(seq_id)
+        self._check_truncate(seq_id, length)
         drop = self._lengths[seq_id] - length
-        if drop < 0:
-            raise GenerationError(f"sequence {seq_id} has only {self._lengths[seq_id]} tokens")
         if drop:
             self._f_popn(self.kv_cache, seq_id, drop)
             self._lengths[seq_id] = length
@@ -210,17 +249,8 @@ class Engine:
         logits = out[0]
         return np.from_dlpack(logits) if self.artifact.device.type == "cpu" else logits.numpy()
 
-    def _check_known(self, seq_id: int) -> None:
-        if seq_id not in self._lengths:
-            raise GenerationError(f"unknown sequence id {seq_id}")
-
     def _check_room(self, new_tokens: dict[int, int]) -> None:
-        for seq_id, new in new_tokens.items():
-            if self._lengths[seq_id] + new > self.context_window:
-                raise GenerationError(
-                    f"sequence {seq_id} would hold {self._lengths[seq_id] + new} tokens, more than the "
-                    f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
-                )
+        self._check_context(new_tokens)
         pages = sum(-(-(length + new_tokens.get(seq_id, 0)) // self.page_size)
                     for seq_id, length in self._lengths.items())
         if pages * self.page_size > self.kv_capacity:
@@ -230,8 +260,3 @@ class Engine:
                 "larger --memory-budget or a smaller --max-batch"
             )
 
-    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise GenerationError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
-        return tokens.astype(np.int32)

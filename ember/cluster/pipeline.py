@@ -32,6 +32,7 @@ import numpy as np
 from ember.cluster.replica import ReplicaSettings, connect, ray, wait_started
 from ember.core.errors import EmberError, GenerationError
 from ember.core.manifest import read_manifest
+from ember.runtime.engine import SequenceChecks
 
 try:
     from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -234,7 +235,7 @@ class _Stage:
                     self.spec.layers[0], self.spec.layers[1] - 1, self.info["node"], self.info["pid"])
 
 
-class PipelineEngine:
+class PipelineEngine(SequenceChecks):
     """The stages chained as one engine: the parts of `Engine`'s API that `Scheduler` and `Server` use."""
 
     verify_tokens = 0  # no speculation: `verify` goes through prefill
@@ -272,8 +273,7 @@ class PipelineEngine:
 
     def add_sequence(self) -> int:
         """Start an empty sequence (made on the stages with its first tokens); returns its id."""
-        if len(self._lengths) >= self.max_batch:
-            raise GenerationError(f"at most {self.max_batch} sequences at once (compiled --max-batch)")
+        self._check_free_slot()
         seq_id = next(self._ids)
         self._lengths[seq_id] = 0
         self._epoch[seq_id] = self._deaths
@@ -282,9 +282,7 @@ class PipelineEngine:
     def fork_sequence(self, parent: int, length: int | None = None) -> int:
         """A new sequence sharing `parent`'s first `length` tokens (all by default), on every stage."""
         self._check_live(parent)
-        length = self._lengths[parent] if length is None else length
-        if not 0 < length <= self._lengths[parent]:
-            raise GenerationError(f"cannot fork sequence {parent} at {length}: it has {self._lengths[parent]} tokens")
+        length = self._fork_length(parent, length)
         child = self.add_sequence()
         self._call_all("fork", parent, child, length)
         self._lengths[child] = length
@@ -300,8 +298,7 @@ class PipelineEngine:
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop the tokens of `seq_id` after the first `length`."""
         self._check_known(seq_id)
-        if not 0 <= length <= self._lengths[seq_id]:
-            raise GenerationError(f"sequence {seq_id} has only {self._lengths[seq_id]} tokens")
+        self._check_truncate(seq_id, length)
         if length < self._lengths[seq_id]:
             self._call_all("truncate", seq_id, length)
             self._lengths[seq_id] = length
@@ -316,7 +313,7 @@ class PipelineEngine:
         self._check_live(seq_id)
         if not token_ids:
             raise GenerationError("prefill needs at least one token")
-        self._check_room({seq_id: len(token_ids)})
+        self._check_context({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
         last = len(self.stages) - 1
 
@@ -348,7 +345,7 @@ class PipelineEngine:
             raise GenerationError("decode needs one token per sequence")
         for seq_id in seq_ids:
             self._check_live(seq_id)
-        self._check_room({seq_id: 1 for seq_id in seq_ids})
+        self._check_context({seq_id: 1 for seq_id in seq_ids})
         tokens = self._check_tokens(token_ids)
         keys = list(seq_ids)
         out = self._chain(lambda i, x: self.stages[i].actor.decode.remote(keys, x), tokens)
@@ -421,28 +418,11 @@ class PipelineEngine:
         except RayActorError:
             raise self._lost(refs) from None
 
-    def _check_known(self, seq_id: int) -> None:
-        if seq_id not in self._lengths:
-            raise GenerationError(f"unknown sequence id {seq_id}")
-
     def _check_live(self, seq_id: int) -> None:
         self._check_known(seq_id)
         if self._epoch[seq_id] != self._deaths:
             raise GenerationError(f"sequence {seq_id} lost its cache when a pipeline stage died: send the request "
                                   "again")
-
-    def _check_room(self, new_tokens: dict[int, int]) -> None:
-        for seq_id, new in new_tokens.items():
-            if self._lengths[seq_id] + new > self.context_window:
-                raise GenerationError(
-                    f"sequence {seq_id} would hold {self._lengths[seq_id] + new} tokens, more than the "
-                    f"context window of {self.context_window}; shorten the prompt or max_new_tokens")
-
-    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise GenerationError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
-        return tokens.astype(np.int32)
 
 
 def _front_artifact(artifact_dir: Path) -> SimpleNamespace:
