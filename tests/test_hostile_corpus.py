@@ -960,12 +960,12 @@ def _check_runtime_result(command: str, argv: list[str], result: Result) -> None
         return
     limit = int(_last(argv, "--max-new-tokens"))
     if command == "chat":
-        replies = re.findall(r"^\[(\d+) tokens, ", result.stderr, re.M)
+        replies = re.findall(r"^\[(\d+) tokens?, ", result.stderr, re.M)
         assert all(int(n) <= limit for n in replies), (replies, limit)
         return
     prompt, stop = _last(argv, "--prompt"), _last(argv, "--stop")
     assert result.stdout.startswith(prompt), "the prompt was not printed first"
-    decoded = re.search(r"decode (\d+) tokens", result.stderr)
+    decoded = re.search(r"decode (\d+) tokens?\b", result.stderr)
     assert decoded and int(decoded[1]) <= limit, (result.stderr, limit)
     continuation = result.stdout[len(prompt):].removesuffix("\n")  # generate ends its output with a newline
     assert not stop or stop not in continuation, f"--stop {stop!r} is in the continuation"
