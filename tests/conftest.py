@@ -425,17 +425,34 @@ FIXTURE_MARKERS = {"arm64_python": "emulated", "demo_gguf": "llama_cpp", "senten
 # Families whose first test sets up a toolchain (qemu's Python, a llama.cpp build, chromium) or that run long:
 # pyproject's per-test timeout is raised for them unless the test sets its own.
 LONG_FAMILIES = ("slow", "emulated", "llama_cpp", "browser")
+# Families that bring up a Ray cluster or an RPC tracker with its devices (seconds before a test's first check) are
+# `slow` as well: the quick loop runs the engine, pipeline stages and server in process.
+SLOW_FAMILIES = ("cluster", "farm")
 LONG_TIMEOUT = 3600
+
+
+def pytest_configure(config) -> None:
+    """A test worker's TVM thread pool takes its share of the cores (TVM_NUM_THREADS, unless set): two workers on
+    two cores, each with TVM's default of one thread per core, run four threads on two CPUs, and every parallel
+    kernel launch waits for a thread the other worker keeps off its CPU (a 16-token prefill step of the tiny llama
+    took 36 ms against 0.4 ms of kernels). Subprocesses (the CLI, servers, workers) inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "TVM_NUM_THREADS" not in os.environ:
+        from ember.runtime.device import physical_cores
+
+        os.environ["TVM_NUM_THREADS"] = str(max(1, physical_cores() // workers))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark each test by the slow fixtures it uses, give the long families LONG_TIMEOUT seconds, and skip `gpu`
-    tests on a machine without a CUDA GPU."""
+    """Mark each test by the slow fixtures it uses (and the SLOW_FAMILIES slow), give the long families LONG_TIMEOUT
+    seconds, and skip `gpu` tests on a machine without a CUDA GPU."""
     has_gpu = None
     for item in items:
         for fixture in set(item.fixturenames) & FIXTURE_MARKERS.keys():
             item.add_marker(FIXTURE_MARKERS[fixture])
+        if any(item.get_closest_marker(family) for family in SLOW_FAMILIES):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("timeout") is None and any(item.get_closest_marker(m) for m in LONG_FAMILIES):
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT))
         if item.get_closest_marker("gpu"):

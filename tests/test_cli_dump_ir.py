@@ -22,6 +22,7 @@ def pipeline_phase_names() -> list[str]:
     return [name for name, _ in pipeline.phases(resolve_target("cpu"), pipeline.LowerOptions(FORMATS["q0f32"], 256, 8))]
 
 
+@pytest.mark.slow
 def test_dump_ir_writes_one_script_per_phase(tmp_path):
     """00-imported.py, then NN-<phase>.py for each phase: each TVMScript that parses as Python; the artifact's
     files are byte for byte those of a compile without --dump-ir."""

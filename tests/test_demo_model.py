@@ -78,6 +78,7 @@ def test_demo_perplexity_matches_transformers(demo_engine, reference, validation
     assert perplexity(demo_engine, validation_windows).perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_demo_quantized_quality(demo_engine, validation_windows, demo_builds) -> None:
     """q8 within 1% of float32 perplexity, q4 within 10%, and q4_zp closer to float32 than q4."""
     formats = ("q8f32", "q4f32", "q4f32_zp")  # compiled side by side, and shared with the edge tests

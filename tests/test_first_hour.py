@@ -17,6 +17,7 @@ from ember.driver.tvm_log import tvm_warnings_hidden
 TVM_WARNING = b"[11:47:13] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when there are\n"
 
 
+@pytest.mark.slow
 def test_compile_shows_its_stages_without_tvm_warnings(tiny_models, tmp_path):
     """Default output: a line per stage with the seconds since the start, and none of TVM's
     'Fast mode segfaults' warnings (three per compile before)."""
@@ -106,6 +107,7 @@ def test_the_runtime_loads_no_torch():
     assert result.stdout.split() == ["False", "True"], result.stdout
 
 
+@pytest.mark.slow
 def test_a_torch_export_compile_loads_torch_after_tvm(tiny_models, tmp_path):
     """`ember compile --frontend torch-export` imports torch itself once TVM is loaded without it, traces and
     compiles, and the artifact runs."""

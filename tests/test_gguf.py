@@ -301,6 +301,7 @@ def test_bad_file_fails_with_one_line_and_writes_nothing(demo_gguf, tmp_path, ca
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_cli_compiles_inspects_and_analyzes_a_gguf_file(demo_gguf, tmp_path) -> None:
     """`ember compile FILE.gguf` with no --quant keeps the file's own types per tensor (Q4_K_M: mostly Q4_K,
     so q4f32_zp, with its Q6_K head and Q8_0 tensors in q8f32), prints what each group of tensors became with

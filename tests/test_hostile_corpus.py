@@ -867,6 +867,7 @@ def test_gguf_files(case):
         unchanged(before, Path(tmp), "GGUF file")
 
 
+@pytest.mark.slow
 @settings(max_examples=12, **SETTINGS)
 @given(case=gguf_cases())
 def test_gguf_files_through_the_cli(worker, case):
@@ -1052,6 +1053,7 @@ def _break(model: Path, how: str, value) -> None:
         os.mkfifo(model / "model.safetensors")
 
 
+@pytest.mark.slow
 @settings(max_examples=20, **SETTINGS)
 @given(how=st.sampled_from(["config", "header_bytes", "truncate", "tokenizer", "link_out", "weights_fifo"]),
        config_edit=st.tuples(st.sampled_from(CONFIG_KEYS), JSON_VALUES | EDGE_VALUES), position=st.integers(0, 10**6),

@@ -86,6 +86,7 @@ def test_cache_batches_forks_and_rolls_back_like_one_sequence(tiny_models, kv_qu
     assert_logits_close(again, forked, f"{kv_quant} cache: decoded again after truncate", tol=1e-6)
 
 
+@pytest.mark.slow
 def test_demo_q8_cache_perplexity_and_bytes(demo_builds):
     """The demo model's perplexity on its validation text within 0.5% of the float cache's, in the same run; the
     memory report (and `inspect`) at <= 0.3x the float32 cache's bytes per token."""

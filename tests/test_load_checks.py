@@ -88,6 +88,7 @@ def checkpoint_with(tiny_models, tmp_path, name: str, change) -> str:
     return str(model_dir)
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_refused_at_compile(tiny_models, tmp_path):
     """A checkpoint tensor holding NaN or infinite values is refused by `ember compile`, in one line naming it and
     how many of its values are not finite, and no artifact is written."""
@@ -101,6 +102,7 @@ def test_non_finite_weights_are_refused_at_compile(tiny_models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_weights_overflowing_float16_are_refused_at_compile(tiny_models, tmp_path):
     """Finite float32 weights beyond float16's range would turn to inf in a q0f16 artifact: refused naming the
     weight and the dtype."""
@@ -168,6 +170,7 @@ def long_context_checkpoint(tiny_models, tmp_path_factory):
     return model_dir
 
 
+@pytest.mark.slow
 def test_kv_cache_beyond_the_address_space_rlimit_is_refused_at_load(long_context_checkpoint, tmp_path):
     """An artifact whose KV cache (8 GiB, compiled without limits) exceeds what RLIMIT_AS leaves this process is
     refused by `ember generate` in one line naming the size needed and the limit, not `std::bad_alloc`."""
@@ -181,6 +184,7 @@ def test_kv_cache_beyond_the_address_space_rlimit_is_refused_at_load(long_contex
                           f"(limited by RLIMIT_AS = {ADDRESS_SPACE} bytes, `ulimit -v`)", "--memory-budget")
 
 
+@pytest.mark.slow
 def test_compile_under_an_rlimit_sizes_the_kv_cache_to_it(long_context_checkpoint, tmp_path):
     """`ember compile` under RLIMIT_AS sizes the KV cache to half the room the limit leaves (not half the
     machine's memory), and the artifact generates under that same limit."""

@@ -183,6 +183,7 @@ def test_failed_compile_removes_the_parents_it_created(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_recompiling_replaces_an_artifact(old_and_new, tiny_models, tmp_path):
     """A clean artifact at OUT (here an older ember's) is replaced; nothing else is left."""
     out, _ = old_and_new
@@ -199,6 +200,7 @@ def test_compile_refuses_absurd_batch(tmp_path):
         compile_model(tmp_path / "model", tmp_path / "out", CompileOptions(prefill_chunk=0))
 
 
+@pytest.mark.slow
 def test_kill_9_leftovers_are_removed_by_the_next_compile(tiny_models, tmp_path):
     """kill -9 in the middle of a compile leaves its staging directory (nothing can prevent that);
     the next compile to the same OUT removes it and says so, and keeps what is not its own: a
@@ -237,6 +239,7 @@ def _fake_staging(parent: Path, output: str, pid: int, tag: str) -> Path:
     return holder
 
 
+@pytest.mark.slow
 def test_huge_context_is_bounded_by_this_machines_memory(tiny_models, tmp_path):
     """A config claiming 2**24 tokens of context with 8 sequences would need a 64 GiB KV cache for the
     tiny model: the cache is sized to half this machine's memory, with a warning, and generate runs."""

@@ -154,6 +154,7 @@ def test_greedy_speculation_matches_transformers_on_a_random_llama(tiny_models) 
         assert run(engine, ids, params, Speculation(proposer))[0] == expected, ids
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_draws_from_the_model_distribution(tiny_models) -> None:
     """Temperature 1 and top-k 3 over the tiny llama: the first 3 tokens of N seeded generations of 6,
     with a draft guessing the likeliest tokens (the same model: its guesses are often but not always
@@ -261,6 +262,7 @@ def test_a_draft_with_another_tokenizer_is_refused(demo, tiny_llama) -> None:
         DraftModel(tiny_llama.engine(), Engine(model))
 
 
+@pytest.mark.slow
 def test_cli_generates_the_same_text_with_each_proposer(demo, demo_builds) -> None:
     artifact, draft = demo_builds.get("cpu", "q0f32"), demo_builds.get("cpu", "q4f32")
     prompt = "In the beginning God created the heaven and the earth. In the beginning"

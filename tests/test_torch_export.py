@@ -143,6 +143,7 @@ def test_attention_with_a_position_bias_is_refused():
         specialize_attention(tvm.target.Target("llvm"))(forward)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ("llama", "gpt2"))
 def test_analyze_measures_an_exported_artifact(tiny_models, name):
     """`ember analyze --measure` rebuilds an artifact's kernels by importing its graph again: the kernels it

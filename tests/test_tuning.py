@@ -336,6 +336,7 @@ def test_int8_decode_knobs_are_timed_at_one_sequence_and_a_full_batch(tmp_path, 
     assert "tuned for --max-batch 4, not this compile's 8" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
 def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_path, level):
     """A q4f32 model for an AVX2 target (haswell, run here) or this CPU's VNNI: its hottest kernels are int8
@@ -381,6 +382,7 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
 AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not set(AMX_FLAGS) <= (host_cpu_flags() or set()),
                     reason="this CPU has no AMX int8 tiles (no amx_tile, amx_int8 in /proc/cpuinfo)")
 def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_path, caplog):
@@ -443,6 +445,7 @@ def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_pat
     _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q8f32"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(resolve_target("cpu").int8_dot is None, reason="this CPU has no int8 dot-product instruction")
 def test_tune_searches_the_int8_matmuls_of_a_q4f32_model(tiny_models, tmp_path):
     """`ember tune` on a q4f32 model on this CPU tunes its int8 matmuls: their schedules are searched, not
@@ -478,6 +481,7 @@ def test_compiling_reads_a_database_without_writing_it(tuned_db, tmp_path):
     assert {path.name: path.stat().st_mtime_ns for path in db.iterdir()} == stamps
 
 
+@pytest.mark.slow
 def test_compile_with_a_database_on_a_read_only_filesystem(tuned_db, tiny_models, tmp_path):
     """The probe's case: `compile --tuning-db` on a read-only mount (a private mount namespace, so
     nothing outside this test sees it) compiles instead of failing with EROFS."""
