@@ -205,8 +205,11 @@ def main() -> None:
         for fmt in split(args.ember):
             artifact = args.model.with_name(f"{args.model.name}-ember-{fmt}-{level.name}")
             start = time.perf_counter()
-            compile_model(args.model, artifact, CompileOptions(quantization=fmt, target=level.ember_target,
-                                                               show_progress=False))
+            window = compile_model(args.model, artifact, CompileOptions(
+                quantization=fmt, target=level.ember_target, show_progress=False)).memory.context_window
+            if args.prompt_len + args.new_tokens > window:  # before the other compiles, not at the first run
+                parser.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens}: {artifact} holds "
+                             f"{window} tokens")
             compile_s[level.name, fmt] = time.perf_counter() - start
             runners[level.name, f"ember {fmt}"] = lambda a=artifact: measure_ember(a, prompt, args.new_tokens,
                                                                                     args.threads)
