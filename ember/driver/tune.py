@@ -219,9 +219,11 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
 def _runs_here(target: TargetSpec) -> bool:
     """Whether this machine runs `target`'s kernels: its own CPU target, or a CPU of its architecture whose
     extensions it has (an AMX `mcpu` where LLVM names this CPU one without AMX, as some VMs make it)."""
+    if target.is_gpu:
+        return False
     host = resolve_target("cpu")
-    if target.is_gpu or target.tvm_target == host.tvm_target:
-        return not target.is_gpu
+    if target.tvm_target == host.tvm_target:
+        return True
     flags = host_cpu_flags()
     return bool(target.arch) and target.arch == host.arch and flags is not None and set(target.cpu_features) <= flags
 
