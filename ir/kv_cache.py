@@ -14,11 +14,13 @@ from typing import Any, ClassVar
 import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv_cache
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR
 from ember.ir.module_utils import replace_functions
+from ember.ir.tvmscript import parsed_once
 
 # `create_paged_kv_cache`'s arguments, chosen by the runtime.
 CREATE_ARGUMENTS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
@@ -27,6 +29,26 @@ CREATE_ARGUMENTS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size",
 def create_spec() -> dict:
     """`create_paged_kv_cache`'s `nn.Module.export_tvm` spec (a fresh dict: export_tvm consumes its "$" entry)."""
     return {**{name: int for name in CREATE_ARGUMENTS}, "$": {"param_mode": "none", "effect_mode": "none"}}
+
+# The kernel builders `TIRPagedKVCache` calls, by their names in its module. Each parses TVMScript on every call
+# (0.9 s of a CPU model's compile, 2.3 s of a CUDA model's), so they are memoized there: caches of one process
+# with the same heads, dtype, rotary embedding and target (pipeline stages, tuning, a test session) share the
+# kernels. The page copies are left as they are: they take the symbolic page size, and parse in 0.02 s.
+SHARED_KERNEL_BUILDERS = (
+    "_attention_decode", "_attention_decode_cpu", "_attention_prefill", "_attention_prefill_cpu",
+    "_attention_prefill_mla", "_attention_prefill_ragged", "_attention_prefill_ragged_cpu", "_compact_kv_copy",
+    "_compact_kv_copy_cpu", "_kv_cache_debug_get_kv", "_kv_cache_transpose_append", "_kv_cache_transpose_append_mla",
+    "_merge_state_inplace", "_merge_state_inplace_cpu", "llama_rope_with_position_map", "tree_attn",
+    "tree_attn_cpu", "tree_attn_with_paged_kv_cache", "tree_attn_with_paged_kv_cache_cpu",
+)
+
+
+def _memoize_tvm_kernel_builders() -> None:
+    for name in SHARED_KERNEL_BUILDERS:
+        setattr(tvm_kv_cache, name, parsed_once(getattr(tvm_kv_cache, name)))
+
+
+_memoize_tvm_kernel_builders()
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ inside a test process (which holds torch and transformers), 30 s of importing TV
 
 - `stacks_from_linecache()`: while it is entered, both functions build each frame's record from the frame and
   `linecache`, as `inspect` does (file, line, function, the same lines of context), without the module lookup.
-- `parsed_once`: memoizes a kernel builder by its arguments. A PrimFunc is immutable, so a model's repeated
-  shapes (every layer's, every pipeline stage's, every compile of one process) share one parse.
+- `parsed_once`: memoizes a kernel builder by its arguments' values. A PrimFunc is immutable, so a model's
+  repeated shapes (every layer's, every pipeline stage's, every compile of one process) share one parse.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
+
+from tvm.runtime import Object
+from tvm.target import Target
 
 # Kernels kept per builder: a model needs tens; `ember tune` builds one per candidate, so the oldest go.
 PARSED_KERNELS_KEPT = 256
@@ -68,20 +71,51 @@ def stacks_from_linecache() -> Iterator[None]:
 
 
 def parsed_once(builder: Builder) -> Builder:
-    """`builder`, a function from hashable arguments (lists are taken as tuples) to a PrimFunc, memoized, and run
-    with `stacks_from_linecache`."""
+    """`builder`, a function of plain values returning a PrimFunc, memoized by its arguments' values and run with
+    `stacks_from_linecache`.
+
+    The builder is called with the arguments as given; they are compared by value: lists and tuples alike, dicts
+    by their items, TVM targets by their configuration, anything else hashable (numbers, strings, enums, frozen
+    dataclasses) as itself. Any other IR node, such as a symbolic variable, is refused with TypeError: it
+    compares by identity, and a kernel closing over one compile's variable must not reach another compile."""
 
     @functools.lru_cache(maxsize=PARSED_KERNELS_KEPT)
-    def parse(*args, **kwargs):
+    def parse(call: _ByValue):
+        args, kwargs = call.value
         with stacks_from_linecache():
             return builder(*args, **kwargs)
 
     @functools.wraps(builder)
     def build(*args, **kwargs):
-        return parse(*map(_hashable, args), **{name: _hashable(value) for name, value in kwargs.items()})
+        return parse(_ByValue((args, kwargs)))
 
     return build
 
 
-def _hashable(value):
-    return tuple(value) if isinstance(value, list) else value
+class _ByValue:
+    """A builder's arguments, hashed and compared by `_value_key`."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self, value) -> None:
+        self.value, self.key = value, _value_key(value)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ByValue) and self.key == other.key
+
+
+def _value_key(value):
+    """A hashable key, equal for equal values; the type is part of it, so 1, 1.0 and True stay apart."""
+    if isinstance(value, Target):
+        return Target, str(value)
+    if isinstance(value, Object):  # IR nodes hash and compare by identity
+        raise TypeError(f"a kernel builder's argument {type(value).__name__} is an IR node, not a value to memoize by")
+    if isinstance(value, (list, tuple)):
+        return tuple, tuple(map(_value_key, value))
+    if isinstance(value, dict):
+        return dict, tuple(sorted(((_value_key(k), _value_key(v)) for k, v in value.items()), key=repr))
+    hash(value)  # TypeError for an unhashable argument
+    return type(value), value

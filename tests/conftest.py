@@ -23,6 +23,7 @@ on a machine without a CUDA GPU.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 
@@ -432,11 +433,16 @@ LONG_TIMEOUT = 3600
 
 
 def pytest_configure(config) -> None:
-    """A test worker's TVM thread pool takes its share of the cores (TVM_NUM_THREADS, unless set): two workers on
+    """Under pytest-xdist, files go to the workers in the order of collection, which `pytest_collection_modifyitems`
+    makes longest first (xdist's own order is by number of tests).
+
+    A test worker's TVM thread pool takes its share of the cores (TVM_NUM_THREADS, unless set): two workers on
     two cores, each with TVM's default of one thread per core, run four threads on two CPUs, and every parallel
     kernel launch waits for a thread the other worker keeps off its CPU (a 16-token prefill step of the tiny llama
     took 36 ms against 0.4 ms of kernels). Subprocesses (the CLI, servers, workers) inherit it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's controller: hand out files in collection order
+        config.option.loadscopereorder = False
     if workers > 1 and "TVM_NUM_THREADS" not in os.environ:
         from ember.runtime.device import physical_cores
 
@@ -446,7 +452,8 @@ def pytest_configure(config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark each test by the slow fixtures it uses (and the SLOW_FAMILIES slow), give the long families LONG_TIMEOUT
-    seconds, and skip `gpu` tests on a machine without a CUDA GPU."""
+    seconds, skip `gpu` tests on a machine without a CUDA GPU, and in a pytest-xdist worker order the files longest
+    first (`longest_files_first`)."""
     has_gpu = None
     for item in items:
         for fixture in set(item.fixturenames) & FIXTURE_MARKERS.keys():
@@ -462,6 +469,22 @@ def pytest_collection_modifyitems(config, items) -> None:
                 has_gpu = bool(tvm.cuda(0).exist)
             if not has_gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        longest_files_first(items)
+
+
+# Seconds each test file took in a recorded cold run on two workers (`scripts/suite_durations.py` writes it).
+SUITE_DURATIONS = Path(__file__).with_name("suite_durations.json")
+
+
+def longest_files_first(items: list) -> None:
+    """Sort `items` by their file's SUITE_DURATIONS, longest first, files it does not list (new ones) before them
+    all, tests of one file in their order. Every worker sorts alike and xdist's controller takes the order as
+    collected, so `--dist loadfile` hands out the long files first and the run ends on short ones, not on one
+    worker running a long file alone (by xdist's own order, a file of six tests and an 11-compile fixture came
+    last)."""
+    seconds = json.loads(SUITE_DURATIONS.read_text(encoding="utf-8"))
+    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
 
 
 def pytest_sessionfinish(session) -> None:

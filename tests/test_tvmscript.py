@@ -2,8 +2,13 @@
 
 import inspect
 
+import pytest
+from tvm import tirx
+from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv_cache
 from tvm.script import tirx as T
+from tvm.target import Target
 
+from ember.ir.kv_cache import SHARED_KERNEL_BUILDERS
 from ember.ir.tvmscript import parsed_once, stacks_from_linecache
 
 
@@ -54,5 +59,37 @@ def test_a_builder_parses_each_argument_tuple_once():
     first = add_constant(4, [1, 2])
     assert add_constant(4, (1, 2)) is first  # a list argument is keyed as the tuple of its items
     other = add_constant(8, (1, 2))
-    assert other is not first and parses == [(4, (1, 2)), (8, (1, 2))]
+    assert other is not first and parses == [(4, [1, 2]), (8, (1, 2))]  # the builder gets the arguments as given
     assert "a[i] + 3" in first.script()
+
+
+def test_arguments_are_compared_by_value_and_ir_nodes_are_refused():
+    calls = []
+
+    @parsed_once
+    def build(*args, **kwargs):
+        calls.append((args, kwargs))
+        return len(calls)
+
+    cuda = {"kind": "cuda", "arch": "sm_90a"}
+    assert build({"factor": 8.0, "type": "yarn"}, Target(cuda)) == build({"type": "yarn", "factor": 8.0}, Target(cuda))
+    assert build({"factor": 8.0}, Target({**cuda, "arch": "sm_80"})) == 2  # another target's configuration
+    assert [build(1), build(1.0), build(True), build(1)] == [3, 4, 5, 3]  # equal, but not the same value
+    assert build(n=4) == build(n=4) == 6 and len(calls) == 6
+    with pytest.raises(TypeError, match="Var is an IR node"):
+        build(tirx.Var("n", "int64"))
+    with pytest.raises(TypeError, match="unhashable"):
+        build({1, 2})
+    assert len(calls) == 6
+
+
+def test_the_kv_caches_tvm_kernels_are_parsed_once_per_process():
+    """`TIRPagedKVCache` calls its kernel builders by their names in its module, and a compile's cache hands them
+    a fresh rope-scaling dict and target each time: the second cache of a shape gets the first one's kernels."""
+    assert all(getattr(tvm_kv_cache, name).__wrapped__ for name in SHARED_KERNEL_BUILDERS)
+    cpu = tvm_kv_cache._attention_decode_cpu(2, 4, 16, "float32", False, {})
+    assert tvm_kv_cache._attention_decode_cpu(2, 4, 16, "float32", False, {}) is cpu
+    assert tvm_kv_cache._attention_decode_cpu(2, 4, 32, "float32", False, {}) is not cpu
+    gpu = tvm_kv_cache._attention_prefill(2, 4, 16, "float16", False, {}, Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert tvm_kv_cache._attention_prefill(2, 4, 16, "float16", False, {},
+                                           Target({"kind": "cuda", "arch": "sm_90a"})) is gpu
