@@ -272,6 +272,8 @@ INSTALL = """
 import os, shutil, signal, sys, time
 from pathlib import Path
 from ember.driver import artifact_dir
+# Ctrl-C as in a terminal: a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 source, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 die = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
 with artifact_dir.staging_dir(out) as staging:
