@@ -1,6 +1,7 @@
 """Resolve a user's `--target` string into a `TargetSpec`.
 
-    cpu | host | llvm               this machine's CPU
+    cpu | host | llvm               this machine's CPU (LLVM's name for it, and every extension its
+                                     /proc/cpuinfo lists)
     raspberry-pi-5 | rk3588 | ...    an aarch64 Linux board's CPU (a preset in targets/hardware/ with an
                                      `llvm_target`); `aarch64` is any ARMv8.2-A CPU with dotprod.
                                      Cross-compiled: the library is linked by aarch64-linux-gnu-g++
@@ -31,6 +32,7 @@ import tvm
 from tvm.target import Target, codegen
 
 from ember.core.errors import TargetError
+from ember.core.machine import host_cpu_flags
 from ember.targets.hardware import Hardware, board_preset, board_presets, hardware_presets, host_cores, load_hardware
 from ember.targets.int8_dot import Int8Dot, int8_dot_of
 
@@ -136,7 +138,7 @@ def resolve_target(spec: str) -> TargetSpec:
     """Turn a `--target` string (see the module docstring) into a `TargetSpec`."""
     spec = spec.strip()
     if spec in ("cpu", "host", "llvm"):
-        return _cpu_target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})
+        return _cpu_target(host_llvm_target())
     if spec == "aarch64":
         return _cpu_target(GENERIC_AARCH64)
     if (board := board_preset(spec)) is not None:
@@ -162,6 +164,21 @@ def resolve_target(spec: str) -> TargetSpec:
         "such as "
         '\'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\''
     )
+
+
+def host_llvm_target() -> dict[str, Any]:
+    """This machine's CPU as LLVM names it, with `mattr` adding the extensions its /proc/cpuinfo lists that the
+    name lacks. A virtual machine often hides the CPU's model, and LLVM then names an older CPU: a Sapphire Rapids
+    VM is "rocketlake" (no AMX, no AVX512-BF16/FP16, no AVX-VNNI), and by the name alone its AMX would go unused."""
+    data = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
+    flags = host_cpu_flags()
+    if flags:
+        named = codegen.llvm_get_cpu_features(Target(data))
+        missing = [f"+{feature}" for feature, flag in sorted(_CPUINFO_FLAGS.items())
+                   if flag in flags and feature not in named]
+        if missing:
+            data["mattr"] = missing
+    return data
 
 
 def _from_dict(data: Any, origin: str) -> TargetSpec:

@@ -21,6 +21,22 @@ def test_cpu_detects_the_host() -> None:
     assert spec.num_cores >= 1 and spec.vector_bits >= 128
 
 
+def test_cpu_adds_the_extensions_its_name_lacks(monkeypatch) -> None:
+    """A VM that hides its CPU's model gets an older CPU's name from LLVM ("rocketlake" on Sapphire Rapids); the
+    extensions /proc/cpuinfo lists beyond that name's are added, so AMX is used where the machine has it."""
+    monkeypatch.setattr(codegen, "llvm_get_system_cpu", lambda: "rocketlake")
+    named = set(resolve_target('{"kind": "llvm", "mcpu": "rocketlake"}').cpu_features)
+    monkeypatch.setattr(registry, "host_cpu_flags", lambda: named | {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"})
+    spec = resolve_target("cpu")
+    assert spec.tvm_target["mcpu"] == "rocketlake"
+    assert spec.tvm_target["mattr"] == ["+amx-bf16", "+amx-int8", "+amx-tile", "+avx512bf16"]
+    assert spec.int8_dot.level == "amx" and {"amx_int8", "amx_tile", "avx512_bf16"} <= set(spec.cpu_features)
+    monkeypatch.setattr(registry, "host_cpu_flags", lambda: named)  # the name says it all
+    assert "mattr" not in resolve_target("cpu").tvm_target and resolve_target("cpu").int8_dot.level == "avx512vnni"
+    monkeypatch.setattr(registry, "host_cpu_flags", lambda: None)  # no /proc/cpuinfo to read
+    assert "mattr" not in resolve_target("cpu").tvm_target
+
+
 def test_explicit_arm_cpu_has_neon_width() -> None:
     spec = resolve_target('{"kind": "llvm", "mcpu": "cortex-a76", "mtriple": "aarch64-linux-gnu", "num-cores": 4}')
     assert spec.vector_bits == 128 and spec.num_cores == 4
