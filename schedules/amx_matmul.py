@@ -62,6 +62,7 @@ from tvm.script import tirx as T
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED_ROWS, QuantFormat
 from ember.ir.tvmscript import parsed_once
+from ember.schedules import int8_matmul
 from ember.schedules.int8_matmul import int8_dot_compute, matmul_prim_func, quantize_rows, supports
 from ember.targets.int8_dot import Int8Dot
 
@@ -85,6 +86,8 @@ VNNI_BELOW_SPACE = (32, 64, 128)  # the thresholds `ember tune` tries
 THRESHOLD_ROWS = (48, 96)
 # On each kernel: {"format", "n", "k", "units", "row_tiles", "vnni_below"} (0: tiles for every row count).
 BUILD_ATTR = "ember.amx_matmul"
+# The `KERNEL_SOURCE_ATTR` of the kernels that multiply int8-quantized activations: the VNNI kernel and this one.
+INT8_KERNEL_SOURCES = (int8_matmul.__name__, __name__)
 
 
 def unit_space(n: int) -> list[int]:

@@ -43,7 +43,7 @@ from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.split_pipeline_stages import split_pipeline_stage, stage_layers
 from ember.runtime.artifact import PARAM_TYPES_FUNCTION
-from ember.schedules import int8_matmul
+from ember.schedules import amx_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
 from ember.targets.hardware import host_memory_bytes
@@ -384,9 +384,10 @@ def _formats_used(quantized: dict[str, QuantFormat], quantization: str) -> str:
 
 
 def activations(lowered: tvm.IRModule) -> str:
-    """"int8" if the projections quantize their activations (`schedules/int8_matmul.py`), else "float"."""
+    """"int8" if the projections quantize their activations (`schedules/int8_matmul.py`, `amx_matmul.py`), else
+    "float"."""
     sources = {str((func.attrs or {}).get(KERNEL_SOURCE_ATTR, "")) for _, func in lowered.functions_items()}
-    return "int8" if int8_matmul.__name__ in sources else "float"
+    return "int8" if sources & set(amx_matmul.INT8_KERNEL_SOURCES) else "float"
 
 
 def _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,

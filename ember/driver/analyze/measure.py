@@ -65,7 +65,8 @@ from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
 from ember.runtime import Engine, load_artifact
-from ember.schedules import int8_matmul
+from ember.runtime.amx import request_amx_permission
+from ember.schedules import amx_matmul, int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
 
@@ -201,14 +202,20 @@ INT8_PEAK_SHAPE = (128, 4096, 768)
 
 def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, int] = INT8_PEAK_SHAPE) -> Hardware:
     """`hardware` (the host) with an int8 peak: the op/s of ember's int8 prefill matmul for `target_spec` (the
-    artifact's CPU target) on an [m, k] x [n, k] product from warm caches, best of 5 runs."""
+    artifact's CPU target; with AMX, the tile kernel its prefill runs) on an [m, k] x [n, k] product from warm
+    caches, best of 5 runs."""
     target = resolve_target(target_spec)
     if target.int8_dot is None:
         return hardware
     m, n, k = shape
     fmt = FORMATS["q8f32"]
     rng = np.random.default_rng(0)
-    kernel = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, True, target.vector_bits)
+    if target.int8_dot.tiles:
+        request_amx_permission("ember analyze --measure")
+        kernel, name = amx_matmul.amx_int8_matmul(fmt, n, k), "AMX int8 prefill matmul"
+    else:
+        kernel, name = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, True, target.vector_bits), (
+            "int8 prefill matmul")
     with tvm_warnings_hidden():
         library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target.target)
     weight = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32), INTERLEAVED)
@@ -219,7 +226,7 @@ def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, 
     seconds = min(timer(*args).results)
     return dataclasses.replace(
         hardware, peak_flops={**hardware.peak_flops, "int8": 2 * m * n * k / seconds},
-        source=f"{hardware.source}; int8 peak: ember's int8 prefill matmul ({m}x{n}x{k}, warm caches)")
+        source=f"{hardware.source}; int8 peak: ember's {name} ({m}x{n}x{k}, warm caches)")
 
 
 def _stored_bits_per_weight(manifest: Manifest, config: ModelConfig) -> float:
@@ -273,7 +280,7 @@ def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
     kernel where the q8 KV cache moved it out of the cache) counts as analyze's `rope`.
     """
     source = (func.attrs or {}).get(KERNEL_SOURCE_ATTR)
-    if source == int8_matmul.__name__:
+    if source in amx_matmul.INT8_KERNEL_SOURCES:
         x_shape, *_, y_shape = shapes
         return 2.0 * math.prod(x_shape) * y_shape[-1]
     if source == specialize_cpu_rope.__name__:  # written with lets, which the counter cannot read
@@ -479,7 +486,7 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
         ops, nbytes = work[signature]
         symbol = group[0].symbol
         int8 = (symbol != ATTENTION_BUILTIN
-                and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) == int8_matmul.__name__)
+                and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) in amx_matmul.INT8_KERNEL_SOURCES)
         point = place(Operator(symbol, int8_dtype if int8 else float_dtype, ops, act_read=nbytes), hardware)
         expected = sum(predicted_time[n] for n in implements) if implements else None
         timings.append(KernelTiming(symbol, implements, len(group), times[signature], point, expected))
