@@ -1,0 +1,232 @@
+"""A prototype matmul of int8/int4 weights on Intel AMX-BF16 tiles (`tdpbf16ps`), for many activation rows.
+
+The int8 AMX kernel (`amx_matmul.py`) pays for every 32-value group's own scale: each group's int32 tile sums are
+stored and scaled in float32 by the vector units, which sets its pace. Here the scales are applied once, when a
+parallel task dequantizes its weight rows to bfloat16, and the float32 sums stay in the C tiles across the whole K:
+
+    x -> xa: bfloat16 (round to nearest even), in A-tile order (a 16-row x 32-value tile is 1 KiB contiguous),
+             parallel over rows x 32-value chunks; rows padded to whole 32-row blocks with zeros
+    parallel over tasks of 32 weight rows (4 interleaved blocks, two 16-column B tiles):  ldtilecfg
+      panel[chunk, c, pair, column] = bf16 pairs of w(rows, 2 * pair + 0/1) * scale (+ min), once per call
+      per 32-row block:  C_rc = 0;  per 32-value chunk:  A_0, A_1, B_0, B_1 loaded, C_rc += A_r . B_c (4 products)
+                         the 4 C tiles stored into y (a partial last block through a scratch)
+      tilerelease
+
+Tiles (`TILE_CONFIG`): 0, 1 = A (16 rows x 32 bf16), 2, 3 = B (16 pairs x 16 columns x 2 bf16), 4 + 2r + c = C_rc
+(16 x 16 float32): every tile 16 rows of 64 bytes. A chunk of 32 values is one group, so a B tile is one group of
+16 weight rows: the dequantization reads each packed word once, two blocks (16 rows) per 512-bit vector, and writes
+whole pair vectors (low half: the even value's bf16, high half: the odd one's).
+
+Numerics: the weight is dequantized in float32 as the reference (`QuantFormat.dequantize`: one rounding of
+v * scale + min, exact without a minimum) and rounded to bfloat16; x rounded to bfloat16; products exact, sums
+float32. Against the int8 path (which rounds x to 8 bits per group), bfloat16's 8-bit mantissa keeps ~2^-9 relative
+error per value on both operands.
+Needs `n` a multiple of 32 (whole tasks). Linux gives a process AMX state only when asked
+(`ember.runtime.amx.request_amx_permission`).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
+from ember.schedules.int8_matmul import matmul_prim_func, supports
+
+TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
+CHUNK = 32  # K values of one A tile row and of one B tile (16 pairs): one quantization group
+COLUMNS = 16  # weight rows of a B tile and a C tile
+TASK_ROWS = 2 * COLUMNS  # weight rows of a parallel task: two B tiles
+ROW_TILES = 2  # A tiles of one row block
+BLOCK_ROWS = ROW_TILES * TILE_ROWS
+TILE_BYTES = 64  # bytes of every tile row
+TILE_CONFIG = [1] + [0] * 15 + [TILE_BYTES, 0] * 8 + [0] * 16 + [TILE_ROWS] * 8 + [0] * 8  # palette 1, tiles 0-7
+ROUND_BIAS = 0x7FFF  # float32 -> bfloat16 round to nearest even: bits + 0x7FFF + lsb, top half
+
+
+def supports_bf16(fmt: QuantFormat, n: int, k: int) -> bool:
+    """Whether this kernel computes an [n, k] weight in `fmt`."""
+    return supports(fmt, n, k) and n % TASK_ROWS == 0
+
+
+def _tile_intrinsics():
+    """The register-numbered AMX intrinsics (void calls, as `amx_matmul._tile_intrinsics`), bf16 products."""
+    def load(tile, address, stride):
+        return T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride))
+
+    def store(tile, address, stride):
+        return T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride))
+
+    def zero(tile):
+        return T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile))
+
+    def dot(dst, a, b):
+        return T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(dst), T.int8(a), T.int8(b))
+
+    return load, store, zero, dot
+
+
+def _u32(value, lanes: int):
+    """`value` (an int or a TIR integer) broadcast to `lanes` uint32."""
+    return tirx.Broadcast(tirx.const(value, "uint32") if isinstance(value, int) else T.Cast("uint32", value), lanes)
+
+
+def _rounded_bits(values, lanes: int):
+    """float32 `values` (a vector) as uint32 whose top 16 bits are their bfloat16, rounded to nearest even."""
+    bits = T.reinterpret(f"uint32x{lanes}", values)
+    lsb = tirx.bitwise_and(tirx.shift_right(bits, _u32(16, lanes)), _u32(1, lanes))
+    return bits + _u32(ROUND_BIAS, lanes) + lsb
+
+
+def _pair(even, odd, lanes: int):
+    """uint32 lanes of bfloat16 pairs: the even value's in the low half, the odd one's in the high half."""
+    return tirx.bitwise_or(tirx.shift_right(_rounded_bits(even, lanes), _u32(16, lanes)),
+                           tirx.bitwise_and(_rounded_bits(odd, lanes), _u32(0xFFFF0000, lanes)))
+
+
+def _dequantize_panel(fmt: QuantFormat, k: int):
+    """The macro `dequantize(packed, scale, low, first_block, panel)`: the 4 interleaved blocks from first_block as
+    bfloat16 pairs in panel [groups, 2, 16 pairs, 16 columns] uint32, one B tile per (group, column tile)."""
+    lanes = INTERLEAVED_ROWS
+    wide = 2 * lanes
+    groups = k // fmt.group_size
+    words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
+    vec = tirx.Ramp(0, 1, lanes)
+    floats = f"float32x{wide}"
+
+    def joined(buffer, block, index):
+        """buffer[block, index, 0:8] and buffer[block + 1, index, 0:8] as one 16-lane vector."""
+        return tirx.Shuffle([buffer[block, index, vec], buffer[block + 1, index, vec]],
+                            [tirx.IntImm("int32", i) for i in range(wide)])
+
+    def field(word, shift: int, mask: int):
+        """(word >> shift) & mask as float32."""
+        return T.Cast(floats, T.reinterpret(f"int32x{wide}", tirx.bitwise_and(
+            tirx.shift_right(word, _u32(shift, wide)), _u32(mask, wide))))
+
+    def value(word, shift, mask, factor, bias):
+        # stored * scale - offset * scale (+ min): the product and the offset's are exact, so one rounding, as
+        # the reference's v * scale (+ min) has.
+        return field(word, shift, mask) * factor[T.Ramp(0, 1, wide)] + bias[T.Ramp(0, 1, wide)]
+
+    def bias_of(low, block, g, factor):
+        """What each stored value's v * scale gets added: the group's minimums, or -offset * scale."""
+        if fmt.zero_point:
+            return T.Cast(floats, joined(low, block, g))
+        return factor * T.Broadcast(T.float32(-fmt.stored_offset), wide)
+
+    @T.macro
+    def dequantize(packed, scale, low, first_block, panel):
+        for g, c in T.grid(groups, 2):
+            with T.sblock("dequantize"):
+                T.reads()
+                T.writes()
+                factor = T.sblock_alloc_buffer((wide,), "float32")  # < 1 KiB: registers
+                bias = T.sblock_alloc_buffer((wide,), "float32")
+                factor[T.Ramp(0, 1, wide)] = T.Cast(floats, joined(scale, first_block + 2 * c, g))
+                bias[T.Ramp(0, 1, wide)] = bias_of(low, first_block + 2 * c, g, factor[T.Ramp(0, 1, wide)])
+                for w in T.unroll(words):
+                    word: T.let[T.uint32x16] = joined(packed, first_block + 2 * c, g * words + w)
+                    if fmt.bits == 8:  # bytes t of word w: values 4w + t
+                        for h in T.unroll(2):
+                            panel[g, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                                value(word, 16 * h, 0xFF, factor, bias), value(word, 16 * h + 8, 0xFF, factor, bias),
+                                wide)
+                    else:  # byte t of word w: values 4w + t (low nibble) and 16 + 4w + t (high nibble)
+                        for nibble, h in T.grid(2, 2):
+                            panel[g, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                                value(word, 16 * h + 4 * nibble, 0x0F, factor, bias),
+                                value(word, 16 * h + 8 + 4 * nibble, 0x0F, factor, bias), wide)
+
+    return dequantize
+
+
+def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int) -> tirx.PrimFunc:
+    """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`, on AMX-BF16
+    tiles: x and the dequantized weight rounded to bfloat16, float32 sums. Same parameters as
+    `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts, y [batch, seq, n]."""
+    if not supports_bf16(fmt, n, k):
+        raise ValueError(f"the AMX-BF16 matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    chunks = k // CHUNK
+    load, store, zero, dot = _tile_intrinsics()
+    dequantize = _dequantize_panel(fmt, k)
+    blocks_per_task = TASK_ROWS // INTERLEAVED_ROWS
+
+    def config_byte(i):
+        """Byte i of `TILE_CONFIG` (i unrolled to a constant)."""
+        byte = tirx.const(0, "uint8")
+        for index, value in enumerate(TILE_CONFIG):
+            if value:
+                byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
+        return byte
+
+    def padded(rows):
+        """`rows` rounded up to whole row blocks, which the A tile loads read."""
+        return (rows + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
+
+    def a_row(m, chunk):
+        """xa's row of activation row m's chunk: each tile's 16 rows x 32 values contiguous."""
+        return (m // TILE_ROWS * chunks + chunk) * TILE_ROWS + m % TILE_ROWS
+
+    @T.macro
+    def to_bf16(mc, seq, x, xa):
+        m: T.let[T.int64] = mc // chunks
+        chunk: T.let[T.int64] = mc % chunks
+        xa[a_row(m, chunk), T.Ramp(0, 1, CHUNK)] = T.Cast(f"uint16x{CHUNK}", tirx.shift_right(_rounded_bits(
+            x[m // seq, m % seq, T.Ramp(chunk * CHUNK, 1, CHUNK)], CHUNK), _u32(16, CHUNK)))
+
+    @T.macro
+    def row_block(first, rows, column, seq, xa, panel, y, scratch):
+        # y for activation rows first .. first + 31 (those below `rows`), weight rows column .. column + 31.
+        for t in T.unroll(4):
+            T.evaluate(zero(4 + t))
+        for chunk in T.serial(chunks):
+            for r in T.unroll(ROW_TILES):
+                T.evaluate(load(r, T.address_of(xa[a_row(first + r * TILE_ROWS, chunk), 0]), TILE_BYTES))
+            for c in T.unroll(2):
+                T.evaluate(load(2 + c, T.address_of(panel[chunk, c, 0, 0]), TILE_BYTES))
+            for r in T.unroll(ROW_TILES):
+                for c in T.unroll(2):
+                    T.evaluate(dot(4 + 2 * r + c, r, 2 + c))
+        if first + BLOCK_ROWS <= rows:
+            for r in T.unroll(ROW_TILES):
+                for c in T.unroll(2):
+                    T.evaluate(store(4 + 2 * r + c, T.address_of(
+                        y[(first + r * TILE_ROWS) // seq, (first + r * TILE_ROWS) % seq, column + c * COLUMNS]), 4 * n))
+        else:  # the padded rows' sums are not stored into y
+            for r in T.unroll(ROW_TILES):
+                for c in T.unroll(2):
+                    T.evaluate(store(4 + 2 * r + c, T.address_of(scratch[r * TILE_ROWS, c * COLUMNS]), 4 * TASK_ROWS))
+            for t in T.serial(BLOCK_ROWS):
+                if first + t < rows:
+                    y[(first + t) // seq, (first + t) % seq, T.Ramp(column, 1, TASK_ROWS)] = scratch[
+                        t, T.Ramp(0, 1, TASK_ROWS)]
+
+    @T.macro
+    def compute(batch, seq, x, packed, scale, low, y):
+        with T.sblock("amx_bf16"):
+            T.reads()
+            T.writes()
+            xa = T.sblock_alloc_buffer((padded(batch * seq) * chunks, CHUNK), "uint16")
+            for mc in T.parallel(batch * seq * chunks):
+                to_bf16(mc, seq, x, xa)
+            # The last A tiles load whole 16 rows: written zeros keep them in xa (TVM sizes a buffer by what its
+            # loads and stores touch; a tile load touches one element) and keep denormals out of padded sums.
+            for pad, chunk in T.grid(padded(batch * seq) - batch * seq, chunks):
+                xa[a_row(batch * seq + pad, chunk), T.Ramp(0, 1, CHUNK)] = T.Broadcast(T.uint16(0), CHUNK)
+            for task in T.parallel(n // TASK_ROWS):
+                with T.sblock("task"):
+                    T.reads()
+                    T.writes()
+                    tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
+                    panel = T.sblock_alloc_buffer((chunks, 2, TILE_ROWS, COLUMNS), "uint32")
+                    scratch = T.sblock_alloc_buffer((BLOCK_ROWS, TASK_ROWS), "float32")
+                    for i in T.unroll(64):  # tile state is per thread: each task configures its own
+                        tile_config_bytes[i] = config_byte(i)
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
+                    dequantize(packed, scale, low, task * blocks_per_task, panel)
+                    for block in T.serial(padded(batch * seq) // BLOCK_ROWS):
+                        row_block(block * BLOCK_ROWS, batch * seq, task * TASK_ROWS, seq, xa, panel, y, scratch)
+                    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+
+    return matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)
