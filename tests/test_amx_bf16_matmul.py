@@ -1,0 +1,84 @@
+"""The AMX-BF16 prototype matmul (schedules/amx_bf16_matmul.py): x and the dequantized weight rounded to bfloat16
+(round to nearest even), products summed in float32 tiles, against numpy; and its tile instructions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from helpers import call_matmul_kernel
+
+from ember.core.machine import host_cpu_flags
+from ember.ir.quant_formats import FORMATS, INTERLEAVED
+from ember.runtime import amx
+from ember.schedules.amx_bf16_matmul import amx_bf16_matmul
+from ember.targets.registry import resolve_target
+
+AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
+# float32 sums of exact bf16 products, in another order than numpy's float64: far below bf16's 2^-9 per value.
+TOLERANCE = 2e-6
+
+
+@pytest.fixture(scope="module")
+def amx_bf16_host():
+    """The AMX target on a host with amx_bf16, with this process's tile permission granted."""
+    missing = sorted({"amx_tile", "amx_bf16"} - set(host_cpu_flags() or ()))
+    if missing:
+        pytest.skip(f"this CPU has no {', '.join(missing)}")
+    amx.request_amx_permission("test_amx_bf16_matmul")
+    return AMX_TARGET
+
+
+def _bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 `values` rounded to bfloat16 (nearest, ties to even), as float32."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _build(fmt, n, k, target):
+    return tvm.compile(tvm.IRModule({"main": amx_bf16_matmul(fmt, n, k)}), target=target.target)
+
+
+def test_rounding_helper_ties_to_even():
+    """The reference's rounding: halfway cases go to the even bfloat16, others to the nearest."""
+    values = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8)], np.float32)
+    np.testing.assert_array_equal(_bfloat16(values), [1, 1 + 2**-6, 1 + 2**-7, -1])
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+@pytest.mark.parametrize("n,k,batch,seq", [
+    (32, 96, 1, 37),  # a whole and a partial 32-row block; 3 groups: K not a multiple of 64
+    (64, 160, 2, 16),  # two tasks, two sequences of one 32-row block; 5 groups
+    (64, 32, 1, 5),  # one group, 5 rows of a block
+])
+def test_matches_bfloat16_rounded_numpy(amx_bf16_host, name, n, k, batch, seq):
+    """y = bf16(x) . bf16(w dequantized in float32), in float64, to TOLERANCE of max|y|; the rounding is really there
+    (the unrounded product is farther off)."""
+    fmt = FORMATS[name]
+    rows = batch * seq
+    rng = np.random.default_rng(n + k + rows)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+    weight = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float32)
+    expected = _bfloat16(x).astype(np.float64) @ _bfloat16(weight).astype(np.float64).T
+    actual = call_matmul_kernel(_build(fmt, n, k, amx_bf16_host), fmt, parts, x, n, batch)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE * scale)
+    unrounded = x.astype(np.float64) @ weight.astype(np.float64).T
+    assert np.abs(actual - unrounded).max() > 50 * TOLERANCE * scale
+
+
+def test_refuses_weights_of_partial_tasks():
+    """A weight whose rows are not whole 32-row tasks (two B tiles) is refused, not computed in part."""
+    with pytest.raises(ValueError, match="does not compute"):
+        amx_bf16_matmul(FORMATS["q8f32"], 48, 64)
+
+
+def test_assembly_holds_the_bf16_tile_instructions(amx_bf16_host):
+    """The kernel configures tiles, loads them, multiplies bfloat16 pairs (tdpbf16ps), stores and releases them."""
+    lib = _build(FORMATS["q4f32"], 32, 64, amx_bf16_host)
+    assembly = lib.mod.imports[0].inspect_source("s") if lib.mod.imports else lib.mod.inspect_source("s")
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+        assert instruction in assembly, instruction
+    assert "tdpbssd" not in assembly
