@@ -273,7 +273,8 @@ def test_avx512_vnni_int4_decode_multiplies_16_rows_for_whole_tiles_of_sequences
 @pytest.mark.parametrize("cpu", [None, "haswell", "nehalem"])
 def test_every_projection_uses_it(tiny_models, cpu):
     """On a CPU with an int8 dot product (this one; AVX2), every projection of a q4f32 model, decode and
-    prefill, is this kernel; with float activations, or without AVX2, none is, and the weights stay row-major."""
+    prefill, is this kernel (prefill's, on a CPU with AMX, the tile kernel holding it); with float activations, or
+    without AVX2, none is, and the weights stay row-major."""
     from ember.frontend.hf import import_hf_model
     from ember.ir.weight_recipes import get_recipes
     from ember.ir_passes import pipeline
@@ -283,7 +284,9 @@ def test_every_projection_uses_it(tiny_models, cpu):
     for int8 in (True, False):
         options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=int8)
         kernels = pipeline.to_kernels(imported.mod, target, options)
-        calls = {name: kernels[name].script().count("int8_dot_matmul") for name in ("decode", "prefill")}
+        tiles = target.int8_dot is not None and target.int8_dot.tiles
+        kernel = {"decode": "int8_dot_matmul", "prefill": "amx_int8_matmul" if tiles else "int8_dot_matmul"}
+        calls = {name: kernels[name].script().count(kernel[name]) for name in ("decode", "prefill")}
         expected = 4 * 2 + 1 if int8 and target.int8_dot else 0  # qkv, o, gate_up, down per layer; lm_head
         assert calls == {"decode": expected, "prefill": expected}
         assert cpu != "haswell" or not int8 or expected  # the AVX2 path is taken
