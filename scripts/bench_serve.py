@@ -663,6 +663,15 @@ def measure_servers(settings: Settings, running: dict[str, Served], requests: di
     return busy
 
 
+def target_int8_level(target: dict) -> str:
+    """How the artifact's int8 matmuls multiply: its target's int8 level (`targets/int8_dot.py`: "amx" puts
+    prefill on AMX tiles), or "none"."""
+    from ember.targets.registry import resolve_target
+
+    dot = resolve_target(json.dumps(target["tvm_target"])).int8_dot
+    return dot.level if dot is not None else "none"
+
+
 def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str,
                  shapes: list[tuple[int, int]]) -> None:
     """Compile `checkpoint` as `fmt`, write its GGUF, measure every server on it and print the table."""
@@ -677,8 +686,10 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     start = time.perf_counter()
     compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=max(settings.concurrencies),
                                                        kv_quant=kv_quant, show_progress=False))
+    target = json.loads((artifact / "manifest.json").read_text())["target"]
     print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
-          f"{max(settings.concurrencies)}, context {context}, KV cache {kv_quant or 'float32'})", flush=True)
+          f"{max(settings.concurrencies)}, context {context}, KV cache {kv_quant or 'float32'}; target "
+          f"{json.dumps(target['tvm_target'])}, int8 matmuls {target_int8_level(target)})", flush=True)
     if not gguf.exists():
         peers._run_isolated("_write_gguf_worker", model_dir=str(checkpoint), out_path=str(gguf), qtype=qtype)
     # The prompts are read by llama.cpp's tokenizer once, for every server.
