@@ -41,6 +41,8 @@ ROW_TILES = 2  # A tiles of one row block
 BLOCK_ROWS = ROW_TILES * TILE_ROWS
 TILE_BYTES = 64  # bytes of every tile row
 TILE_CONFIG = [1] + [0] * 15 + [TILE_BYTES, 0] * 8 + [0] * 16 + [TILE_ROWS] * 8 + [0] * 8  # palette 1, tiles 0-7
+MAX_PAIRS = 4  # column pairs (32 weight rows each) of a task: a row block's A tiles reloaded for each, from L2
+MAX_BLOCK_CHUNKS = 64  # chunks of K per sweep: a row block's A tiles of one sweep, 128 KiB, stay in L2
 ROUND_BIAS = 0x7FFF  # float32 -> bfloat16 round to nearest even: bits + 0x7FFF + lsb, top half
 
 
@@ -116,7 +118,7 @@ def _dequantize_panel(fmt: QuantFormat, k: int):
         return factor * T.Broadcast(T.float32(-fmt.stored_offset), wide)
 
     @T.macro
-    def dequantize(packed, scale, low, first_block, panel):
+    def dequantize(packed, scale, low, first_block, panel, u):
         for g, c in T.grid(groups, 2):
             with T.sblock("dequantize"):
                 T.reads()
@@ -129,28 +131,45 @@ def _dequantize_panel(fmt: QuantFormat, k: int):
                     word: T.let[T.uint32x16] = joined(packed, first_block + 2 * c, g * words + w)
                     if fmt.bits == 8:  # bytes t of word w: values 4w + t
                         for h in T.unroll(2):
-                            panel[g, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                            panel[u, g, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
                                 value(word, 16 * h, 0xFF, factor, bias), value(word, 16 * h + 8, 0xFF, factor, bias),
                                 wide)
                     else:  # byte t of word w: values 4w + t (low nibble) and 16 + 4w + t (high nibble)
                         for nibble, h in T.grid(2, 2):
-                            panel[g, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                            panel[u, g, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
                                 value(word, 16 * h + 4 * nibble, 0x0F, factor, bias),
                                 value(word, 16 * h + 8 + 4 * nibble, 0x0F, factor, bias), wide)
 
     return dequantize
 
 
-def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int) -> tirx.PrimFunc:
+def rule_knobs(n: int, k: int) -> tuple[int, int]:
+    """(pairs, block_chunks): 32-row column pairs per parallel task, and 32-value chunks of K per sweep (a divisor of
+    k / 32): the most of `MAX_PAIRS` and `MAX_BLOCK_CHUNKS` that the weight takes."""
+    pairs = next(p for p in range(MAX_PAIRS, 0, -1) if (n // TASK_ROWS) % p == 0)
+    chunks = k // CHUNK
+    return pairs, next(c for c in range(min(chunks, MAX_BLOCK_CHUNKS), 0, -1) if chunks % c == 0)
+
+
+def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
+                    block_chunks: int | None = None) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`, on AMX-BF16
     tiles: x and the dequantized weight rounded to bfloat16, float32 sums. Same parameters as
-    `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts, y [batch, seq, n]."""
+    `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts, y [batch, seq, n].
+    `pairs`, `block_chunks`: the blocking (`rule_knobs` where None)."""
     if not supports_bf16(fmt, n, k):
         raise ValueError(f"the AMX-BF16 matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    rule = rule_knobs(n, k)
+    pairs = rule[0] if pairs is None else pairs
+    block_chunks = rule[1] if block_chunks is None else block_chunks
     chunks = k // CHUNK
+    if (n // TASK_ROWS) % pairs or chunks % block_chunks:
+        raise ValueError(f"AMX-BF16 blocking ({pairs}, {block_chunks}) does not divide a [{n}, {k}] weight")
+    sweeps = chunks // block_chunks
+    width = pairs * TASK_ROWS  # weight rows of a task
     load, store, zero, dot = _tile_intrinsics()
     dequantize = _dequantize_panel(fmt, k)
-    blocks_per_task = TASK_ROWS // INTERLEAVED_ROWS
+    blocks_per_pair = TASK_ROWS // INTERLEAVED_ROWS
 
     def config_byte(i):
         """Byte i of `TILE_CONFIG` (i unrolled to a constant)."""
@@ -176,31 +195,60 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int) -> tirx.PrimFunc:
             x[m // seq, m % seq, T.Ramp(chunk * CHUNK, 1, CHUNK)], CHUNK), _u32(16, CHUNK)))
 
     @T.macro
-    def row_block(first, rows, column, seq, xa, panel, y, scratch):
-        # y for activation rows first .. first + 31 (those below `rows`), weight rows column .. column + 31.
-        for t in T.unroll(4):
-            T.evaluate(zero(4 + t))
-        for chunk in T.serial(chunks):
+    def products(first, sweep, u, xa, panel):
+        # C_rc += the sweep's chunks of activation rows first .. first + 31 times column pair u.
+        for i in T.serial(block_chunks):
             for r in T.unroll(ROW_TILES):
-                T.evaluate(load(r, T.address_of(xa[a_row(first + r * TILE_ROWS, chunk), 0]), TILE_BYTES))
+                T.evaluate(load(r, T.address_of(xa[a_row(first + r * TILE_ROWS, sweep * block_chunks + i), 0]),
+                                TILE_BYTES))
             for c in T.unroll(2):
-                T.evaluate(load(2 + c, T.address_of(panel[chunk, c, 0, 0]), TILE_BYTES))
+                T.evaluate(load(2 + c, T.address_of(panel[u, sweep * block_chunks + i, c, 0, 0]), TILE_BYTES))
             for r in T.unroll(ROW_TILES):
                 for c in T.unroll(2):
                     T.evaluate(dot(4 + 2 * r + c, r, 2 + c))
-        if first + BLOCK_ROWS <= rows:
-            for r in T.unroll(ROW_TILES):
-                for c in T.unroll(2):
-                    T.evaluate(store(4 + 2 * r + c, T.address_of(
-                        y[(first + r * TILE_ROWS) // seq, (first + r * TILE_ROWS) % seq, column + c * COLUMNS]), 4 * n))
-        else:  # the padded rows' sums are not stored into y
-            for r in T.unroll(ROW_TILES):
-                for c in T.unroll(2):
-                    T.evaluate(store(4 + 2 * r + c, T.address_of(scratch[r * TILE_ROWS, c * COLUMNS]), 4 * TASK_ROWS))
-            for t in T.serial(BLOCK_ROWS):
-                if first + t < rows:
-                    y[(first + t) // seq, (first + t) % seq, T.Ramp(column, 1, TASK_ROWS)] = scratch[
-                        t, T.Ramp(0, 1, TASK_ROWS)]
+
+    def home_columns(home):
+        """Columns of `home`'s rows (its row stride)."""
+        return home.shape[-1]
+
+    def home_address(home, row, column, seq):
+        """The address of (row, column) in `home`: y [batch, seq, n] or a task's partial block [32, width]."""
+        if len(home.shape) == 3:
+            return T.address_of(home[row // seq, row % seq, column])
+        return T.address_of(home[row % BLOCK_ROWS, column])
+
+    @T.macro
+    def sweep_pair(first, sweep, u, column, seq, xa, panel, home):
+        # The C tiles of rows first .. first + 31 and pair u live in `home` (y, whose rows are n apart, or a task's
+        # [32, width] buffer) between sweeps: zero before the first, loaded before the others, stored after each.
+        for r in T.unroll(ROW_TILES):
+            for c in T.unroll(2):
+                if sweep == 0:
+                    T.evaluate(zero(4 + 2 * r + c))
+                else:
+                    T.evaluate(load(4 + 2 * r + c, home_address(home, first + r * TILE_ROWS, column + c * COLUMNS,
+                                                                 seq), 4 * home_columns(home)))
+        products(first, sweep, u, xa, panel)
+        for r in T.unroll(ROW_TILES):
+            for c in T.unroll(2):
+                T.evaluate(store(4 + 2 * r + c, home_address(home, first + r * TILE_ROWS, column + c * COLUMNS, seq),
+                                 4 * home_columns(home)))
+
+    @T.macro
+    def task_body(task, rows, seq, xa, panel, partial, y):
+        # y's columns task * width .., every row: per sweep of K, per 32-row block, per column pair; a partial last
+        # block's sums through `partial` (its padded rows never stored into y).
+        for sweep in T.serial(sweeps):
+            for block in T.serial(padded(rows) // BLOCK_ROWS):
+                for u in T.serial(pairs):
+                    if block * BLOCK_ROWS + BLOCK_ROWS <= rows:
+                        sweep_pair(block * BLOCK_ROWS, sweep, u, task * width + u * TASK_ROWS, seq, xa, panel, y)
+                    else:
+                        sweep_pair(block * BLOCK_ROWS, sweep, u, u * TASK_ROWS, seq, xa, panel, partial)
+        if rows % BLOCK_ROWS != 0:
+            for t, part in T.grid(rows % BLOCK_ROWS, width // COLUMNS):
+                y[(rows - rows % BLOCK_ROWS + t) // seq, (rows - rows % BLOCK_ROWS + t) % seq,
+                  T.Ramp(task * width + part * COLUMNS, 1, COLUMNS)] = partial[t, T.Ramp(part * COLUMNS, 1, COLUMNS)]
 
     @T.macro
     def compute(batch, seq, x, packed, scale, low, y):
@@ -214,19 +262,23 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int) -> tirx.PrimFunc:
             # loads and stores touch; a tile load touches one element) and keep denormals out of padded sums.
             for pad, chunk in T.grid(padded(batch * seq) - batch * seq, chunks):
                 xa[a_row(batch * seq + pad, chunk), T.Ramp(0, 1, CHUNK)] = T.Broadcast(T.uint16(0), CHUNK)
-            for task in T.parallel(n // TASK_ROWS):
+            for task in T.parallel(n // width):
                 with T.sblock("task"):
                     T.reads()
                     T.writes()
                     tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
-                    panel = T.sblock_alloc_buffer((chunks, 2, TILE_ROWS, COLUMNS), "uint32")
-                    scratch = T.sblock_alloc_buffer((BLOCK_ROWS, TASK_ROWS), "float32")
+                    panel = T.sblock_alloc_buffer((pairs, chunks, 2, TILE_ROWS, COLUMNS), "uint32")
+                    partial = T.sblock_alloc_buffer((BLOCK_ROWS, width), "float32")
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
                         tile_config_bytes[i] = config_byte(i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
-                    dequantize(packed, scale, low, task * blocks_per_task, panel)
-                    for block in T.serial(padded(batch * seq) // BLOCK_ROWS):
-                        row_block(block * BLOCK_ROWS, batch * seq, task * TASK_ROWS, seq, xa, panel, y, scratch)
+                    # All written: TVM sizes a buffer by what its loads and stores touch, and a tile store (an
+                    # address) touches one element, so the copy's rows alone left the tiles' rows 16-31 past its end.
+                    for t in T.serial(BLOCK_ROWS):
+                        partial[t, T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
+                    for u in T.serial(pairs):
+                        dequantize(packed, scale, low, (task * pairs + u) * blocks_per_pair, panel, u)
+                    task_body(task, batch * seq, seq, xa, panel, partial, y)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     return matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)

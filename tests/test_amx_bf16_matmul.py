@@ -69,10 +69,28 @@ def test_matches_bfloat16_rounded_numpy(amx_bf16_host, name, n, k, batch, seq):
     assert np.abs(actual - unrounded).max() > 50 * TOLERANCE * scale
 
 
+@pytest.mark.parametrize("pairs,block_chunks", [(4, 5), (4, 1), (2, 5), (1, 1)])
+def test_every_blocking_gives_the_same_sums(amx_bf16_host, pairs, block_chunks):
+    """Four column pairs a task or fewer (n = 128), K in one sweep or in five (the C tiles kept in y and, for the
+    partial last row block, in a task buffer, between sweeps); 37 rows: the same output as the rule's blocking."""
+    fmt, n, k, rows = FORMATS["q4f32"], 128, 160, 37
+    rng = np.random.default_rng(pairs * 10 + block_chunks)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    weight = fmt.dequantize(parts, k, INTERLEAVED).astype(np.float32)
+    expected = _bfloat16(x).astype(np.float64) @ _bfloat16(weight).astype(np.float64).T
+    lib = tvm.compile(tvm.IRModule({"main": amx_bf16_matmul(fmt, n, k, pairs, block_chunks)}),
+                      target=amx_bf16_host.target)
+    np.testing.assert_allclose(call_matmul_kernel(lib, fmt, parts, x, n), expected, rtol=0,
+                               atol=TOLERANCE * np.abs(expected).max())
+
+
 def test_refuses_weights_of_partial_tasks():
     """A weight whose rows are not whole 32-row tasks (two B tiles) is refused, not computed in part."""
     with pytest.raises(ValueError, match="does not compute"):
         amx_bf16_matmul(FORMATS["q8f32"], 48, 64)
+    with pytest.raises(ValueError, match="does not divide"):
+        amx_bf16_matmul(FORMATS["q8f32"], 64, 96, 1, 2)
 
 
 def test_assembly_holds_the_bf16_tile_instructions(amx_bf16_host):
