@@ -43,7 +43,6 @@ TILE_BYTES = 64  # bytes of every tile row
 TILE_CONFIG = [1] + [0] * 15 + [TILE_BYTES, 0] * 8 + [0] * 16 + [TILE_ROWS] * 8 + [0] * 8  # palette 1, tiles 0-7
 MAX_PAIRS = 4  # column pairs (32 weight rows each) of a task: a row block's A tiles reloaded for each, from L2
 MAX_BLOCK_CHUNKS = 64  # chunks of K per sweep: a row block's A tiles of one sweep, 128 KiB, stay in L2
-ROUND_BIAS = 0x7FFF  # float32 -> bfloat16 round to nearest even: bits + 0x7FFF + lsb, top half
 
 
 def supports_bf16(fmt: QuantFormat, n: int, k: int) -> bool:
@@ -73,17 +72,17 @@ def _u32(value, lanes: int):
     return tirx.Broadcast(tirx.const(value, "uint32") if isinstance(value, int) else T.Cast("uint32", value), lanes)
 
 
-def _rounded_bits(values, lanes: int):
-    """float32 `values` (a vector) as uint32 whose top 16 bits are their bfloat16, rounded to nearest even."""
-    bits = T.reinterpret(f"uint32x{lanes}", values)
-    lsb = tirx.bitwise_and(tirx.shift_right(bits, _u32(16, lanes)), _u32(1, lanes))
-    return bits + _u32(ROUND_BIAS, lanes) + lsb
+def _to_bf16(low, high):
+    """float32x16 `low` and `high` as their 32 bfloat16 (uint16 lanes: low's then high's), rounded to nearest even
+    (`vcvtne2ps2bf16`, AVX512-BF16)."""
+    return T.reinterpret("uint16x32", T.call_llvm_pure_intrin(
+        "bfloat16x32", "llvm.x86.avx512bf16.cvtne2ps2bf16.512", high, low))
 
 
-def _pair(even, odd, lanes: int):
-    """uint32 lanes of bfloat16 pairs: the even value's in the low half, the odd one's in the high half."""
-    return tirx.bitwise_or(tirx.shift_right(_rounded_bits(even, lanes), _u32(16, lanes)),
-                           tirx.bitwise_and(_rounded_bits(odd, lanes), _u32(0xFFFF0000, lanes)))
+def _pair(even, odd):
+    """uint32x16 lanes of bfloat16 pairs: float32x16 `even`'s in the low halves, `odd`'s in the high ones."""
+    return T.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], [
+        tirx.IntImm("int32", i // 2 + 16 * (i % 2)) for i in range(2 * COLUMNS)]))
 
 
 def _dequantize_panel(fmt: QuantFormat, k: int):
@@ -132,13 +131,12 @@ def _dequantize_panel(fmt: QuantFormat, k: int):
                     if fmt.bits == 8:  # bytes t of word w: values 4w + t
                         for h in T.unroll(2):
                             panel[u, g, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
-                                value(word, 16 * h, 0xFF, factor, bias), value(word, 16 * h + 8, 0xFF, factor, bias),
-                                wide)
+                                value(word, 16 * h, 0xFF, factor, bias), value(word, 16 * h + 8, 0xFF, factor, bias))
                     else:  # byte t of word w: values 4w + t (low nibble) and 16 + 4w + t (high nibble)
                         for nibble, h in T.grid(2, 2):
                             panel[u, g, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
                                 value(word, 16 * h + 4 * nibble, 0x0F, factor, bias),
-                                value(word, 16 * h + 8 + 4 * nibble, 0x0F, factor, bias), wide)
+                                value(word, 16 * h + 8 + 4 * nibble, 0x0F, factor, bias))
 
     return dequantize
 
@@ -191,8 +189,8 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
     def to_bf16(mc, seq, x, xa):
         m: T.let[T.int64] = mc // chunks
         chunk: T.let[T.int64] = mc % chunks
-        xa[a_row(m, chunk), T.Ramp(0, 1, CHUNK)] = T.Cast(f"uint16x{CHUNK}", tirx.shift_right(_rounded_bits(
-            x[m // seq, m % seq, T.Ramp(chunk * CHUNK, 1, CHUNK)], CHUNK), _u32(16, CHUNK)))
+        xa[a_row(m, chunk), T.Ramp(0, 1, CHUNK)] = _to_bf16(x[m // seq, m % seq, T.Ramp(chunk * CHUNK, 1, 16)],
+                                                            x[m // seq, m % seq, T.Ramp(chunk * CHUNK + 16, 1, 16)])
 
     @T.macro
     def products(first, sweep, u, xa, panel):
