@@ -85,12 +85,12 @@ def _pair(even, odd):
         tirx.IntImm("int32", i // 2 + 16 * (i % 2)) for i in range(2 * COLUMNS)]))
 
 
-def _dequantize_panel(fmt: QuantFormat, k: int):
-    """The macro `dequantize(packed, scale, low, first_block, panel)`: the 4 interleaved blocks from first_block as
-    bfloat16 pairs in panel [groups, 2, 16 pairs, 16 columns] uint32, one B tile per (group, column tile)."""
+def _dequantize_panel(fmt: QuantFormat, block_chunks: int):
+    """The macro `dequantize(packed, scale, low, first_block, panel, u, sweep)`: groups sweep * block_chunks .. of the
+    4 interleaved blocks from first_block as bfloat16 pairs in panel[u] [block_chunks, 2, 16 pairs, 16 columns]
+    uint32, one B tile per (group, column tile)."""
     lanes = INTERLEAVED_ROWS
     wide = 2 * lanes
-    groups = k // fmt.group_size
     words = fmt.group_size * fmt.bits // 32  # packed words of one row per group
     vec = tirx.Ramp(0, 1, lanes)
     floats = f"float32x{wide}"
@@ -117,24 +117,25 @@ def _dequantize_panel(fmt: QuantFormat, k: int):
         return factor * T.Broadcast(T.float32(-fmt.stored_offset), wide)
 
     @T.macro
-    def dequantize(packed, scale, low, first_block, panel, u):
-        for g, c in T.grid(groups, 2):
+    def dequantize(packed, scale, low, first_block, panel, u, sweep):
+        for i, c in T.grid(block_chunks, 2):
             with T.sblock("dequantize"):
                 T.reads()
                 T.writes()
                 factor = T.sblock_alloc_buffer((wide,), "float32")  # < 1 KiB: registers
                 bias = T.sblock_alloc_buffer((wide,), "float32")
+                g = sweep * block_chunks + i
                 factor[T.Ramp(0, 1, wide)] = T.Cast(floats, joined(scale, first_block + 2 * c, g))
                 bias[T.Ramp(0, 1, wide)] = bias_of(low, first_block + 2 * c, g, factor[T.Ramp(0, 1, wide)])
                 for w in T.unroll(words):
                     word: T.let[T.uint32x16] = joined(packed, first_block + 2 * c, g * words + w)
                     if fmt.bits == 8:  # bytes t of word w: values 4w + t
                         for h in T.unroll(2):
-                            panel[u, g, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                            panel[u, i, c, 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
                                 value(word, 16 * h, 0xFF, factor, bias), value(word, 16 * h + 8, 0xFF, factor, bias))
                     else:  # byte t of word w: values 4w + t (low nibble) and 16 + 4w + t (high nibble)
                         for nibble, h in T.grid(2, 2):
-                            panel[u, g, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
+                            panel[u, i, c, 8 * nibble + 2 * w + h, T.Ramp(0, 1, wide)] = _pair(
                                 value(word, 16 * h + 4 * nibble, 0x0F, factor, bias),
                                 value(word, 16 * h + 8 + 4 * nibble, 0x0F, factor, bias))
 
@@ -166,7 +167,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
     sweeps = chunks // block_chunks
     width = pairs * TASK_ROWS  # weight rows of a task
     load, store, zero, dot = _tile_intrinsics()
-    dequantize = _dequantize_panel(fmt, k)
+    dequantize = _dequantize_panel(fmt, block_chunks)
     blocks_per_pair = TASK_ROWS // INTERLEAVED_ROWS
 
     def config_byte(i):
@@ -200,7 +201,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                 T.evaluate(load(r, T.address_of(xa[a_row(first + r * TILE_ROWS, sweep * block_chunks + i), 0]),
                                 TILE_BYTES))
             for c in T.unroll(2):
-                T.evaluate(load(2 + c, T.address_of(panel[u, sweep * block_chunks + i, c, 0, 0]), TILE_BYTES))
+                T.evaluate(load(2 + c, T.address_of(panel[u, i, c, 0, 0]), TILE_BYTES))
             for r in T.unroll(ROW_TILES):
                 for c in T.unroll(2):
                     T.evaluate(dot(4 + 2 * r + c, r, 2 + c))
@@ -233,10 +234,13 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                                  4 * home_columns(home)))
 
     @T.macro
-    def task_body(task, rows, seq, xa, panel, partial, y):
+    def task_body(task, rows, seq, packed, scale, low, xa, panel, partial, y):
         # y's columns task * width .., every row: per sweep of K, per 32-row block, per column pair; a partial last
         # block's sums through `partial` (its padded rows never stored into y).
         for sweep in T.serial(sweeps):
+            # the sweep's panel dequantized just before its products: one sweep's, not all of K, stays in L2
+            for u in T.serial(pairs):
+                dequantize(packed, scale, low, (task * pairs + u) * blocks_per_pair, panel, u, sweep)
             for block in T.serial(padded(rows) // BLOCK_ROWS):
                 for u in T.serial(pairs):
                     if block * BLOCK_ROWS + BLOCK_ROWS <= rows:
@@ -265,7 +269,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                     T.reads()
                     T.writes()
                     tile_config_bytes = T.sblock_alloc_buffer((64,), "uint8")
-                    panel = T.sblock_alloc_buffer((pairs, chunks, 2, TILE_ROWS, COLUMNS), "uint32")
+                    panel = T.sblock_alloc_buffer((pairs, block_chunks, 2, TILE_ROWS, COLUMNS), "uint32")
                     partial = T.sblock_alloc_buffer((BLOCK_ROWS, width), "float32")
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
                         tile_config_bytes[i] = config_byte(i)
@@ -274,9 +278,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                     # address) touches one element, so the copy's rows alone left the tiles' rows 16-31 past its end.
                     for t in T.serial(BLOCK_ROWS):
                         partial[t, T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
-                    for u in T.serial(pairs):
-                        dequantize(packed, scale, low, (task * pairs + u) * blocks_per_pair, panel, u)
-                    task_body(task, batch * seq, seq, xa, panel, partial, y)
+                    task_body(task, batch * seq, seq, packed, scale, low, xa, panel, partial, y)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     return matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)
