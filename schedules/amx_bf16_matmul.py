@@ -4,12 +4,16 @@ The int8 AMX kernel (`amx_matmul.py`) pays for every 32-value group's own scale:
 stored and scaled in float32 by the vector units, which sets its pace. Here the scales are applied once, when a
 parallel task dequantizes its weight rows to bfloat16, and the float32 sums stay in the C tiles across the whole K:
 
-    x -> xa: bfloat16 (round to nearest even), in A-tile order (a 16-row x 32-value tile is 1 KiB contiguous),
-             parallel over rows x 32-value chunks; rows padded to whole 32-row blocks with zeros
-    parallel over tasks of 32 weight rows (4 interleaved blocks, two 16-column B tiles):  ldtilecfg
-      panel[chunk, c, pair, column] = bf16 pairs of w(rows, 2 * pair + 0/1) * scale (+ min), once per call
-      per 32-row block:  C_rc = 0;  per 32-value chunk:  A_0, A_1, B_0, B_1 loaded, C_rc += A_r . B_c (4 products)
-                         the 4 C tiles stored into y (a partial last block through a scratch)
+    x -> xa: bfloat16 (vcvtne2ps2bf16, round to nearest even), in A-tile order (a 16-row x 32-value tile is
+             1 KiB contiguous), parallel over rows x 32-value chunks; rows padded to whole 32-row blocks with zeros
+    parallel over tasks of `pairs` x 32 weight rows (each pair: 4 interleaved blocks, two 16-column B tiles):
+      ldtilecfg
+      per sweep of `block_chunks` 32-value chunks of K (all of K up to 2048):
+        panel[pair, chunk, c, kpair, column] = the sweep's bf16 pairs of w * scale (+ min) (each weight value once
+                                               per call; one sweep's panel, 512 KiB, stays in L2)
+        per 32-row block, per pair:  C_rc = 0 (first sweep) or loaded from y;  per chunk:  A_0, A_1, B_0, B_1
+                                     loaded, C_rc += A_r . B_c (4 products);  the 4 C tiles stored into y (a partial
+                                     last block into a task buffer, copied to y at the end)
       tilerelease
 
 Tiles (`TILE_CONFIG`): 0, 1 = A (16 rows x 32 bf16), 2, 3 = B (16 pairs x 16 columns x 2 bf16), 4 + 2r + c = C_rc
@@ -21,7 +25,21 @@ Numerics: the weight is dequantized in float32 as the reference (`QuantFormat.de
 v * scale + min, exact without a minimum) and rounded to bfloat16; x rounded to bfloat16; products exact, sums
 float32. Against the int8 path (which rounds x to 8 bits per group), bfloat16's 8-bit mantissa keeps ~2^-9 relative
 error per value on both operands.
-Needs `n` a multiple of 32 (whole tasks). Linux gives a process AMX state only when asked
+Measured (2-vCPU Sapphire Rapids VM, others' jobs on the same cores; `scripts/bench_amx_bf16.py`, 2 threads,
+round-robin medians): 0.31x-0.41x the VNNI kernel's time and 0.44x-0.62x the int8 AMX kernel's at 512 and 2048 rows
+on the 1B Llama's [2048, 2048], [8192, 2048], [2048, 8192] in q8f32 and q4f32, and 0.73x-0.84x VNNI's at 32 rows.
+Where the time goes ([2048, 2048] q8f32, 512 rows, 1 thread, CPU time, loaded host): the kernel with every A and B
+tile loaded from one fixed address 3.6 ms, with B streamed (A fixed) 4.2 ms, as built 4.6-6 ms; x's conversion and
+the dequantization without products 0.8 ms. Streaming A (the row block's tiles, from L2) costs the most: tiles are
+not renamed, so a load waits for the products reading the tile before. Tasks of 4 pairs (each block's A reused from
+L2 for 4) took 5.8 -> 4.6 ms (8 pairs no better); dequantizing all of K up front, not per sweep, made [2048, 8192]
+at 32 rows 1.6x slower (the panel out of L2). Tried, no gain: prefetching the next block's A (to L1 or L2) or the A
+tiles 2-8 chunks ahead; each tile loaded just before its first product (3%, within noise); sweeps of 32 or 16
+chunks (slower: C tiles reloaded from y).
+Accuracy against float64 x . w (gaussian x, 256 rows): bf16 2.1e-3-2.7e-3 of max|y| (rms 2.4e-3), the VNNI kernel
+4.8e-3-6.1e-3 (rms 5.3e-3): bfloat16 rounds each value to 2^-9 of itself, Q8_0 to half a step of its group's
+max / 127.
+Needs `n` a multiple of 32 (whole column pairs). Linux gives a process AMX state only when asked
 (`ember.runtime.amx.request_amx_permission`).
 """
 
@@ -36,7 +54,7 @@ from ember.schedules.int8_matmul import matmul_prim_func, supports
 TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
 CHUNK = 32  # K values of one A tile row and of one B tile (16 pairs): one quantization group
 COLUMNS = 16  # weight rows of a B tile and a C tile
-TASK_ROWS = 2 * COLUMNS  # weight rows of a parallel task: two B tiles
+TASK_ROWS = 2 * COLUMNS  # weight rows of a column pair: two B tiles
 ROW_TILES = 2  # A tiles of one row block
 BLOCK_ROWS = ROW_TILES * TILE_ROWS
 TILE_BYTES = 64  # bytes of every tile row
