@@ -21,8 +21,9 @@ TOLERANCE = 2e-6
 
 @pytest.fixture(scope="module")
 def amx_bf16_host():
-    """The AMX target on a host with amx_bf16, with this process's tile permission granted."""
-    missing = sorted({"amx_tile", "amx_bf16"} - set(host_cpu_flags() or ()))
+    """The AMX target on a host with amx_bf16 (and avx512_bf16, which converts to bfloat16), with this process's tile
+    permission granted."""
+    missing = sorted({"amx_tile", "amx_bf16", "avx512_bf16"} - set(host_cpu_flags() or ()))
     if missing:
         pytest.skip(f"this CPU has no {', '.join(missing)}")
     amx.request_amx_permission("test_amx_bf16_matmul")
