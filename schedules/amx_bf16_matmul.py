@@ -1,5 +1,9 @@
 """A prototype matmul of int8/int4 weights on Intel AMX-BF16 tiles (`tdpbf16ps`), for many activation rows.
 
+Not yet chosen by the compiler: `ir_passes/quantize_weights.py` builds prefill's projections with the int8 AMX
+kernel. Wiring this one in needs `ember tune` to cover it (its knobs: `pairs`, the K sweep, the row count from
+which it runs rather than the VNNI body) and a whole-model check against transformers.
+
 The int8 AMX kernel (`amx_matmul.py`) pays for every 32-value group's own scale: each group's int32 tile sums are
 stored and scaled in float32 by the vector units, which sets its pace. Here the scales are applied once, when a
 parallel task dequantizes its weight rows to bfloat16, and the float32 sums stay in the C tiles across the whole K:
