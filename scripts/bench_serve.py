@@ -2,7 +2,7 @@
 
 For each model (the ~110M Llama shape and the Llama-3.2-1B shape, random weights made by
 `peers.make_random_llama` if missing; `demo` adds the demo model) and each `--quant` format,
-ember compiles the checkpoint (`--max-batch` = the highest concurrency) and `peers.write_gguf`
+ember compiles the checkpoint (`--max-batch` = llama-server's slots, below) and `peers.write_gguf`
 writes the same weights as the matching GGUF type with llama.cpp's converter and quantizer
 (q8f32 -> Q8_0, q4f32 -> Q4_0).
 
@@ -684,11 +684,12 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     artifact = args.work_dir / (f"{model_name}-{fmt}" + (f"-kv-{kv_quant}" if kv_quant else ""))
     gguf = args.work_dir / f"{model_name}-{qtype}.gguf"
     start = time.perf_counter()
-    compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=max(settings.concurrencies),
+    # As many sequences as llama-server's slots: the stall measurement's long prompt joins its running streams.
+    compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=settings.slots,
                                                        kv_quant=kv_quant, show_progress=False))
     target = json.loads((artifact / "manifest.json").read_text())["target"]
     print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
-          f"{max(settings.concurrencies)}, context {context}, KV cache {kv_quant or 'float32'}; target "
+          f"{settings.slots}, context {context}, KV cache {kv_quant or 'float32'}; target "
           f"{json.dumps(target['tvm_target'])}, int8 matmuls {target_int8_level(target)})", flush=True)
     if not gguf.exists():
         peers._run_isolated("_write_gguf_worker", model_dir=str(checkpoint), out_path=str(gguf), qtype=qtype)
