@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import importlib.util
 import json
 import os
@@ -525,6 +526,9 @@ def parse_settings() -> Settings:
                         help="PREFIX,SUFFIX,COUNT: COUNT prompts of one PREFIX-token prefix and SUFFIX distinct "
                              "tokens, one at a time, timed against COUNT that share nothing (prefix caching); "
                              "PREFIX is cut to fit the context")
+    parser.add_argument("--target", default="cpu",
+                        help="ember's compile --target (default cpu: this machine, every extension it has; e.g. "
+                             "'{\"kind\": \"llvm\", \"mcpu\": \"cooperlake\"}' for AVX512-VNNI without AMX)")
     parser.add_argument("--kv-quant", choices=["none", "q8", "f16"], default="f16",
                         help="ember's KV cache (compile --kv-quant; none: float32). Default f16, the type of "
                              "llama.cpp's cache beside it")
@@ -681,11 +685,12 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     context = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings", 2048)
     qtype = GGUF_TYPES[fmt]
     kv_quant = None if args.kv_quant == "none" else args.kv_quant
-    artifact = args.work_dir / (f"{model_name}-{fmt}" + (f"-kv-{kv_quant}" if kv_quant else ""))
+    target_tag = "" if args.target == "cpu" else "-" + hashlib.sha256(args.target.encode()).hexdigest()[:8]
+    artifact = args.work_dir / (f"{model_name}-{fmt}" + (f"-kv-{kv_quant}" if kv_quant else "") + target_tag)
     gguf = args.work_dir / f"{model_name}-{qtype}.gguf"
     start = time.perf_counter()
     # As many sequences as llama-server's slots: the stall measurement's long prompt joins its running streams.
-    compile_model(checkpoint, artifact, CompileOptions(quantization=fmt, max_batch=settings.slots,
+    compile_model(checkpoint, artifact, CompileOptions(target=args.target, quantization=fmt, max_batch=settings.slots,
                                                        kv_quant=kv_quant, show_progress=False))
     target = json.loads((artifact / "manifest.json").read_text())["target"]
     print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
