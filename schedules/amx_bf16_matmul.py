@@ -53,6 +53,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
+from ember.schedules.amx_matmul import tile_intrinsics
 from ember.schedules.int8_matmul import matmul_prim_func, supports
 
 TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
@@ -70,23 +71,6 @@ MAX_BLOCK_CHUNKS = 64  # chunks of K per sweep: a row block's A tiles of one swe
 def supports_bf16(fmt: QuantFormat, n: int, k: int) -> bool:
     """Whether this kernel computes an [n, k] weight in `fmt`."""
     return supports(fmt, n, k) and n % TASK_ROWS == 0
-
-
-def _tile_intrinsics():
-    """The register-numbered AMX intrinsics (void calls, as `amx_matmul._tile_intrinsics`), bf16 products."""
-    def load(tile, address, stride):
-        return T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride))
-
-    def store(tile, address, stride):
-        return T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride))
-
-    def zero(tile):
-        return T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile))
-
-    def dot(dst, a, b):
-        return T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(dst), T.int8(a), T.int8(b))
-
-    return load, store, zero, dot
 
 
 def _u32(value, lanes: int):
@@ -188,7 +172,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
         raise ValueError(f"AMX-BF16 blocking ({pairs}, {block_chunks}) does not divide a [{n}, {k}] weight")
     sweeps = chunks // block_chunks
     width = pairs * TASK_ROWS  # weight rows of a task
-    load, store, zero, dot = _tile_intrinsics()
+    load, store, zero, dot = tile_intrinsics("llvm.x86.tdpbf16ps")
     dequantize = _dequantize_panel(fmt, block_chunks)
     blocks_per_pair = TASK_ROWS // INTERLEAVED_ROWS
 

@@ -147,8 +147,9 @@ def tile_config(units: int, row_tiles: int = 2) -> list[int]:
     return config
 
 
-def _tile_intrinsics():
-    """The register-numbered AMX intrinsics (void calls: TIR has no x86_amx type for the `.internal` ones)."""
+def tile_intrinsics(product: str = "llvm.x86.tdpbssd"):
+    """The register-numbered AMX intrinsics (void calls: TIR has no x86_amx type for the `.internal` ones): tile
+    load, store, zero, and `product` (int8's `tdpbssd`, or bf16's `tdpbf16ps`) C += A . B."""
     def load(tile, address, stride):
         return T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride))
 
@@ -159,7 +160,7 @@ def _tile_intrinsics():
         return T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile))
 
     def dot(dst, a, b):
-        return T.call_llvm_intrin("void", "llvm.x86.tdpbssd", T.int8(dst), T.int8(a), T.int8(b))
+        return T.call_llvm_intrin("void", product, T.int8(dst), T.int8(a), T.int8(b))
 
     return load, store, zero, dot
 
@@ -239,7 +240,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
             if value:
                 byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
         return byte
-    load, store, zero, dot = _tile_intrinsics()
+    load, store, zero, dot = tile_intrinsics()
     vec = tirx.Ramp(0, 1, lanes)
     width = units * lanes  # the task's weight rows
     col = tirx.Ramp(0, 1, col_rows)
