@@ -53,7 +53,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
-from ember.schedules.amx_matmul import tile_intrinsics
+from ember.schedules.amx_matmul import tile_config_byte, tile_intrinsics
 from ember.schedules.int8_matmul import matmul_prim_func, supports
 
 TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
@@ -176,14 +176,6 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
     dequantize = _dequantize_panel(fmt, block_chunks)
     blocks_per_pair = TASK_ROWS // INTERLEAVED_ROWS
 
-    def config_byte(i):
-        """Byte i of `TILE_CONFIG` (i unrolled to a constant)."""
-        byte = tirx.const(0, "uint8")
-        for index, value in enumerate(TILE_CONFIG):
-            if value:
-                byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
-        return byte
-
     def padded(rows):
         """`rows` rounded up to whole row blocks, which the A tile loads read."""
         return (rows + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
@@ -278,7 +270,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                     panel = T.sblock_alloc_buffer((pairs, block_chunks, 2, TILE_ROWS, COLUMNS), "uint32")
                     partial = T.sblock_alloc_buffer((BLOCK_ROWS, width), "float32")
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
-                        tile_config_bytes[i] = config_byte(i)
+                        tile_config_bytes[i] = tile_config_byte(TILE_CONFIG, i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
                     # All written: TVM sizes a buffer by what its loads and stores touch, and a tile store (an
                     # address) touches one element, so the copy's rows alone left the tiles' rows 16-31 past its end.

@@ -147,6 +147,15 @@ def tile_config(units: int, row_tiles: int = 2) -> list[int]:
     return config
 
 
+def tile_config_byte(config: list[int], i):
+    """Byte i of the `ldtilecfg` operand `config`, for i a loop variable unrolled to a constant."""
+    byte = tirx.const(0, "uint8")
+    for index, value in enumerate(config):
+        if value:
+            byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
+    return byte
+
+
 def tile_intrinsics(product: str = "llvm.x86.tdpbssd"):
     """The register-numbered AMX intrinsics (void calls: TIR has no x86_amx type for the `.internal` ones): tile
     load, store, zero, and `product` (int8's `tdpbssd`, or bf16's `tdpbf16ps`) C += A . B."""
@@ -233,13 +242,6 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
     passes = (groups + PASS_GROUPS - 1) // PASS_GROUPS
     part_rows = PART_VECTORS // col_tiles  # rows of the accumulators a pass keeps in registers
 
-    def config_byte(i):
-        """Byte i of `config` (i unrolled to a constant)."""
-        byte = tirx.const(0, "uint8")
-        for index, value in enumerate(config):
-            if value:
-                byte = tirx.Select(i == index, tirx.const(value, "uint8"), byte)
-        return byte
     load, store, zero, dot = tile_intrinsics()
     vec = tirx.Ramp(0, 1, lanes)
     width = units * lanes  # the task's weight rows
@@ -364,7 +366,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                     acc = T.sblock_alloc_buffer((block_rows, width), "float32")
                     part = T.sblock_alloc_buffer((col_tiles, part_rows, col_rows), "float32")  # < 1 KiB: registers
                     for i in T.unroll(64):  # tile state is per thread: each task configures its own
-                        tile_config_bytes[i] = config_byte(i)
+                        tile_config_bytes[i] = tile_config_byte(config, i)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(tile_config_bytes[0])))
                     copy(packed, task * units, wide)
                     for block in T.serial(padded(batch * seq) // block_rows):
