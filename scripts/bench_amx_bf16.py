@@ -13,14 +13,12 @@ int8 per 32-value group), the bf16 kernel the weights as well.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 import tvm
-from bench_amx_kernel import AMX_TARGET, SHAPES, median_ms
+from bench_amx_kernel import case_parser, cases, median_ms
 
-from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.runtime import amx
 from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
 from ember.targets.registry import resolve_target
@@ -36,38 +34,18 @@ def kernels(fmt, n: int, k: int, target) -> dict[str, tvm.runtime.Module]:
 def main() -> None:
     """Print one row per (shape, format, rows): each kernel's ms, bf16's time over VNNI's and over int8 AMX's, and
     bf16's max relative difference from VNNI."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=AMX_TARGET)
-    parser.add_argument("--formats", default="q8f32,q4f32")
-    parser.add_argument("--rows", default="512,2048", help="activation rows, comma-separated")
-    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK, comma-separated")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = case_parser(__doc__.splitlines()[0]).parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     target = resolve_target(args.target)
     amx.request_amx_permission("bench_amx_bf16")
-    rng = np.random.default_rng(0)
     print(f"{'n x k':<11} {'format':<7} {'rows':>5} {'bf16 ms':>9} {'amx ms':>9} {'vnni ms':>9} "
           f"{'bf16/vnni':>10} {'bf16/amx':>9} {'max rel':>9}")
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        for name in args.formats.split(","):
-            fmt = FORMATS[name]
-            parts = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32), INTERLEAVED)
-            parts = [tvm.runtime.tensor(parts[p]) for p in fmt.parts]
-            libs = kernels(fmt, n, k, target)
-            for rows in (int(r) for r in args.rows.split(",")):
-                x = tvm.runtime.tensor(rng.standard_normal((1, rows, k), dtype=np.float32))
-                runs = {v: (lib, [x, *parts, tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))])
-                        for v, lib in libs.items()}
-                for lib, call in runs.values():
-                    lib["main"](*call)
-                want = runs["vnni"][1][-1].numpy()
-                diff = np.abs(runs["bf16"][1][-1].numpy() - want).max() / np.abs(want).max()
-                ms = median_ms(runs, args.repeats)
-                print(f"{shape:<11} {name:<7} {rows:>5} {ms['bf16']:>9.2f} {ms['amx']:>9.2f} {ms['vnni']:>9.2f} "
-                      f"{ms['bf16'] / ms['vnni']:>10.2f} {ms['bf16'] / ms['amx']:>9.2f} {diff:>9.1e}", flush=True)
+    for shape, name, rows, runs in cases(args, lambda fmt, n, k: kernels(fmt, n, k, target)):
+        want = runs["vnni"][1][-1].numpy()
+        diff = np.abs(runs["bf16"][1][-1].numpy() - want).max() / np.abs(want).max()
+        ms = median_ms(runs, args.repeats)
+        print(f"{shape:<11} {name:<7} {rows:>5} {ms['bf16']:>9.2f} {ms['amx']:>9.2f} {ms['vnni']:>9.2f} "
+              f"{ms['bf16'] / ms['vnni']:>10.2f} {ms['bf16'] / ms['amx']:>9.2f} {diff:>9.1e}", flush=True)
 
 
 if __name__ == "__main__":

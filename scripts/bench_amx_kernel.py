@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +63,41 @@ def median_ms(runs: dict[str, tuple[tvm.runtime.Module, list]], repeats: int) ->
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def main() -> None:
-    """Print one row per (shape, format, rows): each kernel's ms and AMX's speed over VNNI's."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def case_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a kernel comparison: target, formats, row counts, weight shapes, repeats, threads."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--target", default=AMX_TARGET)
     parser.add_argument("--formats", default="q8f32,q4f32")
     parser.add_argument("--rows", default="512,2048", help="activation rows, comma-separated")
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def cases(args: argparse.Namespace, build) -> Iterator[tuple[str, str, int, dict[str, tuple]]]:
+    """(shape, format, rows, runs) for every case of `args`: runs maps each kernel `build(fmt, n, k)` compiled to
+    (its library, its arguments: random x, a random weight's parts, y), each called once already."""
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for name in args.formats.split(","):
+            fmt = FORMATS[name]
+            parts = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32), INTERLEAVED)
+            parts = [tvm.runtime.tensor(parts[p]) for p in fmt.parts]
+            libs = build(fmt, n, k)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = tvm.runtime.tensor(rng.standard_normal((1, rows, k), dtype=np.float32))
+                runs = {v: (lib, [x, *parts, tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))])
+                        for v, lib in libs.items()}
+                for lib, call in runs.values():
+                    lib["main"](*call)
+                yield shape, name, rows, runs
+
+
+def main() -> None:
+    """Print one row per (shape, format, rows): each kernel's ms and AMX's speed over VNNI's."""
+    parser = case_parser(__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, help="another amx_matmul.py to time beside this one")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -80,32 +107,17 @@ def main() -> None:
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print("flags:", " ".join(f for line in flags.splitlines() if line.startswith("Flags")
                              for f in line.split() if f.startswith(("amx", "avx512_vnni"))))
-    rng = np.random.default_rng(0)
     print(f"{'n x k':<11} {'format':<7} {'rows':>5} " + "".join(f"{name:>10}" for name in
           ("amx ms", "vnni ms", "ratio")) + ("   base ms  base ratio" if baseline else ""))
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        for name in args.formats.split(","):
-            fmt = FORMATS[name]
-            parts = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32), INTERLEAVED)
-            parts = [tvm.runtime.tensor(parts[p]) for p in fmt.parts]
-            libs = kernels(fmt, n, k, target, baseline)
-            for rows in (int(r) for r in args.rows.split(",")):
-                x = tvm.runtime.tensor(rng.standard_normal((1, rows, k), dtype=np.float32))
-                runs = {v: (lib, [x, *parts, tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))])
-                        for v, lib in libs.items()}
-                for lib, call in runs.values():
-                    lib["main"](*call)
-                want = runs["vnni"][1][-1].numpy()
-                for v, (_lib, call) in runs.items():
-                    np.testing.assert_allclose(call[-1].numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max(),
-                                               err_msg=v)
-                ms = median_ms(runs, args.repeats)
-                line = f"{shape:<11} {name:<7} {rows:>5} {ms['amx']:>10.2f}{ms['vnni']:>10.2f}" \
-                       f"{ms['vnni'] / ms['amx']:>9.2f}x"
-                if baseline:
-                    line += f"{ms['amx-base']:>10.2f}{ms['vnni'] / ms['amx-base']:>10.2f}x"
-                print(line, flush=True)
+    for shape, name, rows, runs in cases(args, lambda fmt, n, k: kernels(fmt, n, k, target, baseline)):
+        want = runs["vnni"][1][-1].numpy()
+        for v, (_lib, call) in runs.items():
+            np.testing.assert_allclose(call[-1].numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=v)
+        ms = median_ms(runs, args.repeats)
+        line = f"{shape:<11} {name:<7} {rows:>5} {ms['amx']:>10.2f}{ms['vnni']:>10.2f}{ms['vnni'] / ms['amx']:>9.2f}x"
+        if baseline:
+            line += f"{ms['amx-base']:>10.2f}{ms['vnni'] / ms['amx-base']:>10.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
