@@ -679,6 +679,7 @@ def target_int8_level(target: dict) -> str:
 def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str,
                  shapes: list[tuple[int, int]]) -> None:
     """Compile `checkpoint` as `fmt`, write its GGUF, measure every server on it and print the table."""
+    from ember.core.manifest import read_manifest
     from ember.driver.compiler import CompileOptions, compile_model
 
     args = settings.args
@@ -692,7 +693,7 @@ def bench_format(settings: Settings, model_name: str, checkpoint: Path, fmt: str
     # As many sequences as llama-server's slots: the stall measurement's long prompt joins its running streams.
     compile_model(checkpoint, artifact, CompileOptions(target=args.target, quantization=fmt, max_batch=settings.slots,
                                                        kv_quant=kv_quant, show_progress=False))
-    target = json.loads((artifact / "manifest.json").read_text())["target"]
+    target = read_manifest(artifact).target
     print(f"\n{model_name} {fmt}: compiled in {time.perf_counter() - start:.1f} s (max batch "
           f"{settings.slots}, context {context}, KV cache {kv_quant or 'float32'}; target "
           f"{json.dumps(target['tvm_target'])}, int8 matmuls {target_int8_level(target)})", flush=True)
