@@ -120,9 +120,11 @@ class TargetSpec:
         return self.name == "cuda"
 
     def describe(self) -> str:
-        """One line for humans: kind, architecture and the device it is sized for."""
+        """One line for humans: kind, architecture (a CPU's name and the extensions added to it) and the device it
+        is sized for."""
         if not self.is_gpu:
-            return f"cpu {self.tvm_target.get('mcpu', 'generic')}, {self.num_cores} cores"
+            cpu = " ".join([self.tvm_target.get("mcpu", "generic"), *self.tvm_target.get("mattr", [])])
+            return f"cpu {cpu}, {self.num_cores} cores"
         sized = f" ({self.hardware}, {self.memory_bytes / 2**30:.0f} GiB)" if self.hardware else ""
         return f"{self.name} {self.arch}".rstrip() + sized
 

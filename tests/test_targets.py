@@ -31,6 +31,7 @@ def test_cpu_adds_the_extensions_its_name_lacks(monkeypatch) -> None:
     assert spec.tvm_target["mcpu"] == "rocketlake"
     assert spec.tvm_target["mattr"] == ["+amx-bf16", "+amx-int8", "+amx-tile", "+avx512bf16"]
     assert spec.int8_dot.level == "amx" and {"amx_int8", "amx_tile", "avx512_bf16"} <= set(spec.cpu_features)
+    assert spec.describe() == f"cpu rocketlake +amx-bf16 +amx-int8 +amx-tile +avx512bf16, {spec.num_cores} cores"
     monkeypatch.setattr(registry, "host_cpu_flags", lambda: named)  # the name says it all
     assert "mattr" not in resolve_target("cpu").tvm_target and resolve_target("cpu").int8_dot.level == "avx512vnni"
     monkeypatch.setattr(registry, "host_cpu_flags", lambda: None)  # no /proc/cpuinfo to read
