@@ -58,7 +58,7 @@ from ember.ir.weight_recipes import (
     set_recipes,
     weight_params,
 )
-from ember.schedules import amx_matmul, int8_matmul
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
 from ember.targets.int8_dot import Int8Dot
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
@@ -73,9 +73,10 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
     With `int8_dot` (the target's dot product, `TargetSpec.int8_dot`), projections
     quantize their activations to int8 and multiply in integers (`schedules/int8_matmul.py`,
     register tiles sized by the target's `vector_bits`), where the format and shape allow it; on a target
-    with AMX (`Int8Dot.tiles`) prefill's on AMX tiles (`schedules/amx_matmul.py`) from
-    `amx_matmul.VNNI_BELOW_ROWS` rows of a call up (a knob of `ember tune`), its shorter calls on the vector dot
-    product.
+    with AMX (`Int8Dot.tiles`) prefill's on AMX tiles from the kernel's `VNNI_BELOW_ROWS` rows of a call up (a knob
+    of `ember tune`), its shorter calls on the vector dot product: bfloat16 tiles on dequantized weights
+    (`schedules/amx_bf16_matmul.py`) where the target has AMX-BF16 and the weight whole 32-row column pairs, else
+    int8 tiles (`schedules/amx_matmul.py`).
     """
 
     @tvm.transform.module_pass(opt_level=0, name="QuantizeWeights")
@@ -232,7 +233,11 @@ class _Rewriter(relax.PyExprMutator):
         many_tokens = not few
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:
-            if many_tokens and self.int8_dot.tiles:  # prefill on AMX tiles, short calls and decode on the vector dot
+            tiles = self.int8_dot.tiles if many_tokens else ""  # prefill on AMX tiles; decode on the vector dot
+            if tiles == "bf16" and amx_bf16_matmul.supports_bf16(fmt, n, k):
+                kernel = amx_bf16_matmul.amx_bf16_matmul(fmt, n, k, vnni=self.int8_dot, vector_bits=self.vector_bits)
+                source, name = amx_bf16_matmul.__name__, "amx_bf16_matmul"
+            elif tiles:
                 kernel = amx_matmul.amx_int8_matmul(fmt, n, k, vnni=self.int8_dot, vector_bits=self.vector_bits)
                 source, name = amx_matmul.__name__, "amx_int8_matmul"
             else:

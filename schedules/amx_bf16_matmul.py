@@ -1,8 +1,8 @@
-"""A prototype matmul of int8/int4 weights on Intel AMX-BF16 tiles (`tdpbf16ps`), for many activation rows.
+"""A matmul of int8/int4 weights on Intel AMX-BF16 tiles (`tdpbf16ps`): prefill's projections on a CPU with AMX.
 
-Not yet chosen by the compiler: `ir_passes/quantize_weights.py` builds prefill's projections with the int8 AMX
-kernel. Wiring this one in needs `ember tune` to cover it (its knobs: `pairs`, the K sweep, the row count from
-which it runs rather than the VNNI body) and a whole-model check against transformers.
+`ir_passes/quantize_weights.py` builds prefill's projections with it where the target has `amx-bf16`
+(`Int8Dot.tiles == "bf16"`) and the weight has whole 32-row column pairs; the int8 AMX kernel (`amx_matmul.py`)
+takes the others. Calls of fewer than `vnni_below` rows run the VNNI kernel's body, as the int8 AMX kernel's do.
 
 The int8 AMX kernel (`amx_matmul.py`) pays for every 32-value group's own scale: each group's int32 tile sums are
 stored and scaled in float32 by the vector units, which sets its pace. Here the scales are applied once, when a
@@ -49,12 +49,17 @@ Needs `n` a multiple of 32 (whole column pairs). Linux gives a process AMX state
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ember.ir.quant_formats import INTERLEAVED_ROWS, QuantFormat
+from ember.ir.quant_formats import FORMATS, INTERLEAVED_ROWS, QuantFormat
+from ember.schedules import amx_matmul
 from ember.schedules.amx_matmul import tile_config_byte, tile_intrinsics
-from ember.schedules.int8_matmul import matmul_prim_func, supports
+from ember.schedules.int8_matmul import int8_dot_compute, matmul_prim_func, supports
+from ember.targets.int8_dot import Int8Dot
 
 TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
 CHUNK = 32  # K values of one A tile row and of one B tile (16 pairs): one quantization group
@@ -66,6 +71,18 @@ TILE_BYTES = 64  # bytes of every tile row
 TILE_CONFIG = [1] + [0] * 15 + [TILE_BYTES, 0] * 8 + [0] * 16 + [TILE_ROWS] * 8 + [0] * 8  # palette 1, tiles 0-7
 MAX_PAIRS = 4  # column pairs (32 weight rows each) of a task: a row block's A tiles reloaded for each, from L2
 MAX_BLOCK_CHUNKS = 64  # chunks of K per sweep: a row block's A tiles of one sweep, 128 KiB, stay in L2
+BF16_KNOBS = ("pairs", "block_chunks", "vnni_below")  # as `ember tune` enumerates them (`knob_space`)
+# Calls of fewer rows run the VNNI kernel's body: each call dequantizes the whole weight, which costs what 20-24 rows
+# of VNNI products do. [2048, 2048] and [8192, 2048], 2 threads, quiet 2-vCPU host, bf16/VNNI time: 16 rows
+# 1.12x-1.43x, 32 rows 0.73x-0.77x, 64 rows 0.56x-0.58x.
+VNNI_BELOW_ROWS = 32
+VNNI_BELOW_SPACE = (16, 32, 64)  # the thresholds `ember tune` tries
+THRESHOLD_ROWS = (24, 48)  # rows between them, at which `ember tune` also times a kernel (`tuning.timed_rows`)
+# On each kernel: {"format", "n", "k", "pairs", "block_chunks", "vnni_below"} (0: tiles for every row count).
+BUILD_ATTR = "ember.amx_bf16_matmul"
+# The `KERNEL_SOURCE_ATTR` of every kernel that multiplies a projection's quantized weight: on the int8 dot product,
+# on int8 tiles or on these.
+PROJECTION_KERNEL_SOURCES = (*amx_matmul.INT8_KERNEL_SOURCES, __name__)
 
 
 def supports_bf16(fmt: QuantFormat, n: int, k: int) -> bool:
@@ -156,12 +173,50 @@ def rule_knobs(n: int, k: int) -> tuple[int, int]:
     return pairs, next(c for c in range(min(chunks, MAX_BLOCK_CHUNKS), 0, -1) if chunks % c == 0)
 
 
-def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
-                    block_chunks: int | None = None) -> tirx.PrimFunc:
+def knob_space(n: int, k: int) -> list[list[int]]:
+    """Every (pairs, block_chunks, vnni_below) an [n, k] weight's kernel takes, the rule's first: the rule's pairs
+    and the smaller powers of two that divide the weight's pairs, the rule's sweep and half of it, each threshold."""
+    rule_pairs, rule_chunks = rule_knobs(n, k)
+    pairs = [rule_pairs, *(p for p in (2, 1) if p < rule_pairs and (n // TASK_ROWS) % p == 0)]
+    chunks = [rule_chunks, *([rule_chunks // 2] if rule_chunks % 2 == 0 else [])]
+    rule = [rule_pairs, rule_chunks, VNNI_BELOW_ROWS]
+    space = [[p, c, below] for p in pairs for c in chunks for below in VNNI_BELOW_SPACE]
+    return [rule, *(knobs for knobs in space if knobs != rule)]
+
+
+def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
+    """What `func` computes and its knobs if `amx_bf16_matmul` built it (`BUILD_ATTR`, as plain values), else
+    None."""
+    built = (func.attrs or {}).get(BUILD_ATTR)
+    if built is None:
+        return None
+    return {"format": str(built["format"]), **{name: int(built[name]) for name in ("n", "k", *BF16_KNOBS)}}
+
+
+def kernel_knob_space(func: tirx.PrimFunc) -> list[list[int]] | None:
+    """`knob_space` of a kernel `amx_bf16_matmul` built with the VNNI body (None for any other PrimFunc)."""
+    built = built_as(func)
+    return None if built is None or not built["vnni_below"] else knob_space(built["n"], built["k"])
+
+
+def rebuild(func: tirx.PrimFunc, vnni: Int8Dot, vector_bits: int, knobs: Sequence[int]) -> tirx.PrimFunc:
+    """The kernel `func` (built by `amx_bf16_matmul` with `vnni`) built again with `knobs` (`BF16_KNOBS`), keeping
+    `func`'s other attributes."""
+    built = built_as(func)
+    pairs, block_chunks, vnni_below = knobs
+    kernel = amx_bf16_matmul(FORMATS[built["format"]], built["n"], built["k"], pairs, block_chunks, vnni,
+                             vector_bits, vnni_below)
+    return kernel.with_attrs({**dict(func.attrs), BUILD_ATTR: kernel.attrs[BUILD_ATTR]})
+
+
+def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None, block_chunks: int | None = None,
+                    vnni: Int8Dot | None = None, vector_bits: int = 512,
+                    vnni_below: int = VNNI_BELOW_ROWS) -> tirx.PrimFunc:
     """The PrimFunc y[m, n] = x[m, :] . w(n, :) for an [n, k] weight in `fmt`, stored `interleaved`, on AMX-BF16
     tiles: x and the dequantized weight rounded to bfloat16, float32 sums. Same parameters as
     `int8_matmul.int8_dot_matmul`'s kernel: x [batch, seq, k] float32, the weight's parts, y [batch, seq, n].
-    `pairs`, `block_chunks`: the blocking (`rule_knobs` where None)."""
+    `pairs`, `block_chunks`: the blocking (`rule_knobs` where None). With `vnni` (the target's dot product), calls
+    of fewer than `vnni_below` rows run the VNNI kernel's body (`vector_bits` wide)."""
     if not supports_bf16(fmt, n, k):
         raise ValueError(f"the AMX-BF16 matmul does not compute a [{n}, {k}] {fmt.name} weight")
     rule = rule_knobs(n, k)
@@ -251,7 +306,7 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                   T.Ramp(task * width + part * COLUMNS, 1, COLUMNS)] = partial[t, T.Ramp(part * COLUMNS, 1, COLUMNS)]
 
     @T.macro
-    def compute(batch, seq, x, packed, scale, low, y):
+    def tiles(batch, seq, x, packed, scale, low, y):
         with T.sblock("amx_bf16"):
             T.reads()
             T.writes()
@@ -279,4 +334,18 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None,
                     task_body(task, batch * seq, seq, packed, scale, low, xa, panel, partial, y)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
-    return matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)
+    vector = None if vnni is None else int8_dot_compute(fmt, n, k, vnni, True, vector_bits)
+
+    @T.macro
+    def compute(batch, seq, x, packed, scale, low, y):
+        if vnni is None:
+            tiles(batch, seq, x, packed, scale, low, y)
+        elif batch * seq < vnni_below:
+            vector(batch, seq, x, packed, scale, low, y)
+        else:
+            tiles(batch, seq, x, packed, scale, low, y)
+
+    kernel = matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)
+    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "pairs": pairs,
+                                         "block_chunks": block_chunks,
+                                         "vnni_below": vnni_below if vnni is not None else 0})

@@ -18,10 +18,10 @@ times one by one with the same builder and runner. A record has the same form as
 float matmul's: a trace of one `SampleCategorical` per knob (here nothing else), whose
 decisions are the knobs, for the workload of the rule-built kernel; compile rebuilds
 the kernel with them (`schedule_with`). Its workload keeps `int8_matmul.BUILD_ATTR`,
-which says what the kernel computes and which symbolic sizes are decode's. The AMX matmul
-(`amx_matmul.py`, prefill on a target with AMX-INT8) is tuned the same way: its knobs
-(`AMX_KNOBS`: tile blocking, and the row count from which calls run on tiles, `knob_space`:
-at most 18) are kept in its `BUILD_ATTR`, so its workload is that of the rule-built kernel.
+which says what the kernel computes and which symbolic sizes are decode's. The AMX matmuls
+(`TILE_KERNELS`: `amx_bf16_matmul.py` and `amx_matmul.py`, prefill on a target with AMX) are tuned the
+same way: their knobs (tile blocking, and the row count from which calls run on tiles; each module's
+`knob_space`, at most 18) are kept in their `BUILD_ATTR`, so the workload is that of the rule-built kernel.
 
 Shapes. A kernel is tuned as its *workload*: the PrimFunc with `batch_size = 1`
 (decode's common case) and `seq_len`/`num_logits = min(TUNE_SEQ_LEN, bound)`
@@ -41,7 +41,7 @@ at one row and at the most rows a call of it takes (`timed_rows`: the artifact's
 part of its workload (`TIMED_ROWS_ATTR`, absent at one row, the key every decode kernel
 had before): a record measured for one batch bound does not apply to another's kernels.
 An AMX kernel's row threshold is chosen the same way: each trial is timed at its prefill tokens and at
-rows between the thresholds tried (`amx_matmul.THRESHOLD_ROWS`), which one side or the other of each
+rows between the thresholds tried (its module's `THRESHOLD_ROWS`), which one side or the other of each
 threshold runs, the times summed.
 
 Acceptance. Before a record replaces the rule, the tuned and rule-based kernels run
@@ -63,6 +63,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import tvm
@@ -70,7 +71,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ember.ir.module_utils import replace_functions, schedulable_kernels, upper_bounds
-from ember.schedules import amx_matmul, int8_matmul
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
 from ember.schedules.matmul import MATMUL_KNOBS, Knob, KnobChooser, NTMatmul
 from ember.schedules.tuning_db import TuningDatabase, describe
 from ember.targets.registry import TargetSpec
@@ -85,6 +86,13 @@ TUNE_SEQ_LEN = 128  # prefill kernels are tuned at this many tokens (or their bo
 _CHECK_SIZES = {"seq_len": 37, "num_logits": 37, "batch_size": 5}
 _TUNE_SIZES = {"seq_len": TUNE_SEQ_LEN, "num_logits": TUNE_SEQ_LEN, "batch_size": 1}
 RTOL = 1e-4
+# Prefill's AMX kernels. Each module has `built_as`, `kernel_knob_space`, `rebuild` and `THRESHOLD_ROWS`.
+TILE_KERNELS = (amx_bf16_matmul, amx_matmul)
+
+
+def tile_kernel(func: tirx.PrimFunc) -> ModuleType | None:
+    """The module of `TILE_KERNELS` that built `func`, else None."""
+    return next((module for module in TILE_KERNELS if module.built_as(func) is not None), None)
 
 
 def workload(func: tirx.PrimFunc, rows: int | None = None) -> tvm.IRModule | None:
@@ -97,7 +105,7 @@ def workload(func: tirx.PrimFunc, rows: int | None = None) -> tvm.IRModule | Non
     static = func.specialize(_static_buffers(func, sizes)) if sizes else func
     bare = tirx.PrimFunc(static.params, static.body, static.ret_type)
     attrs = {"global_symbol": "main", "tirx.noalias": True}
-    for built in (int8_matmul.BUILD_ATTR, amx_matmul.BUILD_ATTR):
+    for built in (int8_matmul.BUILD_ATTR, *(module.BUILD_ATTR for module in TILE_KERNELS)):
         if built in (func.attrs or {}):
             attrs[built] = func.attrs[built]
     if len(timed := timed_rows(func)) > 1:  # (one row only: the key ember had before it timed batches)
@@ -108,15 +116,16 @@ def workload(func: tirx.PrimFunc, rows: int | None = None) -> tvm.IRModule | Non
 def timed_rows(func: tirx.PrimFunc) -> tuple[int, ...]:
     """The activation rows an int8 decode kernel's trials are timed at (their times summed): one, and the most
     a call of it takes when that is more (its batch bound, or a verify step's tokens); an AMX kernel's: its
-    prefill tokens and `amx_matmul.THRESHOLD_ROWS` (within its bound); () for other kernels, timed at their
+    prefill tokens and its module's `THRESHOLD_ROWS` (within its bound); () for other kernels, timed at their
     workload's shape."""
     attrs = func.attrs or {}
     if TIMED_ROWS_ATTR in attrs:  # a workload, or a kernel rebuilt from one
         return tuple(int(rows) for rows in attrs[TIMED_ROWS_ATTR])
     bounds = upper_bounds(func)
-    if amx_matmul.kernel_knob_space(func) is not None:
+    tiles = tile_kernel(func)
+    if tiles is not None and tiles.kernel_knob_space(func) is not None:
         bound = bounds.get("seq", TUNE_SEQ_LEN)
-        return tuple(sorted({min(rows, bound) for rows in (*amx_matmul.THRESHOLD_ROWS, TUNE_SEQ_LEN)}))
+        return tuple(sorted({min(rows, bound) for rows in (*tiles.THRESHOLD_ROWS, TUNE_SEQ_LEN)}))
     built = int8_matmul.built_as(func)
     if built is None or built["many_tokens"]:
         return ()
@@ -128,7 +137,8 @@ def matmul_built_as(func: tirx.PrimFunc) -> dict | None:
     """What an int8 or AMX matmul kernel computes ({"format", "n", "k", "many_tokens"}: AMX's serve prefill), else
     None."""
     built = int8_matmul.built_as(func)
-    if built is None and (amx := amx_matmul.built_as(func)) is not None:
+    if built is None and (tiles := tile_kernel(func)) is not None:
+        amx = tiles.built_as(func)
         built = {"format": amx["format"], "n": amx["n"], "k": amx["k"], "many_tokens": True}
     return built
 
@@ -145,7 +155,9 @@ def enumerated_space(func: tirx.PrimFunc, target: TargetSpec) -> list[list[int]]
     if target.int8_dot is None:
         return None
     space = int8_matmul.kernel_knob_space(func, target.int8_dot, target.vector_bits)
-    return amx_matmul.kernel_knob_space(func) if space is None else space
+    if space is None and (tiles := tile_kernel(func)) is not None:
+        return tiles.kernel_knob_space(func)
+    return space
 
 
 def tuning_space(target: TargetSpec) -> ms.space_generator.ScheduleFn:
@@ -229,7 +241,7 @@ def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: Targe
     if enumerated_space(tuned_as["main"], target) is None:
         NTMatmul(target.vector_bits, choose=choose).apply_to(sch)
     else:  # the knobs alone: the kernel is rebuilt from them
-        for candidates, default in _knob_choices(tuned_as["main"], target):  # `INT8_KNOBS` or `AMX_KNOBS`
+        for candidates, default in _knob_choices(tuned_as["main"], target):  # `INT8_KNOBS`, `AMX_KNOBS`, ...
             choose("", candidates, default)
     return ms.database.TuningRecord(sch.trace, database.records.commit_workload(tuned_as),
                                     None if run_secs is None else [run_secs], target.target,
@@ -238,7 +250,7 @@ def knobs_record(tuned_as: tvm.IRModule, database: TuningDatabase, target: Targe
 
 def record_knobs(record: ms.database.TuningRecord) -> list[int]:
     """The knob values a record chose, in the order of `MATMUL_KNOBS` (`INT8_KNOBS` for an int8 matmul,
-    `AMX_KNOBS` for an AMX one)."""
+    an AMX one's module's)."""
     trace = record.trace
     return [int(inst.attrs[0][int(trace.decisions[inst])]) for inst in trace.insts
             if inst.kind.name == "SampleCategorical"]
@@ -252,7 +264,8 @@ def schedule_with(func: tirx.PrimFunc, knobs: list[int] | None, target: TargetSp
         knobs = space[0] if knobs is None else list(knobs)
         if knobs not in space:
             return None
-        rebuild = amx_matmul.rebuild if amx_matmul.built_as(func) is not None else int8_matmul.rebuild
+        tiles = tile_kernel(func)
+        rebuild = int8_matmul.rebuild if tiles is None else tiles.rebuild
         return rebuild(func, target.int8_dot, target.vector_bits, knobs)
     rule = NTMatmul(target.vector_bits) if knobs is None else NTMatmul(target.vector_bits, choose=_replay(knobs))
     try:
@@ -329,7 +342,7 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
             tuned_as = workload(func)
             record = database.best(tuned_as, target.target) if tuned_as is not None else None
             if record is None or (device and record.target.export() != target.target.export()):
-                if "batch" in upper_bounds(func) and amx_matmul.built_as(func) is None:
+                if "batch" in upper_bounds(func) and tile_kernel(func) is None:
                     untuned_rows.add(timed_rows(func))  # a decode kernel (not a verify step's copy): the notice below
                 continue
             knobs = record_knobs(record)
@@ -337,7 +350,7 @@ def apply_tuning_database(database: TuningDatabase, target: TargetSpec) -> tvm.t
                 # The rule won the search: it schedules this kernel itself.
                 updates[gv.name_hint] = func.with_attr(SCHEDULE_SOURCE_ATTR, "rule-won-tuning")
                 continue
-            if device or amx_matmul.built_as(func) is not None:
+            if device or tile_kernel(func) is not None:
                 # An AMX kernel's tiles need Linux's permission, which a compile's process has not asked for: its
                 # record goes by the check `ember tune` made, as a device's do.
                 checked = database.checked(tuned_as, knobs)
@@ -435,7 +448,7 @@ def _replay(knobs: list[int]) -> KnobChooser:
 
 def _timing_sizes(func: tirx.PrimFunc, rows: int) -> dict[str, int]:
     """The sizes `func` is timed at with `rows` activation rows: an AMX kernel's prefill tokens, else a batch."""
-    return {**_TUNE_SIZES, ("seq_len" if amx_matmul.built_as(func) is not None else "batch_size"): rows}
+    return {**_TUNE_SIZES, ("seq_len" if tile_kernel(func) is not None else "batch_size"): rows}
 
 
 def _sizes(func: tirx.PrimFunc, values: dict[str, int]) -> dict[tirx.Var, tirx.IntImm] | None:

@@ -130,19 +130,49 @@ class TinyModel:
 
     @contextmanager
     def int8_rounding(self):
-        """While active, if the artifact quantizes activations (manifest `activations: int8`), every
-        projection ember runs with `schedules/int8_matmul.py` sees its input rounded as llama.cpp's
-        Q8_0 does (`quantize_activations`): the reference computes what ember's kernels claim to."""
+        """While active, if the artifact quantizes activations (manifest `activations: int8`), every projection
+        ember runs with a kernel of quantized activations sees them rounded as that kernel rounds them: the
+        reference computes what ember's kernels claim to.
+
+        The int8 kernels (`schedules/int8_matmul.py`, and AMX's int8 tiles, which give the same sums) round each
+        input row as llama.cpp's Q8_0 does (`quantize_activations`). On a target with AMX-BF16, prefill's calls of
+        `amx_bf16_matmul.VNNI_BELOW_ROWS` rows or more run on bfloat16 tiles instead, which round the input and
+        the (dequantized) weight to bfloat16 and sum in float32: the rows of a prefill chunk that long are
+        computed so here. A forward over n tokens is read as ember's prefill of them (chunks of the artifact's
+        `prefill_chunk`); a forward of one token is a decode step, on the int8 kernel."""
         import torch
 
         from ember.core.manifest import read_manifest
-        from ember.schedules import int8_matmul
+        from ember.schedules import amx_bf16_matmul, int8_matmul
+        from ember.targets.registry import resolve_target
 
         fmt = FORMATS[self.quantization]
-        int8 = read_manifest(self.artifact_dir).activations == "int8"
-        hooks = [module.register_forward_pre_hook(lambda _module, args: (quantize_activations(args[0]),))
-                 for module in self.reference.modules()
-                 if int8 and (isinstance(module, torch.nn.Linear) or _is_conv1d(module))
+        manifest = read_manifest(self.artifact_dir)
+        if manifest.activations != "int8":
+            yield
+            return
+        int8_dot = resolve_target(json.dumps(manifest.target["tvm_target"])).int8_dot
+        bf16_tiles = int8_dot is not None and int8_dot.tiles == "bf16"
+        chunk = int(manifest.kv_cache["prefill_chunk"])
+
+        def on_tiles(tokens: int):
+            """Which of a forward's `tokens` rows a bfloat16 tile kernel computes: those of long prefill chunks."""
+            lengths = [min(chunk, tokens - begin) for begin in range(0, tokens, chunk)] if tokens > 1 else [1]
+            return torch.tensor([length >= amx_bf16_matmul.VNNI_BELOW_ROWS for length in lengths
+                                 for _ in range(length)])
+
+        def rounded(module, args, output):
+            x = args[0]
+            weight = module.weight.T if _is_conv1d(module) else module.weight
+            bias = module.bias if module.bias is not None else 0
+            int8 = quantize_activations(x) @ weight.T + bias
+            if not (bf16_tiles and amx_bf16_matmul.supports_bf16(fmt, *_rows_and_columns(module))):
+                return int8
+            bf16 = x.to(torch.bfloat16).float() @ weight.to(torch.bfloat16).float().T + bias
+            return torch.where(on_tiles(x.shape[-2])[:, None], bf16, int8)
+
+        hooks = [module.register_forward_hook(rounded) for module in self.reference.modules()
+                 if (isinstance(module, torch.nn.Linear) or _is_conv1d(module))
                  and int8_matmul.supports(fmt, *_rows_and_columns(module))]
         try:
             yield

@@ -1,5 +1,6 @@
-"""The AMX int8 matmul (schedules/amx_matmul.py): the VNNI kernel's numbers on AMX tiles, its instructions, how a
-target chooses it, and Linux's tile permission (runtime/amx.py)."""
+"""The AMX int8 matmul (schedules/amx_matmul.py): the VNNI kernel's numbers on AMX tiles, its instructions; how a
+target chooses tiles (bfloat16 ones, `test_amx_bf16_matmul.py`, or int8 ones), a whole model on them, and Linux's
+tile permission (runtime/amx.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from ember.targets.registry import resolve_target
 
 AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
 VNNI_TARGET = resolve_target('{"kind": "llvm", "mcpu": "cascadelake"}')
+# AMX-INT8 without AMX-BF16: prefill on int8 tiles.
+INT8_TILES_TARGET = resolve_target('{"kind": "llvm", "mcpu": "icelake-server", "mattr": ["+amx-tile", "+amx-int8"]}')
 
 
 def _runnable(target):
@@ -162,11 +165,12 @@ def test_compiles_to_tile_instructions(name):
         assert instruction in assembly, instruction
 
 
-def test_targets_with_amx_int8_choose_tiles_for_prefill():
-    assert AMX_TARGET.int8_dot.level == "amx" and AMX_TARGET.int8_dot.tiles
-    assert {"amx_tile", "amx_int8"} <= set(AMX_TARGET.cpu_features)
-    with_attrs = resolve_target('{"kind": "llvm", "mcpu": "icelake-server", "mattr": ["+amx-tile", "+amx-int8"]}')
-    assert with_attrs.int8_dot.tiles
+def test_targets_with_amx_choose_tiles_for_prefill():
+    """bfloat16 tiles where the CPU has AMX-BF16 (and AVX512-BF16, which converts to bfloat16), int8 tiles where it
+    has AMX-INT8 alone, none without AMX."""
+    assert AMX_TARGET.int8_dot.level == "amx" and AMX_TARGET.int8_dot.tiles == "bf16"
+    assert {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16"} <= set(AMX_TARGET.cpu_features)
+    assert INT8_TILES_TARGET.int8_dot.level == "amx" and INT8_TILES_TARGET.int8_dot.tiles == "int8"
     assert not VNNI_TARGET.int8_dot.tiles and VNNI_TARGET.int8_dot.level == "avx512vnni"
     assert not resolve_target('{"kind": "llvm", "mcpu": "icelake-server"}').int8_dot.tiles
 
@@ -213,23 +217,27 @@ def test_only_artifacts_whose_code_may_use_tiles_ask():
     assert not amx.needs_amx(list(VNNI_TARGET.cpu_features))
 
 
-def test_prefill_projections_are_amx_kernels_and_decode_keeps_vnni(tiny_models):
-    """Lowered for an AMX target (any host): every q8f32 projection of prefill is the AMX kernel, every one of
-    decode the VNNI kernel."""
+@pytest.mark.parametrize("target,tile_kernel", [(AMX_TARGET, "amx_bf16_matmul"),
+                                                (INT8_TILES_TARGET, "amx_int8_matmul")], ids=["bf16", "int8"])
+def test_prefill_projections_are_amx_kernels_and_decode_keeps_vnni(tiny_models, target, tile_kernel):
+    """Lowered for an AMX target (any host): every q8f32 projection of prefill is the target's tile kernel (bfloat16
+    tiles with AMX-BF16, else int8 ones), every one of decode the VNNI kernel."""
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
 
-    imported = import_hf_model(tiny_models.checkpoint("llama"), AMX_TARGET.target, "float32")
-    kernels = pipeline.to_kernels(imported.mod, AMX_TARGET, pipeline.LowerOptions(FORMATS["q8f32"], 64, 4))
-    calls = {name: (kernels[name].script().count("amx_int8_matmul"), kernels[name].script().count("int8_dot_matmul"))
-             for name in ("decode", "prefill")}
-    assert calls == {"decode": (0, 4 * 2 + 1), "prefill": (4 * 2 + 1, 0)}  # qkv, o, gate_up, down per layer; lm_head
+    imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
+    kernels = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q8f32"], 64, 4))
+    names = ("amx_bf16_matmul", "amx_int8_matmul", "int8_dot_matmul")
+    calls = {stage: {name: kernels[stage].script().count(name) for name in names} for stage in ("decode", "prefill")}
+    projections = 4 * 2 + 1  # qkv, o, gate_up, down per layer; lm_head
+    assert calls == {"decode": {**dict.fromkeys(names, 0), "int8_dot_matmul": projections},
+                     "prefill": {**dict.fromkeys(names, 0), tile_kernel: projections}}
 
 
 @pytest.mark.parametrize("quantization", ["q8f32", "q4f32"])
 def test_model_compiled_for_amx_matches_transformers(tiny_models, tmp_path, monkeypatch, quantization):
-    """A tiny q8f32 or q4f32 Llama compiled for an AMX CPU and run here (prefill on tiles, decode on VNNI): its logits
-    against transformers on the quantized weights, as every int8 build is checked (`test_quantization`).
+    """A tiny q8f32 or q4f32 Llama compiled for an AMX CPU and run here (prefill on bfloat16 tiles, decode on VNNI):
+    its logits against transformers on the quantized weights, as every int8 build is checked (`test_quantization`).
     Where Linux refuses the tile state, loading it is a one-line error naming the artifact."""
     import artifact_cache
     from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel

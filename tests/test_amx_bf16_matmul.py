@@ -1,5 +1,6 @@
-"""The AMX-BF16 prototype matmul (schedules/amx_bf16_matmul.py): x and the dequantized weight rounded to bfloat16
-(round to nearest even), products summed in float32 tiles, against numpy; and its tile instructions."""
+"""The AMX-BF16 matmul (schedules/amx_bf16_matmul.py): x and the dequantized weight rounded to bfloat16 (round to
+nearest even), products summed in float32 tiles, against numpy; the VNNI body of short calls; its knobs; and its tile
+instructions."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from helpers import call_matmul_kernel
 from ember.core.machine import host_cpu_flags
 from ember.ir.quant_formats import FORMATS, INTERLEAVED
 from ember.runtime import amx
+from ember.schedules import amx_bf16_matmul as bf16_module
+from ember.schedules import int8_matmul
 from ember.schedules.amx_bf16_matmul import amx_bf16_matmul
 from ember.targets.registry import resolve_target
 
@@ -94,10 +97,55 @@ def test_refuses_weights_of_partial_tasks():
         amx_bf16_matmul(FORMATS["q8f32"], 64, 96, 1, 2)
 
 
-def test_assembly_holds_the_bf16_tile_instructions(amx_bf16_host):
-    """The kernel configures tiles, loads them, multiplies bfloat16 pairs (tdpbf16ps), stores and releases them."""
-    lib = _build(FORMATS["q4f32"], 32, 64, amx_bf16_host)
+def test_assembly_holds_the_bf16_tile_instructions():
+    """Compiled, not run (any host): the kernel configures tiles, loads them, multiplies bfloat16 pairs (tdpbf16ps),
+    stores and releases them."""
+    lib = _build(FORMATS["q4f32"], 32, 64, AMX_TARGET)
     assembly = lib.mod.imports[0].inspect_source("s") if lib.mod.imports else lib.mod.inspect_source("s")
     for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
         assert instruction in assembly, instruction
     assert "tdpbssd" not in assembly
+
+
+@pytest.mark.parametrize("name", ["q8f32", "q4f32_zp"])
+def test_calls_below_the_row_threshold_run_the_vnni_body(amx_bf16_host, name):
+    """With the target's dot product, one kernel holds both bodies: calls of fewer than `vnni_below` rows equal the
+    VNNI kernel to the bit, longer ones are the bfloat16 tiles' products."""
+    fmt, n, k = FORMATS[name], 64, 96
+    rng = np.random.default_rng(5)
+    parts = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32), INTERLEAVED)
+    weight = _bfloat16(fmt.dequantize(parts, k, INTERLEAVED).astype(np.float32)).astype(np.float64)
+    both = tvm.compile(tvm.IRModule({"main": amx_bf16_matmul(fmt, n, k, vnni=amx_bf16_host.int8_dot,
+                                                             vector_bits=amx_bf16_host.vector_bits)}),
+                       target=amx_bf16_host.target)
+    vnni = tvm.compile(tvm.IRModule({"main": int8_matmul.int8_dot_matmul(fmt, n, k, amx_bf16_host.int8_dot, True,
+                                                                         amx_bf16_host.vector_bits)}),
+                       target=amx_bf16_host.target)
+    below = bf16_module.VNNI_BELOW_ROWS
+    for rows in (1, below - 1):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        np.testing.assert_array_equal(call_matmul_kernel(both, fmt, parts, x, n),
+                                      call_matmul_kernel(vnni, fmt, parts, x, n), f"{rows} rows")
+    for rows in (below, below + 7):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        expected = _bfloat16(x).astype(np.float64) @ weight.T
+        np.testing.assert_allclose(call_matmul_kernel(both, fmt, parts, x, n), expected, rtol=0,
+                                   atol=TOLERANCE * np.abs(expected).max(), err_msg=f"{rows} rows")
+
+
+def test_knob_space_starts_with_the_rule_and_rebuilds_keep_the_attributes():
+    """`ember tune`'s space: the rule's (pairs, block_chunks, vnni_below) first, each tuple once, every one built;
+    a rebuild with other knobs records them and keeps the kernel's other attributes."""
+    vnni = AMX_TARGET.int8_dot
+    space = bf16_module.knob_space(256, 2048)
+    assert space[0] == [4, 64, bf16_module.VNNI_BELOW_ROWS] and len(space) == len({tuple(k) for k in space}) == 18
+    assert {tuple(k[:2]) for k in space} == {(4, 64), (4, 32), (2, 64), (2, 32), (1, 64), (1, 32)}
+    assert bf16_module.knob_space(96, 96)[0] == [3, 3, bf16_module.VNNI_BELOW_ROWS]  # 3 pairs, 3 chunks: no halves
+    assert {tuple(k[:2]) for k in bf16_module.knob_space(96, 96)} == {(3, 3), (1, 3)}
+    kernel = amx_bf16_matmul(FORMATS["q4f32"], 128, 128, vnni=vnni).with_attr("ember.kernel_source", "x")
+    assert bf16_module.kernel_knob_space(kernel) == bf16_module.knob_space(128, 128)
+    assert bf16_module.kernel_knob_space(amx_bf16_matmul(FORMATS["q4f32"], 128, 128)) is None  # no VNNI body
+    rebuilt = bf16_module.rebuild(kernel, vnni, 512, [2, 2, 16])
+    assert bf16_module.built_as(rebuilt) == {"format": "q4f32", "n": 128, "k": 128, "pairs": 2, "block_chunks": 2,
+                                             "vnni_below": 16}
+    assert rebuilt.attrs["ember.kernel_source"] == "x"

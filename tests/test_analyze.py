@@ -541,7 +541,8 @@ def test_the_host_gets_an_int8_roof_from_embers_int8_matmul():
         return
     # Its figure is a timing, so only its presence is asserted (speed is the benchmarks' business).
     assert measured.peak_flops["fp32"] == GENEROUS.peak_flops["fp32"] and 0 < measured.peak("int8") < float("inf")
-    kernel = "AMX int8 prefill matmul" if resolve_target("cpu").int8_dot.tiles else "int8 prefill matmul"
+    kernel = {"bf16": "AMX-BF16 prefill matmul", "int8": "AMX int8 prefill matmul",
+              "": "int8 prefill matmul"}[resolve_target("cpu").int8_dot.tiles]
     assert measured.compute_dtype("int8") == "int8" and f"int8 peak: ember's {kernel} (16x64x64" in measured.source
 
 

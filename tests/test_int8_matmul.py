@@ -285,8 +285,10 @@ def test_every_projection_uses_it(tiny_models, cpu):
         options = pipeline.LowerOptions(FORMATS["q4f32"], 64, 4, int8_activations=int8)
         kernels = pipeline.to_kernels(imported.mod, target, options)
         tiles = target.int8_dot is not None and target.int8_dot.tiles
-        kernel = {"decode": "int8_dot_matmul", "prefill": "amx_int8_matmul" if tiles else "int8_dot_matmul"}
-        calls = {name: kernels[name].script().count(kernel[name]) for name in ("decode", "prefill")}
+        kernels_of = {"decode": ("int8_dot_matmul",),
+                      "prefill": ("amx_bf16_matmul", "amx_int8_matmul") if tiles else ("int8_dot_matmul",)}
+        calls = {stage: sum(kernels[stage].script().count(name) for name in names)
+                 for stage, names in kernels_of.items()}
         expected = 4 * 2 + 1 if int8 and target.int8_dot else 0  # qkv, o, gate_up, down per layer; lm_head
         assert calls == {"decode": expected, "prefill": expected}
         assert cpu != "haswell" or not int8 or expected  # the AVX2 path is taken

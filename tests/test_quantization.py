@@ -25,6 +25,7 @@ from ember.ir.quant_formats import FORMATS, INTERLEAVED, ROWS, QuantFormat
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.runtime.evaluate import scoring_windows
+from ember.targets.registry import resolve_target
 
 QUANTIZED = [name for name, fmt in FORMATS.items() if fmt.quantizes]
 # (rows, reduction length): whole groups, a partial last group, a partial last word.
@@ -181,7 +182,6 @@ def test_kernel_unpacking_matches_numpy(name, shape, layout):
 
 def _graph(tiny_models, name, quantization, **options):
     from ember.frontend.hf import import_hf_model
-    from ember.targets.registry import resolve_target
 
     target = resolve_target("cpu")
     fmt = FORMATS[quantization]
@@ -277,13 +277,28 @@ def test_quantized_logits_match_transformers_on_quantized_weights(tiny_models, n
     by about one int8 step. So int8 activations ask for most prefill tokens within 1e-4 and every token
     within 5e-2 (the float path is ~7e-2 away); decode tokens, which all attend over the prefilled cache and
     so all move when one prompt token's key flipped, within 5e-2.
+
+    Where prefill runs on AMX-BF16 tiles (this host's default target on a Sapphire Rapids CPU), the reference
+    rounds prefill's inputs and weights to bfloat16 as the tiles do. bfloat16's rounding is discontinuous in
+    the same way, and a value that lands on the other side of a tie in an early token moves every later token
+    through attention (one or two such values in a model's 100 x 64 activations were measured): most prefill
+    tokens within `BF16_MOST` (the float reference is 2.5x-4x farther at the median) and every token within
+    5e-2.
     """
     _assert_logits_match_reference(tiny_models.quantized(name, quantization, float_activations))
+
+
+# Most prefill tokens on bfloat16 tiles are within this of the reference's largest logit (see above): half of the
+# q4f32_zp tiny Llama's, whose median against the float reference is 5.1e-3.
+BF16_MOST = 2e-3
 
 
 def _assert_logits_match_reference(model) -> None:
     """`model`'s prefill and decode logits against transformers on its quantized weights (see above)."""
     name, quantization = model.name, model.quantization
+    manifest = read_manifest(model.artifact_dir)
+    int8_dot = resolve_target(json.dumps(manifest.target["tvm_target"])).int8_dot
+    most = BF16_MOST if int8_dot is not None and int8_dot.tiles == "bf16" else 1e-4
     engine = model.engine()
     ids, continuation = prompt_ids(100, seed=5), prompt_ids(9, seed=6)[1:]
     seq = engine.add_sequence()
@@ -292,14 +307,14 @@ def _assert_logits_match_reference(model) -> None:
     checks = [("prefill", prefilled, model.reference_logits(ids)),
               ("decode", decoded, model.reference_decode_logits(ids, continuation))]
     for what, actual, expected in checks:
-        if read_manifest(model.artifact_dir).activations == "float":
+        if manifest.activations == "float":
             assert_logits_close(actual, expected, f"{name} {quantization} {what}")
             continue
         scale = max(1.0, float(np.abs(expected).max()))
         errors = np.abs(actual - expected).max(axis=1) / scale
         assert errors.max() <= 5e-2, f"{name} {quantization} int8 {what}: token errors {errors}"
         if what == "prefill":
-            assert np.mean(errors <= 1e-4) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
+            assert np.mean(errors <= most) >= 0.5, f"{name} {quantization} int8 {what}: token errors {errors}"
 
 
 @pytest.mark.parametrize("cpu,quantization,activations", [

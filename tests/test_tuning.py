@@ -30,7 +30,7 @@ from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS
 from ember.runtime import amx
 from ember.runtime.amx import AMX_FLAGS
-from ember.schedules import amx_matmul, int8_matmul, schedule_passes
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul, schedule_passes
 from ember.schedules.tuning import (
     SCHEDULE_SOURCE_ATTR,
     ScheduleSources,
@@ -45,6 +45,7 @@ from ember.schedules.tuning import (
     schedule_sources,
     schedule_with,
     space_size,
+    tile_kernel,
     timed_rows,
     workload,
 )
@@ -379,17 +380,24 @@ def test_int8_matmuls_of_a_q4f32_model_are_tuned_and_applied(tiny_models, tmp_pa
     _assert_logits_match_reference(TinyModel("llama", checkpoint, out, quantization="q4f32"))
 
 
-AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')
+AMX_TARGET = resolve_target('{"kind": "llvm", "mcpu": "sapphirerapids"}')  # prefill on bfloat16 tiles
+INT8_TILES_TARGET = resolve_target('{"kind": "llvm", "mcpu": "icelake-server", "mattr": ["+amx-tile", "+amx-int8"]}')
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not set(AMX_FLAGS) <= (host_cpu_flags() or set()),
-                    reason="this CPU has no AMX int8 tiles (no amx_tile, amx_int8 in /proc/cpuinfo)")
-def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_path, caplog):
-    """On an AMX target, prefill's AMX matmuls are tuned: their (units, row_tiles, vnni_below) tuples, the rule's
-    first, timed at the prefill tokens and between the thresholds tried; compile applies a record only once its
-    check against the rule (made when tuning: a compile has no tile permission) agreed, rebuilding the kernel with
-    the record's knobs, and the model still matches transformers on its quantized weights."""
+@pytest.mark.skipif(not {*AMX_FLAGS, "amx_bf16", "avx512_bf16"} <= (host_cpu_flags() or set()),
+                    reason="this CPU has no AMX tiles (no amx_tile, amx_int8, amx_bf16 in /proc/cpuinfo)")
+@pytest.mark.parametrize("target,module,knob_names,between", [
+    (AMX_TARGET, amx_bf16_matmul, amx_bf16_matmul.BF16_KNOBS, (24, 48)),
+    (INT8_TILES_TARGET, amx_matmul, amx_matmul.AMX_KNOBS, (48,)),
+], ids=["bf16", "int8"])
+def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_path, caplog, target, module,
+                                                            knob_names, between):
+    """On an AMX target, prefill's AMX matmuls (bfloat16 tiles, or int8 ones without AMX-BF16) are tuned: their
+    knob tuples (blocking, and `vnni_below`: the rows from which a call runs on tiles), the rule's first, timed at the
+    prefill tokens and between the thresholds tried; compile applies a record only once its check against the rule
+    (made when tuning: a compile has no tile permission) agreed, rebuilding the kernel with the record's knobs, and
+    the model still matches transformers on its quantized weights."""
     from conftest import MAX_BATCH, PREFILL_CHUNK, TinyModel
     from test_quantization import _assert_logits_match_reference
 
@@ -398,26 +406,27 @@ def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_pat
     from ember.frontend.hf import import_hf_model
     from ember.ir_passes import pipeline
 
-    target, checkpoint, db = AMX_TARGET, tiny_models.checkpoint("llama"), tmp_path / "db"
+    checkpoint, db = tiny_models.checkpoint("llama"), tmp_path / "db"
     imported = import_hf_model(checkpoint, target.target, "float32")
     lowered = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q8f32"], PREFILL_CHUNK,
                                                                               MAX_BATCH))
-    tiles = [kernel for kernel in hot_kernels(lowered, target) if amx_matmul.built_as(kernel.workload["main"])]
+    tiles = [kernel for kernel in hot_kernels(lowered, target) if tile_kernel(kernel.workload["main"])]
     assert tiles and {kernel.phases for kernel in tiles} == {"prefill"}
+    assert {tile_kernel(kernel.workload["main"]) for kernel in tiles} == {module}
     hottest = tiles[0]
     func = hottest.workload["main"]
     space = enumerated_space(func, target)
-    assert rule_knobs(func, target) == space[0] and space[0][1:] == [2, amx_matmul.VNNI_BELOW_ROWS]
-    assert {knobs[2] for knobs in space} == set(amx_matmul.VNNI_BELOW_SPACE) and len(space) == space_size(func, target)
-    assert timed_rows(func) == (48, PREFILL_CHUNK)  # between the thresholds 32 and 64, and a whole prefill chunk
+    assert rule_knobs(func, target) == space[0] and space[0][-1] == module.VNNI_BELOW_ROWS
+    assert {knobs[-1] for knobs in space} == set(module.VNNI_BELOW_SPACE) and len(space) == space_size(func, target)
+    assert timed_rows(func) == (*between, PREFILL_CHUNK)  # between the thresholds tried, and a whole prefill chunk
     database = TuningDatabase.for_tuning(db)
     assert tune_kernel(hottest, 2, database, target, time.monotonic() + 300) == 2
     trials = database.records.get_all_tuning_records()
     assert sorted(record_knobs(record) for record in trials) == sorted(space[:2])
     assert all(record.run_secs for record in trials)  # run on tiles: the runner's workers have the permission
 
-    # A faster record of tiles from 32 rows, one row tile per block: unchecked, compile keeps the rule.
-    other = [space[0][0], 1, 32]
+    # A faster record of other blocking and another threshold: unchecked, compile keeps the rule.
+    other = next(knobs for knobs in space if knobs[1] != space[0][1] and knobs[-1] != space[0][-1])
     database.records.commit_tuning_record(knobs_record(hottest.workload, database, target, 1e-10, other))
     mod = tvm.IRModule({hottest.name: lowered[hottest.name]})
 
@@ -432,8 +441,8 @@ def test_amx_matmuls_of_a_q8f32_model_are_tuned_and_applied(tiny_models, tmp_pat
     database.record_check(hottest.workload, other, check.agrees, check.max_error)
     result = applied()
     assert check.agrees and schedule_sources(result) == ScheduleSources(tuned=1, rule_won=0, untuned=0)
-    rebuilt = amx_matmul.built_as(result[hottest.name])
-    assert [rebuilt[name] for name in amx_matmul.AMX_KNOBS] == other
+    rebuilt = module.built_as(result[hottest.name])
+    assert [rebuilt[name] for name in knob_names] == other
 
     sharing = [func for func in lowered.functions.values() if isinstance(func, tirx.PrimFunc)
                and (tuned_as := workload(func)) is not None and tvm_ffi.structural_equal(tuned_as, hottest.workload)]

@@ -66,7 +66,7 @@ from ember.ir.quant_formats import FORMATS, INTERLEAVED, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
 from ember.runtime import Engine, load_artifact
 from ember.runtime.amx import request_amx_permission
-from ember.schedules import amx_matmul, int8_matmul
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
 
@@ -201,9 +201,10 @@ INT8_PEAK_SHAPE = (128, 4096, 768)
 
 
 def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, int] = INT8_PEAK_SHAPE) -> Hardware:
-    """`hardware` (the host) with an int8 peak: the op/s of ember's int8 prefill matmul for `target_spec` (the
-    artifact's CPU target; with AMX, the tile kernel its prefill runs) on an [m, k] x [n, k] product from warm
-    caches, best of 5 runs."""
+    """`hardware` (the host) with an int8 peak, the roof of the projections of quantized weights: the op/s of ember's
+    prefill matmul for `target_spec` (the artifact's CPU target: the int8 dot product's kernel, or with AMX the tile
+    kernel its prefill runs, bfloat16's where the CPU has AMX-BF16) on an [m, k] x [n, k] product from warm caches,
+    best of 5 runs."""
     target = resolve_target(target_spec)
     if target.int8_dot is None:
         return hardware
@@ -212,7 +213,9 @@ def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, 
     rng = np.random.default_rng(0)
     if target.int8_dot.tiles:
         request_amx_permission("ember analyze --measure")
-        kernel, name = amx_matmul.amx_int8_matmul(fmt, n, k), "AMX int8 prefill matmul"
+        kernel, name = ((amx_bf16_matmul.amx_bf16_matmul(fmt, n, k), "AMX-BF16 prefill matmul")
+                        if target.int8_dot.tiles == "bf16" else (amx_matmul.amx_int8_matmul(fmt, n, k),
+                                                                  "AMX int8 prefill matmul"))
     else:
         kernel, name = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, True, target.vector_bits), (
             "int8 prefill matmul")
@@ -275,12 +278,12 @@ def tir_ops(func: tirx.PrimFunc, shapes: list[tuple[int, ...] | None]) -> float:
 
     Symbolic dimensions (sequence length, batch) are bound by specializing the PrimFunc
     to the call's shapes; TVM counts every arithmetic operation of floating type once.
-    The int8 dot-product matmul is written in vector operations TVM's counter does not
-    read: it counts as the matmul it computes, 2 * rows * k * n. ember's rotary kernel (a graph
+    The matmuls of quantized weights (int8 dot products, AMX tiles) are written in vector and tile operations TVM's
+    counter does not read: each counts as the matmul it computes, 2 * rows * k * n. ember's rotary kernel (a graph
     kernel where the q8 KV cache moved it out of the cache) counts as analyze's `rope`.
     """
     source = (func.attrs or {}).get(KERNEL_SOURCE_ATTR)
-    if source in amx_matmul.INT8_KERNEL_SOURCES:
+    if source in amx_bf16_matmul.PROJECTION_KERNEL_SOURCES:
         x_shape, *_, y_shape = shapes
         return 2.0 * math.prod(x_shape) * y_shape[-1]
     if source == specialize_cpu_rope.__name__:  # written with lets, which the counter cannot read
@@ -461,7 +464,8 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
                     predicted: StageResult, hardware: Hardware) -> tuple[KernelTiming, ...]:
     """Group a step's calls by kernel, shapes and implemented operators, in order of first call."""
     predicted_time = {p.op.name: p.time for p in predicted.layer + predicted.once}
-    # ember's int8 matmuls compute in int8 (`FormatPrecision.int8_projections`), every other kernel in the float dtype.
+    # ember's matmuls of quantized weights are on the int8 roof (`FormatPrecision.int8_projections`; AMX-BF16's
+    # prefill kernel too, which measured that roof where it runs), every other kernel in the float dtype.
     float_dtype = Precision.matmul_dtype(precision, precision.wbits, precision.abits)
     int8_dtype = precision.matmul_dtype(precision.wbits, precision.abits)
     groups: dict[tuple, list[_Call]] = {}
@@ -486,7 +490,7 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
         ops, nbytes = work[signature]
         symbol = group[0].symbol
         int8 = (symbol != ATTENTION_BUILTIN
-                and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) in amx_matmul.INT8_KERNEL_SOURCES)
+                and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) in amx_bf16_matmul.PROJECTION_KERNEL_SOURCES)
         point = place(Operator(symbol, int8_dtype if int8 else float_dtype, ops, act_read=nbytes), hardware)
         expected = sum(predicted_time[n] for n in implements) if implements else None
         timings.append(KernelTiming(symbol, implements, len(group), times[signature], point, expected))
