@@ -44,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_llama_cpp  # noqa: E402
 import peers  # noqa: E402
 
-# ember's prefill on AMX tiles (`schedules/amx_matmul.py`) beside llama.cpp's AVX512-VNNI build: llama.cpp's own
+# ember's prefill on AMX tiles (`schedules/amx_bf16_matmul.py`) beside llama.cpp's AVX512-VNNI build: llama.cpp's own
 # AMX build segfaults on Q8_0/Q4_0 on this Sapphire Rapids host (build_llama_cpp._NO_AMX), so this level's
 # llama.cpp is that build, shared with level avx512-vnni (whose ember build is ember's VNNI one).
 AMX_LEVEL = dataclasses.replace(build_llama_cpp.LEVELS["avx512-vnni"], name="amx",
                                 ember_target='{"kind": "llvm", "mcpu": "sapphirerapids"}',
-                                needs=build_llama_cpp.LEVELS["avx512-vnni"].needs + ("amx_tile", "amx_int8"))
+                                needs=build_llama_cpp.LEVELS["avx512-vnni"].needs + ("amx_tile", "amx_int8",
+                                                                                     "amx_bf16"))
 ISA_LEVELS = {**build_llama_cpp.LEVELS, "amx": AMX_LEVEL}
 
 
