@@ -56,9 +56,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import FORMATS, INTERLEAVED_ROWS, QuantFormat
+from ember.ir.tvmscript import parsed_once
 from ember.schedules import amx_matmul
-from ember.schedules.amx_matmul import tile_config_byte, tile_intrinsics
-from ember.schedules.int8_matmul import int8_dot_compute, matmul_prim_func, supports
+from ember.schedules.amx_matmul import recorded_build, tile_config_byte, tile_intrinsics, tile_matmul_prim_func
+from ember.schedules.int8_matmul import supports
 from ember.targets.int8_dot import Int8Dot
 
 TILE_ROWS = 16  # rows of every tile: A's activation rows, B's value pairs, C's activation rows
@@ -187,10 +188,7 @@ def knob_space(n: int, k: int) -> list[list[int]]:
 def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
     """What `func` computes and its knobs if `amx_bf16_matmul` built it (`BUILD_ATTR`, as plain values), else
     None."""
-    built = (func.attrs or {}).get(BUILD_ATTR)
-    if built is None:
-        return None
-    return {"format": str(built["format"]), **{name: int(built[name]) for name in ("n", "k", *BF16_KNOBS)}}
+    return recorded_build(func, BUILD_ATTR, BF16_KNOBS)
 
 
 def kernel_knob_space(func: tirx.PrimFunc) -> list[list[int]] | None:
@@ -209,6 +207,7 @@ def rebuild(func: tirx.PrimFunc, vnni: Int8Dot, vector_bits: int, knobs: Sequenc
     return kernel.with_attrs({**dict(func.attrs), BUILD_ATTR: kernel.attrs[BUILD_ATTR]})
 
 
+@parsed_once
 def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None, block_chunks: int | None = None,
                     vnni: Int8Dot | None = None, vector_bits: int = 512,
                     vnni_below: int = VNNI_BELOW_ROWS) -> tirx.PrimFunc:
@@ -334,18 +333,5 @@ def amx_bf16_matmul(fmt: QuantFormat, n: int, k: int, pairs: int | None = None, 
                     task_body(task, batch * seq, seq, packed, scale, low, xa, panel, partial, y)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
-    vector = None if vnni is None else int8_dot_compute(fmt, n, k, vnni, True, vector_bits)
-
-    @T.macro
-    def compute(batch, seq, x, packed, scale, low, y):
-        if vnni is None:
-            tiles(batch, seq, x, packed, scale, low, y)
-        elif batch * seq < vnni_below:
-            vector(batch, seq, x, packed, scale, low, y)
-        else:
-            tiles(batch, seq, x, packed, scale, low, y)
-
-    kernel = matmul_prim_func("amx_bf16_matmul", fmt, n, k, compute)
-    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "pairs": pairs,
-                                         "block_chunks": block_chunks,
-                                         "vnni_below": vnni_below if vnni is not None else 0})
+    return tile_matmul_prim_func("amx_bf16_matmul", fmt, n, k, tiles, vnni, vector_bits, vnni_below, BUILD_ATTR,
+                                 {"pairs": pairs, "block_chunks": block_chunks})

@@ -106,10 +106,16 @@ def knob_space(n: int) -> list[list[int]]:
 
 def built_as(func: tirx.PrimFunc) -> dict[str, Any] | None:
     """What `func` computes and its knobs if `amx_int8_matmul` built it (`BUILD_ATTR`, as plain values), else None."""
-    built = (func.attrs or {}).get(BUILD_ATTR)
+    return recorded_build(func, BUILD_ATTR, AMX_KNOBS)
+
+
+def recorded_build(func: tirx.PrimFunc, build_attr: str, knobs: Sequence[str]) -> dict[str, Any] | None:
+    """`func`'s `build_attr` as a tile kernel builder wrote it (`tile_matmul_prim_func`), as plain values: the format,
+    n, k and `knobs`; None if `func` has none."""
+    built = (func.attrs or {}).get(build_attr)
     if built is None:
         return None
-    return {"format": str(built["format"]), **{name: int(built[name]) for name in ("n", "k", *AMX_KNOBS)}}
+    return {"format": str(built["format"]), **{name: int(built[name]) for name in ("n", "k", *knobs)}}
 
 
 def kernel_knob_space(func: tirx.PrimFunc) -> list[list[int]] | None:
@@ -145,6 +151,28 @@ def tile_config(units: int, row_tiles: int = 2) -> list[int]:
         config[16 + 2 * tile] = row_bytes
         config[48 + tile] = rows
     return config
+
+
+def tile_matmul_prim_func(name: str, fmt: QuantFormat, n: int, k: int, tiles, vnni: Int8Dot | None,
+                          vector_bits: int, vnni_below: int, build_attr: str, knobs: dict[str, int]) -> tirx.PrimFunc:
+    """The PrimFunc `name` of an AMX matmul whose body is the macro `tiles(batch, seq, x, packed, scale, low, y)`;
+    with `vnni` (the target's dot product), calls of fewer than `vnni_below` rows run the VNNI kernel's body
+    (`vector_bits` wide) instead. `build_attr` records what it computes, its `knobs` and `vnni_below` (0 without
+    `vnni`), for `recorded_build`."""
+    vector = None if vnni is None else int8_dot_compute(fmt, n, k, vnni, True, vector_bits)
+
+    @T.macro
+    def compute(batch, seq, x, packed, scale, low, y):
+        if vnni is None:
+            tiles(batch, seq, x, packed, scale, low, y)
+        elif batch * seq < vnni_below:
+            vector(batch, seq, x, packed, scale, low, y)
+        else:
+            tiles(batch, seq, x, packed, scale, low, y)
+
+    kernel = matmul_prim_func(name, fmt, n, k, compute)
+    return kernel.with_attr(build_attr, {"format": fmt.name, "n": n, "k": k, **knobs,
+                                         "vnni_below": vnni_below if vnni is not None else 0})
 
 
 def tile_config_byte(config: list[int], i):
@@ -332,8 +360,6 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                 y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes, 1, width)] = acc[
                     t, T.Ramp(0, 1, width)]
 
-    vector = None if vnni is None else int8_dot_compute(fmt, n, k, vnni, True, vector_bits)
-
     @T.macro
     def tiles(batch, seq, x, packed, scale, low, y):
         with T.sblock("amx"):
@@ -374,15 +400,5 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
                                   x_sum, y, wide, sums, acc, part)
                     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
-    @T.macro
-    def compute(batch, seq, x, packed, scale, low, y):
-        if vnni is None:
-            tiles(batch, seq, x, packed, scale, low, y)
-        elif batch * seq < vnni_below:
-            vector(batch, seq, x, packed, scale, low, y)
-        else:
-            tiles(batch, seq, x, packed, scale, low, y)
-
-    kernel = matmul_prim_func("amx_matmul", fmt, n, k, compute)
-    return kernel.with_attr(BUILD_ATTR, {"format": fmt.name, "n": n, "k": k, "units": units, "row_tiles": row_tiles,
-                                         "vnni_below": vnni_below if vnni is not None else 0})
+    return tile_matmul_prim_func("amx_matmul", fmt, n, k, tiles, vnni, vector_bits, vnni_below, BUILD_ATTR,
+                                 {"units": units, "row_tiles": row_tiles})

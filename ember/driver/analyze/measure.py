@@ -213,9 +213,10 @@ def with_int8_peak(hardware: Hardware, target_spec: str, shape: tuple[int, int, 
     rng = np.random.default_rng(0)
     if target.int8_dot.tiles:
         request_amx_permission("ember analyze --measure")
-        kernel, name = ((amx_bf16_matmul.amx_bf16_matmul(fmt, n, k), "AMX-BF16 prefill matmul")
-                        if target.int8_dot.tiles == "bf16" else (amx_matmul.amx_int8_matmul(fmt, n, k),
-                                                                  "AMX int8 prefill matmul"))
+    if target.int8_dot.tiles == "bf16":
+        kernel, name = amx_bf16_matmul.amx_bf16_matmul(fmt, n, k), "AMX-BF16 prefill matmul"
+    elif target.int8_dot.tiles:
+        kernel, name = amx_matmul.amx_int8_matmul(fmt, n, k), "AMX int8 prefill matmul"
     else:
         kernel, name = int8_matmul.int8_dot_matmul(fmt, n, k, target.int8_dot, True, target.vector_bits), (
             "int8 prefill matmul")
