@@ -9,6 +9,7 @@ graphs, where `ir_passes/specialize_attention.py` adds it with the graph rotatin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import tvm
@@ -24,6 +25,42 @@ from ember.ir.tvmscript import parsed_once
 
 # `create_paged_kv_cache`'s arguments, chosen by the runtime.
 CREATE_ARGUMENTS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
+
+# The packed function `create_paged_kv_cache` calls, handing TVM's cache runtime its sizes and kernels.
+CREATE_FUNCTION = "vm.builtin.paged_attention_kv_cache_create"
+
+
+class CreateArg(IntEnum):
+    """Positions of `CREATE_FUNCTION`'s arguments (after the function's name) that ember's passes read or replace,
+    in TVM 0.27's order. An attention slot holds `("tirx", kernel)`, or an empty tuple for none; the runtime refuses
+    a request that needs a kernel it was not given."""
+
+    QO_HEADS = 2
+    KV_HEADS = 3
+    QK_DIM = 4
+    V_DIM = 5
+    ROPE_MODE = 8
+    DTYPE_EXAMPLE = 12  # an empty tensor of the cache's dtype
+    APPEND = 13
+    APPEND_MLA = 14  # null where no layer is MLA
+    RAGGED = 15
+    PREFILL = 16
+    DECODE = 17
+    PREFILL_SLIDING_WINDOW = 18
+    DECODE_SLIDING_WINDOW = 19
+    TREE_PREFILL_PAGED = 20
+    TREE_PREFILL = 21
+    MLA_PREFILL = 22
+    MERGE = 23
+    SPLIT = 24
+    COPY_PAGE = 25
+    DEBUG_READ = 26
+    COMPACT = 27
+
+
+# Attention slots no ember runtime path uses: it decodes chains, never token trees, and no model it builds is MLA.
+NEVER_CALLED_ATTENTION = (CreateArg.TREE_PREFILL_PAGED, CreateArg.TREE_PREFILL, CreateArg.MLA_PREFILL)
+SLIDING_WINDOW_ATTENTION = (CreateArg.PREFILL_SLIDING_WINDOW, CreateArg.DECODE_SLIDING_WINDOW)
 
 
 def create_spec() -> dict:

@@ -37,6 +37,12 @@ def is_op(expr: relax.Expr, name: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
+def calls_packed(value: relax.Expr, name: str, op: str = "relax.call_pure_packed") -> bool:
+    """Whether `value` calls the packed function `name` through `op`."""
+    return (is_op(value, op) and isinstance(value.args[0], relax.ExternFunc)
+            and str(value.args[0].global_symbol) == name)
+
+
 def bindings(func: relax.Function) -> Iterator[relax.Binding]:
     """Every binding of a Relax function's body, block by block."""
     for block in func.body.blocks:

@@ -10,7 +10,8 @@ inside a test process (which holds torch and transformers), 30 s of importing TV
 - `stacks_from_linecache()`: while it is entered, both functions build each frame's record from the frame and
   `linecache`, as `inspect` does (file, line, function, the same lines of context), without the module lookup.
 - `parsed_once`: memoizes a kernel builder by its arguments' values. A PrimFunc is immutable, so a model's
-  repeated shapes (every layer's, every pipeline stage's, every compile of one process) share one parse.
+  repeated shapes (every layer's, every pipeline stage's, every compile of one process) share one parse; and
+  other processes load it (`kernel_store`) instead of parsing it again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import TypeVar
 
 from tvm.runtime import Object
 from tvm.target import Target
+
+from ember.ir import kernel_store
 
 # Kernels kept per builder: a model needs tens; `ember tune` builds one per candidate, so the oldest go.
 PARSED_KERNELS_KEPT = 256
@@ -82,8 +85,12 @@ def parsed_once(builder: Builder) -> Builder:
     @functools.lru_cache(maxsize=PARSED_KERNELS_KEPT)
     def parse(call: _ByValue):
         args, kwargs = call.value
-        with stacks_from_linecache():
-            return builder(*args, **kwargs)
+
+        def build():
+            with stacks_from_linecache():
+                return builder(*args, **kwargs)
+
+        return kernel_store.load_or_build(builder, call.key, build)
 
     @functools.wraps(builder)
     def build(*args, **kwargs):

@@ -32,6 +32,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
+from ember.ir_passes.drop_unused_kv_kernels import drop_unused_kv_kernels
 from ember.ir_passes.fold_permute_chains import fold_permute_chains
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
@@ -65,6 +66,8 @@ class LowerOptions:
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
     # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype.
     kv_quant: str | None = None
+    # The model attends through a sliding window (the runtime asks the KV cache for windowed attention).
+    sliding_window: bool = False
 
 
 def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
@@ -81,6 +84,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
     """Model-level rewrites on Relax operators, before any lowering."""
     tensor_formats = {name: FORMATS[fmt] for name, fmt in options.tensor_formats.items()}
     return [
+        # The KV cache is handed no kernels for token trees, MLA, or a sliding window the model does not have.
+        drop_unused_kv_kernels(options.sliding_window),
         # Transposes that cancel (an imported graph's head layouts meeting the cache's) go.
         fold_permute_chains,
         # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.
@@ -108,7 +113,7 @@ def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.trans
         # matmul(x, permute_dims(W)) -> one NT_matmul reading W row-major: no transpose
         # kernel, and the GEMV's reduction runs along contiguous memory.
         relax.transform.FuseTransposeMatmul(),
-        drop_unreachable_functions,  # what FuseTransposeMatmul may leave behind
+        drop_unreachable_functions,  # what FuseTransposeMatmul and the KV cache passes leave behind
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -35,8 +35,15 @@ import tvm
 from tvm import relax, tirx
 
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
-from ember.ir.kv_cache import KV_ROWS, KVRows
-from ember.ir.module_utils import is_op
+from ember.ir.kv_cache import (
+    CREATE_FUNCTION,
+    KV_ROWS,
+    NEVER_CALLED_ATTENTION,
+    SLIDING_WINDOW_ATTENTION,
+    CreateArg,
+    KVRows,
+)
+from ember.ir.module_utils import calls_packed
 from ember.schedules import quantized_kv_cache as kernels
 from ember.schedules.decode_attention import paged_decode_attention
 from ember.schedules.kv_storage import PackedPageRows
@@ -44,13 +51,7 @@ from ember.schedules.prefill_attention import paged_prefill_attention, ragged_pr
 from ember.schedules.rope import recorded_rotary
 from ember.targets.registry import TargetSpec
 
-CREATE = "vm.builtin.paged_attention_kv_cache_create"
 ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
-# `CREATE`'s arguments (after the function name) that this pass reads or replaces; TVM's order.
-_QO_HEADS, _KV_HEADS, _QK_DIM, _V_DIM, _ROPE_MODE, _DTYPE_EXAMPLE = 2, 3, 4, 5, 8, 12
-_APPEND, _APPEND_MLA, _RAGGED, _PREFILL, _DECODE = 13, 14, 15, 16, 17
-_UNUSED_ATTENTION = range(18, 23)  # sliding-window prefill/decode, tree prefills, MLA
-_MERGE, _SPLIT, _COPY_PAGE, _DEBUG_READ, _COMPACT = 23, 24, 25, 26, 27
 _ROPE_NORMAL = 1
 
 
@@ -84,9 +85,9 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if _calls_packed(value, CREATE):
+        if calls_packed(value, CREATE_FUNCTION):
             rewritten = self._create(value)
-        elif isinstance(value, relax.Call) and _calls_packed(value, ATTENTION, op="relax.call_dps_packed"):
+        elif isinstance(value, relax.Call) and calls_packed(value, ATTENTION, op="relax.call_dps_packed"):
             rewritten = self._attention(value)
         else:
             super().visit_var_binding_(binding)
@@ -96,24 +97,26 @@ class _Rewriter(relax.PyExprMutator):
 
     def _create(self, call: relax.Call) -> relax.Call:
         args = list(call.args[1:])
-        dtype = str(args[_DTYPE_EXAMPLE].ty.dtype)
+        dtype = str(args[CreateArg.DTYPE_EXAMPLE].ty.dtype)
         if dtype != "float32":
             raise ValueError(f"quantize_kv_cache: the {self.kv_quant} cache stores float32 models' keys and values, "
                              f"not {dtype}")
-        qo_heads, kv_heads, head_dim = (int(args[i].value) for i in (_QO_HEADS, _KV_HEADS, _QK_DIM))
+        qo_heads, kv_heads, head_dim = (int(args[i].value)
+                                        for i in (CreateArg.QO_HEADS, CreateArg.KV_HEADS, CreateArg.QK_DIM))
         self.rows = rows = KV_ROWS[self.kv_quant](qo_heads, kv_heads, head_dim)
-        decode = self.mod[args[_DECODE].fields[1].name_hint]  # by name: an importer's cache was built apart
+        # By name: an importer's cache was built apart.
+        decode = self.mod[args[CreateArg.DECODE].fields[1].name_hint]
         page_size = int(decode.params[1].shape[3])  # TVM's kernels are built for the page size the runtime uses
-        num_layers = int(self.mod[args[_DEBUG_READ].name_hint].params[2].shape[0])
+        num_layers = int(self.mod[args[CreateArg.DEBUG_READ].name_hint].params[2].shape[0])
         # Where the cache rotates q and k (`RopeMode.NORMAL`: the builtin frontend's models, which record their
         # rotation), ember's split rotates them as it splits; the cache's own split kernel goes.
         split_rotary = None
-        if int(args[_ROPE_MODE].value) == _ROPE_NORMAL:
+        if int(args[CreateArg.ROPE_MODE].value) == _ROPE_NORMAL:
             split_rotary = recorded_rotary(self.mod, head_dim, dtype)
             if split_rotary is None:
                 raise ValueError("quantize_kv_cache: the cache rotates q and k, and the module records no rotation "
                                  "ember's split computes")
-        self.replaced_split = args[_SPLIT].name_hint
+        self.replaced_split = args[CreateArg.SPLIT].name_hint
         storage = PackedPageRows(rows, page_size)
 
         def kernel(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.GlobalVar:
@@ -124,25 +127,26 @@ class _Rewriter(relax.PyExprMutator):
         def attention(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.Tuple:
             return relax.Tuple([tvm.ir.StringImm("tirx"), kernel(name, build)])
 
-        args[_QO_HEADS] = relax.prim_value(rows.stored_qo_heads)
-        args[_KV_HEADS] = relax.prim_value(rows.stored_kv_heads)
-        args[_QK_DIM] = args[_V_DIM] = relax.prim_value(1)
-        args[_APPEND] = kernel("append", partial(kernels.append_rows, storage, dtype))
-        args[_APPEND_MLA] = relax.op.null_value()
-        args[_RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
-                                                    self.lanes, rows=rows))
-        args[_PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype,
-                                                      page_size, self.lanes, storage=storage))
-        args[_DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim, dtype,
-                                                    page_size, self.lanes, storage=storage))
-        for index in _UNUSED_ATTENTION:
+        args[CreateArg.QO_HEADS] = relax.prim_value(rows.stored_qo_heads)
+        args[CreateArg.KV_HEADS] = relax.prim_value(rows.stored_kv_heads)
+        args[CreateArg.QK_DIM] = args[CreateArg.V_DIM] = relax.prim_value(1)
+        args[CreateArg.APPEND] = kernel("append", partial(kernels.append_rows, storage, dtype))
+        args[CreateArg.APPEND_MLA] = relax.op.null_value()
+        args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
+                                                             dtype, self.lanes, rows=rows))
+        args[CreateArg.PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim,
+                                                               dtype, page_size, self.lanes, storage=storage))
+        args[CreateArg.DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim,
+                                                             dtype, page_size, self.lanes, storage=storage))
+        for index in (*SLIDING_WINDOW_ATTENTION, *NEVER_CALLED_ATTENTION):
             args[index] = relax.Tuple([])
-        args[_MERGE] = relax.Tuple([kernel("merge", partial(kernels.merge_states, rows, dtype))])
-        args[_SPLIT] = kernel("split", partial(kernels.split_and_quantize, rows, dtype, rotary=split_rotary))
-        args[_COPY_PAGE] = kernel("copy_page", partial(kernels.copy_page_rows, storage, dtype))
-        args[_DEBUG_READ] = kernel("read", partial(kernels.read_rows, storage, num_layers, dtype))
-        args[_COMPACT] = kernel("compact", partial(kernels.compact_rows, storage, dtype))
-        return relax.call_pure_packed(CREATE, *args, ty_args=list(call.ty_args))
+        args[CreateArg.MERGE] = relax.Tuple([kernel("merge", partial(kernels.merge_states, rows, dtype))])
+        args[CreateArg.SPLIT] = kernel("split", partial(kernels.split_and_quantize, rows, dtype,
+                                                        rotary=split_rotary))
+        args[CreateArg.COPY_PAGE] = kernel("copy_page", partial(kernels.copy_page_rows, storage, dtype))
+        args[CreateArg.DEBUG_READ] = kernel("read", partial(kernels.read_rows, storage, num_layers, dtype))
+        args[CreateArg.COMPACT] = kernel("compact", partial(kernels.compact_rows, storage, dtype))
+        return relax.call_pure_packed(CREATE_FUNCTION, *args, ty_args=list(call.ty_args))
 
     def _attention(self, call: relax.Call) -> relax.Expr:
         """The call with q/k/v as word rows; the real output from the front of its word rows."""
@@ -160,9 +164,3 @@ class _Rewriter(relax.PyExprMutator):
         real = self.builder_.emit(relax.op.strided_slice(flat, axes=[1], begin=[0],
                                                          end=[rows.num_qo_heads * rows.head_dim]))
         return relax.op.reshape(real, (tokens, rows.num_qo_heads, rows.head_dim))
-
-
-def _calls_packed(value: relax.Expr, name: str, op: str = "relax.call_pure_packed") -> bool:
-    """Whether `value` calls the packed function `name` through `op`."""
-    return (is_op(value, op) and isinstance(value.args[0], relax.ExternFunc)
-            and str(value.args[0].global_symbol) == name)

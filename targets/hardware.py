@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.core.errors import TargetError
-from ember.core.machine import cpu_fingerprint, cpu_model, host_cores
+from ember.core.machine import cache_dir, cpu_fingerprint, cpu_model, host_cores
 
 PRESET_DIR = Path(__file__).with_name("hardware")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -215,8 +215,7 @@ class HostMeasurement:
 
 def host_cache_path() -> Path:
     """Where the measured `host` description is cached."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "ember" / "host-hardware.json"
+    return cache_dir() / "host-hardware.json"
 
 
 def load_host() -> Hardware:

@@ -1,15 +1,23 @@
-"""`ember.ir.tvmscript`: stacks read from linecache equal inspect's own records, and a kernel builder parses once."""
+"""`ember.ir.tvmscript`: stacks read from linecache equal inspect's own records, and a kernel builder parses once;
+`ember.ir.kernel_store`: a parsed kernel kept between processes loads as the kernel the builder parses."""
 
 import inspect
+import subprocess
+import sys
 
 import pytest
+import tvm_ffi
 from tvm import tirx
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv_cache
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ember.ir import kernel_store
 from ember.ir.kv_cache import SHARED_KERNEL_BUILDERS
+from ember.ir.quant_formats import FORMATS
 from ember.ir.tvmscript import parsed_once, stacks_from_linecache
+from ember.schedules import int8_matmul
+from ember.targets.int8_dot import int8_dot_of
 
 
 def _nested(depth: int, read):
@@ -93,3 +101,68 @@ def test_the_kv_caches_tvm_kernels_are_parsed_once_per_process():
     gpu = tvm_kv_cache._attention_prefill(2, 4, 16, "float16", False, {}, Target({"kind": "cuda", "arch": "sm_90a"}))
     assert tvm_kv_cache._attention_prefill(2, 4, 16, "float16", False, {},
                                            Target({"kind": "cuda", "arch": "sm_90a"})) is gpu
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The kernel store in a directory of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("EMBER_KERNEL_CACHE", raising=False)
+    kernel_store._source_tree.cache_clear()
+    yield tmp_path / "ember" / "kernels"
+    kernel_store._source_tree.cache_clear()
+
+
+def _vnni_matmul():
+    dot = int8_dot_of(Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "icelake-server"}))
+    return int8_matmul.int8_dot_matmul.__wrapped__, (FORMATS["q4f32"], 64, 96, dot, True, 512)
+
+
+def _refuse_to_parse():
+    raise AssertionError("parsed, not loaded")
+
+
+def test_a_stored_kernel_loads_equal_to_the_parse_and_a_damaged_one_is_parsed_again(store):
+    builder, args = _vnni_matmul()
+    parsed = kernel_store.load_or_build(builder, args, lambda: builder(*args))
+    (entry,) = store.glob("*/*.json")
+    loaded = kernel_store.load_or_build(builder, args, _refuse_to_parse)
+    assert loaded is not parsed and tvm_ffi.structural_equal(loaded, parsed) and loaded.script() == parsed.script()
+
+    entry.write_text(entry.read_text()[:1000])  # cut short
+    again = kernel_store.load_or_build(builder, args, lambda: builder(*args))
+    assert tvm_ffi.structural_equal(again, parsed)
+    assert tvm_ffi.structural_equal(kernel_store.load_or_build(builder, args, _refuse_to_parse), parsed)
+
+
+def test_only_ember_and_tvm_builders_are_stored_and_the_switch_turns_it_off(store, monkeypatch):
+    def local_builder():
+        return T.prim_func(lambda: None)
+
+    assert kernel_store.load_or_build(local_builder, (), lambda: 7) == 7 and not store.exists()
+    builder, args = _vnni_matmul()
+    monkeypatch.setenv("EMBER_KERNEL_CACHE", "0")
+    kernel_store.load_or_build(builder, args, lambda: builder(*args))
+    assert not store.exists()
+    monkeypatch.setenv("EMBER_KERNEL_CACHE", "1")
+    kernel_store.load_or_build(builder, (object(),), lambda: builder(*args))  # keyed by an address: not kept
+    assert not list(store.glob("*/*.json"))
+
+
+def test_another_process_loads_the_kernels_of_a_compile_and_old_source_trees_go(store, tmp_path):
+    """A second process's `parsed_once` builders load every kernel the first one parsed (none is parsed again), and
+    only the newest source trees are kept."""
+    for stale in range(kernel_store.KEPT_SOURCE_TREES + 1):
+        (store / f"stale{stale}").mkdir(parents=True)
+    code = ("import sys, tvm; from ember.ir import kernel_store; from ember.driver.compiler import compile_model, "
+            "CompileOptions; from ember import DEMO_MODEL_DIR; parsed = []; build = kernel_store.load_or_build; "
+            "kernel_store.load_or_build = lambda b, k, f: build(b, k, lambda: parsed.append(b) or f()); "
+            "compile_model(DEMO_MODEL_DIR, sys.argv[1], CompileOptions(quantization='q4f32', show_progress=False)); "
+            "print(len(parsed))")
+    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / f"out{i}")], capture_output=True, text=True,
+                           timeout=300) for i in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    first, second = (int(run.stdout.split()[-1]) for run in runs)
+    assert first > 10 and second == 0
+    assert len([p for p in store.iterdir() if p.is_dir()]) == kernel_store.KEPT_SOURCE_TREES
+    assert (tmp_path / "out0" / "model.so").read_bytes() == (tmp_path / "out1" / "model.so").read_bytes()

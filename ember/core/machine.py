@@ -22,6 +22,11 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"
               "asimd", "sve", "sve2", "i8mm", "bf16")
 
 
+def cache_dir() -> Path:
+    """ember's cache on this machine: `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
+
+
 def cpu_fingerprint() -> dict[str, Any]:
     """What a kernel's speed on this CPU depends on: architecture, model, ISA extensions, cores."""
     return {"machine": platform.machine(), "cpu": cpu_model(), "isa": _isa_flags(), "cores": host_cores()}

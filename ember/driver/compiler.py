@@ -171,7 +171,8 @@ class _Build:
         lower_options = pipeline.LowerOptions(self.quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, self.tuning,
                                               int8_activations=not options.float_activations,
-                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant)
+                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant,
+                                              sliding_window=bool(config.sliding_window))
         with tvm_warnings_hidden():
             lowered = pipeline.lower(mod, target, lower_options, dump_ir)
         schedules = schedule_sources(lowered)

@@ -188,7 +188,8 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
                                           int8_activations=not options.float_activations,
-                                          tensor_formats=tensor_formats)
+                                          tensor_formats=tensor_formats,
+                                          sliding_window=bool(imported.config.sliding_window))
     with tvm_warnings_hidden():
         kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:

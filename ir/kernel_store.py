@@ -1,0 +1,120 @@
+"""Parsed kernels kept between processes, under `~/.cache/ember/kernels/<sources>/`.
+
+A kernel template's TVMScript parses in 0.3-1 s; the same PrimFunc loads from TVM's JSON
+in 0.03-0.06 s and compares structurally equal. A compile parses tens of kernels, and
+`parsed_once` shares them only within one process: each `ember compile`, `ember tune`
+or test worker parsed them again. Measured on the demo model (q4f32, this host's
+target, a fresh process): parsing was 4.6 s of a 12.7 s compile.
+
+- An entry is one PrimFunc as TVM's JSON, named by the sha256 of its builder's qualified
+  name and its arguments' values (`tvmscript._value_key`).
+- Its directory is named by the digest of everything else that shapes a kernel: the
+  sources of the packages that build kernels (ember's `ir`, `schedules`, `targets` and
+  `core`) and the versions of ember, TVM and tvm-ffi. Any edit starts a new directory;
+  the `KEPT_SOURCE_TREES` used last are kept, older ones removed.
+- Only builders of ember's packages and TVM's are kept (their code is in the digest);
+  another builder, such as a test's, is parsed in every process.
+- Entries are written to a staging file and renamed into place, so a parallel process
+  never reads half of one; one that does not load is parsed again and replaced.
+- `EMBER_KERNEL_CACHE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import tvm
+
+from ember.core.machine import cache_dir
+
+# Source trees (kernel directories) kept: a developer switching between branches keeps each one's kernels.
+KEPT_SOURCE_TREES = 4
+# Packages whose code a kernel builder runs; their sources are part of every entry's directory name.
+KERNEL_PACKAGES = ("ir", "schedules", "targets", "core")
+# Builders from these modules are kept: ember's own (their sources are in the digest) and TVM's (its version is).
+KEPT_BUILDER_MODULES = ("ember.", "tvm.")
+_VERSIONS = ("ember", "apache-tvm", "apache-tvm-ffi")
+
+
+def enabled() -> bool:
+    return os.environ.get("EMBER_KERNEL_CACHE", "1") != "0"
+
+
+def load_or_build(builder: Callable, key: object, build: Callable[[], object]) -> object:
+    """The kernel `builder` makes for the arguments keyed `key`: loaded from the store, else `build()`, stored when it
+    is a PrimFunc. Anything the store cannot hold (another module's builder, a key naming an object by its address)
+    is built."""
+    path = _entry_path(builder, key)
+    if path is None:
+        return build()
+    try:
+        return tvm.ir.load_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pass
+    except Exception:  # damaged or written by another TVM: parse it again and replace it
+        path.unlink(missing_ok=True)
+    kernel = build()
+    if isinstance(kernel, tvm.tirx.PrimFunc):
+        _write(path, tvm.ir.save_json(kernel))
+    return kernel
+
+
+def _entry_path(builder: Callable, key: object) -> Path | None:
+    if not enabled() or not builder.__module__.startswith(KEPT_BUILDER_MODULES):
+        return None
+    described = repr(key)
+    if " at 0x" in described:  # an object without a value representation: not the same in another process
+        return None
+    name = f"{builder.__module__}.{builder.__qualname__}\0{described}"
+    return _source_tree() / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
+
+
+@functools.cache
+def _source_tree() -> Path:
+    """This process's kernel directory, created and marked as the newest used; older ones beyond the kept count go."""
+    root = cache_dir() / "kernels"
+    tree = root / _sources_digest()
+    tree.mkdir(parents=True, exist_ok=True)
+    os.utime(tree)
+    others = sorted((p for p in root.iterdir() if p.is_dir() and p != tree), key=_modified, reverse=True)
+    for old in others[KEPT_SOURCE_TREES - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return tree
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed by a parallel process
+        return 0.0
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for package in KERNEL_PACKAGES:
+        # Located, not imported: the packages above this layer are read as files.
+        (location,) = importlib.util.find_spec(f"ember.{package}").submodule_search_locations
+        root = Path(location)
+        for path in sorted(root.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes() + b"\0")
+    for name in _VERSIONS:
+        digest.update(f"{name}=={importlib.metadata.version(name)}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+def _write(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        staging.write_text(text, encoding="utf-8")
+        os.replace(staging, path)
+    except OSError:  # a full or read-only disk costs the next process a parse, nothing else
+        staging.unlink(missing_ok=True)
