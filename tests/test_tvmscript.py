@@ -149,20 +149,28 @@ def test_only_ember_and_tvm_builders_are_stored_and_the_switch_turns_it_off(stor
     assert not list(store.glob("*/*.json"))
 
 
-def test_another_process_loads_the_kernels_of_a_compile_and_old_source_trees_go(store, tmp_path):
-    """A second process's `parsed_once` builders load every kernel the first one parsed (none is parsed again), and
-    only the newest source trees are kept."""
+def test_another_process_loads_the_kernels_of_a_kv_cache_and_old_source_trees_go(store):
+    """A second process's `parsed_once` builders (TVM's KV cache kernels, ember's int8 matmul) load every kernel the
+    first one parsed, none parsed again, equal to the first's; only the newest source trees are kept."""
     for stale in range(kernel_store.KEPT_SOURCE_TREES + 1):
         (store / f"stale{stale}").mkdir(parents=True)
-    code = ("import sys, tvm; from ember.ir import kernel_store; from ember.driver.compiler import compile_model, "
-            "CompileOptions; from ember import DEMO_MODEL_DIR; parsed = []; build = kernel_store.load_or_build; "
-            "kernel_store.load_or_build = lambda b, k, f: build(b, k, lambda: parsed.append(b) or f()); "
-            "compile_model(DEMO_MODEL_DIR, sys.argv[1], CompileOptions(quantization='q4f32', show_progress=False)); "
-            "print(len(parsed))")
-    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / f"out{i}")], capture_output=True, text=True,
-                           timeout=300) for i in range(2)]
+    code = """if True:
+        import hashlib, tvm
+        from ember.ir import kernel_store
+        from ember.ir.kv_cache import CacheShape, cache_functions
+        from ember.ir.quant_formats import FORMATS
+        from ember.schedules.int8_matmul import int8_dot_matmul
+        from ember.targets.int8_dot import int8_dot_of
+        parsed, load = [], kernel_store.load_or_build
+        kernel_store.load_or_build = lambda b, k, build: load(b, k, lambda: parsed.append(b) or build())
+        target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "icelake-server"})
+        mod = cache_functions(CacheShape(2, 4, 2, 16, 64), "float32", target)
+        mod["matmul"] = int8_dot_matmul(FORMATS["q4f32"], 64, 96, int8_dot_of(target), True, 512)
+        print(len(parsed), hashlib.sha256(mod.script().encode()).hexdigest())
+    """
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
     assert [run.returncode for run in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    first, second = (int(run.stdout.split()[-1]) for run in runs)
-    assert first > 10 and second == 0
+    (first, first_module), (second, second_module) = (run.stdout.split()[-2:] for run in runs)
+    assert int(first) >= 10 and int(second) == 0 and first_module == second_module
     assert len([p for p in store.iterdir() if p.is_dir()]) == kernel_store.KEPT_SOURCE_TREES
-    assert (tmp_path / "out0" / "model.so").read_bytes() == (tmp_path / "out1" / "model.so").read_bytes()
