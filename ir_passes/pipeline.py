@@ -12,7 +12,8 @@ frontend and `tvm.compile`'s code generation:
    functions and kernels get the bounds of their symbolic sizes.
 3. scheduling: every PrimFunc gets a schedule for the target (`schedules/`), from
    a tuning database where one has a checked record, else from the rules; then, on
-   CPUs, exp and sigmoid become polynomials that vectorize.
+   CPUs, exp and sigmoid become polynomials that vectorize, and kernels scheduled to
+   the same code become one.
 4. dataflow lowering and memory planning: static buffers sized by the bounds;
    on CUDA, decode's kernel runs captured as CUDA graphs.
 5. finalization: VM-level lowering; on CPUs every kernel marked `noalias` (TVM's LLVM
@@ -37,6 +38,7 @@ from ember.ir_passes.fold_permute_chains import fold_permute_chains
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.fuse_rms_norm import fuse_rms_norm
+from ember.ir_passes.merge_equal_kernels import merge_equal_kernels
 from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.pack_float_panels import pack_float_panels
 from ember.ir_passes.polynomial_exp import polynomial_exp
@@ -130,11 +132,12 @@ def legalize_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.trans
 
 
 def kernel_math_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
-    """On CPUs, exp and sigmoid (SiLU) become polynomials that vectorize instead of a libm call per element.
+    """On CPUs, exp and sigmoid (SiLU) become polynomials that vectorize instead of a libm call per element; then
+    kernels whose schedules came out as the same code (copies made for different bounds) become one.
 
     After scheduling, so that `ember tune` and `ember analyze` (which read `to_kernels`) see
     the operators as the model wrote them, and the schedules match either way."""
-    return [] if target.is_gpu else [polynomial_exp]
+    return ([] if target.is_gpu else [polynomial_exp]) + [merge_equal_kernels]
 
 
 def dataflow_lower_passes(target: TargetSpec) -> list[tvm.transform.Pass]:

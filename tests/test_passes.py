@@ -383,3 +383,45 @@ def test_drop_unused_kv_kernels_empties_the_caches_unused_slots_and_the_runtime_
     cache = vm["create_paged_kv_cache"](shape_tuple([2]), shape_tuple([128]), shape_tuple([32]), shape_tuple([16]),
                                         shape_tuple([int(sliding_window)]))
     assert cache is not None
+
+
+def test_merge_equal_kernels_keeps_one_of_kernels_equal_but_for_bounds_with_the_larger_bounds() -> None:
+    from tvm.script import tirx as T
+
+    from ember.ir.module_utils import upper_bounds
+    from ember.ir_passes.merge_equal_kernels import merge_equal_kernels
+
+    def scaled(factor: float, bound: int) -> tvm.tirx.PrimFunc:
+        @T.prim_func(s_tir=True)
+        def kernel(a: T.handle, b: T.handle):
+            n = T.int64()
+            x = T.match_buffer(a, (n, 4), "float32")
+            y = T.match_buffer(b, (n, 4), "float32")
+            for i, j in T.grid(n, 4):
+                with T.sblock("scale"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = x[vi, vj] * T.float32(factor)
+
+        return kernel.with_attr("tir_var_upper_bound", {"n": bound})
+
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 4], "float32"))
+    bb = relax.BlockBuilder()
+    kernels = {"small": scaled(2.0, 256), "large": scaled(2.0, 8), "other": scaled(3.0, 8)}
+    gvs = {name: bb.add_func(func.without_attr("global_symbol"), name) for name, func in kernels.items()}
+    with bb.function("main", [x], attrs={"global_symbol": "main"}):
+        with bb.dataflow():
+            out = x
+            for name in ("small", "large", "other"):
+                out = bb.emit(relax.call_tir(gvs[name], [out], relax.TensorType([n, 4], "float32")))
+            result = bb.emit_output(out)
+        bb.emit_func_output(result)
+    mod = bb.get()
+
+    merged = merge_equal_kernels(mod)
+    kernels_left = {gv.name_hint: func for gv, func in merged.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
+    assert set(kernels_left) == {"large", "other"}  # the first by name
+    assert upper_bounds(kernels_left["large"]) == {"n": 256} and upper_bounds(kernels_left["other"]) == {"n": 8}
+    data = np.random.default_rng(0).standard_normal((5, 4)).astype("float32")
+    np.testing.assert_array_equal(_run_single(merged, data), data * 12)
+    np.testing.assert_array_equal(_run_single(merged, data), _run_single(mod, data))
