@@ -64,6 +64,7 @@ from ember.frontend.source import import_model, recorded_config_dir, recorded_fo
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
+from ember.ir_passes.merge_equal_kernels import equal_but_for_bounds
 from ember.runtime import Engine, load_artifact
 from ember.runtime.amx import request_amx_permission
 from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
@@ -437,7 +438,8 @@ def kernel_inputs(kernels: tvm.IRModule, calls: list[_Call], artifact_dir: Path 
     """How many of each kernel's arguments are inputs (the rest are outputs), from the rebuilt graph's calls.
 
     Checks on the way that the rebuild is the artifact: every kernel the graph calls
-    ran, with as many arguments. Reshapes are skipped: the pipeline turns them into
+    ran (itself, or a kernel equal but for its bounds that the compiler merged it into),
+    with as many arguments. Reshapes are skipped: the pipeline turns them into
     views after legalization.
     """
     called = {call.symbol: call for call in calls}
@@ -452,11 +454,16 @@ def kernel_inputs(kernels: tvm.IRModule, calls: list[_Call], artifact_dir: Path 
                 name = value.args[0].name_hint
                 if relax.analysis.has_reshape_pattern(kernels[name]):
                     continue
-                if name not in called or len(called[name].shapes) != len(kernels[name].params):
+                # The compiler merged kernels equal but for their bounds (`merge_equal_kernels`): the artifact ran
+                # one of them under its own name.
+                symbol = name if name in called else next(
+                    (other for other in called if other in kernels and equal_but_for_bounds(kernels[other],
+                                                                                            kernels[name])), None)
+                if symbol is None or len(called[symbol].shapes) != len(kernels[name].params):
                     raise ArtifactError(
                         f"{artifact_dir}: its kernels differ from those this ember builds from its manifest "
                         f"(kernel {name}); recompile it with this ember to measure it")
-                inputs[name] = len(value.args[1].fields)
+                inputs[symbol] = len(value.args[1].fields)
     return inputs
 
 
