@@ -1,15 +1,15 @@
 """Mark every PrimFunc of a CPU module `tirx.noalias`, so that LLVM may keep register tiles in registers.
 
 Matches the PrimFuncs that lack `tirx.noalias` (TVM's paged KV cache kernels that ember
-does not replace: tree attention, the sliding-window variants, page copies, state
-merging; and the VM's shape functions) and sets it; rewrites nothing else.
+does not replace: page copies, state merging, the sliding-window variants where a model
+has a window; and the VM's shape functions) and sets it; rewrites nothing else.
 
 Why: TVM 0.27's LLVM code generator applies one function's `tirx.noalias` to the whole
 module: observed, every kernel of a module is compiled as the function whose name sorts
 last says (with `NT_matmul7` and a page-copy kernel without the attribute, the matmul
 loses `noalias` when the copy is named `zz_copy`, keeps it when named `AA_copy`). In a
-model that function is `tree_attn_paged_kv_cpu`, which has none, so every kernel lost
-it: its `<name>_compute_` function (pointer arguments `noalias`) is inlined into the
+model that function is one of the KV cache's kernels, which have none (it was
+`tree_attn_paged_kv_cpu` when it was measured), so every kernel lost it: its `<name>_compute_` function (pointer arguments `noalias`) is inlined into the
 packed wrapper and all buffers share one alias class, so LLVM must assume that the
 matmul's accumulator tile (a workspace buffer) may alias the activations it reads. It
 stores all eight accumulators after every FMA and reloads the activation vector for
