@@ -9,8 +9,9 @@ module: observed, every kernel of a module is compiled as the function whose nam
 last says (with `NT_matmul7` and a page-copy kernel without the attribute, the matmul
 loses `noalias` when the copy is named `zz_copy`, keeps it when named `AA_copy`). In a
 model that function is one of the KV cache's kernels, which have none (it was
-`tree_attn_paged_kv_cpu` when it was measured), so every kernel lost it: its `<name>_compute_` function (pointer arguments `noalias`) is inlined into the
-packed wrapper and all buffers share one alias class, so LLVM must assume that the
+`tree_attn_paged_kv_cpu` when it was measured), so every kernel lost it: its
+`<name>_compute_` function (pointer arguments `noalias`) is inlined into the packed
+wrapper and all buffers share one alias class, so LLVM must assume that the
 matmul's accumulator tile (a workspace buffer) may alias the activations it reads. It
 stores all eight accumulators after every FMA and reloads the activation vector for
 each: a float32 1B Llama's 128-token prefill ran its GEMMs at 60 GF/s instead of the
