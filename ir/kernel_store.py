@@ -16,7 +16,7 @@ target, a fresh process): parsing was 4.6 s of a 12.7 s compile.
   another builder, such as a test's, is parsed in every process.
 - Entries are written to a staging file and renamed into place, so a parallel process
   never reads half of one; one that does not load is parsed again and replaced.
-- `EMBER_KERNEL_CACHE=0` turns it off.
+- `EMBER_KERNEL_CACHE=0` turns it off; where the directory cannot be made, kernels are parsed as without it.
 """
 
 from __future__ import annotations
@@ -73,17 +73,24 @@ def _entry_path(builder: Callable, key: object) -> Path | None:
     described = repr(key)
     if " at 0x" in described:  # an object without a value representation: not the same in another process
         return None
+    tree = _source_tree()
+    if tree is None:
+        return None
     name = f"{builder.__module__}.{builder.__qualname__}\0{described}"
-    return _source_tree() / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
+    return tree / f"{hashlib.sha256(name.encode()).hexdigest()}.json"
 
 
 @functools.cache
-def _source_tree() -> Path:
-    """This process's kernel directory, created and marked as the newest used; older ones beyond the kept count go."""
+def _source_tree() -> Path | None:
+    """This process's kernel directory, created and marked as the newest used; older ones beyond the kept count go.
+    None where it cannot be made (a read-only home, a file in its place): kernels are then parsed, as without it."""
     root = cache_dir() / "kernels"
     tree = root / _sources_digest()
-    tree.mkdir(parents=True, exist_ok=True)
-    os.utime(tree)
+    try:
+        tree.mkdir(parents=True, exist_ok=True)
+        os.utime(tree)
+    except OSError:
+        return None
     others = sorted((p for p in root.iterdir() if p.is_dir() and p != tree), key=_modified, reverse=True)
     for old in others[KEPT_SOURCE_TREES - 1:]:
         shutil.rmtree(old, ignore_errors=True)

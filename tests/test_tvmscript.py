@@ -149,6 +149,20 @@ def test_only_ember_and_tvm_builders_are_stored_and_the_switch_turns_it_off(stor
     assert not list(store.glob("*/*.json"))
 
 
+def test_a_cache_directory_that_cannot_be_made_leaves_kernels_parsed(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.delenv("EMBER_KERNEL_CACHE", raising=False)
+    kernel_store._source_tree.cache_clear()
+    try:
+        builder, args = _vnni_matmul()
+        kernel = kernel_store.load_or_build(builder, args, lambda: builder(*args))
+        assert isinstance(kernel, tirx.PrimFunc) and blocker.read_text() == "not a directory"
+    finally:
+        kernel_store._source_tree.cache_clear()
+
+
 def test_another_process_loads_the_kernels_of_a_kv_cache_and_old_source_trees_go(store):
     """A second process's `parsed_once` builders (TVM's KV cache kernels, ember's int8 matmul) load every kernel the
     first one parsed, none parsed again, equal to the first's; only the newest source trees are kept."""
