@@ -67,10 +67,9 @@ def quantize_kv_cache(target: TargetSpec, kv_quant: str) -> tvm.transform.Pass:
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
         if rewriter.rows is None:
             raise ValueError("quantize_kv_cache: the module creates no paged KV cache")
-        rewritten = rewriter.builder_.get()
-        return tvm.IRModule({gv: func for gv, func in rewritten.functions_items()
-                             if gv.name_hint != rewriter.replaced_split},
-                            attrs=rewritten.attrs, global_infos=rewritten.global_infos)
+        # The kernels the cache is no longer handed (TVM's split, attention and page kernels) stay in the module
+        # until `drop_unreachable_functions`.
+        return rewriter.builder_.get()
 
     return _quantize
 
@@ -81,7 +80,6 @@ class _Rewriter(relax.PyExprMutator):
         super().__init__(mod)
         self.mod, self.lanes, self.kv_quant = mod, lanes, kv_quant
         self.rows: KVRows | None = None
-        self.replaced_split: str | None = None  # the cache's own split kernel's name (ember's split replaces it)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -116,7 +114,6 @@ class _Rewriter(relax.PyExprMutator):
             if split_rotary is None:
                 raise ValueError("quantize_kv_cache: the cache rotates q and k, and the module records no rotation "
                                  "ember's split computes")
-        self.replaced_split = args[CreateArg.SPLIT].name_hint
         storage = PackedPageRows(rows, page_size)
 
         def kernel(name: str, build: Callable[..., tirx.PrimFunc]) -> relax.GlobalVar:
