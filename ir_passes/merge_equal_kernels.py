@@ -33,7 +33,7 @@ def merge_equal_kernels(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> t
     groups: dict[tuple, list[list[tuple[tvm.ir.GlobalVar, tirx.PrimFunc, tirx.PrimFunc]]]] = {}
     for gv, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):  # the same kept every run
         if isinstance(func, tirx.PrimFunc) and gv.name_hint not in handed_over:
-            code = _without(func, (_BOUNDS, "global_symbol"))
+            code = _code(func)
             key = (tvm_ffi.structural_hash(code, map_free_vars=True), _size_names(func))
             candidates = groups.setdefault(key, [])
             for members in candidates:
@@ -53,12 +53,12 @@ def merge_equal_kernels(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> t
             for name, bound in upper_bounds(func).items():
                 bounds[name] = max(bound, bounds.get(name, 0))
         kept[first_gv.name_hint] = first.with_attr(_BOUNDS, bounds) if bounds else first
-    functions = {}
+    redirector, functions = _Redirect(mod, redirect), {}
     for gv, func in mod.functions_items():
         if gv.name_hint in redirect:
             continue
         if isinstance(func, relax.Function):
-            func = _Redirect(mod, redirect).visit_expr(func)
+            func = redirector.visit_expr(func)
         functions[gv] = kept.get(gv.name_hint, func)
     return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
 
@@ -66,12 +66,13 @@ def merge_equal_kernels(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> t
 def equal_but_for_bounds(first: tirx.PrimFunc, second: tirx.PrimFunc) -> bool:
     """Whether two kernels are the same code: structurally equal but for their bounds and exported symbols, with
     their sizes named alike."""
-    return _size_names(first) == _size_names(second) and tvm_ffi.structural_equal(
-        _without(first, (_BOUNDS, "global_symbol")), _without(second, (_BOUNDS, "global_symbol")), map_free_vars=True)
+    return _size_names(first) == _size_names(second) and tvm_ffi.structural_equal(_code(first), _code(second),
+                                                                                   map_free_vars=True)
 
 
-def _without(func: tirx.PrimFunc, names: tuple[str, ...]) -> tirx.PrimFunc:
-    for name in names:
+def _code(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` without the attributes that do not change its code: its bounds and exported symbol."""
+    for name in (_BOUNDS, "global_symbol"):
         if name in (func.attrs or {}):
             func = func.without_attr(name)
     return func
