@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import platform
+import shutil
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,13 +69,30 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -
         verify_files(path, manifest)
     _check_host_memory(path, manifest)
     dev = open_device(manifest.target, path, threads)
-    library = tvm_runtime.load_module(str(path / LIBRARY_NAME))
+    library = load_library(path / LIBRARY_NAME)
     vm = VirtualMachine(library, dev)
     _check_library(path / LIBRARY_NAME, manifest, vm)
     params = _load_params(path / PARAMS_DIR, manifest, dev)
     has_tokenizer = (path / "tokenizer.json").exists()
     tokenizer = Tokenizer.from_dir(path, int(manifest.kv_cache["max_context"])) if has_tokenizer else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)
+
+
+def load_library(path: Path) -> tvm_runtime.Module:
+    """The compiled library at `path`, loaded under a file name never used before in this process.
+
+    The dynamic loader hands back a library already loaded under the same path name without reading the file
+    again: an artifact recompiled or replaced at a path this process loaded before would run the old code (seen:
+    the kernels of a q4f32 artifact run for the q8f32 one copied over it). A symbolic link does not help, as TVM
+    loads the path it resolves to; a hard link (a copy across file systems) has a name of its own, and matches a
+    loaded library only if it is the same file (device and inode), which is then the right one."""
+    with tempfile.TemporaryDirectory(prefix="ember-library-") as staging:
+        alias = Path(staging) / f"{uuid.uuid4().hex}-{path.name}"
+        try:
+            os.link(path, alias)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(path, alias)
+        return tvm_runtime.load_module(str(alias))
 
 
 def _check_machine(path: Path, manifest: Manifest) -> None:

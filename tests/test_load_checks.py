@@ -14,7 +14,7 @@ import sys
 import models
 import numpy as np
 import pytest
-from helpers import REPO_ROOT, assert_one_line_error, compile_cached, run_ember
+from helpers import REPO_ROOT, assert_one_line_error, compile_cached, prompt_ids, run_ember
 from safetensors.numpy import load_file, save_file
 from test_artifact_integrity import INDEX, SHARD, edit_manifest
 
@@ -264,3 +264,25 @@ def test_library_without_an_entry_function_is_refused(tiny_llama, copy_artifact)
     edit_manifest(artifact, lambda data: data["entry_functions"].__setitem__("embed", {"inputs": ["ids"]}), seal=True)
     with pytest.raises(ArtifactError, match=r"model.so: has no function 'embed', which the manifest lists"):
         load_artifact(artifact)
+
+
+def test_artifact_replaced_at_a_path_loaded_before_runs_its_own_library(tiny_models, tmp_path):
+    """An artifact removed and another copied to the same path, both loaded by one process: the second runs its own
+    library, as loaded from where it was compiled (the dynamic loader would hand back the first library under that
+    path, whose weights differ: the q8f32 llama's are packed)."""
+    from ember.runtime import Engine
+
+    first, second = tiny_models["llama"], tiny_models.quantized("llama", "q8f32")
+    path = tmp_path / "artifact"
+    shutil.copytree(first.artifact_dir, path)
+    loaded_first = load_artifact(path)
+    shutil.rmtree(path)
+    shutil.copytree(second.artifact_dir, path)
+    replaced = load_artifact(path)
+    assert replaced.manifest.quantization == "q8f32" and loaded_first.manifest.quantization == "q0f32"
+    ids = prompt_ids(12, seed=3)
+    outputs = []
+    for artifact in (replaced, second.artifact):
+        engine = Engine(artifact)
+        outputs.append(engine.prefill(engine.add_sequence(), ids, all_logits=True))
+    np.testing.assert_array_equal(outputs[0], outputs[1])

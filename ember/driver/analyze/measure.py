@@ -67,6 +67,7 @@ from ember.ir_passes import pipeline, specialize_cpu_rope
 from ember.ir_passes.merge_equal_kernels import equal_but_for_bounds
 from ember.runtime import Engine, load_artifact
 from ember.runtime.amx import request_amx_permission
+from ember.runtime.artifact import load_library
 from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
@@ -173,7 +174,7 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
     step_seconds = _time_steps(engine, prompt, batch, repeats)
     weights = {t.data_ptr(): name for t, name in zip(artifact.params, manifest.params)}
     names = {gv.name_hint for gv, func in kernels.functions_items() if isinstance(func, tirx.PrimFunc)}
-    library = tvm_runtime.load_module(str(Path(artifact_dir) / LIBRARY_NAME))
+    library = load_library(Path(artifact_dir) / LIBRARY_NAME)
     recorder = _Recorder(names, library, artifact.device, weights, repeats)
     artifact.vm.set_instrument(recorder)
     seqs = [engine.add_sequence() for _ in range(batch)]
