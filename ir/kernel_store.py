@@ -1,7 +1,7 @@
 """Parsed kernels kept between processes, under `~/.cache/ember/kernels/<sources>/`.
 
 A kernel template's TVMScript parses in 0.3-1 s; the same PrimFunc loads from TVM's JSON
-in 0.03-0.06 s and compares structurally equal. A compile parses tens of kernels, and
+in 2-3 ms and compares structurally equal. A compile parses tens of kernels, and
 `parsed_once` shares them only within one process: each `ember compile`, `ember tune`
 or test worker parsed them again. Measured on the demo model (q4f32, this host's
 target, a fresh process): parsing was 4.6 s of a 12.7 s compile.
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import tvm
+from tvm_ffi.serialization import from_json_graph_str
 
 from ember.core.machine import cache_dir
 
@@ -56,7 +57,9 @@ def load_or_build(builder: Callable, key: object, build: Callable[[], object]) -
     if path is None:
         return build()
     try:
-        return tvm.ir.load_json(path.read_text(encoding="utf-8"))
+        # Not `tvm.ir.load_json`: its upgrade from older TVMs' JSON, in Python, takes 20 times the load itself; the
+        # entry was written by this TVM (its version is in the directory's digest).
+        return from_json_graph_str(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         pass
     except Exception:  # damaged or written by another TVM: parse it again and replace it
