@@ -15,6 +15,13 @@ from ember.cli.options import (
 from ember.core.errors import EmberError
 from ember.core.manifest import KV_QUANTIZATIONS
 
+COMPILE_CACHES = """
+Parsed kernels and built libraries are kept in ~/.cache/ember/ (kernels/, and
+libraries/ up to 2 GiB): compiling a model of the same architecture, quantization,
+sizes and target again, with these or other weights, copies its library instead of
+generating code. EMBER_KERNEL_CACHE=0 and EMBER_LIBRARY_CACHE=0 turn them off.
+"""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `ember compile` and its options."""
@@ -24,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "compile", help="compile a model into an artifact directory",
         description="Compile a Hugging Face checkpoint, a GGUF file (llama.cpp's format) or an ONNX file into a "
                     "deployable artifact.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES + COMPILE_CACHES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
                                       "Q4_1 weights as stored, K-quants re-quantized to the closest format with "
                                       "at least their bits and the error printed), an .onnx file of a decoder's "

@@ -18,6 +18,8 @@ architecture and its PTX (which newer GPUs JIT-compile), and embeds the fatbin i
 place of the source, in the layout TVM's CUDA runtime module reads:
 `[format: str][function table][code: bytes]`. The device then needs only TVM's
 runtime libraries.
+
+A library built before from an equal module, for the same target, is copied instead (`library_cache`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import tvm
 from tvm.support import nvcc
 
 from ember.core.errors import TargetError
+from ember.driver import library_cache
 from ember.targets.registry import TargetSpec
 
 log = logging.getLogger("ember")
@@ -44,9 +48,15 @@ _BINARY_FORMAT = "cubin"
 _OCTAL = [f"\\{byte:03o}" for byte in range(256)]
 
 
-def build_library(mod: tvm.IRModule, target: TargetSpec, path: Path) -> None:
-    """Generate code for `target` and write the loadable library to `path`."""
+def build_library(mod: tvm.IRModule, target: TargetSpec, path: Path) -> bool:
+    """Write the loadable library of `mod` for `target` to `path`: generated, or copied from `library_cache` where
+    an equal module was built for the same target before. True when copied."""
     linker = cross_linker(target)
+    return library_cache.build_once(mod, _recipe(target, linker), path,
+                                    lambda dest: _generate(mod, target, linker, dest))
+
+
+def _generate(mod: tvm.IRModule, target: TargetSpec, linker: str | None, path: Path) -> None:
     executable = tvm.compile(mod, target.target, relax_pipeline=None)
     if target.name == "cuda":
         executable.export_library(str(path), fpack_imports=functools.partial(_pack_compiled_cuda, target=target))
@@ -54,6 +64,20 @@ def build_library(mod: tvm.IRModule, target: TargetSpec, path: Path) -> None:
         executable.export_library(str(path), cc=linker)
     else:
         executable.export_library(str(path))
+
+
+def _recipe(target: TargetSpec, linker: str | None) -> str:
+    """What shapes a library besides its module: the TVM target, the linker, nvcc's version for CUDA, and this
+    file's code."""
+    parts = [str(target.target), linker or "", Path(__file__).read_text(encoding="utf-8")]
+    if target.name == "cuda":
+        parts.append(_nvcc_version())
+    return "\0".join(parts)
+
+
+@functools.cache
+def _nvcc_version() -> str:
+    return subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def cross_linker(target: TargetSpec) -> str | None:

@@ -198,7 +198,8 @@ class _Build:
                        for p in weight_params(lowered["decode"])}
         _add_param_types(lowered, param_types)
         staging.mkdir(exist_ok=True)
-        build_library(lowered, target, staging / LIBRARY_NAME)
+        if build_library(lowered, target, staging / LIBRARY_NAME):
+            stage("reused the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)")
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
         write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
