@@ -110,8 +110,12 @@ def _new_holder(target: Path, output_dir: Path) -> Path:
             remove_stale_leftovers(target)
             holder = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
             try:
-                (holder / STAGING_MARKER).write_text(json.dumps(
+                # Written whole, then named: a compile killed at any point leaves no empty marker, which would
+                # read as not ember's and keep its directory forever.
+                unnamed = holder / f"{STAGING_MARKER}.writing"
+                unnamed.write_text(json.dumps(
                     {"output": target.name, "pid": os.getpid(), "started": _start_time(os.getpid())}))
+                os.rename(unnamed, holder / STAGING_MARKER)
                 (holder / _NEW).mkdir()
             except BaseException:  # a full disk: no unmarked directory left behind
                 shutil.rmtree(holder, ignore_errors=True)
