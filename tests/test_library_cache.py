@@ -138,17 +138,22 @@ def test_the_least_recently_used_go_beyond_the_size_kept(cache, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_the_same_architecture_reuses_the_library_and_matches_transformers(cache, tmp_path):
-    """Two tiny llamas of the same config and other weights: the second compile copies the first's library, and
-    its artifact computes the second checkpoint's logits as transformers does."""
-    options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=False)
-    artifacts = []
+def test_a_checkpoint_of_the_same_architecture_reuses_the_library_and_matches_transformers(cache, tmp_path,
+                                                                                           capsys):
+    """Two tiny llamas of the same config and other weights: the second compile copies the first's library, says
+    so under its "generating code" stage, and its artifact computes the second checkpoint's logits as transformers
+    does."""
+    options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=True)
+    artifacts, shown = [], []
     for seed in (1, 2):
         checkpoint, artifact = tmp_path / f"llama-{seed}", tmp_path / f"artifact-{seed}"
         models.write_checkpoint("llama", checkpoint, seed=seed)
         compile_model(checkpoint, artifact, options)
         artifacts.append(TinyModel("llama", checkpoint, artifact))
+        shown.append(capsys.readouterr().err)
     assert len(cache.generated) == 1
+    copied = "\n          copied the library built before from an equal module"
+    assert copied not in shown[0] and copied in shown[1], shown[1]
     second = artifacts[1]
     assert (second.artifact_dir / "model.so").read_bytes() == (artifacts[0].artifact_dir / "model.so").read_bytes()
     ids = prompt_ids(24, seed=5)

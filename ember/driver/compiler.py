@@ -151,7 +151,7 @@ class _Build:
     types_as_stored: bool
     tuning: TuningDatabase | None
     quantization: QuantFormat
-    stage: Callable[[str], None]
+    stage: Callable[..., None]
 
     def artifact(self, mod: tvm.IRModule, staging: Path, dump_ir: Path | None,
                  pipeline_stage: dict[str, Any] | None = None) -> tuple:
@@ -199,7 +199,8 @@ class _Build:
         _add_param_types(lowered, param_types)
         staging.mkdir(exist_ok=True)
         if build_library(lowered, target, staging / LIBRARY_NAME):
-            stage("reused the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)")
+            stage("copied the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)",
+                  detail=True)
         params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
         write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
@@ -337,12 +338,14 @@ def _kv_bytes_per_token(config: ModelConfig, model_dtype: str, kv_quant: str | N
             * tvm.runtime.DataType(model_dtype).bits // 8)
 
 
-def _stage_printer(show: bool, start: float) -> Callable[[str], None]:
-    """Announces each stage of a compile on stderr with the seconds since it began (logged under `-v` if not shown)."""
+def _stage_printer(show: bool, start: float) -> Callable[..., None]:
+    """Announces each stage of a compile on stderr with the seconds since it began (logged under `-v` if not shown);
+    with `detail=True`, a line about the stage announced last, indented under it."""
 
-    def stage(what: str) -> None:
+    def stage(what: str, detail: bool = False) -> None:
         if show:
-            print(f"[{time.perf_counter() - start:5.1f} s] {what}", file=sys.stderr, flush=True)
+            print(f"{'':10}{what}" if detail else f"[{time.perf_counter() - start:5.1f} s] {what}", file=sys.stderr,
+                  flush=True)
         else:
             log.info("%s", what)
 
