@@ -262,13 +262,31 @@ def _signals_interrupt() -> Iterator[None]:
 @contextmanager
 def _signals_blocked() -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP until the block ends (they are then delivered), so the steps of a replace
-    are not cut apart by this process's own clean-up."""
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    are not cut apart by this process's own clean-up.
+
+    Masking them is not enough: a signal sent to the process may land on another of its threads (TVM's, a
+    library's), and Python then runs the handler in the main thread at once. So in the main thread the handlers
+    are also swapped for one that notes the signal, which is raised again once the block ends."""
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        return
+    noted: list[int] = []
+    # A handler installed outside Python reads as None and cannot be put back: those signals keep only the mask.
+    previous = {signum: signal.signal(signum, lambda signum, _frame: noted.append(signum)) for signum in held
+                if signal.getsignal(signum) is not None}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        if noted:
+            signal.raise_signal(noted[0])
 
 
 def _read_marker(holder: Path) -> dict | None:
