@@ -45,6 +45,11 @@ KEPT_BUILDER_MODULES = ("ember.", "tvm.")
 _VERSIONS = ("ember", "apache-tvm", "apache-tvm-ffi")
 
 
+def tool_versions() -> str:
+    """The installed versions of ember, TVM and tvm-ffi, for a cache key: what they build changes with them."""
+    return "".join(f"{name}=={importlib.metadata.version(name)}\0" for name in _VERSIONS)
+
+
 def enabled() -> bool:
     return os.environ.get("EMBER_KERNEL_CACHE", "1") != "0"
 
@@ -116,8 +121,7 @@ def _sources_digest() -> str:
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:
                 digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes() + b"\0")
-    for name in _VERSIONS:
-        digest.update(f"{name}=={importlib.metadata.version(name)}\0".encode())
+    digest.update(tool_versions().encode())
     return digest.hexdigest()[:32]
 
 

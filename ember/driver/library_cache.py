@@ -20,7 +20,6 @@ or the middle stages of a `--pipeline-stages` split build the same library.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ import tvm_ffi
 from tvm_ffi.serialization import from_json_graph_str, to_json_graph_str
 
 from ember.core.machine import cache_dir
+from ember.ir import kernel_store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ KEPT_BYTES = 2 * 2**30
 LIBRARY_FILE = "library"
 MODULE_FILE = "module.json"
 DIGEST_FILE = "library.sha256"
-_VERSIONS = ("ember", "apache-tvm", "apache-tvm-ffi")
 
 
 def enabled() -> bool:
@@ -62,18 +61,14 @@ def build_once(mod: tvm.IRModule, recipe: str, path: Path, build: Callable[[Path
 
 
 def _entry(mod: tvm.IRModule, recipe: str) -> Path:
-    digest = hashlib.sha256(f"{tvm_ffi.structural_hash(mod)}\0{recipe}\0".encode())
-    for name in _VERSIONS:
-        digest.update(f"{name}=={importlib.metadata.version(name)}\0".encode())
+    digest = hashlib.sha256(f"{tvm_ffi.structural_hash(mod)}\0{recipe}\0{kernel_store.tool_versions()}".encode())
     return cache_dir() / "libraries" / digest.hexdigest()[:32]
 
 
 def _matches(entry: Path, mod: tvm.IRModule) -> bool:
     try:
         stored = from_json_graph_str((entry / MODULE_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return False
-    except Exception:  # damaged or of another TVM: built again and replaced
+    except Exception:  # absent, damaged or of another TVM: built (again) and stored
         return False
     return (entry / DIGEST_FILE).is_file() and tvm_ffi.structural_equal(stored, mod)
 
