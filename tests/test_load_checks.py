@@ -242,17 +242,23 @@ def test_swapped_weights_are_refused_at_load(tiny_llama, copy_artifact, wider_ll
     ("qwen2", "its prefill function takes 'model.layers.0.self_attn.q_proj.bias' as argument 6 where the manifest "
               "has 'model.layers.0.self_attn.o_proj.weight'"),
     ("llama-q8f32", "its prefill function takes 'model.embed_tokens.weight.packed' as argument 3"),
-    ("wider", "built for weight 'model.layers.0.mlp.gate_up_proj.weight' of float32 [6, 64, 32], the manifest has "
-              "float32 [8, 64, 32]"),
+    ("wider", "built for weight 'model.layers.0.mlp.gate_up_proj.weight' of float32 {donor}, the manifest has "
+              "float32 {own}"),
 ])
 def test_swapped_library_is_refused_at_load(request, tiny_models, tiny_llama, copy_artifact, donor, expected):
     """Another model's library, resealed into the manifest, is refused by `ember generate` in one line naming
     model.so and what differs: qwen2's (biases, tied embeddings) and the q8f32 llama's (packed weights) take other
-    weights; a wider llama's takes the same weight names in other shapes."""
+    weights; a wider llama's takes the same weight names in other shapes (blocked by the target's vector width, so
+    read from both manifests: [8, 64, 32] against [6, 64, 32] with AVX-512, [16, 64, 16] against [12, 64, 16] with
+    AVX2)."""
     artifact = copy_artifact(tiny_llama)
     other = {"qwen2": lambda: tiny_models["qwen2"].artifact_dir,
              "llama-q8f32": lambda: tiny_models.quantized("llama", "q8f32").artifact_dir,
              "wider": lambda: request.getfixturevalue("wider_llama")}[donor]()
+    if donor == "wider":
+        weight = "model.layers.0.mlp.gate_up_proj.weight"
+        expected = expected.format(donor=read_manifest(other).param_types[weight]["shape"],
+                                   own=read_manifest(artifact).param_types[weight]["shape"])
     resealed_with(artifact, other, "model.so")
     result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
     assert_one_line_error(result, f"{artifact}/model.so: {expected}", "the library is not this artifact's")
