@@ -3,6 +3,7 @@ that library, copied; any other module, target or a damaged entry is generated. 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from tvm.script import tirx as T
 
 from ember.driver import codegen, library_cache
 from ember.driver.compiler import CompileOptions, compile_model
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir_passes.pipeline import dataflow_lower_passes, finalize_passes
 from ember.runtime.artifact import load_library
 from ember.targets.registry import resolve_target
@@ -45,6 +47,33 @@ def scaled(factor: float, target=HOST) -> tvm.IRModule:
 
     with target.target:
         return tvm.transform.Sequential([*dataflow_lower_passes(target), *finalize_passes(target)])(Module)
+
+
+def shifted_and_scaled(shift: float, factor: float) -> tvm.IRModule:
+    """A module whose `main` returns (x + `shift`) * `factor`: the kernel `shift` is of a family (its
+    KERNEL_SOURCE_ATTR), `scale` of none."""
+    @I.ir_module
+    class Module:
+        @T.prim_func
+        def shift(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):  # noqa: N805 (TVMScript)
+            T.func_attr({KERNEL_SOURCE_ATTR: "a family"})
+            for i in range(4):
+                y[i] = x[i] + T.float32(shift)
+
+        @T.prim_func
+        def scale(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):  # noqa: N805 (TVMScript)
+            for i in range(4):
+                y[i] = x[i] * T.float32(factor)
+
+        @R.function
+        def main(x: R.Tensor((4,), "float32")) -> R.Tensor((4,), "float32"):  # noqa: N805 (TVMScript)
+            cls = Module
+            y = R.call_tir(cls.shift, (x,), R.Tensor((4,), "float32"))
+            z = R.call_tir(cls.scale, (y,), R.Tensor((4,), "float32"))
+            return z
+
+    with HOST.target:
+        return tvm.transform.Sequential([*dataflow_lower_passes(HOST), *finalize_passes(HOST)])(Module)
 
 
 def computes(library: Path) -> list[float]:
@@ -137,12 +166,32 @@ def test_the_least_recently_used_go_beyond_the_size_kept(cache, monkeypatch):
     assert codegen.build_library(scaled(3.0), HOST, cache.dir / "three-again.so") is True
 
 
+def test_a_family_of_kernels_is_built_once_and_linked_from_its_object(cache, monkeypatch):
+    """The kernels of one family are built as an object of their own and kept: a module that has the same family
+    and other kernels besides builds only the others and links the family's object copied from the cache; another
+    family is built. Each library computes its own module."""
+    built, build = [], tvm.tirx.build
+
+    def recorded(mod, *args, **kwargs):
+        built.append(sorted(gv.name_hint for gv in mod.get_global_vars()))
+        return build(mod, *args, **kwargs)
+
+    monkeypatch.setattr(tvm.tirx, "build", recorded)
+    for name, shift, factor in (("first", 1.0, 2.0), ("second", 1.0, 3.0), ("third", 2.0, 3.0)):
+        assert codegen.build_library(shifted_and_scaled(shift, factor), HOST, cache.dir / f"{name}.so") is False
+    assert built == [["shift"], ["scale"], ["scale"], ["shift"], ["scale"]]
+    assert computes(cache.dir / "first.so") == [2.0, 4.0, 6.0, 8.0]
+    assert computes(cache.dir / "second.so") == [3.0, 6.0, 9.0, 12.0]
+    assert computes(cache.dir / "third.so") == [6.0, 9.0, 12.0, 15.0]
+
+
 @pytest.mark.slow
-def test_a_checkpoint_of_the_same_architecture_reuses_the_library_and_matches_transformers(cache, tmp_path,
-                                                                                           capsys):
+def test_a_checkpoint_of_the_same_architecture_reuses_the_library_and_matches_transformers(cache, tmp_path, capsys,
+                                                                                           monkeypatch):
     """Two tiny llamas of the same config and other weights: the second compile copies the first's library, says
     so under its "generating code" stage, and its artifact computes the second checkpoint's logits as transformers
-    does."""
+    does. The second compiled again in q4f32 generates a library of its own, which links the attention kernels'
+    object copied from the cache, and computes the quantized weights' logits as transformers does."""
     options = CompileOptions(prefill_chunk=PREFILL_CHUNK, max_batch=MAX_BATCH, show_progress=True)
     artifacts, shown = [], []
     for seed in (1, 2):
@@ -160,4 +209,21 @@ def test_a_checkpoint_of_the_same_architecture_reuses_the_library_and_matches_tr
     engine = second.engine()
     logits = engine.prefill(engine.add_sequence(), ids, all_logits=True)
     assert_logits_close(logits, second.reference_logits(ids), "llama with a reused library")
+
+    copied, build_once = [], library_cache.build_once
+
+    def recorded(mod, *args):
+        copied.append((sorted(gv.name_hint for gv in mod.get_global_vars()), build_once(mod, *args)))
+        return copied[-1][1]
+
+    monkeypatch.setattr(library_cache, "build_once", recorded)
+    quantized = TinyModel("llama", second.model_dir, tmp_path / "artifact-q4f32", quantization="q4f32")
+    compile_model(quantized.model_dir, quantized.artifact_dir,
+                  dataclasses.replace(options, quantization="q4f32", float_activations=True, show_progress=False))
+    *families, (_, library_copied) = copied  # the library's call returns after its families'
+    assert len(cache.generated) == 2 and not library_copied
+    assert [was_copied for names, was_copied in families if "batch_prefill_paged_kv_cpu" in names] == [True]
+    engine = quantized.engine()
+    logits = engine.prefill(engine.add_sequence(), ids, all_logits=True)
+    assert_logits_close(logits, quantized.reference_logits(ids), "q4f32 llama with the attention kernels reused")
     shutil.rmtree(cache.root)

@@ -5,7 +5,8 @@ llama's 5.9 s (q4f32, this host's target). What it builds depends on the lowered
 the weights' values: a checkpoint fine-tuned from another, the same model compiled again into another directory,
 or the middle stages of a `--pipeline-stages` split build the same library.
 
-- An entry is a library and the module it was built from (TVM's JSON). Its directory is named by the digest of
+- An entry is a library and the module it was built from (TVM's JSON); `codegen` keeps the objects of its
+  families of kernels the same way, each with the module of that family's kernels. Its directory is named by the digest of
   the module's structural hash and everything else that shapes the library: the code generator's recipe (target,
   linker, nvcc's version) and the versions of ember, TVM and tvm-ffi.
 - A hash is not proof: an entry is used only for a module structurally equal to the one it stores, and its
