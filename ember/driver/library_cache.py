@@ -6,9 +6,9 @@ the weights' values: a checkpoint fine-tuned from another, the same model compil
 or the middle stages of a `--pipeline-stages` split build the same library.
 
 - An entry is a library and the module it was built from (TVM's JSON); `codegen` keeps the objects of its
-  families of kernels the same way, each with the module of that family's kernels. Its directory is named by the digest of
-  the module's structural hash and everything else that shapes the library: the code generator's recipe (target,
-  linker, nvcc's version) and the versions of ember, TVM and tvm-ffi.
+  families of kernels the same way, each with the module of that family's kernels. Its directory is named by the
+  digest of the module's structural hash and everything else that shapes the library: the code generator's recipe
+  (target, linker, nvcc's version) and the versions of ember, TVM and tvm-ffi.
 - A hash is not proof: an entry is used only for a module structurally equal to the one it stores, and its
   library only with the sha256 recorded beside it; an entry that does not load, holds another module or a changed
   library is built again and replaced.
