@@ -66,6 +66,7 @@ def validation_windows(demo_engine) -> list[list[int]]:
     return scoring_windows(ids, tokenizer.bos_token_id, 256)
 
 
+@pytest.mark.slow
 def test_demo_perplexity_matches_transformers(demo_engine, reference, validation_windows) -> None:
     """ember's perplexity on validation.txt is transformers' (and the 62.112 of DATA_SOURCE.md)."""
     _, model = reference

@@ -162,6 +162,7 @@ def test_bench_refuses_a_key_without_devices_in_bounded_time(farm, tiny_models):
                           f"keys registered: {KEY}", "python -m ember.runtime.rpc_device")
 
 
+@pytest.mark.slow
 def test_unreachable_tracker_names_the_address(tiny_models):
     address = f"127.0.0.1:{free_port()}"
     result = run_ember("bench", str(tiny_models["llama"].artifact_dir), "--rpc-tracker", address,

@@ -127,6 +127,7 @@ def test_weight_values_are_exact_float32_steps():
     assert np.all((norm > 0.8) & (norm < 1.2))
 
 
+@pytest.mark.slow
 def test_dry_run_does_the_gpu_half_up_to_the_first_cuda_call(bundle, tmp_path):
     """TVM's runtime without the compiler imports in a fresh process, the weights regenerate and convert, every
     artifact file matches its manifest, and the plan of checks is printed and written."""
@@ -144,6 +145,7 @@ def test_dry_run_does_the_gpu_half_up_to_the_first_cuda_call(bundle, tmp_path):
     assert "every file matches its manifest" in (tmp_path / "out" / "gpu-check.log").read_text()
 
 
+@pytest.mark.slow
 def test_dry_run_refuses_a_checkpoint_that_hashes_differently(bundle, tmp_path):
     """A generator that draws other values (here, another seed in the spec) is refused before anything runs."""
     bundle_dir, _ = bundle

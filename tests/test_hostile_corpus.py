@@ -547,6 +547,7 @@ def test_artifact_files(artifact, damage, entries, reseal):
 
 # --- tuning databases (meta_schedule's JSON tables, parsed by TVM's C++) --------------------------------
 
+@pytest.mark.slow
 @settings(max_examples=25, **SETTINGS)
 @given(fingerprint=st.sampled_from(["here", "other", "junk", "missing"]) | JSON_VALUES.map(json.dumps),
        records=st.lists(st.sampled_from(['[0, [[[1, 2', '["x"]', "[0, 1, 2]", "{}", '[0, [["a", 1]]]', "\x00\xff",
@@ -837,6 +838,7 @@ def damaged_gguf(root: Path, case) -> Path:
     return path
 
 
+@pytest.mark.slow
 @settings(max_examples=120, **SETTINGS)
 @given(case=gguf_cases())
 def test_gguf_files(case):
@@ -991,6 +993,7 @@ def test_analyze_options(worker, checkpoint, artifact, model, hardware, measure,
     outcome("cli analyze", worker.run(argv))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, **SETTINGS)
 @given(command=st.sampled_from(["inspect", "inspect --json", "tune", "compile"]),
        where=st.sampled_from(["artifact", "file", "missing", "directory", "fifo", "dev_null", "manifest_dir"]),

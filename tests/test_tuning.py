@@ -80,6 +80,7 @@ def tuned_db(tmp_path_factory, target):
     return path
 
 
+@pytest.mark.slow
 def test_database_round_trips(tuned_db, target):
     database = TuningDatabase.for_compiling(tuned_db)
     func = nt_matmul()
@@ -122,6 +123,7 @@ def test_tuned_and_rule_kernels_agree(target, knobs):
     assert space_size(func, target) >= 4 * 4
 
 
+@pytest.mark.slow
 def test_other_machines_database_is_ignored(tuned_db, tmp_path, caplog):
     other = tmp_path / "other"
     other.mkdir()
@@ -188,6 +190,7 @@ def test_tune_refuses_a_missing_model_and_writes_no_database(tmp_path):
     assert not db.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(resolve_target("cpu").arch != "x86_64", reason="the targets compared are x86 CPUs")
 def test_tune_takes_a_target_whose_extensions_this_cpu_has(tmp_path, monkeypatch):
     """`ember tune` measures here: it takes a --target of this CPU's architecture whose extensions this CPU has (an
@@ -471,6 +474,7 @@ def test_tune_searches_the_int8_matmuls_of_a_q4f32_model(tiny_models, tmp_path):
     assert len(records) in (2, 3)  # and the rule's own knobs, where the other tuple measured faster
 
 
+@pytest.mark.slow
 def test_compiling_reads_a_database_without_writing_it(tuned_db, tmp_path):
     """A torn last line (a killed job's) is skipped in memory, not cut on disk: compiling only reads."""
     db = tmp_path / "db"

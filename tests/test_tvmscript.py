@@ -163,6 +163,7 @@ def test_a_cache_directory_that_cannot_be_made_leaves_kernels_parsed(tmp_path, m
         kernel_store._source_tree.cache_clear()
 
 
+@pytest.mark.slow
 def test_another_process_loads_the_kernels_of_a_kv_cache_and_old_source_trees_go(store):
     """A second process's `parsed_once` builders (TVM's KV cache kernels, ember's int8 matmul) load every kernel the
     first one parsed, none parsed again, equal to the first's; only the newest source trees are kept."""
