@@ -23,9 +23,9 @@ A library built before from an equal module, for the same target, is copied inst
 Below that, on a CPU, each family of kernels ember takes whole from one writer (the functions of one
 `KERNEL_SOURCE_ATTR`: the paged KV cache's attention, rope and copies, the int8 matmuls) is built as an object of
 its own and kept in the same cache, and the library links those objects with the rest of the module. A family
-depends on the attention's or the projections' shapes only, so another quantization of the same model, a
-checkpoint of the same architecture or another `--max-batch` takes the objects built before: the tiny test
-llama's two prefill attention kernels are 2.4 s of its 5 s of code generation.
+depends on the attention's or the projections' shapes only, so another quantization of the same model or a
+checkpoint of the same attention shape takes the objects built before: the tiny test llama's two prefill
+attention kernels are 2.4 s of its 5 s of code generation.
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ def _generate(mod: tvm.IRModule, target: TargetSpec, linker: str | None, path: P
 
 def _executable_with_family_objects(mod: tvm.IRModule, target: TargetSpec, linker: str | None,
                                     objects: Path) -> tvm.runtime.Executable:
-    """What `tvm.compile(mod, target, relax_pipeline=None)` returns (`relax.build`'s code generation and link, step
-    by step), with each family of kernels built as an object of its own in `objects`, or copied from
-    `library_cache`, and linked in as a static library."""
+    """What `tvm.compile(mod, target, relax_pipeline=None)` returns, with each family of kernels built as an object of
+    its own in `objects` (or copied from `library_cache`) and linked in as a static library.
+
+    The steps are `relax.build`'s after its pipeline, through its own helpers in `tvm.relax.vm_build` (private, and
+    TVM is pinned): the VM's code generation, the kernels split off it, and the link of kernels and VM."""
     builder = relax.ExecBuilder()
     kernels = vm_build._filter_tir(vm_build._vmcodegen(builder, mod, "bytecode"))
     families, rest = defaultdict(dict), {}
@@ -93,17 +95,19 @@ def _executable_with_family_objects(mod: tvm.IRModule, target: TargetSpec, linke
         (families[str(source)] if source is not None else rest)[gv] = func
     attrs = dict(mod.attrs) if mod.attrs else {}
     statics = list(attrs.get("external_mods", []))
-    recipe = _recipe(target, linker) + "\0object of one family of kernels"
     for number, (_, functions) in enumerate(sorted(families.items())):
-        family = tvm.IRModule(functions)
-        objects_file = objects / f"family{number}.o"
-        library_cache.build_once(family, recipe, objects_file,
-                                 lambda dest, family=family: tvm.tirx.build(family, target.target).write_to_file(
-                                     str(dest)))
-        statics.append(tvm.runtime.load_static_library(str(objects_file), [gv.name_hint for gv in functions]))
+        statics.append(_family_object(tvm.IRModule(functions), target, linker, objects / f"family{number}.o"))
     rest_module = tvm.IRModule(rest, attrs=kernels.attrs) if rest else None
     return vm_build._vmlink(builder, target.target, rest_module, "default", statics,
                             dict(attrs.get("const_name_to_constant", {})))
+
+
+def _family_object(family: tvm.IRModule, target: TargetSpec, linker: str | None, path: Path) -> tvm.runtime.Module:
+    """The object of one family's kernels at `path` (built, or copied from `library_cache`), as a static library."""
+    recipe = _recipe(target, linker) + "\0object of one family of kernels"
+    library_cache.build_once(family, recipe, path,
+                             lambda dest: tvm.tirx.build(family, target.target).write_to_file(str(dest)))
+    return tvm.runtime.load_static_library(str(path), [gv.name_hint for gv in family.get_global_vars()])
 
 
 def _recipe(target: TargetSpec, linker: str | None) -> str:
