@@ -95,16 +95,17 @@ def _executable_with_family_objects(mod: tvm.IRModule, target: TargetSpec, linke
         (families[str(source)] if source is not None else rest)[gv] = func
     attrs = dict(mod.attrs) if mod.attrs else {}
     statics = list(attrs.get("external_mods", []))
+    recipe = _recipe(target, linker) + "\0object of one family of kernels"
     for number, (_, functions) in enumerate(sorted(families.items())):
-        statics.append(_family_object(tvm.IRModule(functions), target, linker, objects / f"family{number}.o"))
+        statics.append(_family_object(tvm.IRModule(functions), target, recipe, objects / f"family{number}.o"))
     rest_module = tvm.IRModule(rest, attrs=kernels.attrs) if rest else None
     return vm_build._vmlink(builder, target.target, rest_module, "default", statics,
                             dict(attrs.get("const_name_to_constant", {})))
 
 
-def _family_object(family: tvm.IRModule, target: TargetSpec, linker: str | None, path: Path) -> tvm.runtime.Module:
-    """The object of one family's kernels at `path` (built, or copied from `library_cache`), as a static library."""
-    recipe = _recipe(target, linker) + "\0object of one family of kernels"
+def _family_object(family: tvm.IRModule, target: TargetSpec, recipe: str, path: Path) -> tvm.runtime.Module:
+    """The object of one family's kernels at `path` (built, or copied from `library_cache` under `recipe`), as a
+    static library."""
     library_cache.build_once(family, recipe, path,
                              lambda dest: tvm.tirx.build(family, target.target).write_to_file(str(dest)))
     return tvm.runtime.load_static_library(str(path), [gv.name_hint for gv in family.get_global_vars()])
