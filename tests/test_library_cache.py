@@ -31,7 +31,7 @@ HASWELL = resolve_target('{"kind": "llvm", "mcpu": "haswell"}')
 
 
 def scaled(factor: float, target=HOST) -> tvm.IRModule:
-    """A module whose `main` returns x * `factor` for x of 4 floats, lowered to what the Relax VM runs."""
+    """A module whose `main` returns x * `factor` for x of 4 floats, lowered (`lowered`)."""
     @I.ir_module
     class Module:
         @T.prim_func
@@ -45,8 +45,7 @@ def scaled(factor: float, target=HOST) -> tvm.IRModule:
             y = R.call_tir(cls.scale, (x,), R.Tensor((4,), "float32"))
             return y
 
-    with target.target:
-        return tvm.transform.Sequential([*dataflow_lower_passes(target), *finalize_passes(target)])(Module)
+    return lowered(Module, target)
 
 
 def shifted_and_scaled(shift: float, factor: float) -> tvm.IRModule:
@@ -72,8 +71,13 @@ def shifted_and_scaled(shift: float, factor: float) -> tvm.IRModule:
             z = R.call_tir(cls.scale, (y,), R.Tensor((4,), "float32"))
             return z
 
-    with HOST.target:
-        return tvm.transform.Sequential([*dataflow_lower_passes(HOST), *finalize_passes(HOST)])(Module)
+    return lowered(Module, HOST)
+
+
+def lowered(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """`mod` lowered for `target` to what the Relax VM runs, as the compiler lowers a model."""
+    with target.target:
+        return tvm.transform.Sequential([*dataflow_lower_passes(target), *finalize_passes(target)])(mod)
 
 
 def computes(library: Path) -> list[float]:
