@@ -188,33 +188,19 @@ def rule_knobs(func: tirx.PrimFunc, target: TargetSpec) -> list[int]:
     return [default for _candidates, default in _knob_choices(func, target)]
 
 
-BUILD_FUNCTION = "ember.tuning.build"
-EXPORT_FUNCTION = "ember.tuning.export"
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, linker: str | None) -> str:
+    """Runs in the tuning builder's worker: builds a candidate and writes it as a shared library linked by `linker`
+    (None: the host's compiler); its path.
 
-
-def register_build_function(linker: str | None = None) -> None:
-    """Runs in each of meta_schedule's build workers: registers `BUILD_FUNCTION`, and `EXPORT_FUNCTION`,
-    which writes a shared library linked by `linker` (None: the host's compiler).
-
-    meta_schedule's default build function first imports its tensor intrinsics (parsing
-    hundreds of TVMScript functions, ~20 s on 2 busy cores), and the builder starts fresh
-    workers for every batch; ember's kernels use no tensor intrinsics. Its default export
-    writes a tar of object files, which the machine running them must link: a device of the
-    farm may have no compiler, so kernels measured over RPC go as a library linked here.
-    """
-
+    meta_schedule's default build function first imports its tensor intrinsics (hundreds of TVMScript functions,
+    seconds to parse), which ember's kernels do not use. Its default export writes a tar of object files, which
+    the machine running them must link: a device of a farm may have no compiler, so a candidate goes as a library
+    linked here."""
     from tvm.driver import build as tvm_build  # what meta_schedule's default build calls, minus the import
 
-    def build(mod: tvm.IRModule, target: tvm.target.Target, _params: object) -> tvm.runtime.Module:
-        return tvm_build(mod, target=target)
-
-    def export(mod: tvm.runtime.Module) -> str:
-        path = os.path.join(tempfile.mkdtemp(prefix="ember-kernel-"), "kernel.so")
-        mod.export_library(path, **({"cc": linker} if linker else {}))
-        return path
-
-    tvm.register_global_func(BUILD_FUNCTION, build, override=True)
-    tvm.register_global_func(EXPORT_FUNCTION, export, override=True)
+    path = os.path.join(tempfile.mkdtemp(prefix="ember-kernel-"), "kernel.so")
+    tvm_build(mod, target=target).export_library(path, **({"cc": linker} if linker else {}))
+    return path
 
 
 # Loads a built kernel library where it is to run: its module and the device it runs on.

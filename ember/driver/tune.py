@@ -9,8 +9,9 @@ times a roofline-shaped cost at its tuning shape (the larger of its FLOPs and
 schedule has knobs, `schedules/tuning.py`: the float matmuls, the int8 dot-product
 matmuls and, on an AMX target, prefill's AMX matmuls) share the trial budget in proportion to their weight.
 
-Tuning runs in rounds of a few trials with meta_schedule's local builder and runner
-(one build worker, long timeouts: LLVM is slow on small machines), which append
+Tuning runs in rounds of a few trials, built by one worker process kept for the job
+(`candidate_builder`) and timed by meta_schedule's runner, with long timeouts (LLVM is
+slow on small machines); they append
 every `TRIALS_PER_COMMIT` measurements to the database. Each round starts from the
 trials already on disk, so rerunning a killed job continues it, and no new round
 starts after `--budget` minutes. An int8 matmul's few knob tuples are built and timed
@@ -59,6 +60,7 @@ from tvm.s_tir import meta_schedule as ms
 from ember.core.errors import ArtifactError, FarmError, TuningError
 from ember.core.machine import cpu_fingerprint, host_cpu_flags
 from ember.core.manifest import MANIFEST_NAME, read_manifest
+from ember.driver.candidate_builder import CandidateBuilder
 from ember.driver.codegen import cross_linker
 from ember.driver.compiler import check_sizes
 from ember.driver.farm import Farm, runner_arguments, runner_session
@@ -70,8 +72,6 @@ from ember.ir_passes import pipeline
 from ember.runtime.amx import AMX_FLAGS, needs_amx, request_amx_permission
 from ember.runtime.device import use_cpu_threads
 from ember.schedules.tuning import (
-    BUILD_FUNCTION,
-    EXPORT_FUNCTION,
     Comparison,
     KernelLoader,
     compare,
@@ -81,7 +81,6 @@ from ember.schedules.tuning import (
     load_here,
     matmul_built_as,
     record_knobs,
-    register_build_function,
     schedule_with,
     space_size,
     timed_rows,
@@ -172,12 +171,10 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
                 request_amx_permission("ember tune")
             except ArtifactError as err:
                 raise TuningError(f"--target {options.target}: {err}") from None
-        measurer = Measurer.here()
     else:
         cross_linker(target)  # a missing cross toolchain is refused before any work
         fingerprint, devices = _devices_fingerprint(options.farm, target, options.target)
         check_for_tuning(options.db, fingerprint)
-        measurer = Measurer.on(options.farm, devices, target)
 
     fmt = FORMATS[quantization]
     imported = model_source.import_model(model, target.target, fmt.dtype, frontend=options.frontend,
@@ -199,21 +196,25 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     total_weight = sum(kernel.weight for kernel in kernels)
     trials_left, weight_left = options.trials, total_weight
     results = []
-    for index, kernel in enumerate(kernels, 1):
-        # A share of what is left, so trials a small search space cannot use go to the next kernels.
-        share = min(trials_left, max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left)))
-        wanted = min(share, space_size(kernel.workload["main"], target))
-        if wanted == 0:
-            break
-        trials_left, weight_left = max(trials_left - wanted, 0), weight_left - kernel.weight
-        _progress(f"[{index}/{len(kernels)}] {kernel.name} ({kernel.phases}, {kernel.calls} calls, "
-                  f"{kernel.weight / total_weight:.0%} of the tuned work): {wanted} trials")
-        done = tune_kernel(kernel, wanted, database, target, deadline, measurer)
-        results.append(_evaluate(kernel, done, database, target, measurer))
-        if time.monotonic() > deadline and index < len(kernels):
-            _progress(f"budget of {options.budget_minutes:g} minutes spent; {len(kernels) - index} kernels left "
-                      "(rerun to continue)")
-            break
+    measurer = Measurer.here() if options.farm is None else Measurer.on(options.farm, devices, target)
+    try:
+        for index, kernel in enumerate(kernels, 1):
+            # A share of what is left, so trials a small search space cannot use go to the next kernels.
+            share = min(trials_left, max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left)))
+            wanted = min(share, space_size(kernel.workload["main"], target))
+            if wanted == 0:
+                break
+            trials_left, weight_left = max(trials_left - wanted, 0), weight_left - kernel.weight
+            _progress(f"[{index}/{len(kernels)}] {kernel.name} ({kernel.phases}, {kernel.calls} calls, "
+                      f"{kernel.weight / total_weight:.0%} of the tuned work): {wanted} trials")
+            done = tune_kernel(kernel, wanted, database, target, deadline, measurer)
+            results.append(_evaluate(kernel, done, database, target, measurer))
+            if time.monotonic() > deadline and index < len(kernels):
+                _progress(f"budget of {options.budget_minutes:g} minutes spent; {len(kernels) - index} kernels "
+                          "left (rerun to continue)")
+                break
+    finally:
+        measurer.close()
     return results
 
 
@@ -239,24 +240,21 @@ class Measurer:
     kernels: Callable[[], contextlib.AbstractContextManager[KernelLoader]]
     serving: Callable[[], str] = lambda: ""
     ready: Callable[[], object] = lambda: None  # raises when there is nothing to measure on (no device left)
+    close: Callable[[], None] = lambda: None  # stops the builder's worker
 
     @classmethod
     def here(cls) -> Measurer:
         """This machine: meta_schedule's local builder and runner."""
-        # One worker, a long timeout: LLVM is slow on small machines.
-        builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=BUILD_SECONDS, f_build=BUILD_FUNCTION,
-                                          initializer=register_build_function)
+        builder = CandidateBuilder(None, BUILD_SECONDS)
         runner = ms.runner.LocalRunner(timeout_sec=RUN_SECONDS, evaluator_config=_EVALUATOR,
                                        initializer=allow_tiles)
-        return cls(builder, runner, lambda: contextlib.nullcontext(load_here))
+        return cls(builder, runner, lambda: contextlib.nullcontext(load_here), close=builder.close)
 
     @classmethod
     def on(cls, farm: Farm, devices: int, target: TargetSpec) -> Measurer:
         """The devices of `farm`: kernels built and linked here for `target`, timed by meta_schedule's RPC runner
         on as many devices at once as are registered now."""
-        builder = ms.builder.LocalBuilder(max_workers=1, timeout_sec=BUILD_SECONDS, f_build=BUILD_FUNCTION,
-                                          f_export=EXPORT_FUNCTION,
-                                          initializer=functools.partial(register_build_function, cross_linker(target)))
+        builder = CandidateBuilder(cross_linker(target), BUILD_SECONDS)
         config = ms.runner.RPCConfig(farm.host, farm.port, farm.key, session_priority=1,
                                      session_timeout_sec=RUN_SECONDS)
         runner = ms.runner.RPCRunner(config, _EVALUATOR, max_workers=devices,
@@ -271,7 +269,7 @@ class Measurer:
             return f" ({count} device{'s' if count != 1 else ''} of {farm.key!r} serving)"
 
         return cls(builder, runner, functools.partial(_kernels_on, farm, cross_linker(target)), serving,
-                   farm.wait_for_devices)
+                   farm.wait_for_devices, builder.close)
 
 
 def allow_tiles() -> None:
@@ -341,7 +339,12 @@ def tune_kernel(kernel: HotKernel, wanted: int, database: TuningDatabase, target
 
     A float matmul's rounds are meta_schedule searches; an int8 matmul's, its next untried knob tuples.
     Timed by `measurer` (default: here)."""
-    measurer = measurer or Measurer.here()
+    if measurer is None:
+        measurer = Measurer.here()
+        try:
+            return tune_kernel(kernel, wanted, database, target, deadline, measurer)
+        finally:
+            measurer.close()
     done = database.trials(kernel.workload)
     enumerated = enumerated_space(kernel.workload["main"], target) is not None
     while done < wanted and time.monotonic() < deadline:
