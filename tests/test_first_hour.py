@@ -3,6 +3,7 @@ out of it, bad model paths refused at once, and `analyze`'s usage saying what it
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -98,6 +99,24 @@ def test_the_cli_runs_without_loading_torch_and_torch_still_works_after(tiny_lla
     result = run_python("-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[-3:] == ["0 False", "[0.0, 1.0, 2.0]", ""], result.stdout
+
+
+def test_commands_that_run_artifacts_load_tvm_without_its_compiler(tiny_llama):
+    """The `ember generate` program (as chat, eval and serve) loads TVM's runtime library alone, not its compiler
+    nor `tvm.relax`, and leaves the environment as it was given (`TVM_USE_RUNTIME_LIB` set only while TVM loads).
+    A program calling `main` with arguments gets all of TVM: a compile may come next (test_hostile_corpus)."""
+    argv = ["generate", str(tiny_llama.artifact_dir), "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"]
+    report = ("import json, tvm.base\n"
+              "print(json.dumps([code, sorted(tvm.base._LOADED_LIBS), 'tvm.relax' in sys.modules,"
+              " os.environ.get('TVM_USE_RUNTIME_LIB')]))")
+    as_program = run_python("-c", f"import os, sys\nfrom ember.cli import main\nsys.argv = {['ember', *argv]!r}\n"
+                                  f"code = main()\n{report}")
+    assert as_program.returncode == 0, as_program.stderr
+    assert json.loads(as_program.stdout.splitlines()[-1]) == [0, ["tvm_runtime"], False, None], as_program.stdout
+    called = run_python("-c", f"import os, sys\nfrom ember.cli import main\ncode = main({argv!r})\n{report}")
+    assert called.returncode == 0, called.stderr
+    code, libraries, relax, variable = json.loads(called.stdout.splitlines()[-1])
+    assert (code, "tvm_compiler" in libraries, relax, variable) == (0, True, True, None), called.stdout
 
 
 def test_the_runtime_loads_no_torch():

@@ -22,6 +22,7 @@ from ember.cli import compile as compile_command
 from ember.cli import eval as eval_command
 from ember.cli.options import EXAMPLES, one_line
 from ember.core.errors import EmberError
+from ember.core.tvm_runtime_only import import_tvm_runtime_only
 from ember.core.without_torch import hide_torch_from_tvm
 
 # In the order `ember --help` lists them.
@@ -37,10 +38,16 @@ COMMANDS: dict[str, ModuleType] = {
     "chat": chat,
     "serve": serve,
 }
+# The commands that only run artifacts: they import TVM without its compiler (`ember.core.tvm_runtime_only`).
+RUNTIME_COMMANDS = frozenset({"generate", "chat", "eval", "serve"})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `ember` console script."""
+    """Entry point of the `ember` console script and `python -m ember`: run one command.
+
+    With `argv` None the arguments are this process's own, and the process is the `ember` program: for
+    `RUNTIME_COMMANDS` it imports TVM without its compiler. A Python program that calls `main` with arguments,
+    one command after another, gets the whole of TVM for each."""
     # First of all: Ctrl-C while options are checked (which imports TVM for a second or so) is one line too.
     interrupted = []
 
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
     try:
         hide_torch_from_tvm()  # before anything imports TVM: compile does directly, option checks through the runtime
+        if argv is None and _runs_artifacts_only(sys.argv[1:]):
+            import_tvm_runtime_only()
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
         return _run(args, interrupted)
@@ -59,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGINT, previous_handler)
+
+
+def _runs_artifacts_only(argv: list[str]) -> bool:
+    """Whether `argv` runs one of `RUNTIME_COMMANDS` (its first word not an option: the global options take no
+    values), and not for its help, which imports no TVM."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    return command in RUNTIME_COMMANDS and not {"-h", "--help"} & set(argv)
 
 
 def _run(args: argparse.Namespace, interrupted: list[bool]) -> int:
