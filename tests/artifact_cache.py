@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -51,8 +52,10 @@ LIBRARIES = ("ember", "apache-tvm", "apache-tvm-ffi", "numpy", "ml_dtypes", "saf
 # Entries kept per artifact name (the newest used): one per source tree a developer switches between.
 KEEP_PER_NAME = 3
 DIGEST_CHARS = 32
-# This session's artifacts by outcome ("reused", "compiled", "damaged"), for the run's summary.
+# This session's artifacts by outcome ("reused", "compiled", "damaged"), and the seconds spent compiling them
+# (COMPILING), for the run's summary.
 TALLY: Counter[str] = Counter()
+COMPILING = "seconds compiling"
 # key -> the environment digest it was made with: `store` refuses a key whose sources changed since (an edit while
 # the artifact compiled, in a tree others edit too).
 _KEY_ENVIRONMENTS: dict[str, str] = {}
@@ -150,7 +153,9 @@ def build(key: str, dest: Path, compile_into: Callable[[Path], object]) -> bool:
     with locked([key]):
         if restore(key, dest):
             return True
+        started = time.monotonic()
         compile_into(dest)
+        TALLY[COMPILING] += time.monotonic() - started
         store(key, dest)
     return False
 
@@ -202,7 +207,8 @@ def summary() -> str | None:
         return None
     state = f"in {CACHE_ROOT}" if enabled() else "off (EMBER_TEST_CACHE=0)"
     counts = ", ".join(f"{TALLY[outcome]} {outcome}" for outcome in ("reused", "compiled", "damaged") if TALLY[outcome])
-    return f"compiled test artifacts: {counts}; cache {state}"
+    compiling = f" in {TALLY[COMPILING]:.0f} s (all workers)" if TALLY["compiled"] else ""
+    return f"compiled test artifacts: {counts}{compiling}; cache {state}"
 
 
 def _prune(name: str) -> None:
