@@ -52,10 +52,10 @@ LIBRARIES = ("ember", "apache-tvm", "apache-tvm-ffi", "numpy", "ml_dtypes", "saf
 # Entries kept per artifact name (the newest used): one per source tree a developer switches between.
 KEEP_PER_NAME = 3
 DIGEST_CHARS = 32
-# This session's artifacts by outcome ("reused", "compiled", "damaged"), and the seconds spent compiling them
-# (COMPILING), for the run's summary.
+# This session's artifacts by outcome ("reused", "compiled", "damaged"), and the seconds spent compiling them, for
+# the run's summary.
 TALLY: Counter[str] = Counter()
-COMPILING = "seconds compiling"
+compile_seconds = 0.0
 # key -> the environment digest it was made with: `store` refuses a key whose sources changed since (an edit while
 # the artifact compiled, in a tree others edit too).
 _KEY_ENVIRONMENTS: dict[str, str] = {}
@@ -150,12 +150,13 @@ def store(key: str, artifact: Path) -> None:
 def build(key: str, dest: Path, compile_into: Callable[[Path], object]) -> bool:
     """`dest` holds the artifact of `key`: restored from the cache, else compiled by `compile_into(dest)` and
     stored. True when it came from the cache."""
+    global compile_seconds
     with locked([key]):
         if restore(key, dest):
             return True
         started = time.monotonic()
         compile_into(dest)
-        TALLY[COMPILING] += time.monotonic() - started
+        compile_seconds += time.monotonic() - started
         store(key, dest)
     return False
 
@@ -207,7 +208,7 @@ def summary() -> str | None:
         return None
     state = f"in {CACHE_ROOT}" if enabled() else "off (EMBER_TEST_CACHE=0)"
     counts = ", ".join(f"{TALLY[outcome]} {outcome}" for outcome in ("reused", "compiled", "damaged") if TALLY[outcome])
-    compiling = f" in {TALLY[COMPILING]:.0f} s (all workers)" if TALLY["compiled"] else ""
+    compiling = f" in {compile_seconds:.0f} s (all workers)" if TALLY["compiled"] else ""
     return f"compiled test artifacts: {counts}{compiling}; cache {state}"
 
 

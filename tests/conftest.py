@@ -523,6 +523,7 @@ def pytest_sessionfinish(session) -> None:
 
     if (output := getattr(session.config, "workeroutput", None)) is not None:
         output["artifact_cache"] = dict(artifact_cache.TALLY)
+        output["artifact_compile_seconds"] = artifact_cache.compile_seconds
         output["hostile"] = [[parser, outcome, count] for (parser, outcome), count in hostile.TALLY.counts.items()]
 
 
@@ -533,6 +534,7 @@ def pytest_testnodedown(node, error) -> None:
 
     output = getattr(node, "workeroutput", {})
     artifact_cache.TALLY.update(output.get("artifact_cache", {}))
+    artifact_cache.compile_seconds += output.get("artifact_compile_seconds", 0.0)
     for parser, outcome, count in output.get("hostile", []):
         hostile.TALLY.counts[parser, outcome] += count
 
