@@ -94,7 +94,8 @@ log = logging.getLogger("ember")
 
 DECODE_STEPS_PER_PREFILL = 128  # a generation writes about as many tokens as one prompt chunk
 FLOPS_PER_BYTE = 8  # a CPU's compute-to-bandwidth balance: below it a kernel is memory-bound
-TRIALS_PER_ROUND = 16  # one meta_schedule run (startup costs ~20 s on 2 cores); the budget is checked between runs
+# Trials of one meta_schedule search, which sets up its task and strategy anew; the budget is checked between them.
+TRIALS_PER_ROUND = 16
 TRIALS_PER_COMMIT = 4  # measured and appended to the database together: what a killed job can lose
 MIN_TRIALS = 4
 
