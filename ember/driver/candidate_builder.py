@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
-from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+from tvm.support.popen_pool import MapResult, PopenPoolExecutor, StatusKind
 
 from ember.schedules.tuning import build_candidate
 
@@ -38,7 +38,7 @@ class CandidateBuilder(ms.builder.PyBuilder):
             lambda job: build_candidate(*job), [(build.mod, build.target, linker) for build in build_inputs])
         return [self._result(outcome) for outcome in outcomes]
 
-    def _result(self, outcome) -> ms.builder.BuilderResult:
+    def _result(self, outcome: MapResult) -> ms.builder.BuilderResult:
         if outcome.status == StatusKind.COMPLETE:
             return ms.builder.BuilderResult(outcome.value, None)
         if outcome.status == StatusKind.TIMEOUT:

@@ -192,13 +192,13 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
         kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:
         raise TuningError(f"{model} at --quant {quantization} has no tunable kernels (matmuls) for this CPU")
-    # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
-    database = TuningDatabase.for_tuning(options.db, fingerprint)
-    total_weight = sum(kernel.weight for kernel in kernels)
-    trials_left, weight_left = options.trials, total_weight
-    results = []
     measurer = Measurer.here() if options.farm is None else Measurer.on(options.farm, devices, target)
     try:
+        # Opened (and created) only once the model is known good: a bad path leaves no empty database behind.
+        database = TuningDatabase.for_tuning(options.db, fingerprint)
+        total_weight = sum(kernel.weight for kernel in kernels)
+        trials_left, weight_left = options.trials, total_weight
+        results = []
         for index, kernel in enumerate(kernels, 1):
             # A share of what is left, so trials a small search space cannot use go to the next kernels.
             share = min(trials_left, max(MIN_TRIALS, round(trials_left * kernel.weight / weight_left)))
