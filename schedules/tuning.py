@@ -8,7 +8,7 @@ prefill, `batch_size` in decode). So the search space here is `NTMatmul` itself 
 its sizes sampled (`MATMUL_KNOBS`: weight rows per tile, k-split width, activation
 rows per tile): a `ScheduleFn` space whose trace is the rule's schedule with
 `SampleCategorical` decisions, searched with meta_schedule's replay-trace strategy,
-built and timed by its local builder and runner, and recorded in its JSONDatabase.
+built by `ember tune`'s candidate builder, timed by meta_schedule's runner, and recorded in its JSONDatabase.
 
 The int8 dot-product matmul (`int8_matmul.py`) is not a schedule of a generic kernel
 but a PrimFunc written from its knobs (register tile, row blocks, word loop unrolled),

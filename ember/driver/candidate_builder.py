@@ -4,8 +4,8 @@ meta_schedule's `LocalBuilder` starts a new worker process for every batch of ca
 restarts it to bound a memory leak of its workers), and one more when it is made, to check that its build
 function exists. Each start imports TVM (with the torch it loads beside it where torch is installed) and
 ember's schedules, which costs more than building one of ember's rounds of four candidates on a small
-machine. This builder keeps its worker for the job, replaces it after `BUILDS_PER_WORKER` builds (the same
-bound on a leak), and TVM's pool replaces a worker that a build kills or that outlives the timeout.
+machine. This builder keeps its worker for the job and replaces it after `BUILDS_PER_WORKER` builds, which
+bounds what a leak can hold; TVM's pool replaces a worker that a build kills or that outlives the timeout.
 
 A candidate is built in the worker, never here: a kernel that crashes LLVM or hangs fails that trial only.
 """

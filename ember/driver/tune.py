@@ -233,7 +233,7 @@ def _runs_here(target: TargetSpec) -> bool:
 
 @dataclass
 class Measurer:
-    """Where kernels are timed: meta_schedule's builder and runner, how a kernel library is run for the
+    """Where kernels are built and timed (a meta_schedule builder and runner), how a kernel library is run for the
     check against the rule, and how many devices serve (for the progress lines)."""
 
     builder: ms.builder.Builder
@@ -245,7 +245,7 @@ class Measurer:
 
     @classmethod
     def here(cls) -> Measurer:
-        """This machine: meta_schedule's local builder and runner."""
+        """This machine: ember's candidate builder and meta_schedule's local runner."""
         builder = CandidateBuilder(None, BUILD_SECONDS)
         runner = ms.runner.LocalRunner(timeout_sec=RUN_SECONDS, evaluator_config=_EVALUATOR,
                                        initializer=allow_tiles)
