@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import tvm
-from bench_amx_kernel import case_parser, cases, median_ms
+from ember.core.without_torch import hide_torch_from_tvm
 
-from ember.runtime import amx
-from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
-from ember.targets.registry import resolve_target
+hide_torch_from_tvm()  # before TVM is imported: the kernels are built and timed without the torch it would load
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from bench_amx_kernel import case_parser, cases, median_ms  # noqa: E402
+
+from ember.runtime import amx  # noqa: E402
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul  # noqa: E402
+from ember.targets.registry import resolve_target  # noqa: E402
 
 
 def kernels(fmt, n: int, k: int, target) -> dict[str, tvm.runtime.Module]:

@@ -21,13 +21,17 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import tvm
+from ember.core.without_torch import hide_torch_from_tvm
 
-from ember.ir.quant_formats import FORMATS, INTERLEAVED
-from ember.runtime import amx
-from ember.schedules import amx_matmul, int8_matmul
-from ember.targets.registry import resolve_target
+hide_torch_from_tvm()  # before TVM is imported: the kernels are built and timed without the torch it would load
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+
+from ember.ir.quant_formats import FORMATS, INTERLEAVED  # noqa: E402
+from ember.runtime import amx  # noqa: E402
+from ember.schedules import amx_matmul, int8_matmul  # noqa: E402
+from ember.targets.registry import resolve_target  # noqa: E402
 
 SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]  # (n, k): the 1B Llama's o-projection, gate/up, down
 AMX_TARGET = '{"kind": "llvm", "mcpu": "sapphirerapids"}'

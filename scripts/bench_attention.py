@@ -27,12 +27,16 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import tvm
+from ember.core.without_torch import hide_torch_from_tvm
 
-from ember.core.errors import EmberError
-from ember.schedules import prefill_attention
-from ember.targets.registry import TargetSpec, resolve_target
+hide_torch_from_tvm()  # before TVM is imported: the kernels are built and timed without the torch it would load
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+
+from ember.core.errors import EmberError  # noqa: E402
+from ember.schedules import prefill_attention  # noqa: E402
+from ember.targets.registry import TargetSpec, resolve_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu  # noqa: E402

@@ -26,14 +26,18 @@ import os
 import statistics
 from pathlib import Path
 
-import numpy as np
-import tvm
-from tvm import te, tirx
+from ember.core.without_torch import hide_torch_from_tvm
 
-from ember.ir.quant_formats import FORMATS, INTERLEAVED
-from ember.schedules import int8_matmul
-from ember.schedules.matmul import NTMatmul
-from ember.targets.registry import TargetSpec, resolve_target
+hide_torch_from_tvm()  # before TVM is imported: the kernels are built and timed without the torch it would load
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from tvm import te, tirx  # noqa: E402
+
+from ember.ir.quant_formats import FORMATS, INTERLEAVED  # noqa: E402
+from ember.schedules import int8_matmul  # noqa: E402
+from ember.schedules.matmul import NTMatmul  # noqa: E402
+from ember.targets.registry import TargetSpec, resolve_target  # noqa: E402
 
 # Projections of a 128-token prompt (110M and 1B Llama shapes), and its one row of logits
 # (a kernel whose bound is the prefill chunk, run with m = 1).

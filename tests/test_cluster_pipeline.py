@@ -1,10 +1,10 @@
 """A model split into pipeline stages (`ember compile --pipeline-stages K`) served from a Ray cluster: one actor per
 stage, on a two-node cluster on loopback started here (helpers.local_ray_cluster), stopped by its processes.
 
-The model is the tiny llama with three layers, so it splits three ways. Its split artifacts must give the unsplit
-artifact's logits, through the chain of actors (in this process: `PipelineEngine`) and through `ember serve --ray`
-(the official `openai` client's greedy answers equal the unsplit server's). The logits check also runs on
-test_pipeline_stages' three-layer GPT-2 through the torch.export frontend (its artifacts, from the same compiles), and
+The model is test_pipeline_stages' tiny llama with three layers (its artifacts, from the same compiles), so it splits
+three ways. Its split artifacts must give the unsplit artifact's logits, through the chain of actors (in this process:
+`PipelineEngine`) and through `ember serve --ray` (the official `openai` client's greedy answers equal the unsplit
+server's). The logits check also runs on test_pipeline_stages' three-layer GPT-2 through the torch.export frontend, and
 (marked slow) on a random Llama of the ~110M shape scripts/bench_cpu.py benchmarks, at a context of 512.
 """
 
@@ -67,24 +67,24 @@ def _compile_whole_and_split(checkpoint: Path, root: Path, name: str, cache_key:
     return artifacts
 
 
+def _pipeline_artifacts(name: str, root: Path) -> dict[int, Path]:
+    """test_pipeline_stages' three-layer checkpoint of `name` compiled whole (key 1) and split into 2 and 3 stages,
+    with its compile calls, so the artifact cache serves both files the same entries."""
+    checkpoint = write_pipeline_checkpoint(name, root / "checkpoint")
+    return {stages: compile_pipeline_cached(name, checkpoint, root / f"{name}-{stages}", stages if stages > 1 else None)
+            for stages in (1, 2, 3)}
+
+
 @pytest.fixture(scope="module")
 def split_llama(tmp_path_factory) -> dict[int, Path]:
-    """The three-layer tiny llama compiled whole (key 1) and split into 2 and 3 stages."""
-    root = tmp_path_factory.mktemp("split-llama")
-    model_type, overrides = models.TINY_MODELS["llama"]
-    config = models.make_config(model_type, **{**overrides, "num_hidden_layers": 3})
-    checkpoint = models.write_model(models.random_model(config), root / "checkpoint")
-    return _compile_whole_and_split(checkpoint, root, "llama", "tiny-llama-3-layers")
+    """The three-layer tiny llama, whole and split."""
+    return _pipeline_artifacts("llama", tmp_path_factory.mktemp("split-llama"))
 
 
 @pytest.fixture(scope="module")
 def split_gpt2(tmp_path_factory) -> dict[int, Path]:
-    """test_pipeline_stages' three-layer GPT-2 (torch.export frontend) compiled whole (key 1) and split into 2 and 3
-    stages, with the same compile calls, so the artifact cache serves both files the same entries."""
-    root = tmp_path_factory.mktemp("split-gpt2")
-    checkpoint = write_pipeline_checkpoint("gpt2", root / "checkpoint")
-    return {stages: compile_pipeline_cached("gpt2", checkpoint, root / f"gpt2-{stages}", stages if stages > 1 else None)
-            for stages in (1, 2, 3)}
+    """The three-layer GPT-2 (torch.export frontend), whole and split."""
+    return _pipeline_artifacts("gpt2", tmp_path_factory.mktemp("split-gpt2"))
 
 
 # scripts/bench_cpu.py's SHAPES["110m"] as transformers names it; the context cut to 512 to keep the KV cache small.
