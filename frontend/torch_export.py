@@ -26,6 +26,7 @@ import tvm
 from tvm import relax
 
 from ember.core.errors import ModelError
+from ember.frontend import trace_cache
 from ember.frontend.config import ModelConfig
 from ember.frontend.traced_weights import read_weights_transposed
 from ember.frontend.weights import CheckpointWeights
@@ -33,24 +34,30 @@ from ember.ir.attributes import FORWARD
 from ember.ir.weight_recipes import set_recipes
 
 
-def build_exported_module(model_dir: Path, config: ModelConfig,
-                          model_dtype: str) -> tuple[tvm.IRModule, dict[str, tuple[int, ...]]]:
+def build_exported_module(model_dir: Path, config: ModelConfig, model_dtype: str) -> trace_cache.Traced:
     """The checkpoint in `model_dir` as the graph transformers' code traces: the Relax `forward` (bounded by the
     context window) with a recipe per weight parameter, and the shape of each checkpoint tensor it loads.
-    `build_module`'s counterpart, with no hand-written model definition."""
+    `build_module`'s counterpart, with no hand-written model definition; kept between compiles by `trace_cache`."""
+    if model_dtype != "float32":
+        raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
+    stored = CheckpointWeights(model_dir).records
+    config_json = (Path(model_dir) / "config.json").read_bytes()
+    return trace_cache.load_or_trace(config_json, config.context_window, stored,
+                                     lambda: _trace(model_dir, config.context_window, stored.__contains__))
+
+
+def _trace(model_dir: Path, context_window: int, stored: Callable[[str], bool]) -> trace_cache.Traced:
+    """transformers' model built from `model_dir`'s config.json, traced and imported (`import_module`)."""
     import torch
     import transformers
 
-    if model_dtype != "float32":
-        raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         model = _build_model(transformers.AutoModelForCausalLM, hf_config, torch.float32)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"{Path(model_dir) / 'config.json'}: transformers cannot build this model: "
                          f"{str(err).splitlines()[0]}") from None
-    stored = CheckpointWeights(model_dir).records
-    return import_module(model.eval(), config.context_window, stored=stored.__contains__)
+    return import_module(model.eval(), context_window, stored=stored)
 
 
 def _build_model(auto_class, config, dtype):

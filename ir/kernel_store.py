@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import os
 import shutil
 import uuid
@@ -34,6 +32,7 @@ from pathlib import Path
 import tvm
 from tvm_ffi.serialization import from_json_graph_str
 
+from ember.core.cache_keys import installed_versions, package_sources_digest
 from ember.core.machine import cache_dir
 
 # Source trees (kernel directories) kept: a developer switching between branches keeps each one's kernels.
@@ -47,7 +46,7 @@ _VERSIONS = ("ember", "apache-tvm", "apache-tvm-ffi")
 
 def tool_versions() -> str:
     """The installed versions of ember, TVM and tvm-ffi, for a cache key: what they build changes with them."""
-    return "".join(f"{name}=={importlib.metadata.version(name)}\0" for name in _VERSIONS)
+    return installed_versions(*_VERSIONS)
 
 
 def enabled() -> bool:
@@ -113,16 +112,7 @@ def _modified(path: Path) -> float:
 
 
 def _sources_digest() -> str:
-    digest = hashlib.sha256()
-    for package in KERNEL_PACKAGES:
-        # Located, not imported: the packages above this layer are read as files.
-        (location,) = importlib.util.find_spec(f"ember.{package}").submodule_search_locations
-        root = Path(location)
-        for path in sorted(root.rglob("*.py")):
-            if "__pycache__" not in path.parts:
-                digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes() + b"\0")
-    digest.update(tool_versions().encode())
-    return digest.hexdigest()[:32]
+    return hashlib.sha256((package_sources_digest(*KERNEL_PACKAGES) + tool_versions()).encode()).hexdigest()[:32]
 
 
 def _write(path: Path, text: str) -> None:

@@ -16,10 +16,12 @@ from ember.core.errors import EmberError
 from ember.core.manifest import KV_QUANTIZATIONS
 
 COMPILE_CACHES = """
-Parsed kernels and built libraries are kept in ~/.cache/ember/ (kernels/, and
-libraries/ up to 2 GiB): compiling a model of the same architecture, quantization,
-sizes and target again, with these or other weights, copies its library instead of
-generating code. EMBER_KERNEL_CACHE=0 and EMBER_LIBRARY_CACHE=0 turn them off.
+Parsed kernels, built libraries and torch.export's traces are kept in ~/.cache/ember/
+(kernels/, libraries/ up to 2 GiB, traced/): compiling a model of the same architecture,
+quantization, sizes and target again, with these or other weights, copies its library
+instead of generating code, and another --quant of a --frontend torch-export checkpoint
+takes the graph traced before. EMBER_KERNEL_CACHE=0, EMBER_LIBRARY_CACHE=0 and
+EMBER_TRACE_CACHE=0 turn them off.
 """
 
 
