@@ -21,14 +21,13 @@ import functools
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import tvm
 from tvm_ffi.serialization import from_json_graph_str, to_json_graph_str
 
-from ember.core.cache_keys import installed_versions, package_sources_digest
+from ember.core.caches import installed_versions, package_sources_digest, write_entry
 from ember.core.machine import cache_dir
 
 KEPT_ENTRIES = 64
@@ -82,12 +81,7 @@ def _install_digest() -> str:
 
 
 def _store(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    try:
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, path)
-    except OSError:  # a full or read-only disk costs the next compile a trace, nothing else
-        staging.unlink(missing_ok=True)
+    if not write_entry(path, text):  # a full or read-only disk costs the next compile a trace, nothing else
         return
     entries = sorted(path.parent.glob("*.json"), key=_modified, reverse=True)
     for old in entries[KEPT_ENTRIES:]:

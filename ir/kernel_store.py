@@ -25,14 +25,13 @@ import functools
 import hashlib
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import tvm
 from tvm_ffi.serialization import from_json_graph_str
 
-from ember.core.cache_keys import installed_versions, package_sources_digest
+from ember.core.caches import installed_versions, package_sources_digest, write_entry
 from ember.core.machine import cache_dir
 
 # Source trees (kernel directories) kept: a developer switching between branches keeps each one's kernels.
@@ -70,7 +69,7 @@ def load_or_build(builder: Callable, key: object, build: Callable[[], object]) -
         path.unlink(missing_ok=True)
     kernel = build()
     if isinstance(kernel, tvm.tirx.PrimFunc):
-        _write(path, tvm.ir.save_json(kernel))
+        write_entry(path, tvm.ir.save_json(kernel))  # a full or read-only disk costs the next process a parse
     return kernel
 
 
@@ -113,12 +112,3 @@ def _modified(path: Path) -> float:
 
 def _sources_digest() -> str:
     return hashlib.sha256((package_sources_digest(*KERNEL_PACKAGES) + tool_versions()).encode()).hexdigest()[:32]
-
-
-def _write(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    try:
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, path)
-    except OSError:  # a full or read-only disk costs the next process a parse, nothing else
-        staging.unlink(missing_ok=True)

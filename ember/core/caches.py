@@ -1,5 +1,6 @@
-"""What an install of ember is, as part of a cache key: the versions of the tools that make a cached thing and the
-sources of ember's packages that make it. A cache keyed by these starts afresh when either changes.
+"""What ember's caches under `~/.cache/ember/` share: the part of their keys that says what this install is (the
+versions of the tools that make a cached thing, the sources of ember's packages that make it; a cache keyed by these
+starts afresh when either changes), and entries written whole or not at all.
 
 Standard library only: `ember.core` is what the runtime may import, and ships to devices.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import os
+import uuid
 from pathlib import Path
 
 
@@ -28,3 +31,16 @@ def package_sources_digest(*packages: str) -> str:
             if "__pycache__" not in path.parts:
                 digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def write_entry(path: Path, text: str) -> bool:
+    """Write `text` to a staging file beside `path` and rename it into place, so a parallel process reads the whole
+    entry or none. False where the disk refused (full, read-only): the entry is then missing, nothing else."""
+    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        staging.write_text(text, encoding="utf-8")
+        os.replace(staging, path)
+    except OSError:
+        staging.unlink(missing_ok=True)
+        return False
+    return True
