@@ -17,6 +17,7 @@ on the weights' values: another `--quant`, `--target` or `--kv-quant` of a check
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -52,12 +53,16 @@ def load_or_trace(config_json: bytes, context_window: int, stored_names: Iterabl
         try:
             entry = json.loads(path.read_text(encoding="utf-8"))
             mod = from_json_graph_str(entry["module"])
-            os.utime(path)
-            return mod, {name: tuple(shape) for name, shape in entry["shapes"].items()}
+            shapes = {name: tuple(shape) for name, shape in entry["shapes"].items()}
         except FileNotFoundError:
             pass
         except Exception:  # damaged or cut short: traced again and replaced below
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        else:
+            with contextlib.suppress(OSError):  # the mark of a recent use, which a read-only cache goes without
+                os.utime(path)
+            return mod, shapes
     mod, shapes = trace()
     if path is not None:
         _store(path, json.dumps({"module": to_json_graph_str(mod), "shapes": shapes}))
@@ -71,7 +76,7 @@ def _entry_path(config_json: bytes, context_window: int, stored_names: Iterable[
     except OSError:
         return None
     digest = hashlib.sha256(config_json)
-    digest.update(f"\0{context_window}\0{chr(0).join(sorted(stored_names))}\0{_install_digest()}".encode())
+    digest.update(json.dumps([context_window, sorted(stored_names), _install_digest()]).encode())
     return root / f"{digest.hexdigest()[:32]}.json"
 
 
@@ -85,7 +90,8 @@ def _store(path: Path, text: str) -> None:
         return
     entries = sorted(path.parent.glob("*.json"), key=_modified, reverse=True)
     for old in entries[KEPT_ENTRIES:]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            old.unlink(missing_ok=True)
 
 
 def _modified(path: Path) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def imported(checkpoint: Path, context_window: int | None = None):
 
 
 def test_a_second_import_takes_the_kept_graph(traces, checkpoint, tmp_path, monkeypatch):
-    """Kept, then loaded without torch.export; a damaged entry is traced again and replaced; with the cache off, the
-    kept entry is neither read nor replaced."""
+    """Kept, then loaded without torch.export; a damaged entry is traced again and replaced; an entry whose time of
+    use cannot be marked still loads; with the cache off, the kept entry is neither read nor replaced."""
     first_mod, first_shapes = imported(checkpoint)
     assert len(traces) == 1 and len(entries(tmp_path)) == 1
     mod, shapes = imported(checkpoint)
@@ -67,6 +68,14 @@ def test_a_second_import_takes_the_kept_graph(traces, checkpoint, tmp_path, monk
     assert len(traces) == 2 and tvm_ffi.structural_equal(mod, first_mod)
     imported(checkpoint)
     assert len(traces) == 2  # the replaced entry loads
+
+    def refused(*_args, **_kwargs):
+        raise PermissionError("read-only")
+
+    with monkeypatch.context() as readonly:  # a cache this user may read but not touch
+        readonly.setattr(os, "utime", refused)
+        imported(checkpoint)
+    assert len(traces) == 2 and entries(tmp_path) == [entry]
 
     monkeypatch.setenv("EMBER_TRACE_CACHE", "0")
     kept = entry.read_bytes()
