@@ -66,7 +66,7 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
     if exported:
         from ember.frontend.torch_export import build_exported_module  # imports torch: only when asked
 
-        mod, shapes = build_exported_module(model_dir, config, model_dtype)
+        mod, shapes = build_exported_module(model_dir, config, model_dtype, weights.records)
     else:
         mod, shapes = build_module(config, target, model_dtype, embeddings)
     for name, shape in shapes.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import tvm
@@ -29,18 +29,18 @@ from ember.core.errors import ModelError
 from ember.frontend import trace_cache
 from ember.frontend.config import ModelConfig
 from ember.frontend.traced_weights import read_weights_transposed
-from ember.frontend.weights import CheckpointWeights
 from ember.ir.attributes import FORWARD
 from ember.ir.weight_recipes import set_recipes
 
 
-def build_exported_module(model_dir: Path, config: ModelConfig, model_dtype: str) -> trace_cache.Traced:
-    """The checkpoint in `model_dir` as the graph transformers' code traces: the Relax `forward` (bounded by the
-    context window) with a recipe per weight parameter, and the shape of each checkpoint tensor it loads.
-    `build_module`'s counterpart, with no hand-written model definition; kept between compiles by `trace_cache`."""
+def build_exported_module(model_dir: Path, config: ModelConfig, model_dtype: str,
+                          stored: Collection[str]) -> trace_cache.Traced:
+    """The checkpoint in `model_dir`, which stores the tensors named `stored`, as the graph transformers' code
+    traces: the Relax `forward` (bounded by the context window) with a recipe per weight parameter, and the shape
+    of each checkpoint tensor it loads. `build_module`'s counterpart, with no hand-written model definition; kept
+    between compiles by `trace_cache`."""
     if model_dtype != "float32":
         raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
-    stored = CheckpointWeights(model_dir).records
     config_json = (Path(model_dir) / "config.json").read_bytes()
     return trace_cache.load_or_trace(config_json, config.context_window, stored,
                                      lambda: _trace(model_dir, config.context_window, stored.__contains__))

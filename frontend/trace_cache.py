@@ -28,7 +28,7 @@ from pathlib import Path
 import tvm
 from tvm_ffi.serialization import from_json_graph_str, to_json_graph_str
 
-from ember.core.caches import installed_versions, package_sources_digest, write_entry
+from ember.core.caches import installed_versions, newest_first, package_sources_digest, write_entry
 from ember.core.machine import cache_dir
 
 KEPT_ENTRIES = 64
@@ -88,14 +88,6 @@ def _install_digest() -> str:
 def _store(path: Path, text: str) -> None:
     if not write_entry(path, text):  # a full or read-only disk costs the next compile a trace, nothing else
         return
-    entries = sorted(path.parent.glob("*.json"), key=_modified, reverse=True)
-    for old in entries[KEPT_ENTRIES:]:
+    for old in newest_first(path.parent.glob("*.json"))[KEPT_ENTRIES:]:
         with contextlib.suppress(OSError):
             old.unlink(missing_ok=True)
-
-
-def _modified(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except FileNotFoundError:  # removed by a parallel compile
-        return 0.0

@@ -32,7 +32,7 @@ from pathlib import Path
 import tvm
 from tvm_ffi.serialization import from_json_graph_str
 
-from ember.core.caches import installed_versions, package_sources_digest, write_entry
+from ember.core.caches import installed_versions, newest_first, package_sources_digest, write_entry
 from ember.core.machine import cache_dir
 
 # Source trees (kernel directories) kept: a developer switching between branches keeps each one's kernels.
@@ -99,17 +99,10 @@ def _source_tree() -> Path | None:
         os.utime(tree)
     except OSError:
         return None
-    others = sorted((p for p in root.iterdir() if p.is_dir() and p != tree), key=_modified, reverse=True)
+    others = newest_first(p for p in root.iterdir() if p.is_dir() and p != tree)
     for old in others[KEPT_SOURCE_TREES - 1:]:
         shutil.rmtree(old, ignore_errors=True)
     return tree
-
-
-def _modified(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except FileNotFoundError:  # removed by a parallel process
-        return 0.0
 
 
 def _sources_digest() -> str:

@@ -19,6 +19,7 @@ import tvm_ffi
 
 from ember.frontend.hf import imported_model_config
 from ember.frontend.torch_export import build_exported_module
+from ember.frontend.weights import CheckpointWeights
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def imported(checkpoint: Path, context_window: int | None = None):
     config = imported_model_config(checkpoint)
     if context_window is not None:
         config = dataclasses.replace(config, context_window=context_window)
-    return build_exported_module(checkpoint, config, "float32")
+    return build_exported_module(checkpoint, config, "float32", CheckpointWeights(checkpoint).records)
 
 
 def test_a_second_import_takes_the_kept_graph(traces, checkpoint, tmp_path, monkeypatch):

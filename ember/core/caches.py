@@ -1,6 +1,6 @@
 """What ember's caches under `~/.cache/ember/` share: the part of their keys that says what this install is (the
 versions of the tools that make a cached thing, the sources of ember's packages that make it; a cache keyed by these
-starts afresh when either changes), and entries written whole or not at all.
+starts afresh when either changes), entries written whole or not at all, and their order of last use.
 
 Standard library only: `ember.core` is what the runtime may import, and ships to devices.
 """
@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -44,3 +45,15 @@ def write_entry(path: Path, text: str) -> bool:
         staging.unlink(missing_ok=True)
         return False
     return True
+
+
+def newest_first(paths: Iterable[Path]) -> list[Path]:
+    """`paths` by time of last use (modification), newest first; one a parallel process removed meanwhile, last."""
+    return sorted(paths, key=_modified, reverse=True)
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
