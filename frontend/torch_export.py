@@ -17,6 +17,7 @@ makes the `prefill` / `decode` / `verify` entries the runtime calls.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 from collections.abc import Callable, Collection
@@ -41,6 +42,10 @@ def build_exported_module(model_dir: Path, config: ModelConfig, model_dtype: str
     between compiles by `trace_cache`."""
     if model_dtype != "float32":
         raise ModelError(f"--frontend torch-export builds float32 graphs; {model_dtype} is not supported")
+    missing = [package for package in ("torch", "transformers") if importlib.util.find_spec(package) is None]
+    if missing:
+        raise ModelError(f"--frontend torch-export needs torch and transformers, and this Python has no "
+                         f"{' and no '.join(missing)}: pip install torch transformers")
     config_json = (Path(model_dir) / "config.json").read_bytes()
     return trace_cache.load_or_trace(config_json, config.context_window, stored,
                                      lambda: _trace(model_dir, config.context_window, stored.__contains__))

@@ -128,6 +128,23 @@ def test_compile_refuses_broken_checkpoint(tiny_models, tmp_path, case):
     assert list(out_parent.iterdir()) == [], "a staging directory was left behind"
 
 
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_torch_export_without_torch_or_transformers_is_one_line(tiny_models, tmp_path, missing):
+    """`--frontend torch-export` on a Python without torch or transformers (the runtime's install): exit 1, one
+    line naming what is missing and how to install it, nothing written."""
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    out = out_parent / "artifact"
+    code = f"import sys; sys.modules[{missing!r}] = None; from ember.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = ["compile", str(tiny_models.checkpoint("gpt2")), "-o", str(out), "--frontend", "torch-export",
+               "--no-progress"]
+    result = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (f"ember: error: --frontend torch-export needs torch and transformers, and this Python "
+                             f"has no {missing}: pip install torch transformers\n")
+    assert list(out_parent.iterdir()) == []
+
+
 def test_compile_refuses_bad_options(tiny_models, tmp_path):
     """An unsupported --quant is refused before any work, naming the accepted values."""
     out = tmp_path / "artifact"
