@@ -1,16 +1,23 @@
-"""Pick the importer for a model path: a GGUF file, an ONNX file, or a Hugging Face checkpoint directory."""
+"""Pick the importer for a model path: a GGUF file, an ONNX file, or a Hugging Face checkpoint directory; and read
+back what an artifact's manifest records of its source.
+
+The importers build Relax, so they and TVM's compiler are imported by `import_model` alone: reading a manifest's
+records (`ember inspect`) loads neither.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import tvm
+from typing import TYPE_CHECKING, Any
 
 from ember.core.errors import EmberError
-from ember.frontend import gguf, onnx
+from ember.frontend import gguf
 from ember.frontend.files import is_onnx_file
-from ember.frontend.hf import ImportedModel, import_hf_model
+
+if TYPE_CHECKING:
+    import tvm
+
+    from ember.frontend.hf import ImportedModel
 
 FRONTENDS = ("builtin", "torch-export")
 
@@ -39,8 +46,12 @@ def import_model(path: Path, target: tvm.target.Target, model_dtype: str = "floa
         if frontend != "builtin":
             raise EmberError(f"--frontend {frontend}: {path} is a {path.suffix} file, which is imported as it is")
         if is_onnx_file(path):
-            return onnx.import_onnx_model(path, tokenizer_dir, model_dtype)
+            from ember.frontend.onnx import import_onnx_model
+
+            return import_onnx_model(path, tokenizer_dir, model_dtype)
         return gguf.import_gguf_model(path, target, model_dtype, workdir)
+    from ember.frontend.hf import import_hf_model
+
     return import_hf_model(path, target, model_dtype, exported=frontend == "torch-export", embeddings=embeddings)
 
 

@@ -380,6 +380,16 @@ def test_version_does_not_import_tvm():
     assert result.stdout.strip().endswith("tvm not imported")
 
 
+def test_inspect_does_not_import_tvm(tiny_llama):
+    """`ember inspect` reads the artifact's manifest alone: its table, without importing TVM."""
+    program = (f"import sys\nfrom ember.cli import main\ncode = main(['inspect', {str(tiny_llama.artifact_dir)!r}])\n"
+               "print(code, 'tvm' in sys.modules)")
+    result = run_python("-c", program)
+    assert result.returncode == 0, result.stderr
+    assert "quantization" in result.stdout
+    assert result.stdout.strip().endswith("0 False")
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_help_shows_the_sampling_defaults(capsys, command):
     """generate/chat --help state each sampling option's default."""
