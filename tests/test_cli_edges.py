@@ -380,14 +380,22 @@ def test_version_does_not_import_tvm():
     assert result.stdout.strip().endswith("tvm not imported")
 
 
-def test_inspect_does_not_import_tvm(tiny_llama):
-    """`ember inspect` reads the artifact's manifest alone: its table, without importing TVM."""
-    program = (f"import sys\nfrom ember.cli import main\ncode = main(['inspect', {str(tiny_llama.artifact_dir)!r}])\n"
-               "print(code, 'tvm' in sys.modules)")
+@pytest.mark.parametrize("command", ["inspect", "package"])
+def test_commands_reading_an_artifact_do_not_import_tvm(tiny_llama, tmp_path, command):
+    """`ember inspect` (the manifest's table) and `ember package` (the artifact and the runtime's files copied) read
+    the artifact without importing TVM."""
+    packaged = tmp_path / "packaged"
+    args = [command, str(tiny_llama.artifact_dir), *(["-o", str(packaged)] if command == "package" else [])]
+    program = f"import sys\nfrom ember.cli import main\ncode = main({args!r})\nprint(code, 'tvm' in sys.modules)"
     result = run_python("-c", program)
     assert result.returncode == 0, result.stderr
-    assert "quantization" in result.stdout
     assert result.stdout.strip().endswith("0 False")
+    if command == "inspect":
+        assert "quantization" in result.stdout
+    else:
+        assert (packaged / "ember" / "runtime" / "engine.py").is_file()
+        requirements = (REPO_ROOT / "runtime" / "requirements.txt").read_text()
+        assert (packaged / "requirements-runtime.txt").read_text() == requirements
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

@@ -18,14 +18,12 @@ the artifact is ever read.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
-from importlib import resources
 from pathlib import Path
 
 import ember
-from ember import core as ember_core
-from ember import runtime as ember_runtime
 from ember.core.errors import ArtifactError, EmberError
 from ember.core.manifest import MANIFEST_NAME, Manifest, open_regular, read_manifest, verify_files
 from ember.driver.artifact_dir import check_new_dir, replace_dir, staging_dir
@@ -34,9 +32,22 @@ ARTIFACT_SUBDIR = "artifact"
 REQUIREMENTS_NAME = "requirements-runtime.txt"
 
 
+# The packages a packaged artifact runs with, below ember's import-free `__init__`.
+RUNTIME_PACKAGES = ("ember.core", "ember.runtime")
+
+
 def runtime_requirements() -> str:
     """The runtime's pip requirements (package data of `ember.runtime`)."""
-    return resources.files(ember_runtime).joinpath("requirements.txt").read_text(encoding="utf-8")
+    return (_package_dir("ember.runtime") / "requirements.txt").read_text(encoding="utf-8")
+
+
+def _package_dir(name: str) -> Path:
+    """The directory package `name` is imported from, found without importing it: importing `ember.runtime` loads
+    TVM, which packaging does not use."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmberError(f"ember's package {name} is not installed with this ember; reinstall ember")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def package_artifact(artifact: Path, output_dir: Path) -> Path:
@@ -92,8 +103,8 @@ def _copy_runtime(staging: Path) -> None:
     package = staging / "ember"
     package.mkdir()
     shutil.copyfile(Path(ember.__file__), package / "__init__.py")
-    for subpackage in (ember_core, ember_runtime):
-        shutil.copytree(Path(subpackage.__file__).parent, package / subpackage.__name__.rsplit(".", 1)[1],
+    for name in RUNTIME_PACKAGES:
+        shutil.copytree(_package_dir(name), package / name.rsplit(".", 1)[1],
                         ignore=shutil.ignore_patterns("__pycache__"))
     dist_info = staging / f"ember-{ember.__version__}.dist-info"
     dist_info.mkdir()
