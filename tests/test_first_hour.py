@@ -101,11 +101,15 @@ def test_the_cli_runs_without_loading_torch_and_torch_still_works_after(tiny_lla
     assert result.stdout.split("\n")[-3:] == ["0 False", "[0.0, 1.0, 2.0]", ""], result.stdout
 
 
-def test_commands_that_run_artifacts_load_tvm_without_its_compiler(tiny_llama):
-    """The `ember generate` program (as chat, eval and serve) loads TVM's runtime library alone, not its compiler
-    nor `tvm.relax`, and leaves the environment as it was given (`TVM_USE_RUNTIME_LIB` set only while TVM loads).
-    A program calling `main` with arguments gets all of TVM: a compile may come next (test_hostile_corpus)."""
-    argv = ["generate", str(tiny_llama.artifact_dir), "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"]
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--seed", "1"],
+                                     ["bench", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1"]],
+                         ids=["generate", "bench"])
+def test_commands_that_run_artifacts_load_tvm_without_its_compiler(tiny_llama, command):
+    """The `ember generate` and `ember bench` programs (as chat, eval and serve) load TVM's runtime library alone,
+    not its compiler nor `tvm.relax`, and leave the environment as it was given (`TVM_USE_RUNTIME_LIB` set only
+    while TVM loads). A program calling `main` with arguments gets all of TVM: a compile may come next
+    (test_hostile_corpus)."""
+    argv = [command[0], str(tiny_llama.artifact_dir), *command[1:]]
     report = ("import json, tvm.base\n"
               "print(json.dumps([code, sorted(tvm.base._LOADED_LIBS), 'tvm.relax' in sys.modules,"
               " os.environ.get('TVM_USE_RUNTIME_LIB')]))")

@@ -38,8 +38,9 @@ COMMANDS: dict[str, ModuleType] = {
     "chat": chat,
     "serve": serve,
 }
-# The commands that only run artifacts: they import TVM without its compiler (`ember.core.tvm_runtime_only`).
-RUNTIME_COMMANDS = frozenset({"generate", "chat", "eval", "serve"})
+# The commands that only run artifacts, here or on a device farm's devices through TVM's RPC (bench): they import
+# TVM without its compiler (`ember.core.tvm_runtime_only`).
+RUNTIME_COMMANDS = frozenset({"generate", "chat", "eval", "serve", "bench"})
 
 
 def main(argv: list[str] | None = None) -> int:
