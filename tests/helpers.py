@@ -303,11 +303,13 @@ def local_ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[str]:
 
     temp_dir = tempfile.mkdtemp(prefix="ember-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     port = free_port()
-    ray_cli = Path(sys.executable).with_name("ray")
+    # Ray's command line run by this Python: its `ray` script lies beside another Python's in a venv made with
+    # --system-site-packages.
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
 
     def start(*args: str) -> None:
         # Ports Ray would otherwise take at fixed defaults get free ones: two test workers may each run a cluster.
-        result = subprocess.run([str(ray_cli), "start", f"--num-cpus={cpus}", "--disable-usage-stats",
+        result = subprocess.run([*ray_cli, "start", f"--num-cpus={cpus}", "--disable-usage-stats",
                                  f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={free_port()}", *args],
                                 capture_output=True, text=True, timeout=RAY_START_TIMEOUT, env=RAY_ENV)
         assert result.returncode == 0, result.stdout + result.stderr
