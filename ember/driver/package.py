@@ -30,8 +30,6 @@ from ember.driver.artifact_dir import check_new_dir, replace_dir, staging_dir
 
 ARTIFACT_SUBDIR = "artifact"
 REQUIREMENTS_NAME = "requirements-runtime.txt"
-
-
 # The packages a packaged artifact runs with, below ember's import-free `__init__`.
 RUNTIME_PACKAGES = ("ember.core", "ember.runtime")
 
