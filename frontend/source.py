@@ -1,25 +1,19 @@
-"""Pick the importer for a model path: a GGUF file, an ONNX file, or a Hugging Face checkpoint directory; and read
-back what an artifact's manifest records of its source.
+"""Pick the importer for a model path: a GGUF file, an ONNX file, or a Hugging Face checkpoint directory.
 
-The importers build Relax, so they and TVM's compiler are imported by `import_model` alone: reading a manifest's
-records (`ember inspect`) loads neither.
-"""
+What an artifact's manifest records of its source is written and read by `ember.frontend.records`, which imports
+no TVM."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+
+import tvm
 
 from ember.core.errors import EmberError
-from ember.frontend import gguf
+from ember.frontend import gguf, onnx
 from ember.frontend.files import is_onnx_file
-
-if TYPE_CHECKING:
-    import tvm
-
-    from ember.frontend.hf import ImportedModel
-
-FRONTENDS = ("builtin", "torch-export")
+from ember.frontend.hf import ImportedModel, import_hf_model
+from ember.frontend.records import FRONTENDS
 
 
 def import_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32",
@@ -46,12 +40,8 @@ def import_model(path: Path, target: tvm.target.Target, model_dtype: str = "floa
         if frontend != "builtin":
             raise EmberError(f"--frontend {frontend}: {path} is a {path.suffix} file, which is imported as it is")
         if is_onnx_file(path):
-            from ember.frontend.onnx import import_onnx_model
-
-            return import_onnx_model(path, tokenizer_dir, model_dtype)
+            return onnx.import_onnx_model(path, tokenizer_dir, model_dtype)
         return gguf.import_gguf_model(path, target, model_dtype, workdir)
-    from ember.frontend.hf import import_hf_model
-
     return import_hf_model(path, target, model_dtype, exported=frontend == "torch-export", embeddings=embeddings)
 
 
@@ -67,35 +57,3 @@ def stored_formats(imported: ImportedModel) -> dict[str, str]:
     if not isinstance(imported.weights, gguf.GGUFWeights):
         return {}
     return imported.weights.stored_formats(imported.model_dtype)
-
-
-def recorded_formats(record: dict[str, Any], model_dtype: str) -> dict[str, str]:
-    """Per tensor, the format an artifact stores it in, from its manifest's `source_record`: a GGUF
-    file's `stored_as` entries (float as the compute dtype's q0 format); none for a Hugging Face
-    checkpoint, whose weights all take the manifest's quantization. What rebuilds the artifact's kernels."""
-    float_format = "q0f16" if model_dtype == "float16" else "q0f32"
-    return {name: float_format if entry["stored_as"] == "float" else entry["stored_as"]
-            for name, entry in record.get("conversion", {}).items()}
-
-
-def recorded_frontend(record: dict[str, Any]) -> str:
-    """The `--frontend` an artifact's manifest `source_record` says built its graph (an ONNX file's is implied by
-    the file)."""
-    frontend = record.get("frontend", "builtin")
-    return frontend if frontend in FRONTENDS else "builtin"
-
-
-def recorded_config_dir(record: dict[str, Any]) -> Path | None:
-    """Where an ONNX source's config.json and tokenizer were read, as its artifact's manifest records it."""
-    return Path(record["config_dir"]) if record.get("config_dir") else None
-
-
-def source_record(imported: ImportedModel, quantized: dict[str, Any]) -> dict[str, Any]:
-    """What the manifest records of the weights' source beyond its path: for a GGUF file its hash and,
-    per tensor, the stored type and whether its format in `quantized` (tensor name -> `QuantFormat`, the
-    quantized ones) kept it or converted it (with the conversion's error)."""
-    if imported.frontend == "onnx":
-        return {"format": "onnx", "frontend": "onnx", "config_dir": str(imported.config_dir.resolve())}
-    if not isinstance(imported.weights, gguf.GGUFWeights):
-        return {"format": "huggingface", "frontend": imported.frontend}
-    return {**gguf.source_record(imported.weights), "conversion": imported.weights.conversion_report(quantized)}

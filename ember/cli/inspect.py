@@ -101,7 +101,7 @@ def _kv_storage(kv: dict) -> str:
 
 def _mixed_formats(manifest) -> str:
     """For an artifact whose weights keep a GGUF file's mixed types: the formats they are stored in."""
-    from ember.frontend.source import recorded_formats
+    from ember.frontend.records import recorded_formats
     from ember.ir.quant_formats import FORMATS
 
     formats = sorted(set(recorded_formats(manifest.source_weights, manifest.model_dtype).values()))

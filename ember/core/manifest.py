@@ -64,7 +64,7 @@ class Manifest:
     params: list[str]
     memory: dict[str, Any]
     source: str
-    # The weights' source beyond its path (`ember.frontend.source.source_record`): {"format": "huggingface",
+    # The weights' source beyond its path (`ember.frontend.records.source_record`): {"format": "huggingface",
     # "frontend": "builtin" | "torch-export"}; for an ONNX file {"format": "onnx", "config_dir": its config and
     # tokenizer's directory}; for a GGUF file its sha256 and per tensor its stored type and what ember made of it.
     source_weights: dict[str, Any]

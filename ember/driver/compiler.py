@@ -34,6 +34,7 @@ from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend import source as model_source
 from ember.frontend.config import ModelConfig
 from ember.frontend.gguf import conversion_summary
+from ember.frontend.records import source_record
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
 from ember.ir.kv_cache import KV_ROWS
 from ember.ir.quant_formats import FORMATS, QuantFormat
@@ -178,7 +179,7 @@ class _Build:
         schedules = schedule_sources(lowered)
         recipes = get_recipes(lowered)
         quantized = quantized_sources(recipes)
-        source = model_source.source_record(imported, quantized)
+        source = source_record(imported, quantized)
         for line in conversion_summary(source.get("conversion", {})):  # shown even with --no-progress
             (stage if options.show_progress else log.warning)(f"GGUF weights: {line}")
         kv_bytes_per_token = _kv_bytes_per_token(config, model_dtype, options.kv_quant)

@@ -65,6 +65,7 @@ from ember.driver.codegen import cross_linker
 from ember.driver.compiler import check_sizes
 from ember.driver.farm import Farm, runner_arguments, runner_session
 from ember.driver.tvm_log import tvm_warnings_hidden
+from ember.frontend import records
 from ember.frontend import source as model_source
 from ember.ir.quant_formats import FORMATS
 from ember.ir.tvmscript import stacks_from_linecache
@@ -117,7 +118,7 @@ class TuneOptions:
     float_activations: bool = False  # as for compile: projections stay float kernels (and tunable)
     frontend: str = "builtin"  # as for compile: whose graph a checkpoint directory is
     tokenizer_dir: Path | None = None  # as for compile: an ONNX file's config.json and tokenizer
-    # Checkpoint tensor -> format, as an artifact recorded them (`model_source.recorded_formats`); without them and
+    # Checkpoint tensor -> format, as an artifact recorded them (`records.recorded_formats`); without them and
     # without a --quant, a GGUF file's weights keep their own types, as for compile.
     tensor_formats: dict[str, str] = field(default_factory=dict)
     farm: Farm | None = None  # measure on the devices of a tracker's key (--rpc-tracker/--device-key), not here
@@ -489,9 +490,9 @@ def _resolve_model(model: Path, options: TuneOptions) -> tuple[Path, TuneOptions
         max_batch=manifest.kv_cache["max_batch"], keep_embedding=manifest.kept_float["embedding"],
         keep_lm_head=manifest.kept_float["lm_head"],
         float_activations=manifest.activations == "float",
-        tensor_formats=model_source.recorded_formats(manifest.source_weights, manifest.model_dtype),
-        frontend=model_source.recorded_frontend(manifest.source_weights),
-        tokenizer_dir=model_source.recorded_config_dir(manifest.source_weights))
+        tensor_formats=records.recorded_formats(manifest.source_weights, manifest.model_dtype),
+        frontend=records.recorded_frontend(manifest.source_weights),
+        tokenizer_dir=records.recorded_config_dir(manifest.source_weights))
 
 
 def _called_kernels(func: relax.Function) -> list[str]:

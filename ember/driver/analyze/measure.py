@@ -60,7 +60,8 @@ from ember.driver.analyze.roofline import Point, StageResult, evaluate, place
 from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend.config import ModelConfig
 from ember.frontend.hf import build_module
-from ember.frontend.source import import_model, recorded_config_dir, recorded_formats, recorded_frontend
+from ember.frontend.records import recorded_config_dir, recorded_formats, recorded_frontend
+from ember.frontend.source import import_model
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
 from ember.ir.quant_formats import FORMATS, INTERLEAVED, QUANTIZED_PARTS
 from ember.ir_passes import pipeline, specialize_cpu_rope
