@@ -16,6 +16,8 @@ import re
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import models
@@ -427,6 +429,31 @@ def test_unexpected_errors_are_one_line_unless_verbose(capsys, monkeypatch):
     monkeypatch.setattr(cli_inspect, "run", fail(MemoryError()))
     result = run_main(capsys, "inspect", "x")
     assert_one_line_error(result, "out of memory", "ember inspect")
+
+
+def test_a_ctrl_c_python_ignores_still_interrupts(capsys, monkeypatch):
+    """A KeyboardInterrupt raised where Python ignores exceptions (here a weakref callback, as when Ctrl-C lands in
+    the import machinery) still ends the command: exit 130, one line, instead of running on to exit 0."""
+    class Thing:
+        pass
+
+    def callback(_ref):
+        raise KeyboardInterrupt  # what the SIGINT handler raises when the signal arrives inside the callback
+
+    def run(_args):
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing  # the callback runs, and Python reports its exception as unraisable instead of raising it
+        assert ref() is None
+        for _ in range(100):
+            time.sleep(0.01)  # where the command's own code goes on: the interrupt must land here
+        return 0
+
+    monkeypatch.setattr(cli_inspect, "run", run)
+    hook = sys.unraisablehook
+    result = run_main(capsys, "inspect", "x")
+    assert (result.returncode, result.stderr) == (130, "ember: interrupted\n")
+    assert sys.unraisablehook is hook
 
 
 def test_closed_stdout_exits_quietly(tiny_llama):

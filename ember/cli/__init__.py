@@ -10,11 +10,13 @@ by its reader.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import logging
 import os
 import signal
 import sys
+import threading
 from types import ModuleType
 
 from ember.cli import analyze, bench, chat, generate, inspect, package, serve, tune
@@ -57,6 +59,23 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    previous_unraisable_hook = sys.unraisablehook
+    resends: list[threading.Timer] = []
+
+    def on_unraisable(unraisable) -> None:
+        # A Ctrl-C whose KeyboardInterrupt is raised where Python ignores exceptions (a weakref callback, a
+        # `__del__`, as in the import machinery) would be lost and the command run on: it is sent again, to land in
+        # the command's own code. From another thread, a moment later: a signal raised now would run its handler
+        # in this hook, where Python ignores exceptions too.
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):
+            resend = threading.Timer(0.05, _thread.interrupt_main)
+            resend.daemon = True
+            resends.append(resend)
+            resend.start()
+            return
+        previous_unraisable_hook(unraisable)
+
+    sys.unraisablehook = on_unraisable
     try:
         hide_torch_from_tvm()  # before anything imports TVM: compile does directly, option checks through the runtime
         if argv is None and _runs_artifacts_only(sys.argv[1:]):
@@ -68,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print("ember: interrupted", file=sys.stderr)
         return 130
     finally:
+        for resend in resends:  # a command that ended meanwhile is not interrupted after it
+            resend.cancel()
         signal.signal(signal.SIGINT, previous_handler)
+        sys.unraisablehook = previous_unraisable_hook
 
 
 def _runs_artifacts_only(argv: list[str]) -> bool:
