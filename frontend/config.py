@@ -2,7 +2,8 @@
 
 One `ModelConfig` describes every decoder ember builds today: the Llama family
 (Llama 2/3 with llama3-style RoPE scaling), Mistral (sliding-window attention) and
-Qwen2 (biased q/k/v projections). Both config layouts that transformers writes are
+Qwen2 (biased q/k/v projections). `layer_windows` reads which layers attend through a
+sliding window, for every family's way of saying so. Both config layouts that transformers writes are
 read: the older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters`.
 Every key ember reads is checked against `SCHEMA` (JSON type and range) before use:
 a config.json is written by whoever published the checkpoint, and a string "false"
@@ -44,17 +45,21 @@ class ModelConfig:
     weight_dtype: str
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer, its sliding window (`sliding_window`) or 0 for the whole context; empty: no layer has one.
+    layer_windows: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The config as plain JSON data, as stored in an artifact manifest."""
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = list(self.eos_token_ids)
+        data["layer_windows"] = list(self.layer_windows)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelConfig:
         """The inverse of `to_json`: the config stored in an artifact manifest."""
-        return cls(**{**data, "eos_token_ids": tuple(data["eos_token_ids"])})
+        return cls(**{**data, "eos_token_ids": tuple(data["eos_token_ids"]),
+                      "layer_windows": tuple(data["layer_windows"])})
 
     @property
     def num_parameters(self) -> int:
@@ -97,6 +102,9 @@ SCHEMA = {
     "max_position_embeddings": Key(int, 1, _CONTEXT),
     "sliding_window": Key(int, 1, _CONTEXT),
     "use_sliding_window": Key(bool, default=False),
+    "max_window_layers": Key(int, 0, 1024),
+    "sliding_window_pattern": Key(int, 1, 1024),
+    "layer_types": Key(list),
     "rms_norm_eps": Key(float, 0, 1, default=1e-6),
     "rope_theta": Key(float, 0, default=10000.0),
     "rope_parameters": Key(dict),
@@ -117,7 +125,7 @@ ROPE_SCHEMA = {
     "original_max_position_embeddings": Key(int, 1, _CONTEXT),
 }
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a JSON boolean (true or false)", str: "a string",
-               dict: "a JSON object"}
+               dict: "a JSON object", list: "a JSON array"}
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
@@ -146,6 +154,11 @@ _IMPORTED_KEYS = {
     "dtype": ("dtype",),
     "bos_token_id": ("bos_token_id",),
     "eos_token_id": ("eos_token_id",),
+    "sliding_window": ("sliding_window",),
+    "use_sliding_window": ("use_sliding_window",),
+    "max_window_layers": ("max_window_layers",),
+    "sliding_window_pattern": ("sliding_window_pattern",),
+    "layer_types": ("layer_types",),
 }
 
 
@@ -206,9 +219,11 @@ def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", ge
         raise ModelError(f"{path}: hidden_act {hidden_act!r} is not supported (only 'silu')")
 
     rope_theta, rope_scaling = _parse_rope(values, path)
-    sliding_window = get("sliding_window")
-    if model_type == "qwen2" and not get("use_sliding_window"):
-        sliding_window = None
+    num_layers = get("num_hidden_layers", required=True)
+    context_window = get("max_position_embeddings", required=True)
+    # A window as long as the context never drops a key: those layers attend to the whole context.
+    windows = tuple(window if window < context_window else 0 for window in layer_windows(values, num_layers, path))
+    windows = windows if any(windows) else ()
     vocab_size = get("vocab_size", required=True)
     generation = generation or {}
     generation_path = generation_path or "generation_config.json"
@@ -219,21 +234,59 @@ def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", ge
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=get("intermediate_size", required=True),
-        num_hidden_layers=get("num_hidden_layers", required=True),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=get("rms_norm_eps"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        context_window=get("max_position_embeddings", required=True),
+        context_window=context_window,
         tie_word_embeddings=get("tie_word_embeddings"),
         attention_bias=model_type == "qwen2" or get("attention_bias"),
-        sliding_window=sliding_window,
+        sliding_window=max(windows, default=0) or None,
+        layer_windows=windows,
         weight_dtype=_torch_dtype_name(get("torch_dtype") or get("dtype") or "float32", path),
         bos_token_id=_token_ids(*ids["bos_token_id"], "bos_token_id", vocab_size, allow_list=False),
         eos_token_ids=_token_ids(*ids["eos_token_id"], "eos_token_id", vocab_size, allow_list=True),
     )
+
+
+# Families whose config, written before `layer_types` existed, leaves the window's layers to the model code:
+# every `sliding_window_pattern`-th layer attends to the whole context, the others through the window.
+_DEFAULT_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+# Families whose `sliding_window` is read only with `use_sliding_window` (Qwen2's config carries a window it
+# does not use), then from layer `max_window_layers` on.
+_OPT_IN_WINDOWS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def layer_windows(values: dict[str, Any], num_layers: int, path: Path | str = "config.json") -> tuple[int, ...]:
+    """Per layer, the sliding window its attention reads through (0: the whole context), as the family's code
+    reads its config: `layer_types` where given ("sliding_attention" / "full_attention"), else the family's rule
+    over `sliding_window`, `use_sliding_window`, `max_window_layers` and `sliding_window_pattern`; () if no layer
+    has a window. `values` holds the keys of `SCHEMA`, validated."""
+    model_type = values.get("model_type")
+    window = values.get("sliding_window")
+    if model_type in _OPT_IN_WINDOWS and not values.get("use_sliding_window"):
+        window = None
+    types = values.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ModelError(f"{path}: 'layer_types' names {len(types)} layers, the model has {num_layers}")
+        unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+        if unknown:
+            raise ModelError(f"{path}: 'layer_types' has {short_repr(unknown[0])}; ember compiles "
+                             "'full_attention' and 'sliding_attention' layers")
+        windowed = [t == "sliding_attention" for t in types]
+    elif model_type in _OPT_IN_WINDOWS:
+        first = values.get("max_window_layers") or 0
+        windowed = [layer >= first for layer in range(num_layers)]
+    else:
+        pattern = values.get("sliding_window_pattern") or _DEFAULT_WINDOW_PATTERNS.get(model_type)
+        windowed = [not pattern or (layer + 1) % pattern != 0 for layer in range(num_layers)]
+    if window is None or not any(windowed):  # a sliding layer without a window attends to the whole context
+        return ()
+    return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 
 def validated(raw: dict[str, Any], key: str, spec: Key, path: Path | str, name: str | None = None) -> Any:

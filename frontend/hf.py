@@ -32,7 +32,7 @@ from ember.frontend.files import (
 )
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
-from ember.ir.attributes import ROPE_ATTR
+from ember.ir.attributes import CONFIG_WINDOWS_ATTR, ROPE_ATTR
 from ember.ir.kv_cache import tag_library_kernels, with_cache_shape
 from ember.ir.weight_recipes import set_recipes, weight_params
 
@@ -67,6 +67,7 @@ def import_hf_model(model_dir: Path, target: tvm.target.Target, model_dtype: str
         from ember.frontend.torch_export import build_exported_module  # imports torch: only when asked
 
         mod, shapes = build_exported_module(model_dir, config, model_dtype, weights.records)
+        mod = mod.with_attr(CONFIG_WINDOWS_ATTR, list(config.layer_windows))
     else:
         mod, shapes = build_module(config, target, model_dtype, embeddings)
     for name, shape in shapes.items():
@@ -155,8 +156,7 @@ def build_module(config: ModelConfig, target: tvm.target.Target, model_dtype: st
     relax_names = [p.name for p in weight_params(mod["decode"])]
     recipes = {rname: {"op": "load", "name": hf_name} for rname, (hf_name, _) in zip(relax_names, params)}
     shapes = {name: tuple(int(d) for d in param.shape) for name, param in params}
-    rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim,
-            "sliding_window": config.sliding_window is not None}
+    rope = {"theta": config.rope_theta, "scaling": config.rope_scaling or {}, "rotary_dim": config.head_dim}
     mod = with_cache_shape(tag_library_kernels(mod).with_attr(ROPE_ATTR, rope), model.cache_shape)
     return set_recipes(mod, recipes), shapes
 

@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         """What the KV cache holds; it applies the rotary embeddings."""
         c = self.config
         return CacheShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                          c.context_window, c.rope_theta, c.rope_scaling or {})
+                          c.context_window, c.rope_theta, c.rope_scaling or {}, c.layer_windows)
 
     def export_spec(self, embeddings: bool = False) -> dict[str, Any]:
         """The `nn.Module.export_tvm` spec of the entry functions (`embed` too with `embeddings`)."""

@@ -45,7 +45,7 @@ from ember.frontend.config import imported_model_config
 from ember.frontend.files import check_file_size, checkpoint_file
 from ember.frontend.hf import ImportedModel, checked_tokenizer_files
 from ember.frontend.traced_weights import read_weights_transposed
-from ember.ir.attributes import FORWARD
+from ember.ir.attributes import CONFIG_WINDOWS_ATTR, FORWARD
 from ember.ir.weight_recipes import set_recipes
 
 MAX_ONNX_BYTES = 2**31  # protobuf's limit: larger models keep their weights in external data files
@@ -166,6 +166,7 @@ def import_onnx_model(path: Path, tokenizer_dir: Path | None, model_dtype: str =
     model = load_onnx(path)
     weights = OnnxWeights(path, model)
     mod, _shapes = build_onnx_module(path, model, weights, config.context_window)
+    mod = mod.with_attr(CONFIG_WINDOWS_ATTR, list(config.layer_windows))
     return ImportedModel(mod, config, weights, checked_tokenizer_files(directory, config), model_dtype, "onnx",
                          directory)
 

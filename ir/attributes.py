@@ -9,8 +9,8 @@ KERNEL_SOURCE_ATTR = "ember.kernel_source"
 # along K are unpacked from one packed element and one scale (the widest useful vector).
 VECTOR_RUN_ATTR = "ember.vector_run"
 # Set by the frontend on the IRModule: the rotary embedding the KV cache applies,
-# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int,
-#  "sliding_window": bool (TVM's runtime then rotates cached keys inside the prefill kernels)}.
+# {"theta": float, "scaling": dict (config's rope_scaling, {} for plain RoPE), "rotary_dim": int}; "in-graph"
+# as "mode" where the graph rotates q and k itself.
 ROPE_ATTR = "ember.rope"
 # The entries' symbolic token counts: a prefill chunk's length, and decode's batch (one token per sequence, so
 # its kernels are sized for a few rows; an imported graph's decode runs the batch as one row of BATCH_SIZE tokens).
@@ -26,3 +26,7 @@ FORWARD = "forward"
 # Set on the IRModule by whoever adds the KV cache (`ir/kv_cache.py`): what the cache holds,
 # {"num_layers", "num_heads", "num_kv_heads", "head_dim"}; the compiler checks the model config against it.
 KV_CACHE_ATTR = "ember.kv_cache"
+# Set by an importer on the IRModule (`forward`'s module): per attention layer, the sliding window its config
+# names (0: the whole context), as `frontend.config.layer_windows` reads it; `specialize_attention` proves each
+# layer's mask in the graph equal to it, or refuses.
+CONFIG_WINDOWS_ATTR = "ember.config_windows"

@@ -19,6 +19,7 @@ from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv_cache
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
+from ember.core.errors import ModelError
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR
 from ember.ir.module_utils import replace_functions
 from ember.ir.tvmscript import parsed_once
@@ -99,6 +100,28 @@ class CacheShape:
     context_window: int
     rope_theta: float | None = None  # None: the graph applies rotary embeddings, the cache none
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # Per layer, the sliding window its attention reads through (a query at position p sees the keys at positions
+    # p - window + 1 .. p), 0 for the whole context; empty: no layer has a window.
+    layer_windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if len(set(self.layer_windows) - {0}) > 1:
+            raise ModelError(f"attention layers read through windows of {sorted(set(self.layer_windows) - {0})} "
+                             "tokens; ember's KV cache holds one window size for all windowed layers")
+
+    @property
+    def window(self) -> int:
+        """The window of the windowed layers (0: none has one)."""
+        return max(self.layer_windows, default=0)
+
+    @property
+    def window_pages(self) -> bool:
+        """Windowed layers are handed only their window's pages: where some layers have no window (TVM's
+        "mha_sliding" kind, whose kernels are separate). Where every layer has one, all are plain layers whose
+        kernels see through the window (TVM's cache allocates no workspace for a model of sliding layers alone)."""
+        return bool(self.window) and 0 in self.layer_windows
 
 
 def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size: tirx.Var,
@@ -106,8 +129,15 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
                    support_sliding_window: tirx.Var) -> PagedKVCache:
     """The cache for `shape` in `dtype`; the sizes are the runtime's."""
     rope = shape.rope_theta is not None
+    # Windowed layers among others are TVM's "mha_sliding" kind: the runtime hands their attention kernels the pages
+    # of the last `layer_sliding_window_size` tokens, and those kernels mask the rest by position. Every token stays
+    # cached; the runtime never enables its per-sequence window, which drops pages.
+    kinds = ["mha_sliding" if window else "mha" for window in shape.layer_windows] if shape.window_pages else "mha"
+    if shape.window and not shape.window_pages and "cpu" not in target.keys:
+        raise ModelError(f"every attention layer reads through a sliding window of {shape.window} tokens, which "
+                         f"ember's CPU kernels compute and TVM's {target.kind.name} kernels do not; compile for a CPU")
     return TIRPagedKVCache(
-        attn_kind="mha",
+        attn_kind=kinds,
         max_batch_size=max_batch_size,
         max_total_seq_len=max_total_seq_len,
         prefill_chunk_size=prefill_chunk_size,
@@ -130,9 +160,7 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
         enable_disaggregation=False,
         dtype=dtype,
         target=target,
-        # Only read for per-layer sliding kinds (Gemma-style); Mistral's window is
-        # enabled per sequence by the runtime (`support_sliding_window`).
-        layer_sliding_window_size=shape.context_window,
+        layer_sliding_window_size=shape.window or shape.context_window,
     )
 
 
@@ -212,7 +240,21 @@ KV_ROWS: dict[str, type[KVRows]] = {"q8": Int8Rows, "f16": Float16Rows}
 def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:
     """`mod` recording what its KV cache holds (`KV_CACHE_ATTR`)."""
     return mod.with_attr(KV_CACHE_ATTR, {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
-                                         "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim})
+                                         "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                                         "layer_windows": list(shape.layer_windows)})
+
+
+def recorded_layer_windows(mod: tvm.IRModule) -> tuple[int, ...]:
+    """Each layer's window as recorded on `mod` (`with_cache_shape`; `CacheShape.layer_windows`)."""
+    return tuple(int(w) for w in (mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("layer_windows", []))
+
+
+def cache_window(mod: tvm.IRModule) -> tuple[int, bool]:
+    """(the window of the windowed layers, 0 if none; whether their kernels are handed only the window's pages,
+    `CacheShape.window_pages`) as recorded on `mod`."""
+    windows = recorded_layer_windows(mod)
+    window = max(windows, default=0)
+    return window, bool(window) and 0 in windows
 
 
 def cache_functions(shape: CacheShape, dtype: str, target: Target) -> tvm.IRModule:

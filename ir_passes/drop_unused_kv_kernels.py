@@ -3,16 +3,14 @@
 TVM's `TIRPagedKVCache` builds a kernel for every request its runtime could serve and
 hands all of them to `create_paged_kv_cache`: attention over token trees (two kernels),
 sliding-window prefill and decode, and MLA's append. ember's runtime decodes chains
-(speculation verifies a chain of drafted tokens, never a tree), asks for a sliding
-window only where the model has one (the manifest's `sliding_window`), and builds no MLA
-model. This pass empties those slots of the create call (an empty tuple, or null for
-MLA's append, as `quantize_kv_cache` hands its packed cache); the runtime refuses a
-request that needs a missing kernel. The kernels, no longer referenced, are then dropped
-by `drop_unreachable_functions`.
+(speculation verifies a chain of drafted tokens, never a tree), calls the sliding-window
+kernels only where some layers have a window and others none (`CacheShape.window_pages`,
+as recorded on the module), and builds no MLA model. This pass empties those slots of the
+create call (an empty tuple, or null for MLA's append, as `quantize_kv_cache` hands its
+packed cache); the runtime refuses a request that needs a missing kernel. The kernels, no
+longer referenced, are then dropped by `drop_unreachable_functions`.
 
-Why: they were compiled into every artifact. On the demo model (q4f32, this host's
-target) they were 21,000 of the library's 88,600 lines of LLVM IR; without them the
-library is 19-24% smaller and a compile ~0.6 s (5-7%) shorter.
+Why: they were compiled into every artifact, a fifth of the demo model's library.
 """
 
 from __future__ import annotations
@@ -20,25 +18,27 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ember.ir.kv_cache import CREATE_FUNCTION, NEVER_CALLED_ATTENTION, SLIDING_WINDOW_ATTENTION, CreateArg
+from ember.ir.kv_cache import (
+    CREATE_FUNCTION,
+    NEVER_CALLED_ATTENTION,
+    SLIDING_WINDOW_ATTENTION,
+    CreateArg,
+    cache_window,
+)
 from ember.ir.module_utils import calls_packed
 
 
-def drop_unused_kv_kernels(sliding_window: bool) -> tvm.transform.Pass:
-    """The pass; `sliding_window`: the model attends through a window, so its sliding-window kernels stay."""
-    emptied = NEVER_CALLED_ATTENTION if sliding_window else (*NEVER_CALLED_ATTENTION, *SLIDING_WINDOW_ATTENTION)
-
-    @tvm.transform.module_pass(opt_level=0, name="DropUnusedKVKernels")
-    def drop(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _EmptySlots(mod, emptied)
-        updates = {gv: rewriter.visit_expr(func) for gv, func in mod.functions_items()
-                   if isinstance(func, relax.Function)}
-        if not rewriter.rewritten:
-            return mod
-        return tvm.IRModule({gv: updates.get(gv, func) for gv, func in mod.functions_items()},
-                            attrs=mod.attrs, global_infos=mod.global_infos)
-
-    return drop
+@tvm.transform.module_pass(opt_level=0, name="DropUnusedKVKernels")
+def drop_unused_kv_kernels(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """The pass: the slots of kernels no request will need are emptied."""
+    _window, sliding_slots = cache_window(mod)
+    emptied = NEVER_CALLED_ATTENTION if sliding_slots else (*NEVER_CALLED_ATTENTION, *SLIDING_WINDOW_ATTENTION)
+    rewriter = _EmptySlots(mod, emptied)
+    updates = {gv: rewriter.visit_expr(func) for gv, func in mod.functions_items() if isinstance(func, relax.Function)}
+    if not rewriter.rewritten:
+        return mod
+    return tvm.IRModule({gv: updates.get(gv, func) for gv, func in mod.functions_items()},
+                        attrs=mod.attrs, global_infos=mod.global_infos)
 
 
 @relax.expr_functor.mutator

@@ -68,8 +68,6 @@ class LowerOptions:
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
     # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype.
     kv_quant: str | None = None
-    # The model attends through a sliding window (the runtime asks the KV cache for windowed attention).
-    sliding_window: bool = False
 
 
 def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
@@ -86,8 +84,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
     """Model-level rewrites on Relax operators, before any lowering."""
     tensor_formats = {name: FORMATS[fmt] for name, fmt in options.tensor_formats.items()}
     return [
-        # The KV cache is handed no kernels for token trees, MLA, or a sliding window the model does not have.
-        drop_unused_kv_kernels(options.sliding_window),
+        # The KV cache is handed no kernels for token trees, MLA, or sliding-window layers the model does not have.
+        drop_unused_kv_kernels,
         # Transposes that cancel (an imported graph's head layouts meeting the cache's) go.
         fold_permute_chains,
         # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.

@@ -12,9 +12,10 @@ it is given; so:
 
 - `create_paged_kv_cache` declares the cache in float32 words (head dim 1, `stored_*`
   heads) and hands it ember's kernels: `schedules/quantized_kv_cache.py` to quantize,
-  store, copy and merge rows, and the int8 variants of ember's attention kernels.
-  Kernels for what ember never asks of it (sliding windows, token trees, MLA) are left
-  out, so the runtime refuses such a request instead of computing on the wrong layout.
+  store, copy and merge rows, and the int8 variants of ember's attention kernels (their
+  sliding-window variants too, where the cache has windowed layers). Kernels for what
+  ember never asks of it (token trees, MLA) are left out, so the runtime refuses such a
+  request instead of computing on the wrong layout.
 - Every `attention_with_fused_qkv` call hands the same fused q/k/v bytes as words (a
   reshape, no copy) and takes the real output from the front of the output rows.
 - Where the cache rotates q and k itself (`RopeMode.NORMAL`), ember's split kernel
@@ -35,14 +36,7 @@ import tvm
 from tvm import relax, tirx
 
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
-from ember.ir.kv_cache import (
-    CREATE_FUNCTION,
-    KV_ROWS,
-    NEVER_CALLED_ATTENTION,
-    SLIDING_WINDOW_ATTENTION,
-    CreateArg,
-    KVRows,
-)
+from ember.ir.kv_cache import CREATE_FUNCTION, KV_ROWS, NEVER_CALLED_ATTENTION, CreateArg, KVRows, cache_window
 from ember.ir.module_utils import calls_packed
 from ember.schedules import quantized_kv_cache as kernels
 from ember.schedules.decode_attention import paged_decode_attention
@@ -131,11 +125,25 @@ class _Rewriter(relax.PyExprMutator):
         args[CreateArg.APPEND_MLA] = relax.op.null_value()
         args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
                                                              dtype, self.lanes, rows=rows))
+        # Where every layer has the window, the plain kernels see through it (`CacheShape.window_pages`).
+        window, sliding_slots = cache_window(self.mod)
+        plain_window = 0 if sliding_slots else window
         args[CreateArg.PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim,
-                                                               dtype, page_size, self.lanes, storage=storage))
+                                                               dtype, page_size, self.lanes, storage=storage,
+                                                               window=plain_window))
         args[CreateArg.DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim,
-                                                             dtype, page_size, self.lanes, storage=storage))
-        for index in (*SLIDING_WINDOW_ATTENTION, *NEVER_CALLED_ATTENTION):
+                                                             dtype, page_size, self.lanes, storage=storage,
+                                                             window=plain_window))
+        if sliding_slots:
+            args[CreateArg.PREFILL_SLIDING_WINDOW] = attention("prefill_window", partial(
+                paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
+                window=window, window_pages=True))
+            args[CreateArg.DECODE_SLIDING_WINDOW] = attention("decode_window", partial(
+                paged_decode_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
+                window=window, window_pages=True))
+        else:
+            args[CreateArg.PREFILL_SLIDING_WINDOW] = args[CreateArg.DECODE_SLIDING_WINDOW] = relax.Tuple([])
+        for index in NEVER_CALLED_ATTENTION:
             args[index] = relax.Tuple([])
         args[CreateArg.MERGE] = relax.Tuple([kernel("merge", partial(kernels.merge_states, rows, dtype))])
         args[CreateArg.SPLIT] = kernel("split", partial(kernels.split_and_quantize, rows, dtype,

@@ -19,8 +19,13 @@ sequence. Three rewrites make that true:
 1. **Attention.** `softmax(q @ k^T * scale + mask) @ v`, as torch.export decomposes
    `scaled_dot_product_attention` and as eager attention and ONNX exports write it
    (the scale on q, k or both; k transposed in 4-D or in a 3-D view of merged heads;
-   a guard that zeroes fully masked rows), with an additive causal mask (evaluated at
-   5 tokens to check it), q [1, heads, n, d] and k, v [1, kv_heads, n, d] after undoing
+   a guard that zeroes fully masked rows), with an additive mask that is proven, not
+   sampled: evaluated at lengths past every window the config names (and past 64
+   tokens), it must be causal, or causal through a sliding window of W tokens (a query
+   at position p sees p - W + 1 .. p) at every length alike, and each layer's must be
+   what the importer read of the config (`CONFIG_WINDOWS_ATTR`: `layer_types`,
+   `sliding_window` and their kin). The windows go to the cache, which hands windowed
+   layers to kernels that mask by position. q [1, heads, n, d] and k, v [1, kv_heads, n, d] after undoing
    a grouped-query repeat (`expand_dims` -> `broadcast_to` -> `reshape`, as
    transformers' `repeat_kv` traces) or broadcast over the heads (multi-query): q, k
    and v as [1, n, heads, d] (the tensors the graph permuted them from, where it did)
@@ -37,9 +42,10 @@ sequence. Three rewrites make that true:
 
 Anything else is refused with the path of operators where recognition stopped, never
 compiled into something wrong: attention with an additive bias or without a causal
-mask (a bidirectional encoder, ALiBi), scores transformed before the softmax
-(Gemma 2's soft-capping), keys or values that are not per-token projections of the
-sequence, a graph without attention.
+mask (a bidirectional encoder, ALiBi), a mask that is neither causal nor a sliding
+window, or that disagrees with the config (naming the layer and both), scores
+transformed before the softmax (Gemma 2's soft-capping), keys or values that are not
+per-token projections of the sequence, a graph without attention.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
 from ember.core.errors import ModelError
-from ember.ir.attributes import BATCH_SIZE, FORWARD, ROPE_ATTR, SEQ_LEN, VERIFY_LEN
+from ember.ir.attributes import BATCH_SIZE, CONFIG_WINDOWS_ATTR, FORWARD, ROPE_ATTR, SEQ_LEN, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
 from ember.ir.module_utils import bindings, is_op, permute_axes, scalar_constant
 
@@ -64,13 +70,46 @@ ENTRIES = {"prefill": SEQ_LEN, "decode": BATCH_SIZE, "verify": VERIFY_LEN}
 
 
 def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:
-    """What the KV cache must hold for the attentions `found`: layers, query and key/value heads, head dim."""
+    """What the KV cache must hold for the attentions `found`: layers, query and key/value heads, head dim,
+    each layer's window."""
     shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in found}
     if len(shapes) > 1:
         raise ModelError(f"{FORWARD}: attention layers differ in heads or head dim ({sorted(shapes)}); "
                          "one paged KV cache holds one shape")
     (heads, kv_heads, head_dim), = shapes
-    return CacheShape(len(found), heads, kv_heads, head_dim, context_window)
+    windows = tuple(a.window for a in found)
+    return CacheShape(len(found), heads, kv_heads, head_dim, context_window, layer_windows=windows if any(windows)
+                      else ())
+
+
+def _config_windows(mod: tvm.IRModule, layers: int, context_window: int) -> list[int]:
+    """Per attention layer, the window the importer read of the config (0: none, and for a window the context
+    never fills), all 0 if it recorded none."""
+    recorded = [int(w) for w in (mod.attrs or {}).get(CONFIG_WINDOWS_ATTR, [])]
+    if recorded and len(recorded) != layers:
+        raise ModelError(f"{FORWARD}: the graph has {layers} attention layers and the config names windows for "
+                         f"{len(recorded)}")
+    return [w if w < context_window else 0 for w in recorded] or [0] * layers
+
+
+def _probe_lengths(windows: list[int], context_window: int) -> list[int]:
+    """Sequence lengths to evaluate masks at: a few tokens, and past the longest window the config names (by a
+    prefill chunk's worth and more), within the context."""
+    longest = max(windows, default=0)
+    return sorted({min(n, context_window) for n in (5, 64, longest + 17, longest + 41)} - {0, 1})
+
+
+def _describe(window: int) -> str:
+    return f"a sliding window of {window} tokens" if window else "causal over the whole context"
+
+
+def _check_windows(found: list[_Attention], expected: list[int]) -> None:
+    """Each layer's mask as the graph computes it equals what the config says, or the compile stops."""
+    for layer, (attention, window) in enumerate(zip(found, expected)):
+        if attention.window != window:
+            raise ModelError(f"attention layer {layer} ({attention.where}): the graph's mask is "
+                             f"{_describe(attention.window)}, and the config says {_describe(window)}; ember "
+                             "compiles a mask only where both agree")
 
 
 def specialize_attention(target: tvm.target.Target) -> tvm.transform.Pass:
@@ -93,10 +132,15 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     batch, seq = input_ids.ty.shape
     if not (isinstance(batch, tirx.IntImm) and int(batch) == 1 and isinstance(seq, tirx.Var)):
         raise ModelError(f"{FORWARD}: expected input_ids of shape [1, seq], got {list(input_ids.ty.shape)}")
-    found = _Graph(func).attentions()
     context_window = int((func.attrs or {}).get("tir_var_upper_bound", {}).get(seq.name, 0))
     if context_window < 1:
         raise ModelError(f"{FORWARD}: the importer gave no context window (tir_var_upper_bound of {seq.name!r})")
+    graph = _Graph(func)
+    layers = len(graph.softmaxes())
+    expected = _config_windows(mod, layers, context_window)
+    graph.probe_lengths = _probe_lengths(expected, context_window)
+    found = graph.attentions()
+    _check_windows(found, expected)
     functions = {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != FORWARD}
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
@@ -108,8 +152,7 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     cleaned = tvm.transform.Sequential(
         [relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
     # The graph rotates q and k itself (in either form); the cache stores keys as they come.
-    specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph",
-                                                                                          "sliding_window": False})
+    specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph"})
     return with_cache_shape(specialized, shape)
 
 
@@ -120,13 +163,16 @@ _VIEWS = ("relax.reshape", "relax.broadcast_to")
 @dataclass
 class _Attention:
     """One recognised attention: q [1, heads, n, d] and k, v [1, kv_heads, n, d] (torch's layout), its
-    scale, and the variable its output ([1, heads, n, d]) is bound to."""
+    scale, the variable its output ([1, heads, n, d]) is bound to, where in the graph it is, and the window
+    its mask reads through (0: causal over the whole context)."""
 
     q: relax.Var
     k: relax.Var
     v: relax.Var
     scale: float
     output: relax.Var
+    where: str = ""
+    window: int = 0
 
     @property
     def num_heads(self) -> int:
@@ -143,24 +189,26 @@ class _Attention:
 
 class _Graph:
     """The bindings of one imported forward, with who uses each variable. `check_masks`: evaluate each
-    attention's mask to see that it is causal (once, on `forward`; its bound copies have the same masks)."""
+    attention's mask at `probe_lengths` to find its window (once, on `forward`; its bound copies have the same
+    masks)."""
 
     def __init__(self, func: relax.Function, check_masks: bool = True) -> None:
         self.func = func
         self.check_masks = check_masks
+        self.probe_lengths = [5, 64]
         self.values = _values(func)
         self.users: dict[relax.Var, list[relax.VarBinding]] = {}
         for binding in bindings(func):
             for var in relax.analysis.free_vars(binding.value) if isinstance(binding.value, relax.Expr) else []:
                 self.users.setdefault(var, []).append(binding)
-        self._checked_masks: set[relax.Var] = set()
+        self._windows: dict[relax.Var, int] = {}
+
+    def softmaxes(self) -> list[relax.VarBinding]:
+        return [binding for binding in bindings(self.func) if is_op(binding.value, "relax.nn.softmax")]
 
     def attentions(self) -> list[_Attention]:
         """Every attention of the graph, in order; refuses what it cannot recognise."""
-        found = []
-        for binding in bindings(self.func):
-            if is_op(binding.value, "relax.nn.softmax"):
-                found.append(self._written_out(binding))
+        found = [self._written_out(binding) for binding in self.softmaxes()]
         if not found:
             raise ModelError("forward: found no attention (scaled_dot_product_attention or softmax(QK^T)V) in the "
                              "imported graph; is it a decoder?")
@@ -188,7 +236,7 @@ class _Graph:
         if mask is None:
             raise ModelError(f"{' <- '.join(where)}: attention without a causal mask (a bidirectional encoder?) "
                              "cannot use a KV cache; ember compiles causal decoders")
-        self._check_causal(mask, " <- ".join(where))
+        window = self._mask_window(mask, " <- ".join(where))
         probabilities = self._consumer(softmax.var)
         if probabilities is None or not is_op(probabilities.value, "relax.matmul"):
             raise ModelError(f"{' <- '.join(where)}: the attention weights are not multiplied by the values")
@@ -199,7 +247,7 @@ class _Graph:
         if len(users) == 1 and is_op(users[0].value, "relax.reshape") and len(users[0].var.ty.shape) == 4:
             output = users[0].var
         scale = q_scale * k_scale * more_scale
-        return self._checked(_Attention(q, k, v, scale, output), " <- ".join(where))
+        return self._checked(_Attention(q, k, v, scale, output, where[0], window), " <- ".join(where))
 
     def _checked(self, attention: _Attention, where: str) -> _Attention:
         for x, name in ((attention.q, "queries"), (attention.k, "keys"), (attention.v, "values")):
@@ -265,25 +313,54 @@ class _Graph:
             raise ModelError(f"{where}: expand_dims on axis {list(expanded.attrs.axis)} is not a grouped-query repeat")
         return expanded.args[0]
 
-    def _check_causal(self, mask: relax.Expr, where: str) -> None:
-        """The additive mask, evaluated at 5 tokens, is 0 at and below the diagonal and -inf (or a large
-        negative) above it; a mask reading weights (ALiBi, learned biases) or other values is refused."""
-        if not self.check_masks or mask in self._checked_masks:
-            return
-        values = _evaluate(self.func, mask, tokens=5)
-        if values is None:
+    def _mask_window(self, mask: relax.Expr, where: str) -> int:
+        """The window of the additive mask (0: causal over the whole context), evaluated at every probe length;
+        a mask reading weights (ALiBi, learned biases), another shape, or one that changes with the sequence's
+        length is refused."""
+        if not self.check_masks:
+            return 0
+        if mask in self._windows:
+            return self._windows[mask]
+        evaluated = _evaluate(self.func, mask, self.probe_lengths)
+        if evaluated is None:
             raise ModelError(f"{where}: the attention bias depends on the model's weights (ALiBi or a learned "
-                             "bias?); ember recognises a causal mask only")
-        values = values.reshape(-1, 5, 5)
-        causal = np.tril(np.ones((5, 5), bool))
-        if not (np.all(values[:, causal] == 0) and np.all(values[:, ~causal] <= -1e4)):
-            raise ModelError(f"{where}: the attention bias is not a causal mask (at 5 tokens: "
-                             f"{np.array2string(values[0], precision=1)}); ember compiles causal decoders")
-        self._checked_masks.add(mask)
+                             "bias?); ember recognises a causal mask, or one through a sliding window, only")
+        windows = {}
+        for tokens, values in zip(self.probe_lengths, evaluated):
+            windows[tokens] = mask_window(values)
+            if windows[tokens] is None:
+                shown = values.reshape(-1, tokens, tokens)[0][:6, :6]
+                raise ModelError(f"{where}: the attention mask is neither causal nor a sliding window (at {tokens} "
+                                 f"tokens, its first rows {np.array2string(shown, precision=1)}); ember compiles "
+                                 "causal decoders")
+        window = windows[max(windows)]
+        if any(found != (window if window < tokens else 0) for tokens, found in windows.items()):
+            raise ModelError(f"{where}: the attention mask changes with the sequence's length "
+                             f"({', '.join(f'{_describe(w)} at {n} tokens' for n, w in windows.items())})")
+        self._windows[mask] = window
+        return window
 
 
-def _evaluate(func: relax.Function, target: relax.Expr, tokens: int) -> np.ndarray | None:
-    """The value of `target` in `func` for input_ids of `tokens` zeros, if it reads no weight."""
+def mask_window(values: np.ndarray) -> int | None:
+    """The window of an additive mask [..., n, n] that is 0 where a query sees a key and -inf (or a large
+    negative) elsewhere, the same for every leading index: 0 if causal, W if each query sees its own and
+    the W - 1 positions before it (W < n), None for any other mask."""
+    tokens = values.shape[-1]
+    rows = values.reshape(-1, tokens, tokens)
+    if not np.all(rows == rows[:1]):
+        return None
+    visible = rows[0] == 0
+    if not np.all(visible | (rows[0] <= -1e4)):
+        return None
+    window = int(visible.sum(axis=1).max())
+    query, key = np.indices((tokens, tokens))
+    if not np.array_equal(visible, (key <= query) & (query - key < window)):
+        return None
+    return window if window < tokens else 0
+
+
+def _evaluate(func: relax.Function, target: relax.Expr, lengths: list[int]) -> list[np.ndarray] | None:
+    """The values of `target` in `func` for input_ids of each of `lengths` zeros, if it reads no weight."""
     values = _values(func)
     needed, stack = [], [target]
     seen: set[relax.Var] = set()
@@ -312,10 +389,13 @@ def _evaluate(func: relax.Function, target: relax.Expr, tokens: int) -> np.ndarr
                 remap[binding.var] = builder.emit(value)
             out = builder.emit_output(remap[target])
         builder.emit_func_output(out)
-    seq = input_ids.ty.shape[1]
-    mod = tvm.IRModule({"main": builder.get()["main"].bind_symbolic_vars({seq: tokens})})
-    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target("llvm")), tvm.cpu())
-    return vm["main"](tvm.runtime.tensor(np.zeros((1, tokens), "int32"))).numpy().astype(np.float64)
+    main, seq = builder.get()["main"], input_ids.ty.shape[1]
+    results = []
+    for tokens in lengths:  # one build each: TVM's scans (a cumsum) take no symbolic length
+        mod = tvm.IRModule({"main": main.bind_symbolic_vars({seq: tokens})})
+        vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target("llvm")), tvm.cpu())
+        results.append(vm["main"](tvm.runtime.tensor(np.zeros((1, tokens), "int32"))).numpy().astype(np.float32))
+    return results
 
 
 @relax.expr_functor.mutator

@@ -1,9 +1,10 @@
 """Swap TVM's serial CPU attention kernels for ember's parallel, vectorized ones.
 
-Rewrites three PrimFuncs, found by their exported symbols (`TIRPagedKVCache` adds
-them on llvm targets as `tir_attention_decode_cpu`, `tir_attention_prefill_ragged_cpu`
-and `tir_attention_prefill_cpu`; the module may name them either way). Its runtime
-calls them for every layer:
+Rewrites the PrimFuncs found by their exported symbols (`TIRPagedKVCache` adds them on
+llvm targets as `tir_attention_decode_cpu`, `tir_attention_prefill_ragged_cpu` and
+`tir_attention_prefill_cpu`, and `..._sliding_window` for windowed layers; the module may
+name them either way). Its runtime calls them for every layer (the sliding-window ones for
+windowed layers instead of the paged two):
 
     batch_decode_paged_kv_cpu     decode: one new token per sequence against its pages
     batch_prefill_ragged_kv       prefill: the new tokens against each other, causally
@@ -14,10 +15,10 @@ with the same parameters and exported symbol (`schedules/decode_attention.py`,
 `schedules/prefill_attention.py`). Why: TVM's kernels walk every head, query and key
 in one scalar loop (decode: 9.5% of a 110M model's decode step; ragged prefill: 21% of
 its prefill); ember's run in parallel with vector arithmetic and the same results
-(tested against TVM's kernels). ember's kernels expect rotary embedding applied before
-attention (`RopeMode.NORMAL`). For sliding-window models (Mistral) TVM's runtime asks
-the prefill kernels to rotate cached keys themselves, so those stay TVM's there, as do
-the sliding-window variants. Relax functions are untouched.
+(tested against TVM's kernels). The sliding-window variants become ember's kernels for the
+window the cache records (`cache_window`), masking keys by position. ember's kernels expect
+rotary embedding applied before attention (`RopeMode.NORMAL`, or a graph that rotates q and
+k itself). Relax functions are untouched.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from ember.ir.attributes import KERNEL_SOURCE_ATTR, ROPE_ATTR
+from ember.ir.attributes import KERNEL_SOURCE_ATTR
+from ember.ir.kv_cache import cache_window
 from ember.ir.module_utils import replace_functions
 from ember.schedules.decode_attention import paged_decode_attention
 from ember.schedules.prefill_attention import paged_prefill_attention, ragged_prefill_attention
@@ -35,14 +37,20 @@ from ember.targets.registry import TargetSpec
 DECODE_ATTENTION_SYMBOL = "batch_decode_paged_kv_cpu"
 RAGGED_PREFILL_SYMBOL = "batch_prefill_ragged_kv"
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv_cpu"
-ATTENTION_SYMBOLS = (DECODE_ATTENTION_SYMBOL, RAGGED_PREFILL_SYMBOL, PAGED_PREFILL_SYMBOL)
+WINDOW_SUFFIX = "_sliding_window"
+ATTENTION_SYMBOLS = (DECODE_ATTENTION_SYMBOL, RAGGED_PREFILL_SYMBOL, PAGED_PREFILL_SYMBOL,
+                     DECODE_ATTENTION_SYMBOL + WINDOW_SUFFIX, PAGED_PREFILL_SYMBOL + WINDOW_SUFFIX)
 
 
 def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
     """A pass replacing the KV cache's CPU attention kernels with ember's."""
     lanes = max(target.vector_bits // 32, 1)
 
-    def replacement(symbol: str, original: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    def replacement(symbol: str, original: tirx.PrimFunc, window: int, sliding_slots: bool) -> tirx.PrimFunc | None:
+        kind = symbol.removesuffix(WINDOW_SUFFIX)
+        # The window's kernels are the sliding slots', or, where every layer has it, the plain ones.
+        window_pages = kind != symbol
+        window = window if window_pages or not sliding_slots else 0
         queries = original.params[0]  # buffer-typed parameters: [tokens, qo heads, head dim]
         num_qo_heads, head_dim = (int(extent) for extent in queries.shape[1:])
         dtype = str(queries.dtype)
@@ -51,22 +59,22 @@ def specialize_cpu_attention(target: TargetSpec) -> tvm.transform.Pass:
             if int(keys.shape[2]) != head_dim or int(values.shape[2]) != head_dim:
                 return None  # different key and value widths (MLA): keep TVM's
             return ragged_prefill_attention(int(keys.shape[1]), num_qo_heads, head_dim, dtype, lanes, symbol)
-        pages = original.params[1 if symbol == DECODE_ATTENTION_SYMBOL else 2]
+        pages = original.params[1 if kind == DECODE_ATTENTION_SYMBOL else 2]
         num_kv_heads, page_size = int(pages.shape[2]), int(pages.shape[3])
-        if symbol == DECODE_ATTENTION_SYMBOL:
-            return paged_decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol)
-        return paged_prefill_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol)
+        if kind == DECODE_ATTENTION_SYMBOL:
+            return paged_decode_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol,
+                                          window=window, window_pages=window_pages)
+        return paged_prefill_attention(num_kv_heads, num_qo_heads, head_dim, dtype, page_size, lanes, symbol,
+                                       window=window, window_pages=window_pages)
 
     @tvm.transform.module_pass(opt_level=0, name="SpecializeCPUAttention")
     def _specialize(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rope = (mod.attrs or {}).get(ROPE_ATTR)
-        keys_rotated_inline = rope is None or bool(rope["sliding_window"])
-        swapped = (DECODE_ATTENTION_SYMBOL,) if keys_rotated_inline else ATTENTION_SYMBOLS
+        window, sliding_slots = cache_window(mod)
         updates = {}
         for gv, func in mod.functions_items():
             symbol = (func.attrs or {}).get("global_symbol") if isinstance(func, tirx.PrimFunc) else None
-            if symbol in swapped:
-                kernel = replacement(str(symbol), func)
+            if symbol in ATTENTION_SYMBOLS:
+                kernel = replacement(str(symbol), func, window, sliding_slots)
                 if kernel is not None:
                     updates[gv.name_hint] = kernel.with_attr(KERNEL_SOURCE_ATTR, __name__)
         return replace_functions(mod, updates) if updates else mod

@@ -96,7 +96,6 @@ class Engine(SequenceChecks):
         self.max_batch = int(kv["max_batch"])
         self.context_window = int(max_context or kv["max_context"])
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
-        self.sliding_window = kv.get("sliding_window")
         self.page_size = int(kv["page_size"])
         # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
         self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
@@ -108,7 +107,8 @@ class Engine(SequenceChecks):
         self.kv_capacity = min(self.context_window * self.max_batch, int(kv["max_total_tokens"]))
         self.kv_cache = self._vm["create_paged_kv_cache"](
             _ShapeTuple([self.max_batch]), _ShapeTuple([self.kv_capacity]), _ShapeTuple([self.prefill_chunk]),
-            _ShapeTuple([self.page_size]), _ShapeTuple([1 if self.sliding_window else 0]),
+            # Windowed layers keep every token (the cache's own per-sequence window, which drops pages, stays off).
+            _ShapeTuple([self.page_size]), _ShapeTuple([0]),
         )
         self._lengths: dict[int, int] = {}
         self._ids = itertools.count()
@@ -118,23 +118,18 @@ class Engine(SequenceChecks):
         self._f_popn = _builtin("kv_state_popn")
         self._f_begin = _builtin("kv_state_begin_forward")
         self._f_end = _builtin("kv_state_end_forward")
-        self._f_enable_window = _builtin("attention_kv_cache_enable_sliding_window_for_seq")
 
     def add_sequence(self) -> int:
         """Start an empty sequence; returns its id."""
         self._check_free_slot()
         seq_id = next(self._ids)
         self._f_add(self.kv_cache, seq_id)
-        if self.sliding_window:
-            self._f_enable_window(self.kv_cache, seq_id, self.sliding_window - 1, 0)
         self._lengths[seq_id] = 0
         return seq_id
 
     def fork_sequence(self, parent: int, length: int | None = None) -> int:
         """A new sequence sharing `parent`'s first `length` tokens (all by default)."""
         self._check_known(parent)
-        if self.sliding_window:
-            raise GenerationError("forking a sequence is not supported for sliding-window attention")
         self._check_free_slot()
         length = self._fork_length(parent, length)
         child = next(self._ids)
@@ -169,22 +164,15 @@ class Engine(SequenceChecks):
             raise GenerationError("prefill needs at least one token")
         self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
-        windowed = len(tokens)
-        if self.sliding_window:
-            windowed = max(0, min(len(tokens), self.sliding_window - self._lengths[seq_id]))
         outputs = []
-        for begin in range(0, windowed, self.prefill_chunk):
-            chunk = tokens[begin: min(begin + self.prefill_chunk, windowed)]
+        for begin in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[begin: begin + self.prefill_chunk]
             last = begin + len(chunk) >= len(tokens)
             # Without all_logits only the last row of the last chunk is used.
             positions = np.arange(len(chunk), dtype=np.int32) if all_logits else np.array([len(chunk) - 1], np.int32)
             logits = self._forward("prefill", [seq_id], [len(chunk)], chunk[None, :], positions)
             if all_logits or last:
                 outputs.append(logits[0])
-        for position in range(windowed, len(tokens)):
-            row = self.decode([seq_id], [int(tokens[position])])
-            if all_logits or position == len(tokens) - 1:
-                outputs.append(row)
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
 
@@ -192,10 +180,8 @@ class Engine(SequenceChecks):
         """Append a few tokens to `seq_id` (a pending token and guesses); logits [n, vocab] at every one.
 
         The artifact's `verify` entry runs them in kernels sized for a few rows, as decode's are;
-        more tokens than it takes, a sliding-window sequence past its window, or an artifact
-        compiled without it, go through `prefill`."""
-        if not 0 < len(token_ids) <= self.verify_tokens or \
-                self.sliding_window and self._lengths.get(seq_id, 0) + len(token_ids) > self.sliding_window:
+        more tokens than it takes, or an artifact compiled without it, go through `prefill`."""
+        if not 0 < len(token_ids) <= self.verify_tokens:
             return self.prefill(seq_id, token_ids, all_logits=True)
         self._check_known(seq_id)
         self._check_room({seq_id: len(token_ids)})
@@ -210,9 +196,6 @@ class Engine(SequenceChecks):
                                   "--embeddings`")
         if not token_ids:
             raise GenerationError("an input to embed needs at least one token")
-        if self.sliding_window and len(token_ids) > self.sliding_window:
-            raise GenerationError(f"an input to embed is {len(token_ids)} tokens, more than the model's sliding "
-                                  f"window of {self.sliding_window}")
         seq_id = self.add_sequence()
         try:
             self._check_room({seq_id: len(token_ids)})

@@ -260,15 +260,11 @@ def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list
     return list(prompt)
 
 
-def check_choices(n: int, max_batch: int, forks: bool, tools: tool_calls.ToolPlan | None = None) -> None:
-    """Refuse more choices than the artifact decodes at once, several where the KV cache cannot fork a prompt's
-    pages (`forks` false: a sliding window), or several whose tool calls would be read."""
+def check_choices(n: int, max_batch: int, tools: tool_calls.ToolPlan | None = None) -> None:
+    """Refuse more choices than the artifact decodes at once, or several whose tool calls would be read."""
     if n > max_batch:
         raise ApiError(400, f"n: {n} choices; this model decodes at most {max_batch} sequences at once "
                             "(compiled --max-batch)", param="n", code="invalid_value")
-    if n > 1 and not forks:
-        raise ApiError(400, "n: several choices share the prompt's KV pages, which this model's sliding-window "
-                            "cache cannot fork; ask for one", param="n", code="unsupported_value")
     if n > 1 and tools is not None and tools.returns_calls:
         raise ApiError(400, "n: several choices of a reply that may call tools are not supported; ask for one",
                        param="n", code="unsupported_value")

@@ -15,10 +15,9 @@ admitted request's prompt plus its `max_new_tokens`: the cache can never fill up
 a running request, and the others wait in the queue, first in first out. A cancelled
 request (a client gone) leaves at the next step and its pages are freed.
 
-With the prefix cache (`runtime/prefix_cache.py`, on unless the model has a sliding
-window, which TVM cannot fork), a request that ended keeps its sequence as a cache entry,
-and a new prompt that starts with tokens a running or cached sequence holds forks its
-pages and prefills only the rest. Entries are evicted least recently used first as soon
+With the prefix cache (`runtime/prefix_cache.py`, on by default), a request that ended
+keeps its sequence as a cache entry, and a new prompt that starts with tokens a running or
+cached sequence holds forks its pages and prefills only the rest. Entries are evicted least recently used first as soon
 as a request needs their sequence slot or KV pages, so the cache never makes a request
 wait; admission counts their pages as the engine does. When only the matched entry stands
 in the way, the request takes that entry's sequence over (truncated to the shared prefix).
@@ -238,7 +237,7 @@ class Scheduler:
         self._ttft = Histogram(TTFT_BUCKETS)
         self._tpot = Histogram(TPOT_BUCKETS)
         # A shared prefix shorter than a page saves less prefill than the fork costs.
-        self._prefix = PrefixCache(engine.page_size) if prefix_cache and not engine.sliding_window else None
+        self._prefix = PrefixCache(engine.page_size) if prefix_cache else None
         self._cached_tokens = 0  # page-rounded lengths of the cache entries
         self._prefill_tokens = 0
         self._prefix_hits = 0
@@ -395,9 +394,6 @@ class Scheduler:
         if not 1 <= n <= self.engine.max_batch:
             raise GenerationError(f"n: {n} choices; this artifact decodes at most {self.engine.max_batch} sequences "
                                   "at once (compiled --max-batch)")
-        if n > 1 and self.engine.sliding_window:
-            raise GenerationError("n: several choices share the prompt's KV pages, which a sliding-window model's "
-                                  "cache cannot fork; ask for one")
         if logits_processor is None or callable(logits_processor):
             if n > 1 and logits_processor is not None:
                 raise GenerationError("several choices need one logits processor each")

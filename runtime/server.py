@@ -240,7 +240,7 @@ class _Api:
             hidden = await asyncio.wrap_future(future)  # cancelled with this request if its client goes
         except NEVER_CAUGHT:
             raise
-        except GenerationError as err:  # the engine refused an input (a sliding window it overflows)
+        except GenerationError as err:  # the engine refused an input (a full KV cache)
             raise request_error(err, "input") from None
         except BaseException as err:
             raise generation_error(err) from None
@@ -262,7 +262,7 @@ class _Api:
         """Generate for `prompt_ids`: the whole answer, or its SSE stream; a client gone mid-way cancels it."""
         engine = self.engine
         params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
-        check_choices(fields.n, engine.max_batch, not engine.sliding_window, tools)
+        check_choices(fields.n, engine.max_batch, tools)
         processor = await self._processor(fields, tools)
         if processor is not None and fields.n > 1:  # each choice advances a grammar state of its own
             processor = [processor, *[await self._processor(fields, tools) for _ in range(fields.n - 1)]]

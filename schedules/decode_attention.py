@@ -21,6 +21,12 @@ cache's rows (`kv_storage.py`; the q8 cache's: a dot product or value row times 
 
 Scores use exp2 with log2(e) folded into the query, as TVM's kernels do; `lse` is
 in the same base-2 units, since the runtime merges attention states with it.
+
+With a `window`, the kernel starts at the first key whose position is within `window`
+of the query's, so its cost stays flat past the window. Where only some layers have one
+(`window_pages`), the runtime hands their kernels the pages of the last `window` tokens,
+with length info as [3, batch] (last page's length, slots of the first page before the
+window, sinks: none here); where all do, every page, as for a model without a window.
 """
 
 from __future__ import annotations
@@ -43,13 +49,37 @@ AHEAD = 16
 _START_MAX = -5e4
 
 
+def length_info_shape(batch_size, window_pages: bool) -> tuple:
+    """The runtime's length info: each sequence's last page length, and two rows more for the pages of a window."""
+    return (3, batch_size) if window_pages else (batch_size,)
+
+
+def last_page_length(length_info, b, window_pages: bool):
+    """Tokens in sequence b's last page, from the runtime's length info."""
+    return length_info[0, b] if window_pages else length_info[b]
+
+
+def skipped_slots(length_info, b, window_pages: bool):
+    """Slots of sequence b's first handed page before the window's first key (0 where all pages are handed)."""
+    return length_info[1, b] if window_pages else T.int32(0)
+
+
+def first_visible(query_position, first_key_position, window: int):
+    """The index (in the keys handed) of the first key a query at `query_position` sees through `window`
+    (0 without one)."""
+    return T.max(query_position - window + 1 - first_key_position, 0) if window else T.int32(0)
+
+
 @parsed_once
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                           page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
+                           page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
+                           window: int = 0, window_pages: bool = False):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
     `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`
-    the page layout (`kv_storage.py`), TVM's float pages by default."""
+    the page layout (`kv_storage.py`), TVM's float pages by default; `window` the sliding window
+    of the layers it serves (0: the whole context), `window_pages` whether it is handed only the
+    window's pages (TVM's sliding-window slot)."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     group = num_qo_heads // num_kv_heads
     lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # a power of two, at most 16
@@ -86,9 +116,10 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
         pages = T.match_buffer(pages_handle, storage.page_shape(max_num_pages), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch_size + 1,), "int32", elem_offset=indptr_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
-        last_page_len = T.match_buffer(last_page_len_handle, (batch_size,), "int32", elem_offset=length_offset)
-        T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
-        T.match_buffer(q_rope_position_handle, (batch_size,), "int32", elem_offset=q_rope_offset)
+        length_info = T.match_buffer(last_page_len_handle, length_info_shape(batch_size, window_pages), "int32",
+                                     elem_offset=length_offset)
+        key_positions = T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
+        query_positions = T.match_buffer(q_rope_position_handle, (batch_size,), "int32", elem_offset=q_rope_offset)
         outputs = T.match_buffer(output_handle, (batch_size, storage.q_heads, storage.q_dim), dtype)
         lses = T.match_buffer(lse_handle, (batch_size, storage.q_heads), "float32")
         query_heads = T.decl_buffer((batch_size, num_qo_heads, head_dim), dtype, data=queries.data,
@@ -116,22 +147,25 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                 h: T.let[T.int32] = task % num_kv_heads
                 first_page: T.let[T.int32] = page_indptr[b]
                 num_pages: T.let[T.int32] = page_indptr[b + 1] - first_page
+                skipped: T.let[T.int32] = skipped_slots(length_info, b, window_pages)
                 length: T.let[T.int32] = T.if_then_else(
-                    num_pages > 0, (num_pages - 1) * page_size + last_page_len[b], 0)
+                    num_pages > 0,
+                    (num_pages - 1) * page_size + last_page_length(length_info, b, window_pages) - skipped, 0)
+                begin: T.let[T.int32] = first_visible(query_positions[b], key_positions[b], window)
                 for g in T.serial(group):
                     m[g] = T.float32(_START_MAX)
                     d[g] = T.float32(1.0)
                     for i in T.vectorized(head_dim):
                         q[g, i] = T.Cast("float32", query_heads[b, h * group + g, i]) * sm_scale * T.float32(log2e)
                         o[g, i] = T.float32(0.0)
-                for chunk in T.serial((length + CHUNK - 1) // CHUNK):
-                    rows: T.let[T.int32] = T.min(CHUNK, length - chunk * CHUNK)
+                for chunk in T.serial((length - begin + CHUNK - 1) // CHUNK):
+                    rows: T.let[T.int32] = T.min(CHUNK, length - begin - chunk * CHUNK)
                     for t in T.serial(rows):
-                        pos: T.let[T.int32] = chunk * CHUNK + t
-                        token_page[t] = page_values[first_page + pos // page_size]
-                        token_slot[t] = pos % page_size
+                        pos: T.let[T.int32] = begin + chunk * CHUNK + t
+                        token_page[t] = page_values[first_page + (skipped + pos) // page_size]
+                        token_slot[t] = (skipped + pos) % page_size
                         if pos + AHEAD < length:
-                            ahead: T.let[T.int32] = pos + AHEAD
+                            ahead: T.let[T.int32] = skipped + pos + AHEAD
                             ahead_page: T.let[T.int32] = page_values[first_page + ahead // page_size]
                             for part in T.unroll(2):
                                 storage.prefetch(values, scales, ahead_page, part, ahead % page_size, h)

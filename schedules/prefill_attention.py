@@ -33,16 +33,25 @@ thread one contiguous range of tasks, so tasks visit the blocks in the order
 applied to q and k (ember's models use `RopeMode.NORMAL`); the kernels check it.
 Both kernels also read a `--kv-quant` cache's rows (`kv_storage.py`: int8 with scales, or
 float16), converted to float32 as a chunk of keys and values is loaded.
+
+The paged kernel also serves windowed layers (`window`): each (row, head) pair sees the
+keys whose positions lie in (its query's position - window, its query's position], by the
+positions the runtime passes, and a block reads only the keys its rows can see (handed
+every page, or, `window_pages`, those of each sequence's last `window` cached tokens). The ragged kernel stays
+causal: the compiler keeps prefill chunks no longer than the window, so no new token can
+fall out of a newer one's window.
 """
 
 from __future__ import annotations
 
 import math
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ember.ir.kv_cache import KVRows
 from ember.ir.tvmscript import parsed_once
+from ember.schedules.decode_attention import last_page_length, length_info_shape, skipped_slots
 from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
 
@@ -90,7 +99,7 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 o[rg, i] = T.float32(0)
 
     @T.macro
-    def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, limit_base, causal, kv_len):
+    def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, low_base, limit_base, causal, kv_len):
         for tile in T.serial((rows * group + row_tile - 1) // row_tile):
             # Scores of the tile's pairs: row_tile x key_chunk / lanes independent FMA chains.
             for r in T.unroll(row_tile):
@@ -102,15 +111,17 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                         s[r, j] = s[r, j] + qs[tile * row_tile + r, i] * kt[i, j]
             for r in T.serial(row_tile):
                 rg: T.let[T.int32] = tile * row_tile + r
-                # Keys before `limit` are visible to this pair's row.
-                limit: T.let[T.int32] = T.if_then_else(causal > 0, limit_base + rg // group + 1, kv_len)
+                # Keys from `low` and before `limit` are visible to this pair's row.
+                limit: T.let[T.int32] = T.if_then_else(causal > 0, T.min(limit_base + rg // group + 1, kv_len), kv_len)
                 for j in T.vectorized(key_chunk):
-                    red[j] = T.if_then_else(first_key + j < limit, s[r, j], T.float32(_START_MAX))
+                    red[j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit), s[r, j],
+                                            T.float32(_START_MAX))
                 reduce_lanes(red, key_chunk, True)
                 m_new: T.let[T.float32] = T.max(m[rg], red[0])
                 rescale: T.let[T.float32] = exp2(m[rg] - m_new)
                 for j in T.vectorized(key_chunk):
-                    p[r, j] = T.if_then_else(first_key + j < limit, exp2(s[r, j] - m_new), T.float32(0))
+                    p[r, j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit),
+                                             exp2(s[r, j] - m_new), T.float32(0))
                     red[j] = p[r, j]
                 reduce_lanes(red, key_chunk, False)
                 d[rg] = d[rg] * rescale + red[0]
@@ -133,6 +144,14 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
             lse[q_start + row0 + rg // group, h * group + rg % group] = m[rg] + T.log2(total)
 
     return start_rows, attend, finish_rows
+
+
+def _visible(key, low_base, row, limit):
+    """Key index `key` lies in [low_base + row, limit); a `low_base` of the constant 0 (no window) leaves the low
+    bound out of the code."""
+    if isinstance(low_base, tirx.IntImm) and low_base.value == 0:
+        return key < limit
+    return tirx.all(key >= low_base + row, key < limit)
 
 
 def _balanced_block(position, blocks):
@@ -180,37 +199,59 @@ class _PackedRagged(_Ragged):
 
 
 class _Paged:
-    """As `_Ragged`, with kv = [values, page_indptr, page_values, last_page_len, scales]: keys and values
-    in cache pages, read through `storage` (`kv_storage.py`)."""
+    """As `_Ragged`, with kv = [values, page_indptr, page_values, length_info, scales]: keys and values
+    in cache pages, read through `storage` (`kv_storage.py`). With `window_pages`, length_info is [3, batch]
+    and the keys start `skipped_slots` into the first page (`decode_attention`'s helpers)."""
 
-    def __init__(self, storage: FloatPages | PackedPageRows) -> None:
-        self.storage, self.page_size = storage, storage.page_size
+    def __init__(self, storage: FloatPages | PackedPageRows, window_pages: bool = False) -> None:
+        self.storage, self.page_size, self.window_pages = storage, storage.page_size, window_pages
 
     def start(self, kv, b):
-        return kv[1][b]
+        """The page-table slot of sequence b's first page, in slots: its keys begin `skipped_slots` in."""
+        return kv[1][b] * self.page_size + skipped_slots(kv[3], b, self.window_pages)
 
     def length(self, kv, b):
         pages = kv[1][b + 1] - kv[1][b]
-        return T.if_then_else(pages > 0, (pages - 1) * self.page_size + kv[3][b], 0)
+        return T.if_then_else(pages > 0, (pages - 1) * self.page_size + last_page_length(kv[3], b, self.window_pages)
+                              - skipped_slots(kv[3], b, self.window_pages), 0)
 
     def row(self, kv, start, pos, h, i, part):
-        page, slot = kv[2][start + pos // self.page_size], pos % self.page_size
+        page, slot = kv[2][(start + pos) // self.page_size], (start + pos) % self.page_size
         return self.storage.value(kv[0], page, part, slot, h, i)
 
     def scale(self, kv, start, pos, h, part):
-        page, slot = kv[2][start + pos // self.page_size], pos % self.page_size
+        page, slot = kv[2][(start + pos) // self.page_size], (start + pos) % self.page_size
         return self.storage.scale(kv[4], page, part, slot, h)
 
 
 def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, lanes: int,
-                     source: _Ragged | _Paged):
-    """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task."""
+                     source: _Ragged | _Paged, window: int = 0):
+    """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task; with a `window`,
+    each row sees the keys within it of its query's position (and none after it), by the positions given."""
     row_tile, key_chunk = prefill_tile(lanes, head_dim)
     block = _padded(BLOCK_ROWS * group, row_tile)  # a task's (row, head) pairs, in whole register tiles
     start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block)
 
+    def _limit_base(kv_len, q_len, row0, first_position, first_key_position):
+        """Row r of the block sees keys before limit_base + r + 1: causally from the end of the keys, or, with a
+        window, up to its own position."""
+        if window:
+            return first_position - first_key_position
+        return kv_len - q_len + row0
+
+    def _low_base(first_position, first_key_position):
+        """Row r of the block sees keys from low_base + r (a chain's rows are consecutive positions): none before
+        its window, or all (0)."""
+        if window:
+            return first_position - window + 1 - first_key_position
+        return T.int32(0)
+
+    def _causal(causal):
+        """Windowed rows are bounded by their own positions: causal whatever the runtime says."""
+        return T.int32(1) if window else causal
+
     @T.macro
-    def attention_tasks(q, q_indptr, kv, output, lse, causal, sm_scale, batch_size, qo_len):
+    def attention_tasks(q, q_indptr, kv, output, lse, causal, sm_scale, batch_size, qo_len, q_pos, k_pos):
         blocks: T.let[T.int32] = (qo_len + BLOCK_ROWS - 1) // BLOCK_ROWS  # per sequence, at most
         for task in T.parallel(batch_size * blocks * num_kv_heads):
             with T.sblock("attention"):
@@ -237,23 +278,28 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                 if position < own_blocks:
                     row0: T.let[T.int32] = _balanced_block(position, own_blocks) * BLOCK_ROWS
                     rows: T.let[T.int32] = T.min(BLOCK_ROWS, q_len - row0)
-                    limit_base: T.let[T.int32] = kv_len - q_len + row0  # row r sees keys < limit_base + r + 1
-                    end: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
+                    # Row r sees keys from low_base + r and before limit_base + r + 1 (key indices).
+                    limit_base: T.let[T.int32] = _limit_base(kv_len, q_len, row0, q_pos[q_start + row0], k_pos[b])
+                    begin: T.let[T.int32] = T.max(_low_base(q_pos[q_start + row0], k_pos[b]), 0)
+                    end: T.let[T.int32] = T.if_then_else(_causal(causal) > 0,
+                                                         T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
                     start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
-                    for chunk in T.serial((end + key_chunk - 1) // key_chunk):
-                        keys: T.let[T.int32] = T.min(key_chunk, end - chunk * key_chunk)
+                    for chunk in T.serial((end - begin + key_chunk - 1) // key_chunk):
+                        first: T.let[T.int32] = begin + chunk * key_chunk
+                        keys: T.let[T.int32] = T.min(key_chunk, end - first)
                         for j in T.serial(key_chunk):
                             key_scale[j] = T.if_then_else(j < keys, source.scale(
-                                kv, kv_start, chunk * key_chunk + T.min(j, keys - 1), h, 0), T.float32(0))
+                                kv, kv_start, first + T.min(j, keys - 1), h, 0), T.float32(0))
                         for j, i in T.grid(key_chunk, head_dim):
-                            kt[i, j] = (source.row(kv, kv_start, chunk * key_chunk + T.min(j, keys - 1), h, i, 0)
+                            kt[i, j] = (source.row(kv, kv_start, first + T.min(j, keys - 1), h, i, 0)
                                         * key_scale[j])
                         for j in T.serial(keys):
-                            value_scale: T.let[T.float32] = source.scale(kv, kv_start, chunk * key_chunk + j, h, 1)
+                            value_scale: T.let[T.float32] = source.scale(kv, kv_start, first + j, h, 1)
                             for i in T.vectorized(head_dim):
-                                vc[j, i] = source.row(kv, kv_start, chunk * key_chunk + j, h, i, 1) * value_scale
-                        attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, chunk * key_chunk, limit_base, causal,
-                               kv_len)
+                                vc[j, i] = source.row(kv, kv_start, first + j, h, i, 1) * value_scale
+                        attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first,
+                               _low_base(q_pos[q_start + row0], k_pos[b]), limit_base,
+                               _causal(causal), kv_len)
                     finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
 
     return attention_tasks
@@ -303,8 +349,8 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         keys = T.match_buffer(k_handle, (kv_len_total, *kv_shape), dtype)
         values = T.match_buffer(v_handle, (kv_len_total, *kv_shape), dtype)
         kv_indptr = T.match_buffer(kv_indptr_handle, (batch_size + 1,), "int32", elem_offset=kv_indptr_offset)
-        T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
-        T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
+        q_positions = T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
+        k_positions = T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
         outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
         lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
@@ -318,20 +364,22 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         k_scales = T.decl_buffer((kv_len_total, *kv_scales[0]), kv_scales[1], data=keys.data)
         v_scales = T.decl_buffer((kv_len_total, *kv_scales[0]), kv_scales[1], data=values.data)
         attention_tasks(q, q_indptr, [k, v, kv_indptr, k_scales, v_scales], output, lse, causal, sm_scale,
-                        batch_size, qo_len)
+                        batch_size, qo_len, q_positions, k_positions)
 
     return prefill_ragged
 
 
 @parsed_once
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
-                            lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None):
-    """Replacement for TVM's `batch_prefill_paged_kv_cpu` (no sliding window): keys and values in cache pages,
-    laid out as `storage` says (`kv_storage.py`; TVM's float pages by default). `lanes` is the float32 vector width."""
+                            lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
+                            window: int = 0, window_pages: bool = False):
+    """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and, with `window_pages`, its sliding-window variant):
+    keys and values in cache pages, laid out as `storage` says (`kv_storage.py`; TVM's float pages by default),
+    seen through `window` if given. `lanes` is the float32 vector width."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     q_heads, q_dim = storage.q_heads, storage.q_dim
     attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes,
-                                       _Paged(storage))
+                                       _Paged(storage, window_pages), window)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -367,9 +415,10 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         pages = T.match_buffer(pages_handle, storage.page_shape(max_num_pages), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
-        last_page_len = T.match_buffer(last_page_len_handle, (batch_size,), "int32", elem_offset=length_offset)
-        T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
-        T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
+        length_info = T.match_buffer(last_page_len_handle, length_info_shape(batch_size, window_pages), "int32",
+                                     elem_offset=length_offset)
+        k_positions = T.match_buffer(k_rope_pos_offset_handle, (batch_size,), "int32", elem_offset=k_rope_offset)
+        q_positions = T.match_buffer(q_rope_position_handle, (qo_len,), "int32", elem_offset=q_rope_offset)
         outputs = T.match_buffer(output_handle, (qo_len, q_heads, q_dim), dtype)
         lses = T.match_buffer(lse_handle, (qo_len, q_heads), "float32")
         assert rotary_mode == 0, "ember's prefill attention needs rotary embedding applied before attention"
@@ -380,7 +429,7 @@ def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int,
         lse = T.decl_buffer((qo_len, num_qo_heads), "float32", data=lses.data, strides=(q_heads, 1))
         values = T.decl_buffer(storage.values_shape(max_num_pages), storage.values_dtype, data=pages.data)
         scales = T.decl_buffer(storage.scales_shape(max_num_pages), storage.scales_dtype, data=pages.data)
-        attention_tasks(q, q_indptr, [values, page_indptr, page_values, last_page_len, scales], output, lse, causal,
-                        sm_scale, batch_size, qo_len)
+        attention_tasks(q, q_indptr, [values, page_indptr, page_values, length_info, scales], output, lse, causal,
+                        sm_scale, batch_size, qo_len, q_positions, k_positions)
 
     return prefill_paged

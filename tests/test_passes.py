@@ -347,16 +347,20 @@ def test_tidy_traced_graph_unflattens_projections_and_drops_empty_operands() -> 
     np.testing.assert_allclose(run(tidied), run(mod), rtol=1e-6)
 
 
-@pytest.mark.parametrize("sliding_window", [False, True], ids=["no-window", "window"])
-def test_drop_unused_kv_kernels_empties_the_caches_unused_slots_and_the_runtime_takes_it(sliding_window) -> None:
-    from ember.ir.kv_cache import CREATE_FUNCTION, CacheShape, CreateArg, cache_functions
+# Window slots are kept only where some layers are windowed and others not; every layer windowed uses the plain ones.
+@pytest.mark.parametrize("layer_windows, sliding_window", [((), False), ((8, 0), True), ((8, 8), False)],
+                         ids=["no-window", "some-layers", "every-layer"])
+def test_drop_unused_kv_kernels_empties_the_caches_unused_slots_and_the_runtime_takes_it(layer_windows,
+                                                                                          sliding_window) -> None:
+    from ember.ir.kv_cache import CREATE_FUNCTION, CacheShape, CreateArg, cache_functions, with_cache_shape
     from ember.ir.module_utils import bindings, calls_packed
     from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
     from ember.ir_passes.drop_unused_kv_kernels import drop_unused_kv_kernels
 
     target = tvm.target.Target({"kind": "llvm"})
-    shape = CacheShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, context_window=64)
-    mod = cache_functions(shape, "float32", target)
+    shape = CacheShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, context_window=64,
+                       layer_windows=layer_windows)
+    mod = with_cache_shape(cache_functions(shape, "float32", target), shape)
 
     def create_args(module: tvm.IRModule) -> list[relax.Expr]:
         calls = [b.value for b in bindings(module["create_paged_kv_cache"]) if calls_packed(b.value, CREATE_FUNCTION)]
@@ -370,7 +374,7 @@ def test_drop_unused_kv_kernels_empties_the_caches_unused_slots_and_the_runtime_
     gone = {before[slot].fields[1].name_hint for slot in emptied} | {before[CreateArg.APPEND_MLA].name_hint}
     assert len(gone) == len(emptied) + 1
 
-    pruned = tvm.transform.Sequential([drop_unused_kv_kernels(sliding_window), drop_unreachable_functions])(mod)
+    pruned = tvm.transform.Sequential([drop_unused_kv_kernels, drop_unreachable_functions])(mod)
     after = create_args(pruned)
     assert all(isinstance(after[slot], relax.Tuple) and not after[slot].fields for slot in emptied)
     assert [after[slot].fields[1].name_hint for slot in kept] == [before[slot].fields[1].name_hint for slot in kept]
@@ -381,7 +385,7 @@ def test_drop_unused_kv_kernels_empties_the_caches_unused_slots_and_the_runtime_
     vm = relax.VirtualMachine(tvm.compile(pruned, target), tvm.cpu())
     shape_tuple = tvm.runtime.ShapeTuple
     cache = vm["create_paged_kv_cache"](shape_tuple([2]), shape_tuple([128]), shape_tuple([32]), shape_tuple([16]),
-                                        shape_tuple([int(sliding_window)]))
+                                        shape_tuple([0]))
     assert cache is not None
 
 

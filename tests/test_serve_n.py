@@ -115,15 +115,14 @@ def test_leaving_a_stream_cancels_every_choice(served):
     assert served.client.completions.create(model=served.name, prompt="hi", max_tokens=2).choices
 
 
-@pytest.mark.parametrize("n, forks, returns_calls, words", [
-    (2, False, False, "sliding-window"), (2, True, True, "tools"), (5, True, False, "at most 4")],
-    ids=["sliding window", "tool calls", "over --max-batch"])
-def test_check_choices_refuses_what_cannot_fork_or_be_read_naming_n(n, forks, returns_calls, words):
+@pytest.mark.parametrize("n, returns_calls, words", [(2, True, "tools"), (5, False, "at most 4")],
+                         ids=["tool calls", "over --max-batch"])
+def test_check_choices_refuses_what_cannot_be_read_naming_n(n, returns_calls, words):
     from types import SimpleNamespace
 
     from ember.runtime.protocol import ApiError, check_choices
 
     with pytest.raises(ApiError) as caught:
-        check_choices(n, 4, forks, SimpleNamespace(returns_calls=returns_calls))
+        check_choices(n, 4, SimpleNamespace(returns_calls=returns_calls))
     assert (caught.value.status, caught.value.param) == (400, "n") and words in caught.value.message
-    check_choices(1, 4, forks, SimpleNamespace(returns_calls=returns_calls))
+    check_choices(1, 4, SimpleNamespace(returns_calls=returns_calls))

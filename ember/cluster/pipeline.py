@@ -240,7 +240,6 @@ class PipelineEngine(SequenceChecks):
 
     verify_tokens = 0  # no speculation: `verify` goes through prefill
     has_embeddings = False
-    sliding_window = None
 
     def __init__(self, artifact_dir: Path, threads: int = 1, nodes: Sequence[NodeOffer] | None = None) -> None:
         artifact_dir = Path(artifact_dir)

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 from ember.core.errors import ArtifactError
 
-FORMAT_VERSION = 5  # 4: quantized weights store float16 scales; 5: kv_cache.quantization
+FORMAT_VERSION = 6  # 4: quantized weights store float16 scales; 5: kv_cache.quantization; 6: model.layer_windows
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
@@ -311,7 +311,7 @@ SCHEMA: dict[str, Any] = {
         "head_dim": _POSITIVE, "rms_norm_eps": _NUMBER, "rope_theta": _NUMBER, "rope_scaling": _optional(_OBJECT),
         "context_window": _POSITIVE, "tie_word_embeddings": _FLAG, "attention_bias": _FLAG,
         "sliding_window": _optional(_POSITIVE), "weight_dtype": _TEXT, "bos_token_id": _optional(_COUNT),
-        "eos_token_ids": _list_of(_COUNT),
+        "eos_token_ids": _list_of(_COUNT), "layer_windows": _list_of(_COUNT),
     },
     "quantization": _one_of(*QUANTIZATIONS),
     "model_dtype": _one_of("float32", "float16", "bfloat16"),

@@ -36,7 +36,7 @@ from ember.frontend.config import ModelConfig
 from ember.frontend.gguf import conversion_summary
 from ember.frontend.records import source_record
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
-from ember.ir.kv_cache import KV_ROWS
+from ember.ir.kv_cache import KV_ROWS, recorded_layer_windows
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir.weight_recipes import get_recipes, weight_params
@@ -162,18 +162,16 @@ class _Build:
             self.stage
         model_dtype = self.quantization.dtype
         config = _attention_as_built(mod, imported.config)
-        if options.kv_quant and config.sliding_window:
-            raise EmberError(f"--kv-quant {options.kv_quant}: {model_dir} attends through a sliding window of "
-                             f"{config.sliding_window} tokens, which the {options.kv_quant} KV cache does not support")
-        prefill_chunk = min(options.prefill_chunk, config.context_window)
+        # A prefill chunk's new tokens attend to each other causally, windowed layers or not (TVM's runtime has one
+        # kernel for them): no longer than the window, none of them falls out of another's.
+        prefill_chunk = min(options.prefill_chunk, config.context_window, config.sliding_window or MAX_PREFILL_CHUNK)
         tensor_formats = model_source.stored_formats(imported) if self.types_as_stored else {}
 
         stage(f"lowering and scheduling for {target.describe()}")
         lower_options = pipeline.LowerOptions(self.quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, self.tuning,
                                               int8_activations=not options.float_activations,
-                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant,
-                                              sliding_window=bool(config.sliding_window))
+                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant)
         with tvm_warnings_hidden():
             lowered = pipeline.lower(mod, target, lower_options, dump_ir)
         schedules = schedule_sources(lowered)
@@ -310,9 +308,12 @@ def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
     report and `ember analyze` read. The same values for ember's own definitions; for an imported graph, the
     attention found in it, the authority where a family names its sizes its own way (Falcon's `multi_query`) or
     a file has no config of them (ONNX)."""
-    built = {key: int(value) for key, value in mod.attrs[KV_CACHE_ATTR].items()}
-    return dataclasses.replace(config, num_hidden_layers=built["num_layers"], num_attention_heads=built["num_heads"],
-                               num_key_value_heads=built["num_kv_heads"], head_dim=built["head_dim"])
+    built = mod.attrs[KV_CACHE_ATTR]
+    windows = recorded_layer_windows(mod)
+    return dataclasses.replace(
+        config, num_hidden_layers=int(built["num_layers"]), num_attention_heads=int(built["num_heads"]),
+        num_key_value_heads=int(built["num_kv_heads"]), head_dim=int(built["head_dim"]),
+        sliding_window=max(windows, default=0) or None, layer_windows=windows)
 
 
 def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:
@@ -419,7 +420,9 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
             "decode": {"inputs": ["input_ids[batch_size, 1] int32", "kv_cache"],
                        "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
             "verify": {"inputs": ["input_ids[1, n] int32", "kv_cache"],
-                       "outputs": ["logits[1, n, vocab] float32", "kv_cache"], "max_tokens": VERIFY_TOKENS},
+                       "outputs": ["logits[1, n, vocab] float32", "kv_cache"],
+                       # Like a prefill chunk, no more tokens than a window.
+                       "max_tokens": min(VERIFY_TOKENS, config.sliding_window or VERIFY_TOKENS)},
             **({"embed": {"inputs": ["input_ids[1, seq_len] int32", "kv_cache"],
                           "outputs": ["hidden[1, seq_len, hidden_size] float32", "kv_cache"]}}
                if options.embeddings else {}),

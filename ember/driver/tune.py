@@ -184,11 +184,13 @@ def tune_model(model: Path, options: TuneOptions) -> list[TunedKernel]:
     tensor_formats = options.tensor_formats or (
         model_source.stored_formats(imported) if options.quantization is None else {})
     _progress(f"extracting kernels of {model}")
-    lower_options = pipeline.LowerOptions(fmt, min(options.prefill_chunk, imported.config.context_window),
+    config = imported.config
+    # The compile's bound on a prefill chunk (`compiler.py`): the context, and a sliding window.
+    prefill_chunk = min(options.prefill_chunk, config.context_window, config.sliding_window or options.prefill_chunk)
+    lower_options = pipeline.LowerOptions(fmt, prefill_chunk,
                                           options.max_batch, options.keep_embedding, options.keep_lm_head,
                                           int8_activations=not options.float_activations,
-                                          tensor_formats=tensor_formats,
-                                          sliding_window=bool(imported.config.sliding_window))
+                                          tensor_formats=tensor_formats)
     with tvm_warnings_hidden():
         kernels = hot_kernels(pipeline.to_kernels(imported.mod, target, lower_options), target)[: options.kernels]
     if not kernels:

@@ -272,7 +272,7 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
                                     int8_activations=manifest.activations == "int8",
                                     tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype),
-                                    kv_quant=kv["quantization"], sliding_window=bool(kv.get("sliding_window")))
+                                    kv_quant=kv["quantization"])
     with tvm_warnings_hidden():
         return pipeline.to_kernels(mod, target, options)
 
