@@ -103,6 +103,8 @@ class CacheShape:
     # Per layer, the sliding window its attention reads through (a query at position p sees the keys at positions
     # p - window + 1 .. p), 0 for the whole context; empty: no layer has a window.
     layer_windows: tuple[int, ...] = ()
+    # Every layer's scores become softcap * tanh(scores / softcap) before the mask (0: not capped).
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -136,6 +138,9 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
     if shape.window and not shape.window_pages and "cpu" not in target.keys:
         raise ModelError(f"every attention layer reads through a sliding window of {shape.window} tokens, which "
                          f"ember's CPU kernels compute and TVM's {target.kind.name} kernels do not; compile for a CPU")
+    if shape.softcap and "cpu" not in target.keys:
+        raise ModelError(f"attention scores soft-capped at {shape.softcap:g}, which ember's CPU kernels compute and "
+                         f"TVM's {target.kind.name} kernels do not; compile for a CPU")
     return TIRPagedKVCache(
         attn_kind=kinds,
         max_batch_size=max_batch_size,
@@ -241,12 +246,17 @@ def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:
     """`mod` recording what its KV cache holds (`KV_CACHE_ATTR`)."""
     return mod.with_attr(KV_CACHE_ATTR, {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
                                          "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                                         "layer_windows": list(shape.layer_windows)})
+                                         "layer_windows": list(shape.layer_windows), "softcap": shape.softcap})
 
 
 def recorded_layer_windows(mod: tvm.IRModule) -> tuple[int, ...]:
     """Each layer's window as recorded on `mod` (`with_cache_shape`; `CacheShape.layer_windows`)."""
     return tuple(int(w) for w in (mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("layer_windows", []))
+
+
+def recorded_softcap(mod: tvm.IRModule) -> float:
+    """The soft-cap of every layer's scores as recorded on `mod` (`CacheShape.softcap`; 0: none)."""
+    return float((mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("softcap", 0.0))
 
 
 def cache_window(mod: tvm.IRModule) -> tuple[int, bool]:

@@ -36,7 +36,15 @@ import tvm
 from tvm import relax, tirx
 
 from ember.ir.attributes import KERNEL_SOURCE_ATTR
-from ember.ir.kv_cache import CREATE_FUNCTION, KV_ROWS, NEVER_CALLED_ATTENTION, CreateArg, KVRows, cache_window
+from ember.ir.kv_cache import (
+    CREATE_FUNCTION,
+    KV_ROWS,
+    NEVER_CALLED_ATTENTION,
+    CreateArg,
+    KVRows,
+    cache_window,
+    recorded_softcap,
+)
 from ember.ir.module_utils import calls_packed
 from ember.schedules import quantized_kv_cache as kernels
 from ember.schedules.decode_attention import paged_decode_attention
@@ -123,24 +131,24 @@ class _Rewriter(relax.PyExprMutator):
         args[CreateArg.QK_DIM] = args[CreateArg.V_DIM] = relax.prim_value(1)
         args[CreateArg.APPEND] = kernel("append", partial(kernels.append_rows, storage, dtype))
         args[CreateArg.APPEND_MLA] = relax.op.null_value()
-        args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
-                                                             dtype, self.lanes, rows=rows))
         # Where every layer has the window, the plain kernels see through it (`CacheShape.window_pages`).
         window, sliding_slots = cache_window(self.mod)
-        plain_window = 0 if sliding_slots else window
+        plain_window, softcap = 0 if sliding_slots else window, recorded_softcap(self.mod)
+        args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
+                                                             dtype, self.lanes, rows=rows, softcap=softcap))
         args[CreateArg.PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim,
                                                                dtype, page_size, self.lanes, storage=storage,
-                                                               window=plain_window))
+                                                               window=plain_window, softcap=softcap))
         args[CreateArg.DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim,
                                                              dtype, page_size, self.lanes, storage=storage,
-                                                             window=plain_window))
+                                                             window=plain_window, softcap=softcap))
         if sliding_slots:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = attention("prefill_window", partial(
                 paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True))
+                window=window, window_pages=True, softcap=softcap))
             args[CreateArg.DECODE_SLIDING_WINDOW] = attention("decode_window", partial(
                 paged_decode_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True))
+                window=window, window_pages=True, softcap=softcap))
         else:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = args[CreateArg.DECODE_SLIDING_WINDOW] = relax.Tuple([])
         for index in NEVER_CALLED_ATTENTION:

@@ -78,8 +78,12 @@ def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:
                          "one paged KV cache holds one shape")
     (heads, kv_heads, head_dim), = shapes
     windows = tuple(a.window for a in found)
+    softcaps = {a.softcap for a in found}
+    if len(softcaps) > 1:
+        raise ModelError(f"{FORWARD}: attention layers soft-cap their scores differently ({sorted(softcaps)}); "
+                         "ember's kernels take one cap for all")
     return CacheShape(len(found), heads, kv_heads, head_dim, context_window, layer_windows=windows if any(windows)
-                      else ())
+                      else (), softcap=softcaps.pop())
 
 
 def _config_windows(mod: tvm.IRModule, layers: int, context_window: int) -> list[int]:
@@ -97,6 +101,32 @@ def _probe_lengths(windows: list[int], context_window: int) -> list[int]:
     prefill chunk's worth and more), within the context."""
     longest = max(windows, default=0)
     return sorted({min(n, context_window) for n in (5, 64, longest + 17, longest + 41)} - {0, 1})
+
+
+# Reductions whose result mixes the values of the tokens they reduce over.
+_REDUCTIONS = ("relax.max", "relax.min", "relax.sum", "relax.mean", "relax.prod", "relax.variance", "relax.std",
+               "relax.argmax", "relax.argmin", "relax.cumsum", "relax.cumprod", "relax.sort", "relax.argsort",
+               "relax.topk")
+
+
+def _check_no_token_reductions(func: relax.Function, seq: tirx.Var) -> None:
+    """Refuse a reduction over the sequence's tokens outside attention (longrope's choice of factors by the
+    longest position, say): the entries run a decode batch's sequences as one row of tokens, which it would mix.
+    The all-ones count of OPT's positions is rewritten into the cache's positions, and allowed."""
+    values = _values(func)
+    for binding in bindings(func):
+        value = binding.value
+        if not any(is_op(value, op) for op in _REDUCTIONS) or _counts_ones(value, values):
+            continue
+        dims = list(value.args[0].ty.shape)
+        axis = getattr(value.attrs, "axis", None)
+        axes = range(len(dims)) if axis is None else [int(a) for a in (axis if isinstance(axis, tvm.ir.Array)
+                                                                       else [axis])]
+        if any(v.same_as(seq) for a in axes for v in tirx.analysis.undefined_vars(dims[a])):
+            raise ModelError(f"{FORWARD}: {binding.var.name} = {value.op.name.removeprefix('relax.')} over the "
+                             "sequence's tokens, outside attention (a rotary scaling chosen by the longest position, "
+                             "as longrope's?); ember's entries run a batch of sequences as one row of tokens, which "
+                             "it would mix, so ember does not compile it")
 
 
 def _describe(window: int) -> str:
@@ -136,6 +166,7 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     if context_window < 1:
         raise ModelError(f"{FORWARD}: the importer gave no context window (tir_var_upper_bound of {seq.name!r})")
     graph = _Graph(func)
+    _check_no_token_reductions(func, seq)
     layers = len(graph.softmaxes())
     expected = _config_windows(mod, layers, context_window)
     graph.probe_lengths = _probe_lengths(expected, context_window)
@@ -164,7 +195,7 @@ _VIEWS = ("relax.reshape", "relax.broadcast_to")
 class _Attention:
     """One recognised attention: q [1, heads, n, d] and k, v [1, kv_heads, n, d] (torch's layout), its
     scale, the variable its output ([1, heads, n, d]) is bound to, where in the graph it is, and the window
-    its mask reads through (0: causal over the whole context)."""
+    its mask reads through (0: causal over the whole context) and the soft-cap of its scores."""
 
     q: relax.Var
     k: relax.Var
@@ -173,6 +204,7 @@ class _Attention:
     output: relax.Var
     where: str = ""
     window: int = 0
+    softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) before the mask (0: not capped)
 
     @property
     def num_heads(self) -> int:
@@ -215,15 +247,17 @@ class _Graph:
         return found
 
     def _written_out(self, softmax: relax.VarBinding) -> _Attention:
-        """softmax(q k^T * scale + mask) v, as torch.export decomposes scaled_dot_product_attention."""
+        """softmax(softcap(q k^T * scale) + mask) v, as torch.export decomposes scaled_dot_product_attention and
+        eager attention writes it (the scale on q, k or the product; soft-capping, cap * tanh(scores / cap), as
+        Gemma 2 writes it)."""
         where = [f"{softmax.var.name} = softmax"]
-        scores, mask = self.values.get(softmax.value.args[0]), None
-        if scores is not None and is_op(scores, "relax.add"):
-            first, second = scores.args
-            scores, mask = (self.values.get(first), second) if self._is_product(first) else (self.values.get(second),
-                                                                                              first)
-        product = self._producer_through(scores, _VIEWS, where)
-        if product is None or not is_op(product, "relax.matmul"):
+        scores, mask = softmax.value.args[0], None
+        value = self.values.get(scores)
+        if value is not None and is_op(value, "relax.add"):
+            first, second = value.args
+            scores, mask = (first, second) if self._scores_of(first, [])[0] is not None else (second, first)
+        product, post_scale, softcap = self._scores_of(scores, where)
+        if product is None:
             raise ModelError(f"{' <- '.join(where)}: a softmax over something other than q @ k^T (attention "
                              "is the only softmax a decoder's graph may have before its logits)")
         q, q_scale = self._strip(product.args[0], where)
@@ -246,8 +280,8 @@ class _Graph:
         users = self.users.get(output, [])
         if len(users) == 1 and is_op(users[0].value, "relax.reshape") and len(users[0].var.ty.shape) == 4:
             output = users[0].var
-        scale = q_scale * k_scale * more_scale
-        return self._checked(_Attention(q, k, v, scale, output, where[0], window), " <- ".join(where))
+        scale = q_scale * k_scale * more_scale * post_scale
+        return self._checked(_Attention(q, k, v, scale, output, where[0], window, softcap), " <- ".join(where))
 
     def _checked(self, attention: _Attention, where: str) -> _Attention:
         for x, name in ((attention.q, "queries"), (attention.k, "keys"), (attention.v, "values")):
@@ -260,9 +294,24 @@ class _Graph:
                              "key/value heads evenly")
         return attention
 
-    def _is_product(self, x: relax.Expr) -> bool:
-        return self._producer_through(self.values.get(x), _VIEWS, []) is not None and is_op(
-            self._producer_through(self.values.get(x), _VIEWS, []), "relax.matmul")
+    def _scores_of(self, x: relax.Expr, where: list[str]) -> tuple[relax.Call | None, float, float]:
+        """(the q @ k^T matmul whose scores `x` is, the scale multiplied after it, the soft-cap applied to them (0:
+        none)), through views; (None, ..) if `x` is not such scores."""
+        value, softcap = self.values.get(x), 0.0
+        tanh = self.values.get(value.args[0]) if is_op(value, "relax.multiply") else None
+        if is_op(tanh, "relax.tanh") and scalar_constant(value.args[1]) is not None:
+            softcap, value = scalar_constant(value.args[1]), self.values.get(tanh.args[0])
+            where.append(f"soft-cap {softcap:g}")
+            inner, divisor = _scaled(value)
+            if inner is None or not np.isclose(divisor, softcap, rtol=1e-6):
+                raise ModelError(f"{' <- '.join(where)}: scores soft-capped as c * tanh(x / d) with c != d; ember "
+                                 "computes c * tanh(x / c)")
+            value = self.values.get(inner)
+        post_scale = 1.0
+        while (scaled := _scaled(value))[0] is not None:
+            post_scale, value = post_scale / scaled[1], self.values.get(scaled[0])
+        product = self._producer_through(value, _VIEWS, where)
+        return (product, post_scale, softcap) if is_op(product, "relax.matmul") else (None, 1.0, 0.0)
 
     def _producer_through(self, value: relax.Expr | None, ops: tuple[str, ...], where: list[str]) -> relax.Expr | None:
         """`value`, or what it views through `ops` (reshape, broadcast_to)."""
@@ -510,6 +559,8 @@ class _Entry(relax.PyExprMutator):
             self.set_var_remap(binding.var, self.builder_.emit_output(relax.Tuple([logits, self.cache])))
         else:
             super().visit_var_binding_(binding)
+            if (any(is_op(value, op) for op in _LOGIT_MAPS) or _scaled(value)[0]) and value.args[0] in self.narrowed:
+                self.narrowed.add(binding.var)  # each logit mapped alone: still the rows at logit_positions
 
     def _cached_attention(self, attention: _Attention) -> relax.Expr:
         emit = self.builder_.emit
@@ -531,6 +582,14 @@ class _Entry(relax.PyExprMutator):
         if is_op(value, "relax.permute_dims") and permute_axes(value) == _HEADS_FIRST:
             return self.visit_expr(value.args[0])
         return self.builder_.emit(relax.op.permute_dims(self.visit_expr(x), _HEADS_FIRST))
+
+
+def _scaled(value: relax.Expr | None) -> tuple[relax.Expr | None, float]:
+    """(x, d) for `value` = x / d or x * (1 / d) with a scalar constant d; (None, 1) otherwise."""
+    if (is_op(value, "relax.divide") or is_op(value, "relax.multiply")) and scalar_constant(value.args[1]):
+        constant = scalar_constant(value.args[1])
+        return value.args[0], constant if is_op(value, "relax.divide") else 1 / constant
+    return None, 1.0
 
 
 def _swaps_last_two(permute: relax.Call) -> bool:
@@ -556,8 +615,14 @@ def _counts_ones(cumsum: relax.Call, values: dict[relax.Var, relax.Expr]) -> boo
             and int(cumsum.attrs.axis) % 2 == 1 and not cumsum.attrs.exclusive)
 
 
+# Operators between the LM head and the returned logits that map each logit alone (besides scaling by a constant):
+# a cast, a view, Gemma 2's final soft-cap (cap * tanh(logits / cap)).
+_LOGIT_MAPS = ("relax.astype", "relax.reshape", "relax.tanh")
+
+
 def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Expr]) -> relax.Var | None:
-    """The matmul (the LM head) whose result `func` returns, through casts, reshapes and tuples."""
+    """The matmul (the LM head) whose result `func` returns, through casts, reshapes, tuples and the maps of
+    each logit alone (`_LOGIT_MAPS`, scaling)."""
     stack, seen = [func.body.body], set()
     while stack:
         expr = stack.pop()
@@ -572,7 +637,7 @@ def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Exp
             continue
         if is_op(value, "relax.matmul"):
             return expr
-        if isinstance(value, relax.Var) or any(is_op(value, op) for op in ("relax.astype", "relax.reshape")):
+        if isinstance(value, relax.Var) or any(is_op(value, op) for op in _LOGIT_MAPS) or _scaled(value)[0]:
             stack.append(value if isinstance(value, relax.Var) else value.args[0])
     return None
 

@@ -1,9 +1,11 @@
 """Schedules: every PrimFunc leaves compilation scheduled for its target.
 
-The rules are tried in order on each PrimFunc; the first that matches schedules it.
-After them, `check_all_scheduled` fails compilation if any kernel fell through,
-except TVM's hand-written paged-KV-cache kernels, which arrive already written as
-loops and are tagged by the frontend (`ember.kernel_source`).
+The rules are tried in order on each PrimFunc; the first that matches schedules it,
+and on CPUs the last (`fallback.py`) keeps any other kernel's loops as written, so
+every kernel a graph can leave compiles. After them, `check_all_scheduled` fails
+compilation if any kernel fell through all the same, except TVM's hand-written
+paged-KV-cache kernels, which arrive already written as loops and are tagged by the
+frontend (`ember.kernel_source`).
 
 On CPUs, a tuning database (`ember tune`) may schedule matmul kernels first
 (`tuning.py`); the rules schedule the rest.
@@ -19,6 +21,7 @@ from tvm.s_tir import dlight
 
 from ember.schedules.check import check_all_scheduled
 from ember.schedules.elementwise import Elementwise
+from ember.schedules.fallback import SerialFallback
 from ember.schedules.matmul import NTMatmul
 from ember.schedules.reduction import RowReduction
 from ember.schedules.tuning import apply_tuning_database
@@ -34,9 +37,9 @@ def schedule_passes(target: TargetSpec, tuning: TuningDatabase | None = None) ->
 
 
 def cpu_rules(target: TargetSpec) -> list[dlight.ScheduleRule]:
-    """ember's rules for llvm targets, sized by the SIMD width."""
+    """ember's rules for llvm targets, sized by the SIMD width; the serial fallback last."""
     bits = target.vector_bits
-    return [NTMatmul(bits), RowReduction(bits), Elementwise(bits)]
+    return [NTMatmul(bits), RowReduction(bits), Elementwise(bits), SerialFallback()]
 
 
 def gpu_rules() -> list[dlight.ScheduleRule]:

@@ -64,6 +64,15 @@ def skipped_slots(length_info, b, window_pages: bool):
     return length_info[1, b] if window_pages else T.int32(0)
 
 
+def capped(score, softcap: float):
+    """A base-2 score (the natural one times log2(e)) soft-capped at `softcap` as the natural one is:
+    softcap * tanh(x / softcap); unchanged for a `softcap` of 0."""
+    if not softcap:
+        return score
+    cap = T.float32(softcap * math.log2(math.e))
+    return cap * T.tanh(score / cap)
+
+
 def first_visible(query_position, first_key_position, window: int):
     """The index (in the keys handed) of the first key a query at `query_position` sees through `window`
     (0 without one)."""
@@ -73,13 +82,13 @@ def first_visible(query_position, first_key_position, window: int):
 @parsed_once
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                            page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
-                           window: int = 0, window_pages: bool = False):
+                           window: int = 0, window_pages: bool = False, softcap: float = 0.0):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
     `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`
     the page layout (`kv_storage.py`), TVM's float pages by default; `window` the sliding window
     of the layers it serves (0: the whole context), `window_pages` whether it is handed only the
-    window's pages (TVM's sliding-window slot)."""
+    window's pages (TVM's sliding-window slot); `softcap` the soft-cap of the scores (0: none)."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     group = num_qo_heads // num_kv_heads
     lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # a power of two, at most 16
@@ -177,7 +186,8 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                                     acc[i] = acc[i] + q[g, i_o * lanes + i] * storage.value(
                                         values, token_page[t], 0, token_slot[t], h, i_o * lanes + i)
                             reduce_lanes(acc, lanes, False)
-                            s[g, t] = acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h)
+                            s[g, t] = capped(acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h),
+                                             softcap)
                     for g in T.serial(group):
                         m_new[0] = m[g]
                         for t in T.serial(rows):
