@@ -109,21 +109,25 @@ _REDUCTIONS = ("relax.max", "relax.min", "relax.sum", "relax.mean", "relax.prod"
                "relax.topk")
 
 
-def _check_no_token_reductions(func: relax.Function, seq: tirx.Var) -> None:
-    """Refuse a reduction over the sequence's tokens outside attention (longrope's choice of factors by the
-    longest position, say): the entries run a decode batch's sequences as one row of tokens, which it would mix.
-    The all-ones count of OPT's positions is rewritten into the cache's positions, and allowed."""
+def _check_no_token_reductions(name: str, func: relax.Function, count: tirx.Var) -> None:
+    """Refuse a reduction over the entry `func`'s tokens (`count` of them) that is left once attention is the
+    cache's (longrope's choice of factors by the longest position, say): decode runs a batch's sequences as one
+    row of tokens, which it would mix."""
     values = _values(func)
     for binding in bindings(func):
         value = binding.value
-        if not any(is_op(value, op) for op in _REDUCTIONS) or _counts_ones(value, values):
+        if not any(is_op(value, op) for op in _REDUCTIONS):
             continue
-        dims = list(value.args[0].ty.shape)
+        shape = getattr(value.args[0].ty, "shape", None)
+        if shape is None:
+            raise ModelError(f"{name}: {binding.var.name} = {value.op.name.removeprefix('relax.')} over a tensor of "
+                             "unknown shape; ember cannot tell whether it mixes the tokens of several sequences")
+        dims = list(shape)
         axis = getattr(value.attrs, "axis", None)
         axes = range(len(dims)) if axis is None else [int(a) for a in (axis if isinstance(axis, tvm.ir.Array)
                                                                        else [axis])]
-        if any(v.same_as(seq) for a in axes for v in tirx.analysis.undefined_vars(dims[a])):
-            raise ModelError(f"{FORWARD}: {binding.var.name} = {value.op.name.removeprefix('relax.')} over the "
+        if any(v.same_as(count) for a in axes for v in tirx.analysis.undefined_vars(dims[a])):
+            raise ModelError(f"{name}: {binding.var.name} = {value.op.name.removeprefix('relax.')} over the "
                              "sequence's tokens, outside attention (a rotary scaling chosen by the longest position, "
                              "as longrope's?); ember's entries run a batch of sequences as one row of tokens, which "
                              "it would mix, so ember does not compile it")
@@ -166,7 +170,6 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     if context_window < 1:
         raise ModelError(f"{FORWARD}: the importer gave no context window (tir_var_upper_bound of {seq.name!r})")
     graph = _Graph(func)
-    _check_no_token_reductions(func, seq)
     layers = len(graph.softmaxes())
     expected = _config_windows(mod, layers, context_window)
     graph.probe_lengths = _probe_lengths(expected, context_window)
@@ -184,6 +187,9 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
         [relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
     # The graph rotates q and k itself (in either form); the cache stores keys as they come.
     specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph"})
+    for entry in ENTRIES:
+        _check_no_token_reductions(entry, specialized[entry], specialized[entry].params[0].ty.shape[
+            0 if entry == "decode" else 1])
     return with_cache_shape(specialized, shape)
 
 
@@ -559,7 +565,7 @@ class _Entry(relax.PyExprMutator):
             self.set_var_remap(binding.var, self.builder_.emit_output(relax.Tuple([logits, self.cache])))
         else:
             super().visit_var_binding_(binding)
-            if (any(is_op(value, op) for op in _LOGIT_MAPS) or _scaled(value)[0]) and value.args[0] in self.narrowed:
+            if _maps_each_logit(value) and value.args[0] in self.narrowed:
                 self.narrowed.add(binding.var)  # each logit mapped alone: still the rows at logit_positions
 
     def _cached_attention(self, attention: _Attention) -> relax.Expr:
@@ -586,7 +592,8 @@ class _Entry(relax.PyExprMutator):
 
 def _scaled(value: relax.Expr | None) -> tuple[relax.Expr | None, float]:
     """(x, d) for `value` = x / d or x * (1 / d) with a scalar constant d; (None, 1) otherwise."""
-    if (is_op(value, "relax.divide") or is_op(value, "relax.multiply")) and scalar_constant(value.args[1]):
+    if (is_op(value, "relax.divide") or is_op(value, "relax.multiply")) and scalar_constant(value.args[1]) not in (
+            None, 0.0):
         constant = scalar_constant(value.args[1])
         return value.args[0], constant if is_op(value, "relax.divide") else 1 / constant
     return None, 1.0
@@ -620,6 +627,10 @@ def _counts_ones(cumsum: relax.Call, values: dict[relax.Var, relax.Expr]) -> boo
 _LOGIT_MAPS = ("relax.astype", "relax.reshape", "relax.tanh")
 
 
+def _maps_each_logit(value: relax.Expr) -> bool:
+    return any(is_op(value, op) for op in _LOGIT_MAPS) or _scaled(value)[0] is not None
+
+
 def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Expr]) -> relax.Var | None:
     """The matmul (the LM head) whose result `func` returns, through casts, reshapes, tuples and the maps of
     each logit alone (`_LOGIT_MAPS`, scaling)."""
@@ -637,7 +648,7 @@ def _returned_projection(func: relax.Function, values: dict[relax.Var, relax.Exp
             continue
         if is_op(value, "relax.matmul"):
             return expr
-        if isinstance(value, relax.Var) or any(is_op(value, op) for op in _LOGIT_MAPS) or _scaled(value)[0]:
+        if isinstance(value, relax.Var) or _maps_each_logit(value):
             stack.append(value if isinstance(value, relax.Var) else value.args[0])
     return None
 
