@@ -113,7 +113,6 @@ def _check_no_token_reductions(name: str, func: relax.Function, count: tirx.Var)
     """Refuse a reduction over the entry `func`'s tokens (`count` of them) that is left once attention is the
     cache's (longrope's choice of factors by the longest position, say): decode runs a batch's sequences as one
     row of tokens, which it would mix."""
-    values = _values(func)
     for binding in bindings(func):
         value = binding.value
         if not any(is_op(value, op) for op in _REDUCTIONS):
