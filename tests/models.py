@@ -91,11 +91,57 @@ EXPORTED_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+# The window of the windowed families below: the tests' prompts are 3x as long.
+WINDOW = 16
+_GQA = dict(_EXPORTED_SHAPES, num_key_value_heads=2)
+_LOCAL, _GLOBAL = "sliding_attention", "full_attention"
+
+# The families table (`tests/test_families.py`): name -> (transformers model type, config), every one compiled
+# through `--frontend torch-export` against transformers. Between them: head dims 16 to 256, GQA, MQA and MHA,
+# tied and untied heads, windows on every layer, on some (alternating, patterned, from a layer on) or none,
+# soft-capped scores and logits, LayerNorm and RMSNorm, q/k norms, parallel residuals, partial rotary.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("llama", dict(_GQA, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),  # head dim 64, MQA
+    "mistral": ("mistral", dict(_GQA, sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(_GQA, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                            max_window_layers=1)),  # windows from layer 1 on
+    "qwen3": ("qwen3", dict(_GQA, head_dim=128, tie_word_embeddings=True)),
+    "qwen3_head_dim_16": ("qwen3", dict(_GQA, head_dim=16)),  # q/k RMSNorm over a small axis
+    "gemma": ("gemma", dict(_EXPORTED_SHAPES, num_attention_heads=2, num_key_value_heads=1, head_dim=256)),
+    "gemma2": ("gemma2", dict(_GQA, head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=3.0)),  # soft-capped, alternating windows
+    "gemma3": ("gemma3_text", dict(_GQA, num_hidden_layers=4, head_dim=32, sliding_window=WINDOW,
+                                   layer_types=[_LOCAL, _LOCAL, _GLOBAL, _LOCAL])),
+    "gemma3_head_dim_16": ("gemma3_text", dict(_GQA, head_dim=16, sliding_window=WINDOW,
+                                               layer_types=[_LOCAL, _GLOBAL])),
+    "phi": ("phi", dict(_EXPORTED_SHAPES, partial_rotary_factor=0.5)),
+    "phi3": ("phi3", dict(_GQA, sliding_window=WINDOW)),
+    "stablelm": ("stablelm", dict(_GQA)),
+    "olmo": ("olmo", dict(_EXPORTED_SHAPES)),
+    "olmo2": ("olmo2", dict(_GQA)),
+    "granite": ("granite", dict(_GQA)),
+    "gpt2": ("gpt2", EXPORTED_MODELS["gpt2"]),
+    "gpt_neox": ("gpt_neox", EXPORTED_MODELS["gpt_neox"]),
+    "gptj": ("gptj", EXPORTED_MODELS["gptj"]),
+    "falcon": ("falcon", EXPORTED_MODELS["falcon"]),
+    "opt": ("opt", EXPORTED_MODELS["opt"]),
+    "smollm3": ("smollm3", dict(_GQA)),
+    "glm": ("glm", dict(_GQA)),
+    "glm4": ("glm4", dict(_GQA)),
+    "exaone4": ("exaone4", dict(_GQA, num_hidden_layers=4, sliding_window=WINDOW)),  # local, local, local, global
+    "starcoder2": ("starcoder2", dict(_GQA, sliding_window=WINDOW)),
+    "cohere": ("cohere", dict(_GQA)),  # LayerNorm's mean, logits scaled
+}
+
+
 def write_exported_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Path:
-    """Write the tiny checkpoint `name` of `EXPORTED_MODELS` to `out_dir`; returns `out_dir`."""
+    """Write the tiny checkpoint `name` of `EXPORTED_MODELS` or `FAMILIES` to `out_dir`; returns `out_dir`."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(name, **_EXPORTED_COMMON, **EXPORTED_MODELS[name])
+    model_type, overrides = FAMILIES[name] if name in FAMILIES else (name, EXPORTED_MODELS[name])
+    config = AutoConfig.for_model(model_type, **_EXPORTED_COMMON, **overrides)
+    if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= config.vocab_size:
+        config.pad_token_id = 0  # a family's default (Phi-3's 32000) outside the tiny vocabulary
     return write_model(random_model(config, seed), out_dir)
 
 

@@ -188,6 +188,34 @@ def test_check_all_scheduled_rejects_an_unscheduled_kernel() -> None:
         check_all_scheduled(mod)
 
 
+@pytest.mark.parametrize("reduce", ["mean over a middle axis", "max over the rows", "variance over a small axis"])
+def test_every_kernel_a_graph_can_leave_gets_a_correct_cpu_schedule(reduce) -> None:
+    """Reductions no specialised rule matches (a lone mean, a max over rows, a variance over 3 values) are scheduled
+    by the fallback, and compute what numpy does."""
+    from ember.schedules import schedule_passes
+    from ember.targets.registry import resolve_target
+
+    x = relax.Var("x", relax.TensorType([6, 3, 5], "float32"))
+    ops = {"mean over a middle axis": lambda v: relax.op.mean(v, axis=[1]),
+           "max over the rows": lambda v: relax.op.max(v, axis=[0]),
+           "variance over a small axis": lambda v: relax.op.variance(relax.op.permute_dims(v, [0, 2, 1]), axis=[2])}
+    numpy = {"mean over a middle axis": lambda a: a.mean(axis=1), "max over the rows": lambda a: a.max(axis=0),
+             "variance over a small axis": lambda a: a.var(axis=1)}
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(ops[reduce](x))
+        bb.emit_func_output(out)
+    target = resolve_target("cpu")
+    with target.target:
+        lowered = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                                            relax.transform.FuseOps(), relax.transform.FuseTIR(),
+                                            *schedule_passes(target)])(bb.get())
+    vm = relax.VirtualMachine(tvm.compile(lowered, target.target), tvm.cpu())
+    a = np.random.default_rng(0).standard_normal((6, 3, 5)).astype("float32")
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(a)).numpy(), numpy[reduce](a), rtol=1e-5, atol=1e-6)
+
+
 def test_capture_cuda_graphs_lifts_decode_kernels_between_unstable_inputs() -> None:
     """decode(x, w1, w2) = relu(x @ w1) @ w2 after static planning: the kernel reading only planned
     storage (relu) is captured per batch size; the ones reading the per-call input x or writing the

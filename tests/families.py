@@ -1,0 +1,87 @@
+"""The checks every family of `models.FAMILIES` passes against transformers, shared by the test files that split
+the table between pytest-xdist's workers (`test_families_*.py`).
+
+Each family is compiled through `--frontend torch-export` at float32 and checked on prompts three
+times its window (`models.WINDOW`), so windowed layers drop keys in every prefill chunk and decode
+step past it; then at q4f32, compiled and generating.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from helpers import assert_logits_close, prompt_ids
+from models import WINDOW
+
+from ember.runtime import SamplingParams, generate
+
+PROMPT = 3 * WINDOW
+GREEDY_TOKENS = 32
+
+
+def full_forward_logits(model, ids: list[int]) -> np.ndarray:
+    """transformers' logits [len(ids), vocab] of one forward over `ids`: the definition every cached step must meet."""
+    with torch.no_grad():
+        return model.reference(torch.tensor([ids], dtype=torch.long)).logits[0].float().numpy()
+
+
+def check_prefill(model) -> None:
+    """A prompt of three windows, in prefill chunks no longer than the window, at every position."""
+    ids = prompt_ids(PROMPT, seed=21)
+    engine = model.engine()
+    seq = engine.add_sequence()
+    assert_logits_close(engine.prefill(seq, ids, all_logits=True), full_forward_logits(model, ids),
+                        f"{model.name}: prefill of {PROMPT} tokens")
+
+
+def check_decode_across_the_window(model) -> None:
+    """A short prompt, then decode steps on the paged cache well past the window."""
+    ids = prompt_ids(PROMPT, seed=22)
+    start = WINDOW // 2
+    expected = full_forward_logits(model, ids)
+    engine = model.engine()
+    seq = engine.add_sequence()
+    engine.prefill(seq, ids[:start])
+    for position in range(start, PROMPT):
+        assert_logits_close(engine.decode([seq], [ids[position]])[0], expected[position],
+                            f"{model.name}: decode at position {position}")
+
+
+def check_greedy(model) -> None:
+    ids = prompt_ids(WINDOW + 4, seed=23)
+    params = SamplingParams(temperature=0.0, max_new_tokens=GREEDY_TOKENS, stop_token_ids=())
+    assert list(generate(model.engine(), ids, params).tokens()) == model.reference_greedy(ids, GREEDY_TOKENS)
+
+
+def check_batched_equals_solo(model) -> None:
+    """Four sequences of different lengths (inside and past the window) prefilled and decoded together give each its
+    solo logits."""
+    prompts = [prompt_ids(n, seed=24 + n) for n in (5, WINDOW + 1, 2 * WINDOW, PROMPT - 3)]
+    steps = [prompt_ids(7, seed=40 + i)[1:] for i in range(len(prompts))]
+    solo = []
+    for prompt, tokens in zip(prompts, steps):
+        engine = model.engine()
+        seq = engine.add_sequence()
+        engine.prefill(seq, prompt)
+        solo.append([engine.decode([seq], [token])[0] for token in tokens])
+    engine = model.engine()
+    seqs = [engine.add_sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        engine.prefill(seq, prompt)
+    for step in range(len(steps[0])):
+        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
+        for which in range(len(prompts)):
+            assert_logits_close(rows[which], solo[which][step], f"{model.name}: sequence {which}, step {step}")
+
+
+def check_quantized_generates(model) -> None:
+    """The q4f32 artifact generates tokens of the vocabulary, and its first is transformers' on the same rounded
+    weights (`TinyModel.reference`) where that one is clear of the runner-up."""
+    ids = prompt_ids(PROMPT, seed=25)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=())
+    tokens = list(generate(model.engine(), ids, params).tokens())
+    assert len(tokens) == 8 and all(0 <= t < model.artifact.manifest.model["vocab_size"] for t in tokens)
+    expected = model.reference_logits(ids)[-1]
+    first, second = np.sort(expected)[::-1][:2]
+    if first - second > 0.05 * max(1.0, abs(first)):
+        assert tokens[0] == int(np.argmax(expected)), f"{model.name}: q4f32's first token"

@@ -1,0 +1,208 @@
+"""The mask each attention applies is proven, not sampled, and never compiled wrong.
+
+`specialize_attention` evaluates every mask of an imported graph at lengths past every window the
+config names and accepts only a causal mask or a causal sliding window, the same at every length and
+equal to what the config says of that layer. These tests feed it masks that are almost right (a
+window off by one, a band without its causal part, a window the config does not name, a config
+window the graph does not apply) and check each is refused in one line naming the layer, and that a
+window compiled off by one would fail the comparison with transformers: the checks can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from helpers import assert_logits_close, prompt_ids
+from models import WINDOW
+
+from ember.core.errors import ModelError
+from ember.frontend.config import layer_windows
+
+
+def _band(n: int, window: int, causal: bool = True) -> np.ndarray:
+    query, key = np.indices((n, n))
+    visible = (query - key < window) & (key <= query if causal else key - query < window)
+    return np.where(visible, 0.0, -np.inf)[None, None]
+
+
+@pytest.mark.parametrize("n, window, expected", [
+    (40, 16, 16), (40, 1, 1), (40, 39, 39),  # windows shorter than the probe
+    (16, 16, 0), (10, 16, 0),  # a window the probe does not reach looks causal at that length
+])
+def test_mask_window_reads_a_causal_window(n, window, expected):
+    from ember.ir_passes.specialize_attention import mask_window
+
+    assert mask_window(_band(n, window)) == expected
+
+
+def test_mask_window_refuses_every_other_mask():
+    from ember.ir_passes.specialize_attention import mask_window
+
+    causal = _band(24, 24)
+    assert mask_window(causal) == 0
+    assert mask_window(_band(24, 8, causal=False)) is None  # a band without its causal part
+    shifted = np.where(np.tri(24, k=-1, dtype=bool), 0.0, -np.inf)[None, None]
+    assert mask_window(shifted) is None  # a query that cannot see itself
+    per_head = np.concatenate([_band(24, 8), _band(24, 9)], axis=1)
+    assert mask_window(per_head) is None  # windows that differ by head
+    biased = causal + np.where(causal == 0, -0.5, 0.0)
+    assert mask_window(biased) is None  # a bias on the visible keys (ALiBi)
+    holed = causal.copy()
+    holed[..., 20, 3] = -np.inf
+    assert mask_window(holed) is None  # one key hidden inside the window
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "mistral", "sliding_window": 8}, (8, 8, 8, 8)),
+    ({"model_type": "mistral"}, ()),
+    ({"model_type": "gemma3_text", "sliding_window": 8,
+      "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}, (8, 0, 8, 8)),
+    ({"model_type": "gemma2", "sliding_window": 8}, (8, 0, 8, 0)),  # alternating, as its code does without types
+    ({"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 2}, (8, 0, 8, 0)),
+    ({"model_type": "cohere2", "sliding_window": 8}, (8, 8, 8, 0)),
+    ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": False}, ()),  # carried, unused
+    ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, (0, 0, 8, 8)),
+    ({"model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 4}, ()),  # no window: whole context
+])
+def test_layer_windows_reads_each_familys_config(config, expected):
+    assert layer_windows(config, 4) == expected
+
+
+def test_layer_windows_refuses_a_layer_type_it_does_not_compile():
+    with pytest.raises(ModelError, match="'layer_types' has 'chunked_attention'"):
+        layer_windows({"model_type": "llama4", "sliding_window": 8, "layer_types": ["chunked_attention"] * 2}, 2)
+    with pytest.raises(ModelError, match="'layer_types' names 3 layers, the model has 2"):
+        layer_windows({"model_type": "gemma3_text", "layer_types": ["full_attention"] * 3}, 2)
+
+
+def _decoder(mask_of):
+    """A one-layer decoder whose attention adds `mask_of(n)` ([n, n], built from the length as a model's code
+    builds it) to its scores."""
+    import torch
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(32, 16)
+            self.qkv = torch.nn.Linear(16, 48)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, use_cache=False):
+            n = input_ids.shape[1]
+            q, k, v = (t.view(1, n, 2, 8).transpose(1, 2) for t in self.qkv(self.embed(input_ids)).split(16, -1))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(n))
+            return self.head(out.transpose(1, 2).reshape(1, n, 16))
+
+    return Decoder().eval()
+
+
+def _band_mask(window: int, causal: bool = True):
+    import torch
+
+    def mask_of(n):
+        positions = torch.arange(n)
+        distance = positions[:, None] - positions[None, :]
+        visible = (distance < window) & ((distance >= 0) if causal else (distance > -window))
+        return torch.where(visible, 0.0, float("-inf"))
+
+    return mask_of
+
+
+def _specialize(model, config_windows: list[int] | None):
+    from ember.frontend.torch_export import import_module
+    from ember.ir.attributes import CONFIG_WINDOWS_ATTR
+    from ember.ir_passes.specialize_attention import specialize_attention
+
+    mod, _shapes = import_module(model, max_seq_len=64)
+    if config_windows is not None:
+        mod = mod.with_attr(CONFIG_WINDOWS_ATTR, config_windows)
+    return specialize_attention(tvm.target.Target("llvm"))(mod)
+
+
+def test_a_window_the_config_names_is_compiled():
+    from ember.ir.kv_cache import recorded_layer_windows
+
+    assert recorded_layer_windows(_specialize(_decoder(_band_mask(8)), [8])) == (8,)
+
+
+@pytest.mark.parametrize("graph_window, config_windows, words", [
+    (8, [9], "the graph's mask is a sliding window of 8 tokens, and the config says a sliding window of 9 tokens"),
+    (8, [7], "the graph's mask is a sliding window of 8 tokens, and the config says a sliding window of 7 tokens"),
+    (8, None, "the graph's mask is a sliding window of 8 tokens, and the config says causal over the whole context"),
+    (0, [8], "the graph's mask is causal over the whole context, and the config says a sliding window of 8 tokens"),
+], ids=["window-plus-one", "window-minus-one", "window-the-config-does-not-name", "config-window-not-applied"])
+def test_a_mask_that_disagrees_with_the_config_is_refused_naming_the_layer(graph_window, config_windows, words):
+    mask = _band_mask(graph_window) if graph_window else _band_mask(64)
+    with pytest.raises(ModelError, match="attention layer 0 ") as caught:
+        _specialize(_decoder(mask), config_windows)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_band_without_its_causal_part_is_refused():
+    with pytest.raises(ModelError, match="the attention mask is neither causal nor a sliding window"):
+        _specialize(_decoder(_band_mask(8, causal=False)), [8])
+
+
+def test_a_reduction_over_the_tokens_outside_attention_is_refused():
+    """longrope picks its factors by the longest position, a reduction over the tokens (here a mean), which would mix
+    a decode batch's sequences, run as one row of tokens."""
+    import torch
+
+    model = _decoder(_band_mask(64))
+    embed = model.embed
+
+    class OverTheTokens(torch.nn.Module):
+        def forward(self, input_ids):
+            x = embed(input_ids)
+            return x * x.mean(dim=1, keepdim=True)
+
+    model.embed = OverTheTokens()
+    with pytest.raises(ModelError, match=r"prefill: .* = mean over the sequence's tokens, outside attention"):
+        _specialize(model, None)
+
+
+@pytest.mark.slow
+def test_a_window_compiled_off_by_one_fails_the_comparison(tiny_models, tmp_path, monkeypatch):
+    """The families' bound detects a window one token too long: with the graph's and the config's reading both
+    moved by one (so the compile accepts it), the logits at a prompt of three windows leave transformers' by more
+    than the bound."""
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.frontend import config
+    from ember.ir_passes import specialize_attention
+    from ember.runtime import Engine, load_artifact
+
+    model = tiny_models.exported("starcoder2")
+    read_window, read_mask = config.layer_windows, specialize_attention.mask_window
+    monkeypatch.setattr(config, "layer_windows", lambda *args: tuple(w + 1 if w else 0 for w in read_window(*args)))
+    monkeypatch.setattr(specialize_attention, "mask_window",
+                        lambda values: (lambda w: w + 1 if w else w)(read_mask(values)))
+    compile_model(model.model_dir, tmp_path / "off-by-one", CompileOptions(
+        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
+    engine = Engine(load_artifact(tmp_path / "off-by-one"))
+    assert engine.artifact.manifest.model["layer_windows"] == [WINDOW + 1, WINDOW + 1]
+    ids = prompt_ids(3 * WINDOW, seed=21)
+    seq = engine.add_sequence()
+    with pytest.raises(AssertionError, match="max abs diff"):
+        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "off by one")
+
+
+@pytest.mark.slow
+def test_a_config_naming_a_window_its_code_ignores_is_refused(tiny_models, tmp_path):
+    """Llama's code applies no window whatever its config says: a `sliding_window` in a Llama config is a window
+    the graph does not apply, and the compile stops naming the layer, rather than trusting either."""
+    from ember.driver.compiler import CompileOptions, compile_model
+
+    model_dir = tmp_path / "llama-with-window"
+    shutil.copytree(tiny_models.checkpoint("llama"), model_dir)
+    config_path = model_dir / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "sliding_window": WINDOW}))
+    with pytest.raises(ModelError, match="attention layer 0 .* causal over the whole context, and the config says a "
+                                         f"sliding window of {WINDOW} tokens"):
+        compile_model(model_dir, tmp_path / "out", CompileOptions(quantization="q0f32", frontend="torch-export",
+                                                                 show_progress=False))
+    assert not (tmp_path / "out").exists()
