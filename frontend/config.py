@@ -143,8 +143,8 @@ _IMPORTED_KEYS = {
     "vocab_size": ("vocab_size",),
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
     "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
     "head_dim": ("head_dim",),
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length",
@@ -162,6 +162,30 @@ _IMPORTED_KEYS = {
 }
 
 
+# Keys only a state-space (recurrent) model's config has.
+_STATE_SPACE_KEYS = ("state_size", "ssm_cfg", "d_state", "ssm_state_size", "mamba_d_state", "time_step_rank")
+# What an encoder's checkpoint is saved as: heads over every token, with no causal language model among them.
+_ENCODER_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                  "ForMultipleChoice", "ForPreTraining")
+
+
+def unsupported_construct(raw: dict[str, Any]) -> str | None:
+    """What ember does not compile that a config.json says its model is built of (ALiBi position biases, a
+    state-space model, an encoder), in words; None if nothing of the kind."""
+    attn_config = raw.get("attn_config") if isinstance(raw.get("attn_config"), dict) else {}
+    if raw.get("model_type") == "bloom" or raw.get("alibi") is True or attn_config.get("alibi") is True:
+        return "attention with ALiBi position biases"
+    if any(key in raw for key in _STATE_SPACE_KEYS):
+        return "a state-space (recurrent) model, without attention layers"
+    if raw.get("is_encoder_decoder") is True:
+        return "an encoder-decoder"
+    architectures = raw.get("architectures")
+    if (isinstance(architectures, list) and architectures and not raw.get("is_decoder")
+            and all(isinstance(a, str) and a.endswith(_ENCODER_HEADS) for a in architectures)):
+        return "a bidirectional encoder"
+    return None
+
+
 def imported_model_config(model_dir: Path) -> ModelConfig:
     """What ember reads of any architecture's `model_dir/config.json` for a graph it imports (torch.export,
     ONNX): sizes under the names families give them, the context window, token ids; the attention's layers
@@ -169,6 +193,10 @@ def imported_model_config(model_dir: Path) -> ModelConfig:
     are computed in the graph, so rope settings are not read."""
     path = checkpoint_file(model_dir, "config.json")
     raw = read_json_object(path)
+    construct = unsupported_construct(raw)
+    if construct:
+        raise ModelError(f"{path}: model_type {short_repr(raw.get('model_type'))} is {construct}, which ember does not "
+                         "compile (it compiles causal decoders: causal or sliding-window attention)")
     canonical = {key: next((raw[name] for name in names if raw.get(name) is not None), None)
                  for key, names in _IMPORTED_KEYS.items()}
     canonical["model_type"] = canonical["model_type"] or "unknown"

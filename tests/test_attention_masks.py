@@ -206,3 +206,26 @@ def test_a_config_naming_a_window_its_code_ignores_is_refused(tiny_models, tmp_p
         compile_model(model_dir, tmp_path / "out", CompileOptions(quantization="q0f32", frontend="torch-export",
                                                                  show_progress=False))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type, overrides, construct", [
+    ("bloom", dict(n_layer=2, n_head=4, hidden_size=64), "attention with ALiBi position biases"),
+    ("mpt", dict(n_layers=2, n_heads=4, d_model=64), "attention with ALiBi position biases"),
+    ("falcon", dict(alibi=True, num_hidden_layers=2), "attention with ALiBi position biases"),
+    ("mamba", dict(num_hidden_layers=2, hidden_size=64), "a state-space (recurrent) model"),
+    ("bert", dict(num_hidden_layers=2, architectures=["BertForMaskedLM"]), "a bidirectional encoder"),
+    ("t5", dict(num_layers=2), "an encoder-decoder"),
+], ids=["bloom", "mpt", "falcon-alibi", "mamba", "bert", "t5"])
+def test_a_model_built_of_what_ember_does_not_compile_is_refused_by_name(tmp_path, model_type, overrides, construct):
+    """The model type and the construct in one line, before any key is looked for (MPT and Mamba were refused
+    with a missing 'num_attention_heads')."""
+    from helpers import assert_one_line_error, run_ember
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, **overrides).to_dict()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    result = run_ember("compile", str(tmp_path / "model"), "--frontend", "torch-export", "-o", str(tmp_path / "out"),
+                       "--no-progress")
+    assert_one_line_error(result, f"model_type '{model_type}' is {construct}", "ember does not compile")
+    assert not (tmp_path / "out").exists()
