@@ -148,7 +148,7 @@ _IMPORTED_KEYS = {
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads"),
     "head_dim": ("head_dim",),
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length",
-                                "max_sequence_length"),
+                                "max_sequence_length", "max_seq_len"),
     "tie_word_embeddings": ("tie_word_embeddings",),
     "torch_dtype": ("torch_dtype",),
     "dtype": ("dtype",),
@@ -170,11 +170,8 @@ _ENCODER_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassific
 
 
 def unsupported_construct(raw: dict[str, Any]) -> str | None:
-    """What ember does not compile that a config.json says its model is built of (ALiBi position biases, a
-    state-space model, an encoder), in words; None if nothing of the kind."""
-    attn_config = raw.get("attn_config") if isinstance(raw.get("attn_config"), dict) else {}
-    if raw.get("model_type") == "bloom" or raw.get("alibi") is True or attn_config.get("alibi") is True:
-        return "attention with ALiBi position biases"
+    """What ember does not compile that a config.json says its model is built of (a state-space model, an encoder),
+    in words; None if nothing of the kind."""
     if any(key in raw for key in _STATE_SPACE_KEYS):
         return "a state-space (recurrent) model, without attention layers"
     if raw.get("is_encoder_decoder") is True:

@@ -105,6 +105,9 @@ class CacheShape:
     layer_windows: tuple[int, ...] = ()
     # Every layer's scores become softcap * tanh(scores / softcap) before the mask (0: not capped).
     softcap: float = 0.0
+    # ALiBi: every layer's head h adds alibi_slopes[h] * (key position - query position) to its scores (one slope:
+    # every head alike; empty: no such bias).
+    alibi_slopes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -138,9 +141,10 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
     if shape.window and not shape.window_pages and "cpu" not in target.keys:
         raise ModelError(f"every attention layer reads through a sliding window of {shape.window} tokens, which "
                          f"ember's CPU kernels compute and TVM's {target.kind.name} kernels do not; compile for a CPU")
-    if shape.softcap and "cpu" not in target.keys:
-        raise ModelError(f"attention scores soft-capped at {shape.softcap:g}, which ember's CPU kernels compute and "
-                         f"TVM's {target.kind.name} kernels do not; compile for a CPU")
+    if (shape.softcap or shape.alibi_slopes) and "cpu" not in target.keys:
+        what = f"soft-capped at {shape.softcap:g}" if shape.softcap else "biased by distance (ALiBi)"
+        raise ModelError(f"attention scores {what}, which ember's CPU kernels compute and TVM's {target.kind.name} "
+                         "kernels do not; compile for a CPU")
     return TIRPagedKVCache(
         attn_kind=kinds,
         max_batch_size=max_batch_size,
@@ -246,7 +250,8 @@ def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:
     """`mod` recording what its KV cache holds (`KV_CACHE_ATTR`)."""
     return mod.with_attr(KV_CACHE_ATTR, {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
                                          "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                                         "layer_windows": list(shape.layer_windows), "softcap": shape.softcap})
+                                         "layer_windows": list(shape.layer_windows), "softcap": shape.softcap,
+                                         "alibi_slopes": list(shape.alibi_slopes)})
 
 
 def recorded_layer_windows(mod: tvm.IRModule) -> tuple[int, ...]:
@@ -254,9 +259,11 @@ def recorded_layer_windows(mod: tvm.IRModule) -> tuple[int, ...]:
     return tuple(int(w) for w in (mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("layer_windows", []))
 
 
-def recorded_softcap(mod: tvm.IRModule) -> float:
-    """The soft-cap of every layer's scores as recorded on `mod` (`CacheShape.softcap`; 0: none)."""
-    return float((mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("softcap", 0.0))
+def recorded_scores(mod: tvm.IRModule) -> tuple[float, tuple[float, ...]]:
+    """(the soft-cap of every layer's scores, 0 for none; the slopes of their distance bias) as recorded on `mod`
+    (`CacheShape.softcap`, `CacheShape.alibi_slopes`)."""
+    recorded = (mod.attrs or {}).get(KV_CACHE_ATTR, {})
+    return float(recorded.get("softcap", 0.0)), tuple(float(s) for s in recorded.get("alibi_slopes", []))
 
 
 def cache_window(mod: tvm.IRModule) -> tuple[int, bool]:

@@ -43,7 +43,7 @@ from ember.ir.kv_cache import (
     CreateArg,
     KVRows,
     cache_window,
-    recorded_softcap,
+    recorded_scores,
 )
 from ember.ir.module_utils import calls_packed
 from ember.schedules import quantized_kv_cache as kernels
@@ -133,22 +133,24 @@ class _Rewriter(relax.PyExprMutator):
         args[CreateArg.APPEND_MLA] = relax.op.null_value()
         # Where every layer has the window, the plain kernels see through it (`CacheShape.window_pages`).
         window, sliding_slots = cache_window(self.mod)
-        plain_window, softcap = 0 if sliding_slots else window, recorded_softcap(self.mod)
+        plain_window = 0 if sliding_slots else window
+        softcap, slopes = recorded_scores(self.mod)
         args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
-                                                             dtype, self.lanes, rows=rows, softcap=softcap))
+                                                             dtype, self.lanes, rows=rows, softcap=softcap,
+                                                             slopes=slopes))
         args[CreateArg.PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim,
                                                                dtype, page_size, self.lanes, storage=storage,
-                                                               window=plain_window, softcap=softcap))
+                                                               window=plain_window, softcap=softcap, slopes=slopes))
         args[CreateArg.DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim,
                                                              dtype, page_size, self.lanes, storage=storage,
-                                                             window=plain_window, softcap=softcap))
+                                                             window=plain_window, softcap=softcap, slopes=slopes))
         if sliding_slots:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = attention("prefill_window", partial(
                 paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True, softcap=softcap))
+                window=window, window_pages=True, softcap=softcap, slopes=slopes))
             args[CreateArg.DECODE_SLIDING_WINDOW] = attention("decode_window", partial(
                 paged_decode_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True, softcap=softcap))
+                window=window, window_pages=True, softcap=softcap, slopes=slopes))
         else:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = args[CreateArg.DECODE_SLIDING_WINDOW] = relax.Tuple([])
         for index in NEVER_CALLED_ATTENTION:

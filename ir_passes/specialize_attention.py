@@ -78,12 +78,12 @@ def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:
                          "one paged KV cache holds one shape")
     (heads, kv_heads, head_dim), = shapes
     windows = tuple(a.window for a in found)
-    softcaps = {a.softcap for a in found}
-    if len(softcaps) > 1:
-        raise ModelError(f"{FORWARD}: attention layers soft-cap their scores differently ({sorted(softcaps)}); "
-                         "ember's kernels take one cap for all")
+    softcaps, slopes = {a.softcap for a in found}, {a.slopes for a in found}
+    if len(softcaps) > 1 or len(slopes) > 1:
+        what = "soft-cap their scores" if len(softcaps) > 1 else "bias their scores by distance"
+        raise ModelError(f"{FORWARD}: attention layers {what} differently; ember's kernels take one way for all")
     return CacheShape(len(found), heads, kv_heads, head_dim, context_window, layer_windows=windows if any(windows)
-                      else (), softcap=softcaps.pop())
+                      else (), softcap=softcaps.pop(), alibi_slopes=slopes.pop())
 
 
 def _config_windows(mod: tvm.IRModule, layers: int, context_window: int) -> list[int]:
@@ -200,7 +200,8 @@ _VIEWS = ("relax.reshape", "relax.broadcast_to")
 class _Attention:
     """One recognised attention: q [1, heads, n, d] and k, v [1, kv_heads, n, d] (torch's layout), its
     scale, the variable its output ([1, heads, n, d]) is bound to, where in the graph it is, and the window
-    its mask reads through (0: causal over the whole context) and the soft-cap of its scores."""
+    its mask reads through (0: causal over the whole context), the soft-cap of its scores and the slopes of its
+    distance bias."""
 
     q: relax.Var
     k: relax.Var
@@ -210,6 +211,7 @@ class _Attention:
     where: str = ""
     window: int = 0
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) before the mask (0: not capped)
+    slopes: tuple[float, ...] = ()  # ALiBi: each head's scores gain slope * (key position - query position)
 
     @property
     def num_heads(self) -> int:
@@ -238,7 +240,7 @@ class _Graph:
         for binding in bindings(func):
             for var in relax.analysis.free_vars(binding.value) if isinstance(binding.value, relax.Expr) else []:
                 self.users.setdefault(var, []).append(binding)
-        self._windows: dict[relax.Var, int] = {}
+        self._kinds: dict[tuple[relax.Expr, ...], tuple[int, tuple[float, ...]]] = {}
 
     def softmaxes(self) -> list[relax.VarBinding]:
         return [binding for binding in bindings(self.func) if is_op(binding.value, "relax.nn.softmax")]
@@ -252,15 +254,11 @@ class _Graph:
         return found
 
     def _written_out(self, softmax: relax.VarBinding) -> _Attention:
-        """softmax(softcap(q k^T * scale) + mask) v, as torch.export decomposes scaled_dot_product_attention and
+        """softmax(softcap(q k^T * scale) + biases) v, as torch.export decomposes scaled_dot_product_attention and
         eager attention writes it (the scale on q, k or the product; soft-capping, cap * tanh(scores / cap), as
-        Gemma 2 writes it)."""
+        Gemma 2 writes it; biases added in the scores' views, a mask and BLOOM's ALiBi, say)."""
         where = [f"{softmax.var.name} = softmax"]
-        scores, mask = softmax.value.args[0], None
-        value = self.values.get(scores)
-        if value is not None and is_op(value, "relax.add"):
-            first, second = value.args
-            scores, mask = (first, second) if self._scores_of(first, [])[0] is not None else (second, first)
+        scores, biases = self._biased(softmax.value.args[0])
         product, post_scale, softcap = self._scores_of(scores, where)
         if product is None:
             raise ModelError(f"{' <- '.join(where)}: a softmax over something other than q @ k^T (attention "
@@ -272,10 +270,10 @@ class _Graph:
             raise ModelError(f"{' <- '.join(where)}: the keys of q @ k^T are not transposed [1, heads, n, d]")
         keys, more_scale = self._strip(transposed.args[0], where)
         k = self._unrepeat(keys, " <- ".join(where))
-        if mask is None:
+        if not biases:
             raise ModelError(f"{' <- '.join(where)}: attention without a causal mask (a bidirectional encoder?) "
                              "cannot use a KV cache; ember compiles causal decoders")
-        window = self._mask_window(mask, " <- ".join(where))
+        window, slopes = self._mask_kind(biases, " <- ".join(where))
         probabilities = self._consumer(softmax.var)
         if probabilities is None or not is_op(probabilities.value, "relax.matmul"):
             raise ModelError(f"{' <- '.join(where)}: the attention weights are not multiplied by the values")
@@ -286,7 +284,11 @@ class _Graph:
         if len(users) == 1 and is_op(users[0].value, "relax.reshape") and len(users[0].var.ty.shape) == 4:
             output = users[0].var
         scale = q_scale * k_scale * more_scale * post_scale
-        return self._checked(_Attention(q, k, v, scale, output, where[0], window, softcap), " <- ".join(where))
+        attention = _Attention(q, k, v, scale, output, where[0], window, softcap, slopes)
+        if len(slopes) not in (0, 1, attention.num_heads):
+            raise ModelError(f"{' <- '.join(where)}: a position bias of {len(slopes)} slopes for "
+                             f"{attention.num_heads} heads")
+        return self._checked(attention, " <- ".join(where))
 
     def _checked(self, attention: _Attention, where: str) -> _Attention:
         for x, name in ((attention.q, "queries"), (attention.k, "keys"), (attention.v, "values")):
@@ -298,6 +300,28 @@ class _Graph:
             raise ModelError(f"{where}: {attention.num_heads} query heads do not share {attention.num_kv_heads} "
                              "key/value heads evenly")
         return attention
+
+    def _biased(self, x: relax.Expr) -> tuple[relax.Expr, list[tuple[relax.Expr, relax.Call]]]:
+        """(the scores within `x`, the terms added to them with the addition of each), through the views between
+        the additions."""
+        biases = []
+        while True:
+            value = self.values.get(x)
+            if any(is_op(value, op) for op in _VIEWS) and self._leads_to_scores(value.args[0]):
+                x = value.args[0]
+            elif is_op(value, "relax.add") and self._leads_to_scores(value.args[0]):
+                biases.append((value.args[1], value))
+                x = value.args[0]
+            elif is_op(value, "relax.add") and self._leads_to_scores(value.args[1]):
+                biases.append((value.args[0], value))
+                x = value.args[1]
+            else:
+                return x, biases
+
+    def _leads_to_scores(self, x: relax.Expr) -> bool:
+        """`x` is q @ k^T's scores, with biases added in their views (`_biased`)."""
+        scores, _ = self._biased(x)
+        return self._scores_of(scores, [])[0] is not None
 
     def _scores_of(self, x: relax.Expr, where: list[str]) -> tuple[relax.Call | None, float, float]:
         """(the q @ k^T matmul whose scores `x` is, the scale multiplied after it, the soft-cap applied to them (0:
@@ -367,32 +391,61 @@ class _Graph:
             raise ModelError(f"{where}: expand_dims on axis {list(expanded.attrs.axis)} is not a grouped-query repeat")
         return expanded.args[0]
 
-    def _mask_window(self, mask: relax.Expr, where: str) -> int:
-        """The window of the additive mask (0: causal over the whole context), evaluated at every probe length;
-        a mask reading weights (ALiBi, learned biases), another shape, or one that changes with the sequence's
-        length is refused."""
+    def _mask_kind(self, biases: list[tuple[relax.Expr, relax.Call]], where: str) -> tuple[int, tuple[float, ...]]:
+        """The window of the mask the added `biases` make (0: causal over the whole context) and the slopes of their
+        linear bias of the distance between a query and a key (ALiBi: one per head, or one for all; () for none),
+        evaluated at every probe length. A bias reading weights (a learned bias), anything else, or one that
+        changes with the sequence's length, is refused."""
         if not self.check_masks:
-            return 0
-        if mask in self._windows:
-            return self._windows[mask]
-        evaluated = _evaluate(self.func, mask, self.probe_lengths)
-        if evaluated is None:
-            raise ModelError(f"{where}: the attention bias depends on the model's weights (ALiBi or a learned "
-                             "bias?); ember recognises a causal mask, or one through a sliding window, only")
-        windows = {}
-        for tokens, values in zip(self.probe_lengths, evaluated):
-            windows[tokens] = mask_window(values)
-            if windows[tokens] is None:
-                shown = values.reshape(-1, tokens, tokens)[0][:6, :6]
-                raise ModelError(f"{where}: the attention mask is neither causal nor a sliding window (at {tokens} "
-                                 f"tokens, its first rows {np.array2string(shown, precision=1)}); ember compiles "
-                                 "causal decoders")
-        window = windows[max(windows)]
-        if any(found != (window if window < tokens else 0) for tokens, found in windows.items()):
+            return 0, ()
+        key = tuple(bias for bias, _ in biases)
+        if key in self._kinds:
+            return self._kinds[key]
+        totals = [0.0] * len(self.probe_lengths)
+        for bias, addition in biases:
+            evaluated = _evaluate(self.func, bias, self.probe_lengths)
+            if evaluated is None:
+                raise ModelError(f"{where}: the attention bias depends on the model's weights (a learned bias?); ember "
+                                 "compiles a causal mask, one through a sliding window, and ALiBi's distance bias")
+            for index, (tokens, values) in enumerate(zip(self.probe_lengths, evaluated)):
+                shape = [int(d) if isinstance(d, tirx.IntImm) else tokens for d in addition.ty.shape]
+                totals[index] = totals[index] + np.broadcast_to(values, shape).reshape(-1, tokens, tokens)
+        kinds = {}
+        for tokens, total in zip(self.probe_lengths, totals):
+            visible = np.isfinite(total) & (total > -1e4)
+            window, slopes = mask_window(np.where(visible, 0.0, -np.inf)), distance_slopes(total, visible)
+            if window is None or slopes is None:
+                shown = total[0][:6, :6]
+                raise ModelError(f"{where}: the attention mask is neither causal nor a sliding window, or biases the "
+                                 f"scores otherwise than by distance (at {tokens} tokens, its first rows "
+                                 f"{np.array2string(shown, precision=2)}); ember compiles causal decoders")
+            kinds[tokens] = (window, slopes)
+        window, slopes = kinds[max(kinds)]
+        if not all(found == (window if window < tokens else 0) and len(found_slopes) == len(slopes)
+                   and np.allclose(found_slopes, slopes, rtol=1e-5, atol=1e-7)
+                   for tokens, (found, found_slopes) in kinds.items()):
             raise ModelError(f"{where}: the attention mask changes with the sequence's length "
-                             f"({', '.join(f'{_describe(w)} at {n} tokens' for n, w in windows.items())})")
-        self._windows[mask] = window
-        return window
+                             f"({', '.join(f'{_describe(w)} at {n} tokens' for n, (w, _) in kinds.items())})")
+        self._kinds[key] = window, slopes
+        return window, slopes
+
+
+def distance_slopes(total: np.ndarray, visible: np.ndarray) -> tuple[float, ...] | None:
+    """Slopes s_h such that, where a query i sees a key j, `total`[h, i, j] = s_h * (j - i) plus a constant of the
+    row (which the softmax ignores): () if the bias is constant along every row, one slope per head (or one for all
+    if `total` has one head), None if it is no such bias."""
+    tokens = total.shape[-1]
+    rows = np.where(visible, total, 0.0).astype(np.float64)
+    relative = rows - rows[:, np.arange(tokens), np.arange(tokens)][:, :, None]
+    distance = np.where(visible[0], np.arange(tokens)[None, :] - np.arange(tokens)[:, None], 0).astype(np.float64)
+    relative = np.where(visible, relative, 0.0)
+    if not np.any(relative):
+        return ()
+    slopes = (relative * distance).sum(axis=(1, 2)) / max((distance * distance).sum(), 1.0)
+    fitted = slopes[:, None, None] * distance
+    if np.abs(relative - fitted).max() > 1e-5 * max(1.0, float(np.abs(relative).max())):
+        return None
+    return tuple(float(s) for s in slopes)
 
 
 def mask_window(values: np.ndarray) -> int | None:

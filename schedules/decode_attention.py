@@ -73,6 +73,17 @@ def capped(score, softcap: float):
     return cap * T.tanh(score / cap)
 
 
+def distance_biased(score, slopes: tuple[float, ...], head, distance):
+    """A base-2 score plus the head's ALiBi bias, slope * distance (natural units, converted); unchanged without
+    slopes. One slope serves every head."""
+    if not slopes:
+        return score
+    slope = T.float32(slopes[0] * math.log2(math.e))
+    for index in range(1, len(slopes)):
+        slope = T.if_then_else(head == index, T.float32(slopes[index] * math.log2(math.e)), slope)
+    return score + slope * T.Cast("float32", distance)
+
+
 def first_visible(query_position, first_key_position, window: int):
     """The index (in the keys handed) of the first key a query at `query_position` sees through `window`
     (0 without one)."""
@@ -82,13 +93,15 @@ def first_visible(query_position, first_key_position, window: int):
 @parsed_once
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                            page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
-                           window: int = 0, window_pages: bool = False, softcap: float = 0.0):
+                           window: int = 0, window_pages: bool = False, softcap: float = 0.0,
+                           slopes: tuple[float, ...] = ()):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
     `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`
     the page layout (`kv_storage.py`), TVM's float pages by default; `window` the sliding window
     of the layers it serves (0: the whole context), `window_pages` whether it is handed only the
-    window's pages (TVM's sliding-window slot); `softcap` the soft-cap of the scores (0: none)."""
+    window's pages (TVM's sliding-window slot); `softcap` the soft-cap of the scores (0: none), `slopes` the heads'
+    ALiBi slopes (none: no distance bias)."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     group = num_qo_heads // num_kv_heads
     lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # a power of two, at most 16
@@ -186,8 +199,9 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                                     acc[i] = acc[i] + q[g, i_o * lanes + i] * storage.value(
                                         values, token_page[t], 0, token_slot[t], h, i_o * lanes + i)
                             reduce_lanes(acc, lanes, False)
-                            s[g, t] = capped(acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h),
-                                             softcap)
+                            s[g, t] = distance_biased(
+                                capped(acc[0] * storage.scale(scales, token_page[t], 0, token_slot[t], h), softcap),
+                                slopes, h * group + g, key_positions[b] + pos - query_positions[b])
                     for g in T.serial(group):
                         m_new[0] = m[g]
                         for t in T.serial(rows):

@@ -51,7 +51,13 @@ from tvm.script import tirx as T
 
 from ember.ir.kv_cache import KVRows
 from ember.ir.tvmscript import parsed_once
-from ember.schedules.decode_attention import capped, last_page_length, length_info_shape, skipped_slots
+from ember.schedules.decode_attention import (
+    capped,
+    distance_biased,
+    last_page_length,
+    length_info_shape,
+    skipped_slots,
+)
 from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
 
@@ -82,7 +88,8 @@ def _padded(rows: int, row_tile: int) -> int:
     return -(-rows // row_tile) * row_tile
 
 
-def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int, block: int, softcap: float):
+def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int, block: int, softcap: float,
+            slopes: tuple[float, ...]):
     """The parts both kernels share, as TVMScript macros; `block` is a task's (row, head) pairs in whole tiles."""
     log2e = math.log2(math.e)
 
@@ -99,7 +106,8 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 o[rg, i] = T.float32(0)
 
     @T.macro
-    def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, low_base, limit_base, causal, kv_len):
+    def attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first_key, low_base, limit_base, causal, kv_len, h,
+               distance_base):
         for tile in T.serial((rows * group + row_tile - 1) // row_tile):
             # Scores of the tile's pairs: row_tile x key_chunk / lanes independent FMA chains.
             for r in T.unroll(row_tile):
@@ -114,14 +122,16 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
                 # Keys from `low` and before `limit` are visible to this pair's row.
                 limit: T.let[T.int32] = T.if_then_else(causal > 0, T.min(limit_base + rg // group + 1, kv_len), kv_len)
                 for j in T.vectorized(key_chunk):
-                    red[j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit),
-                                            capped(s[r, j], softcap), T.float32(_START_MAX))
+                    red[j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit), distance_biased(
+                        capped(s[r, j], softcap), slopes, h * group + rg % group,
+                        distance_base + first_key + j - rg // group), T.float32(_START_MAX))
                 reduce_lanes(red, key_chunk, True)
                 m_new: T.let[T.float32] = T.max(m[rg], red[0])
                 rescale: T.let[T.float32] = exp2(m[rg] - m_new)
                 for j in T.vectorized(key_chunk):
-                    p[r, j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit),
-                                             exp2(capped(s[r, j], softcap) - m_new), T.float32(0))
+                    p[r, j] = T.if_then_else(_visible(first_key + j, low_base, rg // group, limit), exp2(
+                        distance_biased(capped(s[r, j], softcap), slopes, h * group + rg % group,
+                                        distance_base + first_key + j - rg // group) - m_new), T.float32(0))
                     red[j] = p[r, j]
                 reduce_lanes(red, key_chunk, False)
                 d[rg] = d[rg] * rescale + red[0]
@@ -225,12 +235,13 @@ class _Paged:
 
 
 def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, lanes: int,
-                     source: _Ragged | _Paged, window: int = 0, softcap: float = 0.0):
+                     source: _Ragged | _Paged, window: int = 0, softcap: float = 0.0,
+                     slopes: tuple[float, ...] = ()):
     """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task; with a `window`,
     each row sees the keys within it of its query's position (and none after it), by the positions given."""
     row_tile, key_chunk = prefill_tile(lanes, head_dim)
     block = _padded(BLOCK_ROWS * group, row_tile)  # a task's (row, head) pairs, in whole register tiles
-    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block, softcap)
+    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block, softcap, slopes)
 
     def _limit_base(kv_len, q_len, row0, first_position, first_key_position):
         """Row r of the block sees keys before limit_base + r + 1: causally from the end of the keys, or, with a
@@ -297,9 +308,10 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                             value_scale: T.let[T.float32] = source.scale(kv, kv_start, first + j, h, 1)
                             for i in T.vectorized(head_dim):
                                 vc[j, i] = source.row(kv, kv_start, first + j, h, i, 1) * value_scale
+                        # A key's distance from its row's query: key index + distance_base - the row (in the block).
                         attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first,
                                _low_base(q_pos[q_start + row0], k_pos[b]), limit_base,
-                               _causal(causal), kv_len)
+                               _causal(causal), kv_len, h, k_pos[b] - q_pos[q_start + row0])
                     finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
 
     return attention_tasks
@@ -307,10 +319,12 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
 
 @parsed_once
 def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, lanes: int,
-                             symbol: str, rows: KVRows | None = None, softcap: float = 0.0):
+                             symbol: str, rows: KVRows | None = None, softcap: float = 0.0,
+                             slopes: tuple[float, ...] = ()):
     """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]; with `rows`,
     a `--kv-quant` cache's: k and v rows as it stores them, q and the output at the front of its word rows.
-    `lanes` is the float32 vector width, `softcap` the soft-cap of the scores (0: none)."""
+    `lanes` is the float32 vector width, `softcap` the soft-cap of the scores (0: none), `slopes` the heads' ALiBi
+    slopes."""
     source = _PackedRagged(rows) if rows else _Ragged()
     q_heads, q_dim = (rows.stored_qo_heads, 1) if rows else (num_qo_heads, head_dim)
     kv_shape = (rows.stored_kv_heads, 1) if rows else (num_kv_heads, head_dim)
@@ -318,7 +332,7 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     kv_values = ((rows.row_values,), rows.value_dtype) if rows else ((num_kv_heads, head_dim), dtype)
     kv_scales = ((rows.stored_kv_heads,), "float32") if rows else ((num_kv_heads, head_dim), dtype)
     attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes, source,
-                                       softcap=softcap)
+                                       softcap=softcap, slopes=slopes)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -373,15 +387,16 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
 @parsed_once
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
                             lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
-                            window: int = 0, window_pages: bool = False, softcap: float = 0.0):
+                            window: int = 0, window_pages: bool = False, softcap: float = 0.0,
+                            slopes: tuple[float, ...] = ()):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and, with `window_pages`, its sliding-window variant):
     keys and values in cache pages, laid out as `storage` says (`kv_storage.py`; TVM's float pages by default),
-    seen through `window` if given, scores soft-capped at `softcap` if given. `lanes` is the float32 vector
-    width."""
+    seen through `window` if given, scores soft-capped at `softcap` and biased by distance with `slopes` (ALiBi)
+    if given. `lanes` is the float32 vector width."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     q_heads, q_dim = storage.q_heads, storage.q_dim
     attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes,
-                                       _Paged(storage, window_pages), window, softcap)
+                                       _Paged(storage, window_pages), window, softcap, slopes)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(

@@ -99,7 +99,7 @@ _LOCAL, _GLOBAL = "sliding_attention", "full_attention"
 # The families table (`tests/test_families.py`): name -> (transformers model type, config), every one compiled
 # through `--frontend torch-export` against transformers. Between them: head dims 16 to 256, GQA, MQA and MHA,
 # tied and untied heads, windows on every layer, on some (alternating, patterned, from a layer on) or none,
-# soft-capped scores and logits, LayerNorm and RMSNorm, q/k norms, parallel residuals, partial rotary.
+# soft-capped scores and logits, ALiBi, LayerNorm and RMSNorm, q/k norms, parallel residuals, partial rotary.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("llama", dict(_GQA, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),  # head dim 64, MQA
     "mistral": ("mistral", dict(_GQA, sliding_window=WINDOW)),
@@ -131,6 +131,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "exaone4": ("exaone4", dict(_GQA, num_hidden_layers=4, sliding_window=WINDOW)),  # local, local, local, global
     "starcoder2": ("starcoder2", dict(_GQA, sliding_window=WINDOW)),
     "cohere": ("cohere", dict(_GQA)),  # LayerNorm's mean, logits scaled
+    "cohere2": ("cohere2", dict(_GQA, num_hidden_layers=4, sliding_window=WINDOW)),  # every 4th layer global
+    "olmo3": ("olmo3", dict(_GQA, num_hidden_layers=4, sliding_window=WINDOW)),
+    "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4, seq_length=256)),  # ALiBi
+    "falcon_alibi": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                                    max_position_embeddings=256)),
 }
 
 

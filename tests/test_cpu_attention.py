@@ -147,7 +147,9 @@ def test_prefill_attention_matches_tvm_kernel(kind, case, lanes):
     _assert_same(_run(kernel, q, inputs, [causal, 0]), theirs, dtype)
 
 
-def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
+# Llama: the three plain kernels and rope; Gemma 3's local and global layers: the sliding-window two as well.
+@pytest.mark.parametrize("name, exported, windowed", [("llama", False, False), ("gemma3", True, True)])
+def test_compiled_models_use_embers_kv_cache_kernels(tiny_models, name, exported, windowed):
     """The pipeline really swaps the attention and rope kernels in (TVM names them by symbol in the module)."""
     from ember.frontend.hf import import_hf_model
     from ember.ir.attributes import KERNEL_SOURCE_ATTR
@@ -157,13 +159,15 @@ def test_compiled_models_use_embers_kv_cache_kernels(tiny_models):
     from ember.schedules.rope import ROPE_SYMBOL
 
     target = resolve_target("cpu")
-    imported = import_hf_model(tiny_models.checkpoint("llama"), target.target, "float32")
-    kernels = pipeline.to_kernels(imported.mod, target, pipeline.LowerOptions(FORMATS["q0f32"], 64, 4))
-    swapped = (*ATTENTION_SYMBOLS, ROPE_SYMBOL)
+    imported = import_hf_model(tiny_models.checkpoint(name), target.target, "float32", exported=exported)
+    kernels = pipeline.to_kernels(pipeline.with_entries(imported.mod, target), target,
+                                  pipeline.LowerOptions(FORMATS["q0f32"], 16, 4))
+    swapped = (*ATTENTION_SYMBOLS, *(() if exported else (ROPE_SYMBOL,)))  # an exported graph rotates q and k itself
     sources = {str(func.attrs["global_symbol"]): str(func.attrs[KERNEL_SOURCE_ATTR])
                for _, func in kernels.functions_items() if (func.attrs or {}).get("global_symbol") in swapped}
-    assert sources == {**dict.fromkeys(ATTENTION_SYMBOLS, "ember.ir_passes.specialize_cpu_attention"),
-                       ROPE_SYMBOL: "ember.ir_passes.specialize_cpu_rope"}
+    attention = [s for s in ATTENTION_SYMBOLS if windowed or not s.endswith("_sliding_window")]
+    assert sources == {**dict.fromkeys(attention, "ember.ir_passes.specialize_cpu_attention"),
+                       **({} if exported else {ROPE_SYMBOL: "ember.ir_passes.specialize_cpu_rope"})}
 
 
 def _prefetched_lines(storage, page: int, part: int, slot: int, head: int) -> set[int]:
