@@ -20,7 +20,7 @@ sequence. Three rewrites make that true:
    `scaled_dot_product_attention` and as eager attention and ONNX exports write it
    (the scale on q, k or both; k transposed in 4-D or in a 3-D view of merged heads;
    a guard that zeroes fully masked rows), with an additive mask that is proven, not
-   sampled: evaluated at lengths past every window the config names (and past 64
+   sampled: evaluated at two lengths past every window the config names (and past 16
    tokens), it must be causal, or causal through a sliding window of W tokens (a query
    at position p sees p - W + 1 .. p) at every length alike, and each layer's must be
    what the importer read of the config (`CONFIG_WINDOWS_ATTR`: `layer_types`,
@@ -97,10 +97,10 @@ def _config_windows(mod: tvm.IRModule, layers: int, context_window: int) -> list
 
 
 def _probe_lengths(windows: list[int], context_window: int) -> list[int]:
-    """Sequence lengths to evaluate masks at: a few tokens, and past the longest window the config names (by a
-    prefill chunk's worth and more), within the context."""
-    longest = max(windows, default=0)
-    return sorted({min(n, context_window) for n in (5, 64, longest + 17, longest + 41)} - {0, 1})
+    """Sequence lengths to evaluate masks at: two past the longest window the config names (and past 16
+    tokens), within the context. Two, so that a mask that changes with the length shows it."""
+    longest = max(windows + [16])
+    return sorted({min(n, context_window) for n in (longest + 17, longest + 41)} - {0, 1})
 
 
 # Reductions whose result mixes the values of the tokens they reduce over.
@@ -234,7 +234,7 @@ class _Graph:
     def __init__(self, func: relax.Function, check_masks: bool = True) -> None:
         self.func = func
         self.check_masks = check_masks
-        self.probe_lengths = [5, 64]
+        self.probe_lengths = [33, 57]
         self.values = _values(func)
         self.users: dict[relax.Var, list[relax.VarBinding]] = {}
         for binding in bindings(func):

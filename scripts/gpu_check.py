@@ -6,8 +6,9 @@ Two halves:
     python scripts/gpu_check.py run --bundle build/gpu-bundle [--out DIR]         # there, on the GPU
     python scripts/gpu_check.py run --bundle build/gpu-bundle --dry-run           # here: all but the CUDA calls
 
-`prepare` compiles the artifacts for `cuda:sm_90a` (tiny random Llama and Qwen2 through the HF frontend and
-GPT-2 through `--frontend torch-export`, at every quantization that compiles for CUDA; the Llama 3.2 1B shape
+`prepare` compiles the artifacts for `cuda:sm_90a` (tiny random Llama and Qwen2 through the HF frontend, GPT-2
+and a Gemma 3 of local and global layers, prompts past its window, through `--frontend torch-export`, at every
+quantization that compiles for CUDA; the Llama 3.2 1B shape
 at q0f16 and q4f16 for the benchmark), computes reference outputs with transformers on this CPU, and packs ONE
 bundle (< 64 MiB): TVM's runtime without `libtvm_compiler.so`, the cp312 `apache-tvm-ffi` wheel, ember's
 runtime packages plus its weight conversion (`ember.driver.convert`, which imports no compiler), each
@@ -64,6 +65,8 @@ TINY_ARTIFACTS = {
     "qwen2": ("builtin", ("q0f16", "q0f32")),
     # --frontend torch-export builds float32 graphs only (float16 is refused at import).
     "gpt2": ("torch-export", ("q0f32", "q8f32")),
+    # Gemma 3's local (sliding-window) and global layers: TVM's CUDA sliding-window kernels, prompts past the window.
+    "gemma3": ("torch-export", ("q0f32",)),
 }
 BENCH_QUANTS = ("q0f16", "q4f16")
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -154,7 +157,8 @@ def _kind(name: str) -> str:
 
 
 def model_specs(with_1b: bool) -> dict[str, dict]:
-    """The checkpoints: the tests' tiny Llama, Qwen2 and GPT-2 shapes (float32), and the 1B shape (float16)."""
+    """The checkpoints: the tests' tiny Llama, Qwen2, GPT-2 and Gemma 3 (windowed) shapes (float32), and the 1B
+    shape (float16)."""
     sys.path.insert(0, str(REPO / "tests"))
     import models
     from transformers import AutoConfig, LlamaConfig
@@ -167,6 +171,9 @@ def model_specs(with_1b: bool) -> dict[str, dict]:
         "gpt2": checkpoint_spec("gpt2", AutoConfig.for_model("gpt2", vocab_size=models.VOCAB_SIZE, bos_token_id=1,
                                                              eos_token_id=2, **models.EXPORTED_MODELS["gpt2"]),
                                 SEED, "float32", 0.1, True),
+        "gemma3": checkpoint_spec("gemma3", AutoConfig.for_model(
+            "gemma3_text", vocab_size=models.VOCAB_SIZE, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            **models.FAMILIES["gemma3"][1]), SEED, "float32", 0.1, True),
     }
     if with_1b:
         specs["llama1b"] = checkpoint_spec("llama1b", LlamaConfig(**LLAMA_1B), SEED, "float16", 0.02, False)
