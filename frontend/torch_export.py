@@ -45,7 +45,7 @@ def build_exported_module(model_dir: Path, config: ModelConfig, model_dtype: str
     missing = [package for package in ("torch", "transformers") if importlib.util.find_spec(package) is None]
     if missing:
         raise ModelError(f"--frontend torch-export needs torch and transformers, and this Python has no "
-                         f"{' and no '.join(missing)}: pip install torch transformers")
+                         f"{' and no '.join(missing)}: pip install torch==2.13.0 transformers")
     config_json = (Path(model_dir) / "config.json").read_bytes()
     return trace_cache.load_or_trace(config_json, config.context_window, stored,
                                      lambda: _trace(model_dir, config.context_window, stored.__contains__))

@@ -141,7 +141,7 @@ def test_torch_export_without_torch_or_transformers_is_one_line(tiny_models, tmp
     result = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     assert result.stderr == (f"ember: error: --frontend torch-export needs torch and transformers, and this Python "
-                             f"has no {missing}: pip install torch transformers\n")
+                             f"has no {missing}: pip install torch==2.13.0 transformers\n")
     assert list(out_parent.iterdir()) == []
 
 

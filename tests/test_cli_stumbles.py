@@ -88,3 +88,19 @@ def test_analyze_refuses_given_lengths_past_the_window(capsys):
     result = run_main(capsys, "analyze", "demo", "--hardware", "raspberry-pi-5", "--prompt-len", "200",
                       "--gen-len", "100")
     assert_one_line_error(result, "--prompt-len 200 + --gen-len 100")
+
+
+def test_a_mistyped_option_names_the_nearest_one(tmp_path):
+    """argparse's own error, and the option a mistyped one is nearest to; exit 2, nothing written."""
+    from helpers import run_ember
+
+    result = run_ember("generate", str(tmp_path), "--promt", "hi")
+    assert_one_line_error(result, "--promt: did you mean --prompt?", returncode=2)
+    result = run_ember("compile", "demo", "-o", str(tmp_path / "out"), "--qunt", "q4f32")
+    assert_one_line_error(result, "--qunt: did you mean --quant?", returncode=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_artifact_path_says_so(tmp_path, capsys):
+    result = run_main(capsys, "generate", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert_one_line_error(result, f"{tmp_path / 'nowhere'}: no such artifact directory")

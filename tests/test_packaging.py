@@ -1,8 +1,9 @@
 """ember as a wheel: built from the checkout, installed in a fresh virtual environment, it compiles and runs
 the demo, and the runtime `ember package` gathers from it loads the artifact with TVM's runtime library alone.
 
-The virtual environment sees the system's site-packages (TVM, numpy, tokenizers come from there), so the test
-checks that it imports the installed wheel's ember, not the editable checkout the system has.
+The virtual environment is a newcomer's: it borrows nothing from the system's site-packages, and the wheel's own
+dependencies (and its `serve` extra's) are installed into it by pip, so a dependency the wheel forgets to declare
+fails here. The test also checks that it imports the installed wheel's ember, not the editable checkout.
 """
 
 from __future__ import annotations
@@ -44,17 +45,25 @@ def requirements(lines: list[str]) -> dict[str, Requirement]:
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A fresh virtual environment (with the system's site-packages) holding ember's wheel, built from a copy
-    of the checkout."""
+    """A fresh virtual environment, without the system's site-packages, holding ember's wheel (built from a copy of
+    the checkout) with its dependencies and the `serve` extra's, installed by pip as a newcomer's would be."""
     root = tmp_path_factory.mktemp("packaging")
     source = root / "source"
     shutil.copytree(REPO_ROOT, source, ignore=NOT_SOURCES, symlinks=True)
     check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", root / "dist",
            source])
     (wheel,) = (root / "dist").glob("ember-*.whl")
-    check([sys.executable, "-m", "venv", "--system-site-packages", root / "venv"])
-    check([root / "venv" / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel])
+    check([sys.executable, "-m", "venv", root / "venv"])
+    check([root / "venv" / "bin" / "python", "-m", "pip", "install", "-q", f"ember[serve] @ {wheel.as_uri()}"])
     return root / "venv"
+
+
+def test_the_venv_borrows_nothing_from_the_system(venv):
+    """TVM and numpy come from the venv's own site-packages: a package the wheel does not declare is missing."""
+    script = ("import numpy, tvm, sysconfig; print(numpy.__file__); print(tvm.__file__); "
+              "print(sysconfig.get_paths()['purelib'])")
+    numpy_file, tvm_file, site_packages = check([venv / "bin" / "python", "-c", script], cwd=venv).stdout.split()
+    assert Path(numpy_file).is_relative_to(site_packages) and Path(tvm_file).is_relative_to(site_packages)
 
 
 def test_the_venv_imports_the_installed_wheel_not_the_checkout(venv):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -130,9 +131,42 @@ def _run(args: argparse.Namespace, interrupted: list[bool]) -> int:
         return 70
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subparsers are of its class), whose error for a mistyped option names the option
+    nearest to it: `--promt` -> "did you mean --prompt?"."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        given = getattr(self, "_given", [])
+        known = self._options(given)
+        for token in given:
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in known:
+                nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+                if nearest:
+                    message = f"{message} ({name}: did you mean {nearest[0]}?)"
+                    break
+        super().error(message)
+
+    def _options(self, given: list[str]) -> list[str]:
+        """The options of this parser and of the command `given` names (the top parser reports the arguments no
+        parser took)."""
+        options = []
+        for action in self._actions:
+            options += action.option_strings
+            if isinstance(action, argparse._SubParsersAction):
+                command = next((token for token in given if token in action.choices), None)
+                if command is not None:
+                    options += [option for sub in action.choices[command]._actions for option in sub.option_strings]
+        return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`ember`'s parser: the global options, and each command's subparser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ember",
         description="Compile large language models for the hardware you own, and run them.",
         epilog=EXAMPLES,

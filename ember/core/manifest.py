@@ -188,6 +188,8 @@ def check_ember_artifact(artifact_dir: Path) -> None:
 def _load_manifest_json(artifact_dir: Path) -> Any:
     """The JSON value of `artifact_dir/manifest.json`, read as a bounded regular file (no link, FIFO or device)."""
     path = artifact_dir / MANIFEST_NAME
+    if not os.path.lexists(artifact_dir):
+        raise ArtifactError(f"{artifact_dir}: no such artifact directory (`ember compile MODEL -o DIR` writes one)")
     if not os.path.lexists(path):
         raise ArtifactError(f"{artifact_dir}: not an ember artifact ({MANIFEST_NAME} is missing)")
     with open_regular(path) as f:
