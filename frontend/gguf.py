@@ -6,9 +6,11 @@ reader raises bare errors on bad input, so the header is checked here first (mag
 version) and every tensor's type, shape and byte range before the reader slices it;
 each failure is one line naming the file and the tensor or metadata key.
 
-Metadata becomes a Hugging Face style config dict checked by `parse_model_config`,
-tensor names become Hugging Face names, and llama.cpp's row permutation of the
-Llama q/k projections (its RoPE pairs adjacent channels) is undone, so the rest of
+Llama and Qwen2 files are built by ember's own definition (other architectures go
+through the graph transformers traces, `frontend/gguf_traced.py`). Metadata becomes a
+Hugging Face style config dict checked by `parse_model_config`, tensor names become
+Hugging Face names, and llama.cpp's row permutation of the Llama q/k projections
+(its RoPE pairs adjacent channels) is undone, so the rest of
 ember sees the checkpoint it would have read from the original directory. Llama 3's
 RoPE scaling, which llama.cpp's converter stores as per-frequency divisors in the
 `rope_freqs.weight` tensor, becomes the `rope_scaling` it came from (`gguf_rope`).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -248,13 +251,17 @@ class GGUFTensor:
 class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, read lazily (as `CheckpointWeights`)."""
 
-    def __init__(self, path: Path, reader, config: ModelConfig) -> None:
+    def __init__(self, path: Path, reader, config: ModelConfig,
+                 hf_names: Callable[[str], str | None] | None = None) -> None:
+        """`hf_names`: the Hugging Face name of a GGUF tensor, None for one ember does not read (ember's names for
+        the Llama family by default)."""
         self.path = Path(path)
         self._reader, self._config = reader, config
         self._tensors = {}
         self.records: dict[str, GGUFTensor] = {}
+        hf_names = hf_names or _hf_name
         for tensor in reader.tensors:
-            hf_name = _hf_name(tensor.name)
+            hf_name = hf_names(tensor.name)
             if hf_name is None:
                 continue  # rope_freqs and other tensors ember computes itself
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -434,14 +441,16 @@ def format_of_type(type_name: str, model_dtype: str) -> str:
 
 def default_quantization(path: Path) -> str:
     """The `--quant` matching the file's dominant weight type (by bytes): a GGUF file's compute dtype
-    (float16 for an F16 file, else float32) and the format of the weights not stored otherwise."""
+    (float16 for an F16 file of ember's own definitions, else float32: a traced graph computes in float32) and the
+    format of the weights not stored otherwise."""
     reader = open_gguf(path)
     sizes = Counter()
     for tensor in reader.tensors:
         if len(tensor.shape) == 2:
             sizes[tensor.tensor_type.name] += int(tensor.n_bytes)
     dominant = sizes.most_common(1)[0][0] if sizes else "F32"
-    return format_of_type(dominant, "float16" if dominant == "F16" else "float32")
+    own = Metadata(reader, path).get("general.architecture", str) in SUPPORTED_ARCHITECTURES
+    return format_of_type(dominant, "float16" if dominant == "F16" and own else "float32")
 
 
 def file_sha256(path: Path) -> str:
@@ -469,11 +478,19 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
 
     path = Path(path)
     reader = open_gguf(path)
-    config = gguf_config(reader, path)
-    weights = GGUFWeights(path, reader, config)
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
         atexit.register(shutil.rmtree, workdir, ignore_errors=True)
+    architecture = Metadata(reader, path).get("general.architecture", str, required=True)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        from ember.frontend.gguf_traced import import_traced_gguf, traced_architectures
+
+        if architecture not in traced_architectures():
+            raise ModelError(f"{path}: general.architecture {short_repr(architecture)} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES + traced_architectures())}")
+        return import_traced_gguf(path, reader, model_dtype, workdir)
+    config = gguf_config(reader, path)
+    weights = GGUFWeights(path, reader, config)
     tokenizer_files = write_tokenizer_files(Metadata(reader, path), workdir)
     check_tokenizer_files(tokenizer_files, config)
     mod, shapes = build_module(config, target, model_dtype)

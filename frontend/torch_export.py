@@ -68,7 +68,7 @@ def _trace(model_dir: Path, context_window: int, stored: Callable[[str], bool]) 
 def _build_model(auto_class, config, dtype):
     """The model with transformers' sdpa attention, whose trace `specialize_attention` reads most directly;
     its written-out (eager) attention where a family has no sdpa path."""
-    with _quiet():
+    with quiet():
         try:
             return auto_class.from_config(config, attn_implementation="sdpa", dtype=dtype)
         except ValueError as err:
@@ -98,7 +98,7 @@ def import_module(
     seq = torch.export.Dim("seq", min=2, max=max_seq_len)
     example = torch.zeros((1, 3), dtype=torch.int32)  # 3 tokens: neither 0 nor 1, so `seq` stays symbolic
     try:
-        with torch.no_grad(), _quiet():
+        with torch.no_grad(), quiet():
             program = torch.export.export(Logits(), (example,), dynamic_shapes={"input_ids": {1: seq}}, strict=False)
             mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
     except Exception as err:  # torch.export and the importer raise many types; one line names the stage
@@ -161,7 +161,7 @@ def _checkpoint_names(model, stored: Callable[[str], bool]) -> Callable[[str], s
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """transformers and torch.export log and print while they work; a compile shows only its own progress."""
     logger = logging.getLogger("transformers")
     level = logger.level

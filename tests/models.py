@@ -141,9 +141,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def write_exported_checkpoint(name: str, out_dir: Path, seed: int = SEED) -> Path:
     """Write the tiny checkpoint `name` of `EXPORTED_MODELS` or `FAMILIES` to `out_dir`; returns `out_dir`."""
+    model_type, overrides = FAMILIES[name] if name in FAMILIES else (name, EXPORTED_MODELS[name])
+    return write_config_checkpoint(model_type, overrides, out_dir, seed)
+
+
+def write_config_checkpoint(model_type: str, overrides: dict[str, Any], out_dir: Path, seed: int = SEED) -> Path:
+    """Write a tiny checkpoint of transformers' `model_type` with `overrides` (and the tiny vocabulary's token ids)."""
     from transformers import AutoConfig
 
-    model_type, overrides = FAMILIES[name] if name in FAMILIES else (name, EXPORTED_MODELS[name])
     config = AutoConfig.for_model(model_type, **_EXPORTED_COMMON, **overrides)
     if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= config.vocab_size:
         config.pad_token_id = 0  # a family's default (Phi-3's 32000) outside the tiny vocabulary

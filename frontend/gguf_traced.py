@@ -1,0 +1,144 @@
+"""A GGUF file of an architecture ember has no definition for, imported through the graph transformers traces.
+
+`frontend/gguf.py` builds Llama and Qwen2 files with ember's own definition. Every other
+architecture transformers can read from GGUF (its `integrations.ggml` mappings: Qwen3, Gemma
+2 and 3, Phi-3, StarCoder2, StableLM, Falcon, GPT-2, BLOOM, Mistral, Nemotron, ...) is read
+with those mappings, as `--frontend torch-export` reads a checkpoint directory:
+
+- the config: transformers' reading of the file's metadata, written as the `config.json` the
+  model is built and traced from (`frontend/torch_export.py`) and that ember reads its sizes,
+  windows and token ids from (`imported_model_config`);
+- the tensors: each GGUF tensor under the name of the transformers parameter it fills
+  (`get_gguf_hf_weights_map` on the model's skeleton), read lazily, dequantized, and put back
+  in transformers' layout by the architecture's tensor processor (Gemma's norms stored plus
+  one, BLOOM's interleaved q/k/v, GPT-2's transposed projections).
+
+Weights are re-quantized to the file's dominant format, or to `--quant`: a Q8_0 block read
+back and quantized again is the same block (its scale is its largest value over 127, kept in
+float16), so a Q8_0 file keeps every value; the conversion report says so per tensor.
+transformers and torch are needed at compile time only, as for `--frontend torch-export`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.core.errors import ModelError
+from ember.frontend.config import imported_model_config
+from ember.frontend.gguf import GGUFWeights, Metadata
+from ember.ir.attributes import CONFIG_WINDOWS_ATTR
+
+# Architectures transformers reads from GGUF that are no causal decoder ember compiles (refused by the config
+# check too, but by this name first).
+_NOT_DECODERS = ("t5", "t5encoder", "umt5", "mamba")
+
+
+def traced_architectures() -> tuple[str, ...]:
+    """The GGUF `general.architecture` values transformers maps onto a model (empty without transformers)."""
+    if importlib.util.find_spec("transformers") is None:
+        return ()
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return tuple(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer", *_NOT_DECODERS))
+
+
+class TracedGGUFWeights(GGUFWeights):
+    """The file's tensors under transformers' parameter names, dequantized and processed into its layout."""
+
+    def __init__(self, path: Path, reader, config, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                 processor, parsed: dict[str, Any]) -> None:
+        super().__init__(path, reader, config, hf_names=names.get)
+        self._processor, self._parsed, self._names = processor, parsed, names
+        for name, record in self.records.items():
+            if name in shapes:  # transformers' layout, which the processor gives (GPT-2's projections transposed)
+                self.records[name] = record.__class__(record.name, record.gguf_name, record.type_name,
+                                                      shapes[name], np.dtype(np.float32), record.path)
+
+    def load(self, name: str) -> np.ndarray:
+        import gguf
+
+        record = self.record(name)
+        tensor = self._tensors[name]
+        values = np.asarray(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type), np.float32)
+        processed = self._processor.process(weights=values, name=record.gguf_name, tensor_key_mapping=self._names,
+                                            parsed_parameters=self._parsed)
+        return np.ascontiguousarray(np.asarray(processed.weights, np.float32).reshape(record.shape))
+
+    def stored_quantization(self, name: str, bits: int, zero_point: bool) -> dict[str, np.ndarray] | None:
+        """None: the blocks are read back and quantized again (the processors may reorder or change values)."""
+        return None
+
+
+def import_traced_gguf(path: Path, reader, model_dtype: str, workdir: Path):
+    """The GGUF file at `path` (opened as `reader`) as the graph transformers' model for its architecture traces,
+    with its tokenizer files written into `workdir`."""
+    from ember.frontend.gguf_tokenizer import write_tokenizer_files
+    from ember.frontend.hf import ImportedModel, _check_tensor, check_tokenizer_files
+    from ember.frontend.torch_export import build_exported_module
+
+    missing = [package for package in ("torch", "transformers") if importlib.util.find_spec(package) is None]
+    if missing:
+        raise ModelError(f"{path}: its architecture is read through transformers' GGUF mappings, and this Python has "
+                         f"no {' and no '.join(missing)}: pip install torch==2.13.0 transformers")
+    config_dir = Path(tempfile.mkdtemp(prefix="ember-gguf-config-"))
+    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    metadata = Metadata(reader, path)
+    architecture = metadata.get("general.architecture", str, required=True)
+    # What transformers' config mapping leaves out for some architectures: BLOOM's and GPT-2's context, the head
+    # dim where it is not hidden / heads.
+    known = {"context": metadata.get(f"{architecture}.context_length", int),
+             "head_dim": metadata.get(f"{architecture}.attention.key_length", int)}
+    names, shapes, processor, parsed = _transformers_reading(path, config_dir, architecture, known)
+    config = imported_model_config(config_dir)
+    weights = TracedGGUFWeights(path, reader, config, names, shapes, processor, parsed)
+    tokenizer_files = write_tokenizer_files(Metadata(reader, path), workdir)
+    check_tokenizer_files(tokenizer_files, config)
+    mod, traced_shapes = build_exported_module(config_dir, config, model_dtype, weights.records)
+    for name, shape in traced_shapes.items():
+        _check_tensor(weights, name, shape)
+    mod = mod.with_attr(CONFIG_WINDOWS_ATTR, list(config.layer_windows))
+    return ImportedModel(mod, config, weights, tokenizer_files, model_dtype, "torch-export")
+
+
+def _transformers_reading(path: Path, config_dir: Path, architecture: str, known: dict[str, int | None]):
+    """transformers' reading of the file: GGUF tensor name -> parameter name, the parameters' shapes, the
+    architecture's tensor processor and the parsed metadata; its config is written to `config_dir/config.json`,
+    with what the file says and transformers' mapping leaves out (`known`: the context, the head dim)."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    from ember.frontend.torch_export import quiet
+
+    try:
+        with quiet():
+            parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+            config = dict(parsed["config"])
+            model_type = config.pop("model_type")
+            if known["context"] and not config.keys() & {"max_position_embeddings", "n_positions"}:
+                config["n_positions" if model_type == "gpt2" else "max_position_embeddings"] = known["context"]
+            hf_config = transformers.AutoConfig.for_model(model_type, **config)
+            if known["head_dim"] and getattr(hf_config, "head_dim", None) not in (None, known["head_dim"]):
+                hf_config.head_dim = known["head_dim"]
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError, NotImplementedError) as err:
+        raise ModelError(f"{path}: transformers cannot build a model from this file's metadata: "
+                         f"{str(err).splitlines()[0]}") from None
+    hf_config.save_pretrained(config_dir)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(model, processor)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return names, shapes, processor, {**parsed, "tensors": {}}

@@ -1,0 +1,103 @@
+"""GGUF files of architectures beyond Llama and Qwen2 (`frontend/gguf_traced.py`), written by llama.cpp's own
+converter from the same tiny weights as a checkpoint directory.
+
+The F32 file must compile to exactly the logits of the checkpoint compiled through torch.export (same
+weights, same graph), and the Q8_0 file keep every block as llama.cpp wrote it (read back and quantized
+again, a Q8_0 block is the same block), its logits within the format's rounding of the float ones.
+llama.cpp's own greedy tokens on the F32 file are matched where llama.cpp runs the architecture. Configs keep
+to what GGUF stores: no window layout other than the family's default (a GGUF file holds one window and no
+layer types).
+"""
+
+from __future__ import annotations
+
+import gguf_files
+import models
+import numpy as np
+import pytest
+from helpers import prompt_ids
+
+from ember.driver.compiler import CompileOptions, compile_model
+from ember.runtime import Engine, SamplingParams, generate, load_artifact
+
+pytestmark = pytest.mark.slow
+_GQA = dict(models._GQA)
+# name -> (transformers model type, config): six architectures ember has no definition for.
+GGUF_FAMILIES = {
+    "qwen3": ("qwen3", dict(_GQA, head_dim=32)),
+    "stablelm": ("stablelm", dict(_GQA)),
+    "gemma3": ("gemma3_text", dict(_GQA, head_dim=32, sliding_window=models.WINDOW)),  # every layer local here
+    "starcoder2": ("starcoder2", dict(_GQA)),
+    "gpt2": ("gpt2", dict(models.EXPORTED_MODELS["gpt2"], n_ctx=256)),
+    "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4, seq_length=256)),  # ALiBi
+}
+PROMPT = 3 * models.WINDOW
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-families")
+    return {name: models.write_config_checkpoint(model_type, overrides, root / name)
+            for name, (model_type, overrides) in GGUF_FAMILIES.items()}
+
+
+def _logits(model, quantization: str | None, out) -> np.ndarray:
+    """Prefill logits of `model` (a GGUF file or a checkpoint directory) compiled with `quantization` (None: the
+    GGUF file's own)."""
+    frontend = "builtin" if str(model).endswith(".gguf") else "torch-export"
+    compile_model(model, out, CompileOptions(quantization=quantization, prefill_chunk=64, max_batch=1,
+                                             frontend=frontend, show_progress=False))
+    engine = Engine(load_artifact(out))
+    return engine.prefill(engine.add_sequence(), prompt_ids(PROMPT, seed=31), all_logits=True)
+
+
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_an_f32_file_compiles_to_the_checkpoints_logits(checkpoints, tmp_path, name):
+    path = gguf_files.convert(checkpoints[name], "f32", pre="gpt-2")
+    ours, theirs = _logits(path, None, tmp_path / "gguf"), _logits(checkpoints[name], "q0f32", tmp_path / "st")
+    assert np.abs(ours - theirs).max() <= 1e-6 * np.abs(theirs).max()
+    manifest = load_artifact(tmp_path / "gguf").manifest
+    assert manifest.source_weights["format"] == "gguf" and manifest.quantization == "q0f32"
+
+
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_a_q8_0_file_keeps_its_blocks(checkpoints, tmp_path, name):
+    """Each Q8_0 block read back and quantized again is the block llama.cpp wrote (the conversion report measures
+    no error), and the logits stay as close to the float checkpoint's as ember's own q8f32 of it does (llama.cpp
+    rounds its blocks its own way, so the two 8-bit models differ by their rounding)."""
+    path = gguf_files.convert(checkpoints[name], "q8_0", pre="gpt-2")
+    ours = _logits(path, None, tmp_path / "gguf")
+    exact, own = (_logits(checkpoints[name], quant, tmp_path / quant) for quant in ("q0f32", "q8f32"))
+    assert np.abs(ours - exact).max() <= 2.5 * np.abs(own - exact).max() + 1e-6 * np.abs(exact).max()
+    report = load_artifact(tmp_path / "gguf").manifest.source_weights["conversion"]
+    q8 = [entry for entry in report.values() if entry["gguf_type"] == "Q8_0"]
+    assert q8 and all(entry["stored_as"] == "q8f32" and entry["relative_rms_error"] == 0.0 for entry in q8)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", ["qwen3", "stablelm", "starcoder2", "gpt2", "bloom"])
+def test_greedy_tokens_equal_llama_cpps_on_the_same_file(checkpoints, tmp_path, name):
+    path = gguf_files.convert(checkpoints[name], "f32", pre="gpt-2")
+    compile_model(path, tmp_path / "art", CompileOptions(prefill_chunk=64, max_batch=1, show_progress=False))
+    ids = prompt_ids(PROMPT, seed=32)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=())
+    tokens = list(generate(Engine(load_artifact(tmp_path / "art")), ids, params).tokens())
+    assert tokens == gguf_files.greedy(path, ids, 16)
+
+
+def test_an_architecture_neither_ember_nor_transformers_reads_is_refused(tmp_path):
+    """One line naming the architecture and the ones that are read."""
+    import gguf
+
+    from ember.core.errors import ModelError
+    from ember.frontend.gguf import import_gguf_model
+
+    path = tmp_path / "rwkv.gguf"
+    writer = gguf.GGUFWriter(str(path), "rwkv6")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"general.architecture 'rwkv6' is not supported; supported: llama, qwen2, "):
+        import_gguf_model(path, None, "float32", tmp_path)
