@@ -74,12 +74,6 @@ EXPORTED_MODELS: dict[str, dict[str, Any]] = {
     # Parallel residual (attention and MLP read the same input), rotary on a quarter of each head (rotate-half),
     # one fused query_key_value, an untied head saved as `embed_out`.
     "gpt_neox": dict(_EXPORTED_SHAPES, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
-    # Fused qkv_proj and gate_up_proj split by slicing, GQA; rotary over the whole head, which its partial-rotary
-    # code slices into an empty rest.
-    "phi3": dict(_EXPORTED_SHAPES, num_key_value_heads=2, pad_token_id=0),
-    # RMSNorm scaled by (1 + w), GELU-gated MLP, embeddings scaled by sqrt(hidden), head_dim 32 with 4 heads of a
-    # hidden size of 64, one key/value head.
-    "gemma": dict(_EXPORTED_SHAPES, num_key_value_heads=1, head_dim=32, pad_token_id=0),
     # Interleaved rotary (rotate every two) on 8 of 16 dims, parallel attention and MLP.
     "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8, tie_word_embeddings=False),
     # Learned positions counted by a cumulative sum over an all-ones mask, offset by 2; ReLU.

@@ -18,8 +18,9 @@ from ember.core.errors import ModelError
 from ember.runtime import SamplingParams, generate
 
 # Llama and Qwen2 (GQA, tied and untied embeddings, q/k/v biases) also have ember's hand-written definition; the
-# others have none (see `models.EXPORTED_MODELS` for what each family brings: learned and cumsum-counted
-# positions, LayerNorm, GELU, fused projections, parallel residuals, partial and interleaved rotary, multi-query).
+# others have none (see `models.EXPORTED_MODELS` and `models.FAMILIES` for what each family brings: learned and
+# cumsum-counted positions, LayerNorm, GELU, fused projections, parallel residuals, partial and interleaved rotary,
+# multi-query, Phi-3's window, Gemma's head dim of 256). `tests/test_families_*.py` check the whole table.
 EXPORTED = ("llama", "qwen2", "gpt2", "gpt_neox", "phi3", "gemma")
 MORE_FAMILIES = ("gptj", "opt", "falcon")  # checked on prefill and decode
 BOTH_FRONTENDS = ("llama", "qwen2")
