@@ -147,12 +147,16 @@ def test_flash_attention_tiles_and_fused_counts():
     assert flash_tile_rows(32 * 1024, 128, prec) == 32
 
 
-def test_sliding_window_caps_attention_and_kv_cache():
+def test_sliding_window_caps_attention_but_not_the_kv_cache():
+    """Every layer windowed (Mistral): 4 keys read, not 10; the cache keeps all 10 positions, as ember's does. With
+    whole-context layers among the windowed ones (Qwen2 from max_window_layers on), every layer is charged the whole
+    context."""
     arch = tiny(sliding_window=4)
     qk = by_name(decode(arch, FP16, 1, 10).layer)["qk_matmul"]
     assert qk.ops == 2 * 2 * 1 * 4 * 4               # 4 visible keys, not 10
-    assert kv_cache_bytes(arch, FP16, 1, 10) == 2 * 2 * 1 * 4 * 2 * 4
-    assert kv_cache_bytes(tiny(), FP16, 1, 10) == 2 * 2 * 1 * 4 * 2 * 10
+    assert kv_cache_bytes(arch, FP16, 1, 10) == kv_cache_bytes(tiny(), FP16, 1, 10) == 2 * 2 * 1 * 4 * 2 * 10
+    mixed = tiny(model_type="qwen2", sliding_window=4, use_sliding_window=True, max_window_layers=1)
+    assert by_name(decode(mixed, FP16, 1, 10).layer)["qk_matmul"].ops == 2 * 2 * 1 * 4 * 10
 
 
 def test_mixture_of_experts_reads_only_the_experts_it_routes_to():

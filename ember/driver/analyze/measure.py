@@ -321,8 +321,9 @@ def attention_work(config: ModelConfig, batch: int, new: int, past: int, element
     c = config
     d, heads, kv_heads = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     rows = batch * new
-    pairs = sum(visible_keys(position, 1, c.sliding_window) for position in range(past, past + new))
-    keys = visible_keys(past, new, c.sliding_window)
+    window = c.sliding_window if c.layer_windows and all(c.layer_windows) else None  # as analyze's `forward_step`
+    pairs = sum(visible_keys(position, 1, window) for position in range(past, past + new))
+    keys = visible_keys(past, new, window)
     ops = 3 * rows * (heads + kv_heads) * d + batch * heads * pairs * (4 * d + 5)
     moved = (rows * (heads + 2 * kv_heads) * d + rows * heads * d + 2 * rows * kv_heads * d
              + 2 * batch * keys * kv_heads * d)

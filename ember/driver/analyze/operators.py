@@ -178,10 +178,13 @@ def forward_step(arch: Architecture, prec: Precision, batch: int, new: int, past
     c = arch.config
     h, d, heads, kv_heads = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     rows = batch * new
+    # The window bounds the keys read where every layer has it; with whole-context layers among them, every
+    # layer is charged the whole context (an upper bound for the windowed ones).
+    window = c.sliding_window if c.layer_windows and all(c.layer_windows) else None
     if flash_tile:
-        attention = [flash_attention(prec, batch, new, past, c.sliding_window, heads, kv_heads, d, flash_tile)]
+        attention = [flash_attention(prec, batch, new, past, window, heads, kv_heads, d, flash_tile)]
     else:
-        keys = visible_keys(past, new, c.sliding_window)
+        keys = visible_keys(past, new, window)
         attention = [
             attention_scores(prec, batch, new, keys, heads, kv_heads, d),
             softmax(prec, batch, new, keys, heads),

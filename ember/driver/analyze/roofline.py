@@ -186,7 +186,7 @@ def weight_bytes(arch: Architecture, prec: Precision) -> float:
 
 
 def kv_cache_bytes(arch: Architecture, prec: Precision, batch: int, tokens: int) -> float:
-    """Bytes of K and V for `tokens` positions of `batch` sequences (a sliding window caps the positions kept)."""
+    """Bytes of K and V for `tokens` positions of `batch` sequences: every position, windowed layers' too (ember's
+    cache keeps them; its kernels read only the window's)."""
     c = arch.config
-    kept = min(tokens, c.sliding_window) if c.sliding_window else tokens
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * prec.kvbytes * batch * kept
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * prec.kvbytes * batch * tokens
