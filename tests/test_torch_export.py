@@ -114,9 +114,10 @@ def test_attention_without_a_causal_mask_is_refused():
         specialize_attention(tvm.target.Target("llvm"))(forward)
 
 
-def test_attention_with_a_position_bias_is_refused():
-    """An additive bias that is not a causal mask (ALiBi's per-head slopes times distance) is refused,
-    with its first rows in the message, rather than compiled as plain causal attention."""
+def test_attention_with_a_distance_bias_keeps_its_slope():
+    """An additive bias linear in the distance on top of a causal mask (ALiBi, here one slope for every head) is
+    compiled with its slope, not as plain causal attention (`test_attention_masks.py` has per-head slopes and the
+    biases refused)."""
     import torch
 
     from ember.frontend.torch_export import import_module
@@ -140,8 +141,9 @@ def test_attention_with_a_position_bias_is_refused():
             return self.head(out.transpose(1, 2).reshape(1, n, 16))
 
     forward, _shapes = import_module(AlibiDecoder().eval(), max_seq_len=64)
-    with pytest.raises(ModelError, match="the attention mask is neither causal nor a sliding window"):
-        specialize_attention(tvm.target.Target("llvm"))(forward)
+    from ember.ir.kv_cache import recorded_scores
+
+    assert recorded_scores(specialize_attention(tvm.target.Target("llvm"))(forward))[1] == pytest.approx((0.5, 0.5))
 
 
 @pytest.mark.slow
