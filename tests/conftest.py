@@ -225,8 +225,7 @@ class TinyModels:
         """The checkpoint directory of `name` (written once; copy it before modifying)."""
         model_dir = self.root / "checkpoints" / name
         if not model_dir.exists():
-            exported = name in models.EXPORTED_MODELS or name in models.FAMILIES
-            write = models.write_exported_checkpoint if exported else models.write_checkpoint
+            write = models.write_checkpoint if name in models.TINY_MODELS else models.write_exported_checkpoint
             write(name, model_dir)
         return model_dir
 

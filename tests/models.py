@@ -96,9 +96,9 @@ _LOCAL, _GLOBAL = "sliding_attention", "full_attention"
 # soft-capped scores and logits, ALiBi, LayerNorm and RMSNorm, q/k norms, parallel residuals, partial rotary.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("llama", dict(_GQA, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),  # head dim 64, MQA
-    "mistral": ("mistral", dict(_GQA, sliding_window=WINDOW)),
-    "qwen2": ("qwen2", dict(_GQA, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
-                            max_window_layers=1)),  # windows from layer 1 on
+    "mistral": TINY_MODELS["mistral"],  # the tiny models' own (their names write their checkpoints)
+    "qwen2_windowed": ("qwen2", dict(_GQA, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                                     max_window_layers=1)),  # windows from layer 1 on
     "qwen3": ("qwen3", dict(_GQA, head_dim=128, tie_word_embeddings=True)),
     "qwen3_head_dim_16": ("qwen3", dict(_GQA, head_dim=16)),  # q/k RMSNorm over a small axis
     "gemma": ("gemma", dict(_EXPORTED_SHAPES, num_attention_heads=2, num_key_value_heads=1, head_dim=256)),
