@@ -54,12 +54,20 @@ class TracedGGUFWeights(GGUFWeights):
 
     def __init__(self, path: Path, reader, config, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
                  processor, parsed: dict[str, Any]) -> None:
+        self._names = names
         super().__init__(path, reader, config, hf_names=names.get)
-        self._processor, self._parsed, self._names = processor, parsed, names
+        self._processor, self._parsed = processor, parsed
         for name, record in self.records.items():
             if name in shapes:  # transformers' layout, which the processor gives (GPT-2's projections transposed)
                 self.records[name] = record.__class__(record.name, record.gguf_name, record.type_name,
                                                       shapes[name], np.dtype(np.float32), record.path)
+
+    def record(self, name: str):
+        """The tensor `name`, or a `ModelError` that names it and the GGUF tensor it is read from."""
+        if name not in self.records:
+            stored = next((gguf_name for gguf_name, hf_name in self._names.items() if hf_name == name), "none")
+            raise ModelError(f"{self.path}: tensor {name!r} (GGUF {stored!r}) is missing from the file")
+        return self.records[name]
 
     def load(self, name: str) -> np.ndarray:
         import gguf
@@ -67,9 +75,13 @@ class TracedGGUFWeights(GGUFWeights):
         record = self.record(name)
         tensor = self._tensors[name]
         values = np.asarray(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type), np.float32)
-        processed = self._processor.process(weights=values, name=record.gguf_name, tensor_key_mapping=self._names,
-                                            parsed_parameters=self._parsed)
-        return np.ascontiguousarray(np.asarray(processed.weights, np.float32).reshape(record.shape))
+        try:
+            processed = self._processor.process(weights=values, name=record.gguf_name,
+                                                tensor_key_mapping=self._names, parsed_parameters=self._parsed)
+            return np.ascontiguousarray(np.asarray(processed.weights, np.float32).reshape(record.shape))
+        except Exception as err:  # a tensor of another shape than the metadata makes the model's
+            raise ModelError(f"{self.path}: tensor {record.gguf_name!r} ({list(values.shape)}) does not fill "
+                             f"{name!r} {list(record.shape)}: {type(err).__name__}") from None
 
     def stored_quantization(self, name: str, bits: int, zero_point: bool) -> dict[str, np.ndarray] | None:
         """None: the blocks are read back and quantized again (the processors may reorder or change values)."""
@@ -134,11 +146,12 @@ def _transformers_reading(path: Path, config_dir: Path, architecture: str, known
                 hf_config.head_dim = known["head_dim"]
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    except (ValueError, KeyError, TypeError, NotImplementedError) as err:
-        raise ModelError(f"{path}: transformers cannot build a model from this file's metadata: "
-                         f"{str(err).splitlines()[0]}") from None
+            processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+            names = get_gguf_hf_weights_map(model, processor)
+    except Exception as err:  # transformers raises many types on metadata it does not expect; one line names it
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"{path}: transformers cannot build a {architecture!r} model from this file's metadata: "
+                         f"{type(err).__name__}: {reason}") from None
     hf_config.save_pretrained(config_dir)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    names = get_gguf_hf_weights_map(model, processor)
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     return names, shapes, processor, {**parsed, "tensors": {}}

@@ -272,8 +272,12 @@ BAD_FILES = {
     "unsupported_version": (lambda data: data[:4] + (7).to_bytes(4, "little") + data[8:], "GGUF version 7"),
     "size_mismatch": (_edit_tensor("token_embd.weight", 3, [256, 4097]), "overlaps the bytes of tensor"),
     "offset_past_end": (_last_tensor_offset_past_end, "past the end of the file"),
-    "unsupported_architecture": (_edit_field("general.architecture", 4, list(b"bloom")),
-                                 "general.architecture 'bloom' is not supported; supported: llama, qwen2"),
+    "unsupported_architecture": (_edit_field("general.architecture", 4, list(b"rwkv6")),
+                                 "general.architecture 'rwkv6' is not supported; supported: llama, qwen2, "),
+    # A Llama file labelled another architecture transformers reads: that model's tensors are not in it.
+    "mislabelled_architecture": (_edit_field("general.architecture", 4, list(b"bloom")),
+                                 "tensor 'transformer.word_embeddings_layernorm.weight' "
+                                 "(GGUF 'token_embd_norm.weight') is missing from the file"),
     "unsupported_tensor_type": (_edit_tensor("blk.0.ffn_up.weight", 4, gguf.GGMLQuantizationType.IQ2_XXS.value),
                                 "type IQ2_XXS, which ember does not read; supported: F32"),
     "wrong_metadata_type": (_edit_field("llama.block_count", 2, gguf.GGUFValueType.FLOAT32.value),
