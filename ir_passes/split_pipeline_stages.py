@@ -59,8 +59,9 @@ def split_pipeline_stage(mod: tvm.IRModule, layers: tuple[int, int], hidden_size
     out = _keep_used_weights(out)
     out = _replace(out, "create_paged_kv_cache", _cache_for_layers(mod["create_paged_kv_cache"], begin, end,
                                                                     num_layers))
-    cache = {key: int(value) for key, value in mod.attrs[KV_CACHE_ATTR].items()}
-    return out.with_attr(KV_CACHE_ATTR, {**cache, "num_layers": end - begin})
+    cache = dict(mod.attrs[KV_CACHE_ATTR].items())
+    windows = [int(w) for w in cache.get("layer_windows", [])]
+    return out.with_attr(KV_CACHE_ATTR, {**cache, "num_layers": end - begin, "layer_windows": windows[begin:end]})
 
 
 def _replace(mod: tvm.IRModule, name: str, func: relax.Function) -> tvm.IRModule:

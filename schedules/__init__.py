@@ -45,12 +45,25 @@ def cpu_rules(target: TargetSpec) -> list[dlight.ScheduleRule]:
 def gpu_rules() -> list[dlight.ScheduleRule]:
     """TVM's dlight GPU rules, most specific first (as in TVM's CUDA pipeline and MLC-LLM)."""
     gpu = dlight.gpu
-    return [
+    return [_Declining(rule) for rule in (
         gpu.Matmul(),  # prefill GEMMs: shared-memory tiles, tensor cores for float16
         gpu.GEMV(),  # batch-1 decode projections: one row per warp, vectorized loads
         gpu.LowBatchGEMV(),  # decode with a few sequences: the batch rows share each weight load
         gpu.RMSNorm(),
         gpu.Reduction(),  # softmax-like row reductions
         gpu.GeneralReduction(),
-        gpu.Fallback(),  # elementwise and everything else: flattened onto thread blocks
-    ]
+    )] + [gpu.Fallback()]  # elementwise and everything else: flattened onto thread blocks
+
+
+class _Declining(dlight.ScheduleRule):
+    """A dlight rule that declines (None) a kernel it raises on, instead of ending the compile: TVM's RMSNorm rule
+    unpacks a fixed number of blocks, and Gemma's `(1 + w)` norm has one more. The next rule takes the kernel."""
+
+    def __init__(self, rule: dlight.ScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func, target, tunable):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except Exception:  # any error of a rule that did not expect this kernel: not this rule's kernel
+            return None

@@ -169,7 +169,7 @@ def test_runtime_commands_refuse_a_bad_thread_count(tmp_path, command, threads):
 @pytest.mark.parametrize("args, message", [
     (["--batch", "1,x"], "--batch 1,x: comma-separated positive integers"),
     (["--steps", "0"], "--steps 0: at least 1"),
-    ([], "not an ember artifact (manifest.json is missing)"),
+    ([], "no such artifact directory"),
 ])
 def test_decode_batch_benchmark_refuses_bad_input(tmp_path, args, message):
     """scripts/bench_decode_batch.py: one line naming the option or the artifact, exit 2, no traceback."""
