@@ -9,8 +9,9 @@ step past it; then at q4f32, compiled and generating.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from helpers import assert_logits_close, prompt_ids
+from helpers import assert_batched_equals_solo, assert_logits_close, prompt_ids
 from models import WINDOW
 
 from ember.runtime import SamplingParams, generate
@@ -58,20 +59,7 @@ def check_batched_equals_solo(model) -> None:
     solo logits."""
     prompts = [prompt_ids(n, seed=24 + n) for n in (5, WINDOW + 1, 2 * WINDOW, PROMPT - 3)]
     steps = [prompt_ids(7, seed=40 + i)[1:] for i in range(len(prompts))]
-    solo = []
-    for prompt, tokens in zip(prompts, steps):
-        engine = model.engine()
-        seq = engine.add_sequence()
-        engine.prefill(seq, prompt)
-        solo.append([engine.decode([seq], [token])[0] for token in tokens])
-    engine = model.engine()
-    seqs = [engine.add_sequence() for _ in prompts]
-    for seq, prompt in zip(seqs, prompts):
-        engine.prefill(seq, prompt)
-    for step in range(len(steps[0])):
-        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
-        for which in range(len(prompts)):
-            assert_logits_close(rows[which], solo[which][step], f"{model.name}: sequence {which}, step {step}")
+    assert_batched_equals_solo(model, prompts, steps, f"{model.name}: ")
 
 
 def check_quantized_generates(model) -> None:
@@ -85,3 +73,27 @@ def check_quantized_generates(model) -> None:
     first, second = np.sort(expected)[::-1][:2]
     if first - second > 0.05 * max(1.0, abs(first)):
         assert tokens[0] == int(np.argmax(expected)), f"{model.name}: q4f32's first token"
+
+
+def family_tests(names: list[str]) -> type:
+    """The checks above as a test class over `names` (each test file of the table holds one, for its share)."""
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("name", names)
+    class TestFamily:
+        def test_prefill_of_three_windows_matches_transformers(self, tiny_models, name):
+            check_prefill(tiny_models.exported(name))
+
+        def test_decode_across_the_window_matches_transformers(self, tiny_models, name):
+            check_decode_across_the_window(tiny_models.exported(name))
+
+        def test_greedy_tokens_equal_transformers(self, tiny_models, name):
+            check_greedy(tiny_models.exported(name))
+
+        def test_four_sequences_batched_equal_their_solo_runs(self, tiny_models, name):
+            check_batched_equals_solo(tiny_models.exported(name))
+
+        def test_q4f32_compiles_and_generates(self, tiny_models, name):
+            check_quantized_generates(tiny_models.exported(name, "q4f32"))
+
+    return TestFamily

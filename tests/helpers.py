@@ -66,6 +66,25 @@ def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str, tol
     assert diff <= tol * scale, f"{what}: max abs diff {diff:.3g} > {tol} x {scale:.3g}"
 
 
+def assert_batched_equals_solo(model, prompts: list[list[int]], steps: list[list[int]], what: str = "") -> None:
+    """Sequences prefilled and decoded together in one batch give each the logits it gets alone: `prompts`, then the
+    tokens of `steps` decoded one a step (`model`: a compiled tiny model, whose `engine()` is fresh)."""
+    solo = []
+    for prompt, tokens in zip(prompts, steps):
+        engine = model.engine()
+        seq = engine.add_sequence()
+        engine.prefill(seq, prompt)
+        solo.append([engine.decode([seq], [token])[0] for token in tokens])
+    engine = model.engine()
+    seqs = [engine.add_sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts):
+        engine.prefill(seq, prompt)
+    for step in range(len(steps[0])):
+        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
+        for which in range(len(prompts)):
+            assert_logits_close(rows[which], solo[which][step], f"{what}sequence {which}, step {step} in a batch")
+
+
 def run_ember(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m ember ARGS` in a subprocess; text output captured."""
     return run_python("-m", "ember", *args, env=env, timeout=timeout)

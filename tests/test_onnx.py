@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_logits_close, prompt_ids, run_ember
+from helpers import assert_batched_equals_solo, assert_logits_close, prompt_ids, run_ember
 
 from ember.runtime import SamplingParams, generate
 
@@ -69,20 +69,7 @@ def test_onnx_greedy_tokens_equal_transformers_generate(tiny_models, name):
 def test_onnx_interleaved_sequences_equal_their_solo_runs(tiny_models, name):
     model = tiny_models.onnx(name)
     prompts, steps = [prompt_ids(30, seed=9), prompt_ids(45, seed=10)], [prompt_ids(6, seed=11), prompt_ids(6, seed=12)]
-    solo = []
-    for prompt, tokens in zip(prompts, steps):
-        engine = model.engine()
-        seq = engine.add_sequence()
-        engine.prefill(seq, prompt)
-        solo.append([engine.decode([seq], [token])[0] for token in tokens])
-    engine = model.engine()
-    seqs = [engine.add_sequence() for _ in prompts]
-    for seq, prompt in zip(seqs, prompts):
-        engine.prefill(seq, prompt)
-    for step in range(6):
-        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
-        for which in range(2):
-            assert_logits_close(rows[which], solo[which][step], f"sequence {which}, step {step} in a batch")
+    assert_batched_equals_solo(model, prompts, steps)
 
 
 def test_the_artifact_says_where_its_graph_came_from(tiny_models):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from helpers import assert_logits_close, prompt_ids
+from helpers import assert_batched_equals_solo, assert_logits_close, prompt_ids
 
 from ember.core.errors import ModelError
 from ember.runtime import SamplingParams, generate
@@ -73,20 +73,7 @@ def test_exported_interleaved_sequences_equal_their_solo_runs(tiny_models, name)
     model = tiny_models.exported(name)
     prompts = [prompt_ids(30, seed=9), prompt_ids(45, seed=10)]
     steps = [prompt_ids(6, seed=11), prompt_ids(6, seed=12)]
-    solo = []
-    for prompt, tokens in zip(prompts, steps):
-        engine = model.engine()
-        seq = engine.add_sequence()
-        engine.prefill(seq, prompt)
-        solo.append([engine.decode([seq], [token])[0] for token in tokens])
-    engine = model.engine()
-    seqs = [engine.add_sequence() for _ in prompts]
-    for seq, prompt in zip(seqs, prompts):
-        engine.prefill(seq, prompt)
-    for step in range(6):
-        rows = engine.decode(seqs, [tokens[step] for tokens in steps])
-        for which in range(2):
-            assert_logits_close(rows[which], solo[which][step], f"sequence {which}, step {step} in a batch")
+    assert_batched_equals_solo(model, prompts, steps)
 
 
 def test_attention_without_a_causal_mask_is_refused():
