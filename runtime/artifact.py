@@ -21,7 +21,15 @@ from tvm.runtime.vm import VirtualMachine
 
 from ember.core.errors import ArtifactError
 from ember.core.machine import available_memory, host_cpu_flags
-from ember.core.manifest import LIBRARY_NAME, PARAMS_DIR, WEIGHT_INDEX, Manifest, read_manifest, verify_files
+from ember.core.manifest import (
+    LIBRARY_NAME,
+    PARAMS_DIR,
+    WEIGHT_INDEX,
+    Manifest,
+    check_whole_model,
+    read_manifest,
+    verify_files,
+)
 from ember.runtime.amx import needs_amx, request_amx_permission
 from ember.runtime.device import open_device
 from ember.runtime.tokenizer import Tokenizer
@@ -47,14 +55,17 @@ class Artifact:
     device: tvm_runtime.Device
 
 
-def load_artifact(path: Path, verify: bool = True, threads: int | None = None) -> Artifact:
+def load_artifact(path: Path, verify: bool = True, threads: int | None = None, stage: bool = False) -> Artifact:
     """Open the artifact at `path` on the device it was compiled for, refusing a mismatched or tampered one.
 
     `threads`: how many threads a CPU artifact's kernels use (default: one per physical core,
-    or `TVM_NUM_THREADS`); see `ember.runtime.device.use_cpu_threads`.
+    or `TVM_NUM_THREADS`); see `ember.runtime.device.use_cpu_threads`. `stage`: open one stage of a pipeline
+    artifact (for `ember.runtime.pipeline.StageEngine`); otherwise a stage is refused, as it is no whole model.
     """
     path = Path(path)
     manifest = read_manifest(path)
+    if not stage:
+        check_whole_model(path, manifest)
     if manifest.pipeline is not None:
         raise ArtifactError(f"{path}: a model split into {len(manifest.pipeline['stages'])} pipeline stages "
                             f"(`--pipeline-stages`); serve it with `ember serve --ray`, or run it with "

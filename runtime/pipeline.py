@@ -15,20 +15,20 @@ from pathlib import Path
 import numpy as np
 
 from ember.core.errors import ArtifactError, GenerationError
-from ember.core.manifest import read_manifest, verify_files
+from ember.core.manifest import read_manifest, verify_pipeline_stages
 from ember.runtime.artifact import Artifact, load_artifact
 from ember.runtime.engine import Engine
 
 
 def pipeline_stage_dirs(pipeline_dir: Path) -> list[Path]:
-    """The stage directories of the pipeline artifact at `pipeline_dir`, in order, after checking its files."""
+    """The stage directories of the pipeline artifact at `pipeline_dir`, in order, after checking its files and
+    each stage's own manifest and files."""
     pipeline_dir = Path(pipeline_dir)
     manifest = read_manifest(pipeline_dir)
     if manifest.pipeline is None:
         raise ArtifactError(f"{pipeline_dir}: not a pipeline artifact (compile it with `ember compile "
                             f"--pipeline-stages K`)")
-    verify_files(pipeline_dir, manifest)
-    return [pipeline_dir / name for name in manifest.pipeline["stages"]]
+    return verify_pipeline_stages(pipeline_dir, manifest)
 
 
 class StageEngine(Engine):
@@ -37,7 +37,7 @@ class StageEngine(Engine):
 
     def __init__(self, artifact: Artifact | Path, max_context: int | None = None) -> None:
         if not isinstance(artifact, Artifact):
-            artifact = load_artifact(Path(artifact))
+            artifact = load_artifact(Path(artifact), stage=True)
         stage = artifact.manifest.pipeline_stage
         if stage is None:
             raise ArtifactError(f"{artifact.path}: not a pipeline stage (its manifest has no pipeline_stage)")

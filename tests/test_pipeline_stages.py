@@ -171,3 +171,92 @@ def test_serve_refuses_prefix_routing_for_a_pipeline_artifact(compiled):
     result = run_ember("serve", str(compiled("llama", 2)), "--ray", f"127.0.0.1:{free_port()}", "--no-prefix-routing",
                        timeout=60)
     assert_one_line_error(result, "--no-prefix-routing", "is a pipeline artifact")
+
+
+def _stage_commands(stage: Path, tmp_path: Path) -> dict[str, list[str]]:
+    text = tmp_path / "text.txt"
+    text.write_text("a few words to score, and a few more after them")
+    return {
+        "generate": ["generate", str(stage), "--prompt", "hi", "--max-new-tokens", "2"],
+        "chat": ["chat", str(stage)],
+        "eval": ["eval", str(stage), "--perplexity", str(text)],
+        "bench": ["bench", str(stage), "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1"],
+        "serve": ["serve", str(stage), "--port", str(free_port())],
+        "serve --ray": ["serve", str(stage), "--ray", f"127.0.0.1:{free_port()}"],
+        "package": ["package", str(stage), "-o", str(tmp_path / "packaged")],
+    }
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "eval", "bench", "serve", "serve --ray", "package"])
+@pytest.mark.parametrize("stage", ["stage-0", "stage-1"])
+def test_a_stage_alone_is_refused_naming_its_pipeline(compiled, tmp_path, command, stage):
+    """A stage takes or gives hidden states: run as a whole model it would sample hidden states as logits (stage 0)
+    or read token ids as hidden states (the last). Every command that runs or ships a model refuses it in one line
+    naming the pipeline directory, before any server or Ray cluster starts, and writes nothing."""
+    pipeline_dir = compiled("llama", 2)
+    result = run_ember(*_stage_commands(pipeline_dir / stage, tmp_path)[command], timeout=120)
+    index = int(stage[-1])
+    assert_one_line_error(result, f"stage {index + 1} of 2", "not a whole model",
+                          f"give the pipeline directory {pipeline_dir.resolve()}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def _reseal(manifest_dir: Path) -> None:
+    """Rewrite the manifest at `manifest_dir` over the files as they are now, as a forger would."""
+    from ember.core.manifest import MANIFEST_NAME, manifest_digest, sha256_file
+
+    path = manifest_dir / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    for relpath in data["files"]:
+        data["files"][relpath] = {"sha256": sha256_file(manifest_dir / relpath),
+                                  "size": (manifest_dir / relpath).stat().st_size}
+    data["manifest_sha256"] = manifest_digest(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("consumer", ["package", "LocalPipeline"])
+def test_a_stage_changed_under_a_resealed_pipeline_manifest_is_refused(compiled, tmp_path, consumer):
+    """A stage's weights changed and only the pipeline's manifest resealed: the stage's own manifest no longer
+    matches, and packaging or running the pipeline says which file, with nothing written."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled("llama", 2), copy)
+    shard = sorted((copy / "stage-1" / "params").glob("*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:4] = bytes(4)
+    shard.write_bytes(bytes(data))
+    _reseal(copy)
+    if consumer == "package":
+        result = run_ember("package", str(copy), "-o", str(tmp_path / "packaged"))
+        assert_one_line_error(result, f"stage-1/params/{shard.name}")
+        assert not (tmp_path / "packaged").exists()
+    else:
+        from ember.runtime.pipeline import LocalPipeline
+
+        with pytest.raises(ArtifactError, match=f"stage-1/params/{shard.name}"):
+            LocalPipeline(copy)
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("pipeline_stage", {}, "pipeline_stage.index"),
+    ("pipeline_stage", {"index": 3, "count": 2, "layers": [0, 1], "input": "hidden", "output": "logits",
+                        "hidden_size": 64}, "not below its count"),
+    ("pipeline_stage", {"index": 0, "count": 2, "layers": [2, 1], "input": "hidden", "output": "logits",
+                        "hidden_size": 64}, "pipeline_stage.layers"),
+    ("pipeline_stage", "stage", "pipeline_stage must be an object"),
+    ("pipeline", {"stages": ["../stage-0"], "layers": [[0, 1]], "hidden_size": 64}, "pipeline.stages"),
+    ("pipeline", {"stages": ["stage-0"], "layers": [[0, 1], [1, 2]], "hidden_size": 64}, "2 layer ranges"),
+])
+def test_forged_pipeline_fields_are_refused_in_one_line(compiled, tmp_path, field, value, expected):
+    """A resealed manifest whose pipeline fields are not what compile writes: `ember inspect` (the manifest's first
+    reader) refuses it in one line naming the field."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(compiled("llama", 2) / "stage-1", copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    data[field] = value
+    (copy / "manifest.json").write_text(json.dumps(data))
+    _reseal(copy)
+    assert_one_line_error(run_ember("inspect", str(copy)), expected)

@@ -143,9 +143,11 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
         raise EmberError("--speculate/--draft: not available with --ray yet; serve without them")
     if not (args.artifact / "manifest.json").is_file():
         raise EmberError(f"{args.artifact}: not an artifact directory (no manifest.json)")
-    from ember.core.manifest import read_manifest
+    from ember.core.manifest import check_whole_model, read_manifest
 
-    pipeline = read_manifest(args.artifact).pipeline is not None
+    manifest = read_manifest(args.artifact)
+    check_whole_model(args.artifact, manifest)
+    pipeline = manifest.pipeline is not None
     if pipeline and args.replicas is not None:
         raise EmberError(f"--replicas: {args.artifact} is a pipeline artifact, served as one chain of its stages")
     if pipeline and args.no_prefix_routing:

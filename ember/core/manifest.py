@@ -150,6 +150,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
         raise ArtifactError(f"{path}: the manifest was edited after compile (its content does not match its "
                             f"manifest_sha256); recompile the artifact with `ember compile`")
     _check_fields(path, data, SCHEMA, "")
+    _check_pipeline_fields(path, data)
     _check_file_list(path, data["files"], required_files(data))
     _check_cpu_features(path, data["target"])
     _check_param_types(path, data.get("param_types", {}))
@@ -163,6 +164,40 @@ def verify_files(artifact_dir: Path, manifest: Manifest) -> None:
     """Check that `artifact_dir` holds exactly the manifest's files, as regular files (no links) of
     the recorded sizes, then their sha256; name the first that differs."""
     _verify_listed_files(Path(artifact_dir), manifest.files)
+
+
+def check_whole_model(artifact_dir: Path, manifest: Manifest) -> None:
+    """Refuse one stage of a pipeline artifact (`compile --pipeline-stages`) where a whole model is needed, naming
+    the pipeline directory to give instead: alone, a stage takes or gives hidden states, which read as tokens or
+    logits would be garbage."""
+    stage = manifest.pipeline_stage
+    if stage is not None:
+        pipeline_dir = Path(artifact_dir).resolve().parent
+        raise ArtifactError(f"{artifact_dir}: stage {stage['index'] + 1} of {stage['count']} of the pipeline artifact "
+                            f"{pipeline_dir} (layers {stage['layers'][0]}..{stage['layers'][1] - 1}), not a whole "
+                            f"model; give the pipeline directory {pipeline_dir} instead")
+
+
+def verify_pipeline_stages(pipeline_dir: Path, manifest: Manifest) -> list[Path]:
+    """The stage directories of the pipeline artifact `pipeline_dir` (its `manifest`, whose files are verified),
+    in order, each checked as an artifact of its own: its manifest sealed and of this format, the stage the
+    pipeline names in that place, and its files those its own manifest lists, so that a stage changed under a
+    resealed pipeline manifest is refused."""
+    pipeline_dir = Path(pipeline_dir)
+    verify_files(pipeline_dir, manifest)
+    stages = manifest.pipeline["stages"]
+    dirs = []
+    for index, (name, layers) in enumerate(zip(stages, manifest.pipeline["layers"])):
+        stage_dir = pipeline_dir / name
+        stage_manifest = read_manifest(stage_dir)
+        stage = stage_manifest.pipeline_stage
+        if stage is None or (stage["index"], stage["count"], list(stage["layers"])) != (index, len(stages),
+                                                                                        list(layers)):
+            raise ArtifactError(f"{stage_dir / MANIFEST_NAME}: not stage {index + 1} of {len(stages)} (layers "
+                                f"{layers[0]}..{layers[1] - 1}) that {pipeline_dir / MANIFEST_NAME} names")
+        verify_files(stage_dir, stage_manifest)
+        dirs.append(stage_dir)
+    return dirs
 
 
 def check_ember_artifact(artifact_dir: Path) -> None:
@@ -373,6 +408,37 @@ def _check_param_types(path: Path, types: Any) -> None:
     if not (isinstance(types, dict) and all(map(well_formed, types.values()))):
         raise ArtifactError(f"{path}: manifest field param_types must map weight names to "
                             f"{{\"shape\": [sizes], \"dtype\": name}}, got {reprlib.repr(types)}")
+
+
+_LAYER_RANGE: _Rule = ("[first layer, end layer] with first < end",
+                      lambda v: _list_of(_COUNT)[1](v) and len(v) == 2 and v[0] < v[1])
+_PIPELINE_SCHEMA = {"stages": ("a list of directory names",
+                               lambda v: _list_of(_TEXT)[1](v) and v and all(
+                                   PurePosixPath(s).name == s and s not in ("", ".", "..") for s in v)),
+                    "layers": _list_of(_LAYER_RANGE), "hidden_size": _POSITIVE}
+_STAGE_SCHEMA = {"index": _COUNT, "count": _POSITIVE, "layers": _LAYER_RANGE,
+                 "input": _one_of("token_ids", "hidden"), "output": _one_of("hidden", "logits"),
+                 "hidden_size": _POSITIVE}
+
+
+def _check_pipeline_fields(path: Path, data: dict[str, Any]) -> None:
+    """Refuse a `pipeline` or `pipeline_stage` field (where present) of another shape than `compile
+    --pipeline-stages` writes."""
+    pipeline, stage = data.get("pipeline"), data.get("pipeline_stage")
+    if pipeline is not None:
+        if not isinstance(pipeline, dict):
+            raise ArtifactError(f"{path}: manifest field pipeline must be an object, got {reprlib.repr(pipeline)}")
+        _check_fields(path, pipeline, _PIPELINE_SCHEMA, "pipeline.")
+        if len(pipeline["layers"]) != len(pipeline["stages"]):
+            raise ArtifactError(f"{path}: manifest field pipeline names {len(pipeline['stages'])} stages and "
+                                f"{len(pipeline['layers'])} layer ranges")
+    if stage is not None:
+        if not isinstance(stage, dict):
+            raise ArtifactError(f"{path}: manifest field pipeline_stage must be an object, got {reprlib.repr(stage)}")
+        _check_fields(path, stage, _STAGE_SCHEMA, "pipeline_stage.")
+        if stage["index"] >= stage["count"]:
+            raise ArtifactError(f"{path}: manifest field pipeline_stage.index {stage['index']} is not below its "
+                                f"count {stage['count']}")
 
 
 def _check_file_list(path: Path, files: dict[str, Any], required: list[str]) -> None:

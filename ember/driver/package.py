@@ -25,7 +25,15 @@ from pathlib import Path
 
 import ember
 from ember.core.errors import ArtifactError, EmberError
-from ember.core.manifest import MANIFEST_NAME, Manifest, open_regular, read_manifest, verify_files
+from ember.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_whole_model,
+    open_regular,
+    read_manifest,
+    verify_files,
+    verify_pipeline_stages,
+)
 from ember.driver.artifact_dir import check_new_dir, replace_dir, staging_dir
 
 ARTIFACT_SUBDIR = "artifact"
@@ -55,7 +63,11 @@ def package_artifact(artifact: Path, output_dir: Path) -> Path:
     if where == Path(os.path.realpath(output_dir)) or where in Path(os.path.realpath(output_dir)).parents:
         raise EmberError(f"-o {output_dir}: is inside the artifact {artifact}; choose a directory outside it")
     manifest = read_manifest(artifact)  # refuses what is not an artifact, naming the file
-    verify_files(artifact, manifest)
+    check_whole_model(artifact, manifest)
+    if manifest.pipeline is not None:
+        verify_pipeline_stages(artifact, manifest)
+    else:
+        verify_files(artifact, manifest)
     check_new_dir(output_dir)
     with staging_dir(output_dir) as staging:
         _copy_artifact(artifact, manifest, staging / ARTIFACT_SUBDIR)
