@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import numpy as np
 
 from ember.core.errors import EmberError, GenerationError
-from ember.runtime import tool_calls
+from ember.runtime import bounded_json, tool_calls
 from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.scheduler import QueueFullError, StreamEvent
 
@@ -186,11 +186,11 @@ Request = TypeVar("Request", bound=SamplingFields | EmbeddingRequest)
 def parse_request(body: bytes, schema: type[Request]) -> Request:
     """A request body checked against `schema`, or the `ApiError` that names the field at fault."""
     try:
-        data = json.loads(body.decode("utf-8"))
+        data = bounded_json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text", code="invalid_json") from None
-    except json.JSONDecodeError as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except bounded_json.JsonLimitError as err:
+        raise ApiError(400, f"the request body {err}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:

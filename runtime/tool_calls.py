@@ -24,6 +24,7 @@ from itertools import groupby
 from typing import Any
 
 from ember.core.errors import GenerationError
+from ember.runtime import bounded_json
 from ember.runtime.constrained import JSON_OPTIONS  # fixed whitespace, as for response_format
 
 JsonObject = dict[str, Any]
@@ -145,7 +146,8 @@ def _choice(tool_choice: Any, functions: dict[str, JsonObject]) -> tuple[str, st
         return "auto", None
     if tool_choice in ("auto", "none", "required"):
         return tool_choice, None
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
         raise ToolRequestError("tool_choice: must be 'auto', 'none', 'required' or "
                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
@@ -182,9 +184,9 @@ def _template_call(call: Any, where: str) -> JsonObject:
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ToolRequestError(f"{where}.function.arguments: not JSON", "messages") from None
+            arguments = bounded_json.loads(arguments)
+        except bounded_json.JsonLimitError as err:
+            raise ToolRequestError(f"{where}.function.arguments {err}", "messages") from None
     if not isinstance(arguments, dict):
         raise ToolRequestError(f"{where}.function.arguments: must be a JSON object", "messages")
     return {"id": str(call.get("id") or ""), "type": "function",
@@ -196,21 +198,35 @@ def call_grammar(tool_plan: ToolPlan) -> str:
     in the plan's syntax, each naming an allowed function with arguments its schema accepts."""
     names = [tool_plan.forced] if tool_plan.forced else list(tool_plan.functions)
     key = tool_plan.syntax.arguments_key
-    calls = [{"type": "object", "properties": {"name": {"const": name}, key: tool_plan.functions[name]},
-              "required": ["name", key], "additionalProperties": False} for name in names]
+    # Each function's schema under the root's $defs, its own references (`#/$defs/Place`, as pydantic writes
+    # them) redirected there: a reference resolves against the root of the schema llguidance compiles.
+    parameters = {f"function_{index}": _rooted(tool_plan.functions[name], f"#/$defs/function_{index}")
+                  for index, name in enumerate(names)}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, key: {"$ref": f"#/$defs/function_{index}"}},
+              "required": ["name", key], "additionalProperties": False} for index, name in enumerate(names)]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if tool_plan.syntax is MISTRAL:
         array = {"type": "array", "items": call, "minItems": 1, **({} if tool_plan.parallel else {"maxItems": 1})}
-        return f'start: "[TOOL_CALLS]" calls\ncalls: %json {_schema_text(array)}\n'
+        return f'start: "[TOOL_CALLS]" calls\ncalls: %json {_schema_text(array, parameters)}\n'
     if tool_plan.syntax is HERMES:
         repeat = ' ("\\n" tagged)*' if tool_plan.parallel else ""
         return (f'start: tagged{repeat}\ntagged: "<tool_call>\\n" call "\\n</tool_call>"\n'
-                f"call: %json {_schema_text(call)}\n")
-    return f"start: call\ncall: %json {_schema_text(call)}\n"
+                f"call: %json {_schema_text(call, parameters)}\n")
+    return f"start: call\ncall: %json {_schema_text(call, parameters)}\n"
 
 
-def _schema_text(schema: JsonObject) -> str:
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+def _rooted(schema: Any, pointer: str) -> Any:
+    """`schema` with each of its local references (`#...`) pointing into `pointer`, where it is placed."""
+    if isinstance(schema, dict):
+        return {key: pointer + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rooted(value, pointer) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_rooted(value, pointer) for value in schema]
+    return schema
+
+
+def _schema_text(schema: JsonObject, definitions: JsonObject) -> str:
+    return json.dumps({**schema, "$defs": definitions, "x-guidance": JSON_OPTIONS})
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def make_random_gemma3(out_dir: str, hidden: int, layers: int, heads: int, kv_he
 
 
 def all_global(model_dir: Path) -> Path:
-    """The same weights with every layer global (`model_dir`-global: its config, the weights linked)."""
+    """The same weights with every layer global (`model_dir`-global: its config, the weights hard-linked)."""
     out = model_dir.with_name(f"{model_dir.name}-global")
     if not (out / "config.json").exists():
         out.mkdir(exist_ok=True)
@@ -88,7 +88,7 @@ def all_global(model_dir: Path) -> Path:
         config["layer_types"] = [GLOBAL] * config["num_hidden_layers"]
         for path in model_dir.glob("*.safetensors"):
             (out / path.name).unlink(missing_ok=True)
-            (out / path.name).symlink_to(path.resolve())
+            os.link(path, out / path.name)  # ember refuses a symlink out of the directory
         (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

@@ -70,7 +70,12 @@ def _openai_shaped(model: BaseModel) -> None:
     (b'{"model": "m", "prompt": "a", "temperature": 3}', 400, "temperature", "temperature"),
     (b'{"model": "m", "prompt": "a", "n": 17}', 400, "n", "n"),
     (b'{"model": "m", "prompt": "a", "echo": true}', 400, "echo", "echo"),
-], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 16", "echo"])
+    (b'{"model": "m", "prompt": ' + b"[" * 100_000, 400, None, "64 levels deep"),
+    (b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "64 digits"),
+    (b'{"model": "m", "prompt": "a", "temperature": NaN}', 400, None, "NaN, which is not JSON"),
+    (b'{"model": "m", "prompt": "a", "temperature": 1e999}', 400, "temperature", "temperature"),
+], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 16", "echo",
+        "nested 100,000 deep", "5,000 digits", "NaN", "infinite number"])
 def test_a_bad_body_is_refused_naming_its_field(body, status, param, words):
     error = _refusal(parse_request, body, CompletionRequest)
     assert (error.status, error.param, error.code) == (status, param, "invalid_json" if param is None else

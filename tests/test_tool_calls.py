@@ -57,6 +57,9 @@ def _tool(**function) -> dict:
     ([_tool(name="f")], {"type": "function", "function": {"name": "g"}}, "tool_choice", "no tool is named 'g'"),
     ([_tool(name="f")], "always", "tool_choice", "tool_choice"),
     ([_tool(name="f")], {"type": "function"}, "tool_choice", "tool_choice"),
+    ([_tool(name="f")], {"type": "function", "function": "f"}, "tool_choice", "tool_choice"),
+    ([_tool(name="f")], {"type": "function", "function": ["f"]}, "tool_choice", "tool_choice"),
+    ([_tool(name="f")], ["auto"], "tool_choice", "tool_choice"),
     (None, "required", "tool_choice", "needs tools"),
 ])
 def test_bad_tools_and_tool_choice_name_their_field(tools, choice, param, words):
@@ -69,7 +72,11 @@ def test_bad_tools_and_tool_choice_name_their_field(tools, choice, param, words)
     ("tool", None, None, "messages.3.tool_call_id"),
     ("user", [{"function": {"name": "f", "arguments": "{}"}}], None, "only assistant messages"),
     ("assistant", [{"function": {"arguments": "{}"}}], None, "messages.3.tool_calls.0.function.name"),
-    ("assistant", [{"function": {"name": "f", "arguments": "{not json"}}], None, "function.arguments: not JSON"),
+    ("assistant", [{"function": {"name": "f", "arguments": "{not json"}}], None,
+     "function.arguments is not valid JSON"),
+    ("assistant", [{"function": {"name": "f", "arguments": '{"a": ' * 100_000}}], None, "64 levels deep"),
+    ("assistant", [{"function": {"name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"}}], None, "64 digits"),
+    ("assistant", [{"function": {"name": "f", "arguments": '{"a": NaN}'}}], None, "NaN, which is not JSON"),
     ("assistant", [{"function": {"name": "f", "arguments": "[1]"}}], None, "must be a JSON object"),
 ])
 def test_bad_tool_messages_name_the_message(role, calls, call_id, words):
@@ -131,6 +138,41 @@ def test_the_call_grammar_yields_only_valid_calls(family, choice, tiny_llama):
         assert content == "" and len(calls) == 1, text
         assert calls[0].name == tool_plan.forced or tool_plan.forced is None
         jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+
+
+def _pydantic_tool() -> tuple[dict, dict]:
+    """A tool whose parameters pydantic wrote (`model_json_schema()`: a nested model as `$defs` and `$ref`)."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict
+
+    class Place(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # else random logits write extra keys until the test's bound
+        city: Literal["oslo", "rome"]
+        zone: Literal["utc", "cet"]
+
+    class Trip(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        start: Place
+        stops: list[Place]
+
+    schema = Trip.model_json_schema()
+    assert "$defs" in schema and "$ref" in json.dumps(schema)
+    return {"type": "function", "function": {"name": "plan_trip", "parameters": schema}}, schema
+
+
+@pytest.mark.parametrize("family", TEMPLATES)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan_trip"}}])
+def test_parameters_with_defs_and_refs_constrain_calls_as_pydantic_wrote_them(family, choice, tiny_llama):
+    """`$ref`s into the parameters' own `$defs` resolve in the call grammar (they point into the function's schema,
+    not the grammar's root), and every constrained call validates against pydantic's schema."""
+    tool, schema = _pydantic_tool()
+    tool_plan = plan([tool, *TOOLS], choice, False, TEMPLATES[family])
+    for text in _constrained_texts(tiny_llama.artifact, call_grammar(tool_plan), 6):
+        content, calls = parse(text, tool_plan)
+        assert content == "" and len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments), schema if calls[0].name == "plan_trip"
+                            else SCHEMAS[calls[0].name])
 
 
 def test_parallel_calls_in_hermes_syntax_parse_in_order():
