@@ -449,8 +449,8 @@ class Scheduler:
     def _embedding_admitted(self) -> _EmbedJob | None:
         """The oldest embedding job, if its next input fits in a sequence slot and KV pages no admitted request
         needs, once cache entries are evicted for it (lock held); cancelled jobs are dropped."""
-        while self._embedding and self._embedding[0].future.cancelled():
-            self._embedding.popleft()
+        if any(job.future.cancelled() for job in self._embedding):
+            self._embedding = deque(job for job in self._embedding if not job.future.cancelled())
         if not self._embedding:
             return None
         job = self._embedding[0]

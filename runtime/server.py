@@ -78,6 +78,7 @@ try:
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import Response
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -176,12 +177,7 @@ class _Api:
     async def read(self, request: HttpRequest, schema: type[Request]) -> Request:
         """The authorized request's body, checked against `schema` and the model served."""
         self.authorize(request)
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
-        fields = parse_request(bytes(body), schema)
+        fields = parse_request(await read_body(request), schema)
         check_model(fields.model, self.model_name)
         return fields
 
@@ -236,8 +232,10 @@ class _Api:
             future = self.scheduler.embed(inputs)
         except GenerationError as err:
             raise request_error(err, "input") from None
+        waiting = asyncio.wrap_future(future)
+        await wait_unless_disconnected(request, waiting, future.cancel)  # a client gone drops the job's rest
         try:
-            hidden = await asyncio.wrap_future(future)  # cancelled with this request if its client goes
+            hidden = waiting.result()
         except NEVER_CAUGHT:
             raise
         except GenerationError as err:  # the engine refused an input (a full KV cache)
@@ -384,6 +382,22 @@ async def _events(reply: Reply, stream: TokenStream) -> AsyncIterator[str]:
 
 async def _collect(stream: TokenStream) -> list[StreamEvent]:
     return [event async for event in stream]
+
+
+async def read_body(request: HttpRequest) -> bytes:
+    """The request's body, refused with 413 past `MAX_BODY_BYTES`; a client that leaves before sending all of it
+    is one line in the log (nobody is left to answer), not an internal error."""
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
+    except ClientDisconnect:
+        log.info("%s %s: the client closed the connection before sending its whole body", request.method,
+                 request.url.path)
+        raise ApiError(499, "the client closed the connection", code="client_closed") from None
+    return bytes(body)
 
 
 async def wait_unless_disconnected(request: HttpRequest, task: asyncio.Future[object],

@@ -399,6 +399,30 @@ def test_disconnect_mid_stream_frees_the_sequence(tiny):
     _still_serving(tiny)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_a_client_that_closes_mid_body_is_one_log_line_not_a_traceback(tiny, caplog, path):
+    """Five clients announce a body and close after half of it: each is one INFO line naming the path, no record
+    carries a traceback or says "internal error", and the server goes on serving."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    body = json.dumps({"model": tiny.name, "prompt": "ab", "input": "ab", "messages": []}).encode()
+    for _ in range(5):
+        with socket.create_connection((tiny.server.host, tiny.server.port), timeout=TIMEOUT) as client:
+            client.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                           + body[:len(body) // 2])
+    deadline = time.monotonic() + TIMEOUT
+    while sum("closed the connection" in r.getMessage() for r in caplog.records) < 5:
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.exc_info or "internal error" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "closed the connection" in r.getMessage()]
+    assert len(lines) == 5 and all(path in line and "\n" not in line for line in lines), lines
+    _still_serving(tiny)
+
+
 def test_a_burst_over_max_queue_gets_429_then_requests_succeed(tiny_llama):
     served = Served(tiny_llama.artifact_dir, max_queue=2)
     try:

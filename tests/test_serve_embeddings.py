@@ -168,3 +168,39 @@ def test_pooling_normalizes_and_keeps_a_zero_vector_zero():
     assert np.allclose(pooled_embedding(hidden, "mean"), [2 / 8**0.5, 2 / 8**0.5])
     assert np.allclose(pooled_embedding(hidden, "last"), [1 / 17**0.5, 4 / 17**0.5])
     assert pooled_embedding(np.zeros((2, 3), np.float32), "mean").tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_client_that_leaves_stops_its_embeddings_within_a_step(served):
+    """A client sends many inputs and closes the connection once the work has begun: the server stops embedding
+    them (the tokens it embeds stop growing, far short of the request's), frees the sequence and goes on serving."""
+    import http.client
+    import socket
+    import time
+
+    inputs = [prompt_ids(40, seed=i) for i in range(400)]
+    key = "ember_embedding_tokens_total"
+    before = served.metrics().get(key, 0)
+    connection = http.client.HTTPConnection(served.server.host, served.server.port, timeout=TIMEOUT)
+    connection.request("POST", "/v1/embeddings", json.dumps({"model": served.name, "input": inputs}),
+                       {"Content-Type": "application/json"})
+    deadline = time.monotonic() + TIMEOUT
+    while served.metrics().get(key, 0) <= before:
+        assert time.monotonic() < deadline, "the embeddings never began"
+        time.sleep(0.01)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    left = time.monotonic()
+    settled = served.metrics().get(key, 0)
+    while time.monotonic() - left < 2:  # a step is milliseconds on the tiny model: 2 s is many of them
+        time.sleep(0.2)
+        now = served.metrics().get(key, 0)
+        if now == settled:
+            break
+        settled = now
+    time.sleep(0.5)
+    after = served.metrics().get(key, 0)
+    assert after == settled, "embedding went on after the client left"
+    assert after - before < sum(map(len, inputs)) // 2, (after - before, sum(map(len, inputs)))
+    assert served.metrics()["ember_running_sequences"] == 0
+    vectors = served.client.embeddings.create(model=served.name, input=TEXTS).data
+    assert len(vectors) == len(TEXTS)

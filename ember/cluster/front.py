@@ -19,7 +19,7 @@ from typing import TypeVar
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
 from ember.runtime.protocol import ApiError, internal_error, sse
-from ember.runtime.server import MAX_BODY_BYTES, wait_unless_disconnected
+from ember.runtime.server import MAX_BODY_BYTES, read_body, wait_unless_disconnected
 
 try:
     import aiohttp
@@ -109,12 +109,8 @@ class _Front:
 
     async def relay(self, request: HttpRequest) -> tuple[Response, Callable[[], Awaitable[None]]]:
         """The replica's response to `request`, and what to call once it has been sent."""
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", code="body_too_large")
-        key = routing_key(request.url.path, bytes(body)) if request.method == "POST" else None
+        body = await read_body(request)
+        key = routing_key(request.url.path, body) if request.method == "POST" else None
         headers = {name: value for name, value in request.headers.items() if name.lower() not in _NOT_RELAYED}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[int] = set()
@@ -126,7 +122,7 @@ class _Front:
             try:
                 response, release = await _unless_disconnected(
                     request, self._ask(replica.index, replica.info["url"] + target, request.method, headers,
-                                       bytes(body)))
+                                       body))
             except _LostError as err:
                 self.router.done(replica)
                 log.warning("ember: replica %d failed before answering (%s); trying another", replica.index, err)
