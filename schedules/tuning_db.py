@@ -37,6 +37,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
 from ember.core.errors import TuningError
+from ember.core.writable import check_writable
 from ember.targets.hardware import cpu_fingerprint
 
 log = logging.getLogger("ember")
@@ -148,6 +149,7 @@ def check_for_tuning(path: Path, fingerprint: dict[str, Any] | None = None) -> d
     is no database yet."""
     theirs = _read_fingerprint(Path(path), "--db")
     _check_only_own_files(Path(path), theirs is not None)
+    check_writable(Path(path), "--db")
     here = fingerprint or cpu_fingerprint()
     if theirs is not None and theirs != here:
         whose = "this machine" if fingerprint is None else "the devices measuring"

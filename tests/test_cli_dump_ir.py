@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,40 @@ def test_dump_ir_refuses_what_is_not_a_new_or_empty_directory(capsys, tmp_path, 
     assert_one_line_error(result, f"--dump-ir {dump}: {expected}")
     assert not (tmp_path / "out").exists()
     assert (dump.read_text() if what == "file" else (dump / "old.py").read_text()) == "keep me"
+
+
+def _never_compiled(monkeypatch) -> None:
+    import ember.driver.compiler
+
+    def compile_model(*_args, **_kwargs):
+        raise AssertionError("the compile started before its output paths were checked")
+
+    monkeypatch.setattr(ember.driver.compiler, "compile_model", compile_model)
+
+
+@pytest.mark.parametrize(("dump", "out", "expected"), [
+    ("/proc/ember-ir", "out", "--dump-ir /proc/ember-ir: cannot write in /proc"),
+    ("/proc/self/ember-ir", "out", "--dump-ir /proc/self/ember-ir: cannot write in /proc/self"),
+    ("/sys/ember-ir", "out", "--dump-ir /sys/ember-ir: cannot write in /sys"),
+    ("out/ir", "out", "--dump-ir {tmp}/out/ir: is inside -o {tmp}/out"),
+    ("out", "out/art", "-o {tmp}/out/art: is inside --dump-ir {tmp}/out"),
+    ("same", "same", "-o {tmp}/same: is the same as --dump-ir {tmp}/same"),
+])
+def test_dump_ir_that_cannot_be_written_is_refused_before_compiling(capsys, tmp_path, monkeypatch, dump, out,
+                                                                    expected):
+    """--dump-ir where nothing can be written (/proc, /sys), or inside -o (or around it): one line naming both
+    before the compile starts (a compile that started fails the test), nothing written."""
+    _never_compiled(monkeypatch)
+    resolve = (lambda p: p if p.startswith("/") else str(tmp_path / p))
+    result = run_main(capsys, "compile", "demo", "--dump-ir", resolve(dump), "-o", resolve(out))
+    assert_one_line_error(result, expected.format(tmp=tmp_path))
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a directory whatever its mode")
+def test_dump_ir_in_a_read_only_directory_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
+    _never_compiled(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = run_main(capsys, "compile", "demo", "--dump-ir", str(locked / "ir"), "-o", str(tmp_path / "out"))
+    assert_one_line_error(result, f"--dump-ir {locked / 'ir'}: cannot write in {locked}")

@@ -171,7 +171,7 @@ def test_unusable_output_path_fails_before_any_work(tmp_path, where):
     (tmp_path / "a_file").write_text("x")
     out = tmp_path / "a_file" / "out" if where == "under_a_file" else Path("/proc/ember-test/out")
     before = tree_snapshot(tmp_path)
-    with pytest.raises(EmberError, match=r"^-o .*(is not a directory|cannot write there)"):
+    with pytest.raises(EmberError, match=r"^-o .*(is not a directory|cannot write)"):
         compile_model(tmp_path / "no-such-model", out, OPTIONS)
     assert tree_snapshot(tmp_path) == before
 
@@ -489,6 +489,12 @@ def test_tune_db_takes_a_new_or_empty_directory_or_an_ember_database(tmp_path, c
         with pytest.raises(TuningError, match=f"^--db {db}: exists and is not a tuning database .*{refused}"):
             check_for_tuning(db)
     assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("db", ["/proc/ember-db", "/sys/ember-db", "/proc/self/ember-db"])
+def test_tune_db_where_nothing_can_be_written_is_refused_before_tuning(tiny_models, db):
+    result = run_ember("tune", str(tiny_models.checkpoint("llama")), "--db", db, "--trials", "1")
+    assert_one_line_error(result, f"--db {db}: cannot write in")
 
 
 def test_cli_tune_refuses_a_directory_of_user_files(tiny_models, tmp_path):

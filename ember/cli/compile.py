@@ -105,12 +105,17 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compile MODEL into -o's directory and print what it holds."""
+    from ember.core.writable import check_apart, check_writable
     from ember.driver.artifact_dir import check_output_dir
 
     model_dir = checkpoint_dir(args.model)
     check_output_dir(args.output)
     if args.dump_ir is not None:
+        check_apart(args.output, "-o", args.dump_ir, "--dump-ir")
         _check_dump_dir(args.dump_ir)
+        check_writable(args.dump_ir, "--dump-ir")
+    if args.tuning_db is not None:
+        check_apart(args.output, "-o", args.tuning_db, "--tuning-db")
     # The compiler takes seconds to import: only now that the paths are known good.
     from ember.driver.compiler import CompileOptions, compile_model
     from ember.schedules.tuning import describe_schedule_sources

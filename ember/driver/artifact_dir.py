@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ember.core.errors import ArtifactError, EmberError
 from ember.core.manifest import MANIFEST_NAME, check_ember_artifact
+from ember.core.writable import check_writable
 
 log = logging.getLogger("ember")
 
@@ -193,6 +194,7 @@ def _check_place(output_dir: Path) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise EmberError(f"-o {output_dir}: {ancestor} is not a directory")
+    check_writable(output_dir, "-o", beside=True)
 
 
 def _absolute(path: Path) -> Path:
