@@ -84,8 +84,8 @@ def test_dump_ir_that_cannot_be_written_is_refused_before_compiling(capsys, tmp_
     """--dump-ir where nothing can be written (/proc, /sys), or inside -o (or around it): one line naming both
     before the compile starts (a compile that started fails the test), nothing written."""
     _never_compiled(monkeypatch)
-    resolve = (lambda p: p if p.startswith("/") else str(tmp_path / p))
-    result = run_main(capsys, "compile", "demo", "--dump-ir", resolve(dump), "-o", resolve(out))
+    dump, out = (p if p.startswith("/") else str(tmp_path / p) for p in (dump, out))
+    result = run_main(capsys, "compile", "demo", "--dump-ir", dump, "-o", out)
     assert_one_line_error(result, expected.format(tmp=tmp_path))
     assert sorted(tmp_path.iterdir()) == []
 
