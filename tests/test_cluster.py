@@ -163,6 +163,42 @@ def test_an_unreachable_cluster_address_is_one_line(tiny_llama):
     assert zero.returncode == 1 and zero.stderr.strip().count("\n") == 0 and "--replicas 0" in zero.stderr
 
 
+def test_a_server_that_speaks_http2_and_goes_silent_is_refused_within_the_handshake_deadline(tiny_llama):
+    """A server that answers the HTTP/2 preface (as any gRPC server does) and then says nothing: Ray's own handshake
+    gets no answer within its deadline, and the command ends with one line instead of Ray retrying for minutes."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        done = threading.Event()
+
+        def silent() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(64)
+                connection.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # an empty SETTINGS frame, then nothing
+                done.wait(90)
+
+        threading.Thread(target=silent, daemon=True).start()
+        try:
+            result = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", f"127.0.0.1:{listener.getsockname()[1]}",
+                               timeout=60)
+        finally:
+            done.set()
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "not a Ray cluster's head (it did not answer Ray's handshake within 10 s)" in result.stderr
+
+
+def test_a_temporary_directory_too_long_for_rays_sockets_is_one_line(tiny_llama, tmp_path):
+    """TMPDIR so long that a local cluster's socket paths pass 107 bytes: refused naming the variable before Ray
+    starts (no session directory is made under it)."""
+    long_dir = tmp_path / ("t" * 100)
+    long_dir.mkdir()
+    if "RAY_TMPDIR" in os.environ:
+        pytest.skip("RAY_TMPDIR overrides TMPDIR for Ray")
+    result = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", timeout=60, env={"TMPDIR": str(long_dir)})
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "TMPDIR: a local Ray cluster keeps its sockets under" in result.stderr and "107 bytes" in result.stderr
+    assert list(long_dir.iterdir()) == []
+
+
 def test_more_replicas_than_the_cluster_hosts_is_one_line(ray_cluster, tiny_llama):
     """Three one-CPU replicas on a two-CPU cluster are refused before any starts."""
     result = run_ember("serve", str(tiny_llama.artifact_dir), "--ray", ray_cluster, "--replicas", "3", timeout=120,

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 10.0  # seconds for a cluster address to answer before `--ray ADDRESS` gives up
 START_TIMEOUT = 300.0  # seconds for a replica to be placed, load the artifact and listen
 RESTART_DELAY = 2.0  # seconds between tries to replace a dead replica whose replacement failed
+MAX_SOCKET_PATH = 107  # bytes of an AF_UNIX socket's path on Linux
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def connect(address: str | None, threads: int, replicas: int) -> None:
     with one line an address that does not answer or a cluster with fewer CPUs than the replicas need."""
     if address is not None:
         _probe(address)
+    else:
+        _check_temp_dir()
     # In the main thread: Ray's client started from another one cannot reach its own GCS.
     local = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
     try:
@@ -196,25 +199,40 @@ def connect(address: str | None, threads: int, replicas: int) -> None:
                          f"(--threads), so at most {int(cpus // threads)} replicas fit")
 
 
-# An HTTP/2 client's opening (the preface, then an empty SETTINGS frame): a gRPC server such as Ray's GCS answers
-# it at once with a SETTINGS frame of its own, which another kind of server does not. ray.init, pointed at a server
-# that is not Ray's, would wait for minutes.
-_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
-_HTTP2_SETTINGS = 4
-
-
 def _probe(address: str) -> None:
-    """Raise one line unless a gRPC server (as a Ray cluster's head is) answers at `address` within
-    CONNECT_TIMEOUT."""
+    """Raise one line unless a Ray cluster's head answers at `address` within CONNECT_TIMEOUT: its GCS must answer
+    a GetClusterId call, the first thing `ray.init` asks. Pointed at anything else (a web server, a gRPC server of
+    another kind, one that accepts and then says nothing), `ray.init` would retry for minutes."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise EmberError(f"--ray {address}: not HOST:PORT (the address `ray start --head` prints)")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT) as connection:
-            connection.sendall(_HTTP2_HELLO)
-            frame = connection.recv(9)
-    except OSError as err:
-        reason = "timed out" if isinstance(err, TimeoutError) else (err.strerror or str(err))
-        raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
-    if len(frame) < 4 or frame[3] != _HTTP2_SETTINGS:
-        raise EmberError(f"--ray {address}: what answers there is not a Ray cluster's head (it does not speak gRPC)")
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_TIMEOUT)
+        except grpc.RpcError as err:
+            details = err.details() or ""
+            if err.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "resolve" in details.lower()):
+                reason = details.rpartition(": ")[2] or "unreachable"
+                raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
+            reason = (f"it did not answer Ray's handshake within {CONNECT_TIMEOUT:g} s"
+                      if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else
+                      f"Ray's handshake failed: {err.code().name.lower()}")
+            raise EmberError(f"--ray {address}: what answers there is not a Ray cluster's head ({reason})") from None
+
+
+def _check_temp_dir() -> None:
+    """Refuse a temporary directory so long that a local Ray cluster's socket paths would pass the 107 bytes an
+    AF_UNIX path may have (Ray would fail deep in its start-up)."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    temp = get_default_ray_temp_dir()
+    longest = os.path.join(temp, "session_2026-01-01_00-00-00_000000_4194304", "sockets", "plasma_store.99")
+    if len(longest.encode()) > MAX_SOCKET_PATH:
+        variable = "RAY_TMPDIR" if "RAY_TMPDIR" in os.environ else "TMPDIR"
+        raise EmberError(f"{variable}: a local Ray cluster keeps its sockets under {temp}, whose "
+                         f"{len(temp.encode())} bytes leave no room for their paths (an AF_UNIX path has at most "
+                         f"{MAX_SOCKET_PATH} bytes); set {variable} to a shorter directory, such as /tmp")
