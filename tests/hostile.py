@@ -20,10 +20,18 @@ import re
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import tree_snapshot
+from hypothesis import HealthCheck, Phase
+from hypothesis import strategies as st
+
+from ember.core.errors import EmberError
 
 GOOD = ("refused", "accepted")
 HANG_SECONDS = 30.0
@@ -58,6 +66,62 @@ class Tally:
 
 
 TALLY = Tally()
+
+SETTINGS = dict(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
+                suppress_health_check=list(HealthCheck))
+
+# JSON values of every type, small enough to write thousands of.
+JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, -1, 2**31, 2**63]),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6),
+                        st.sampled_from(["false", "true", "2", "16", "4k", "big", "tiny", "</s>", "linear", ""]))
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+# Option values at their edges, as a user might type them.
+NUMBERS = st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1", "2", "3", "0.5", "1e309", "1e-320", "256",
+                           "99999999999999999999", "two", "", " 1", "0x10", "1_000", "-0", "1.0", "1e3"])
+TEXTS = st.sampled_from(["hello", "", " ", "\udcff\udcfe", "a\x00b", "x" * 5000, "\n\n", "日本語", "</s>",
+                         "{{ 7 * 7 }}", "\udce9t\udce9"])
+
+
+def outcome(parser: str, result: Result, check: Callable[[], None] | None = None) -> None:
+    """Record how the case ended (running its check of an accepted result) and fail unless it ended well."""
+    ended = result.outcome
+    if ended == "accepted" and check is not None:
+        try:
+            check()
+        except AssertionError as err:
+            TALLY.record(parser, "messy")
+            raise AssertionError(f"{parser}: accepted with a wrong result: {err}") from None
+    TALLY.record(parser, ended)
+    assert ended in ("refused", "accepted"), f"{parser}: {ended} (exit {result.code}):\n{result.stderr[-3000:]}"
+
+
+def in_process(function: Callable[[], object]) -> tuple[Result, object]:
+    """Run a parser here: an ember error is a refusal, anything else a traceback; bounded in time
+    (a thread that outlives the bound is reported as a hang)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = function()
+            box["result"] = Result(0, "", "")
+        except EmberError as err:
+            message = str(err)
+            box["result"] = Result(1, "", f"ember: error: {message}\n" if "\n" not in message else message)
+        except BaseException as err:  # noqa: BLE001 - exactly what the corpus hunts
+            box["result"] = Result("traceback", "", f"Traceback (most recent call last): {type(err).__name__}: {err}")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(HANG_SECONDS)
+    return box.get("result", Result("hang", "", "no answer")), box.get("value")
+
+
+def unchanged(before: dict, root: Path, parser: str) -> None:
+    """The case's inputs are as they were and nothing was added (else a `leftover`)."""
+    if tree_snapshot(root) != before:
+        TALLY.record(parser, "leftover")
+        raise AssertionError(f"{parser}: the case changed or left files under {root}")
 
 
 @dataclass

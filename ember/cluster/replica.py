@@ -204,7 +204,7 @@ def _probe(address: str) -> None:
     a GetClusterId call, the first thing `ray.init` asks. Pointed at anything else (a web server, a gRPC server of
     another kind, one that accepts and then says nothing), `ray.init` would retry for minutes."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise EmberError(f"--ray {address}: not HOST:PORT (the address `ray start --head` prints)")
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -215,7 +215,7 @@ def _probe(address: str) -> None:
                 gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_TIMEOUT)
         except grpc.RpcError as err:
             details = err.details() or ""
-            if err.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "resolve" in details.lower()):
+            if err.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "resol" in details.lower()):
                 reason = details.rpartition(": ")[2] or "unreachable"
                 raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
             reason = (f"it did not answer Ray's handshake within {CONNECT_TIMEOUT:g} s"
