@@ -5,7 +5,7 @@
 greedily, a few times, and returns plain data (JSON-ready) with the times of every run,
 the greedy tokens and the peak resident memory. The prompt is the same pseudo-random
 token ids everywhere (no tokenizer needed), so two runs of one artifact on two machines
-must produce the same tokens; the host compares and prints them (`ember/driver/bench.py`).
+must produce the same tokens; the host compares and prints them (`src/ember/driver/bench.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Speculative decoding, measured side by side in one run.
 
-1. **Demo model** (`ember/demo_model`, trained; its draft `ember/demo_draft`), greedy, two tasks of
+1. **Demo model** (`src/ember/demo_model`, trained; its draft `src/ember/demo_draft`), greedy, two tasks of
    `--prompts` prompts each from its held-out `validation.txt`:
    - *repetitive*: a passage of two verses, then its first words again: the continuation largely
      copies the prompt (the case prompt lookup is for);

@@ -9,7 +9,7 @@ memory that `ember analyze`'s roofline model predicts, and the llama.cpp decode 
 published for that board and model size, with its source.
 
 How the predictions are made: the same code as `ember analyze MODEL --hardware BOARD`
-(ember/driver/analyze: every operator on the board's roofline, kernels one after another, each at
+(src/ember/driver/analyze: every operator on the board's roofline, kernels one after another, each at
 min(peak, intensity x bandwidth)), with the precision of ember's own formats rather than
 the CLI's whole-bit `--wbits`:
 - weights at the format's stored bits per weight, scales included (q8f32 9 bits, q4f32 5

@@ -378,7 +378,7 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = Path(__file__).resolve().parents[1] / "ember" / "demo_model"
+    default_out = Path(__file__).resolve().parents[1] / "src" / "ember" / "demo_model"
     parser.add_argument("--out", type=Path, default=default_out, help="checkpoint directory")
     parser.add_argument(
         "--minutes", type=float, default=DEFAULT_MINUTES, help="wall-time budget for the whole run"

@@ -43,8 +43,8 @@ CACHE_ROOT = Path.home() / ".cache" / "ember" / "test-artifacts"
 # What shapes a compiled artifact: the compile driver and the stages it runs (folders, or single files). The CLI
 # only parses options into CompileOptions (part of the key); the runtime gives the compiler one name
 # (runtime/artifact.py's PARAM_TYPES_FUNCTION), and its other modules serve tuning's and bench's measurements.
-COMPILER_SOURCES = ("ember/__init__.py", "ember/core", "ember/driver", "frontend", "ir", "ir_passes", "schedules",
-                    "targets", "runtime/artifact.py")
+COMPILER_SOURCES = ("src/ember/__init__.py", "src/ember/core", "src/ember/driver", "frontend", "ir", "ir_passes",
+                    "schedules", "targets", "runtime/artifact.py")
 # Libraries whose behaviour reaches an artifact: ember's version (in every manifest), the compiler, and what reads,
 # converts or exports weights.
 LIBRARIES = ("ember", "apache-tvm", "apache-tvm-ffi", "numpy", "ml_dtypes", "safetensors", "tokenizers", "gguf",

@@ -49,7 +49,7 @@ def test_environment_covers_compiler_sources_tvm_and_cpu(monkeypatch):
                (artifact_cache, "host_cpu_flags", lambda: {"sse2"}),
                (artifact_cache.importlib.metadata, "version",
                 lambda name: "0.0.0" if name == "apache-tvm" else real_version(name)),
-               (artifact_cache, "COMPILER_SOURCES", ("ember/driver",))]
+               (artifact_cache, "COMPILER_SOURCES", ("src/ember/driver",))]
     for target, name, value in patches:
         with monkeypatch.context() as patched:
             patched.setattr(target, name, value)
@@ -58,18 +58,18 @@ def test_environment_covers_compiler_sources_tvm_and_cpu(monkeypatch):
 
 
 def test_environment_covers_the_compiler_not_the_cli(tmp_path, monkeypatch):
-    """An edit under ember/driver changes the digest, one under ember/cli (it only parses options) does not."""
+    """An edit under src/ember/driver changes the digest, one under src/ember/cli (it only parses options) does not."""
     digest = artifact_cache._environment_digest()
-    for source in (*artifact_cache.COMPILER_SOURCES, "ember/cli"):
+    for source in (*artifact_cache.COMPILER_SOURCES, "src/ember/cli"):
         copy = shutil.copytree if (artifact_cache.REPO_ROOT / source).is_dir() else shutil.copyfile
         (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
         copy(artifact_cache.REPO_ROOT / source, tmp_path / source)
     monkeypatch.setattr(artifact_cache, "REPO_ROOT", tmp_path)
     assert artifact_cache._environment_digest() == digest
-    with (tmp_path / "ember" / "cli" / "compile.py").open("a") as cli:
+    with (tmp_path / "src" / "ember" / "cli" / "compile.py").open("a") as cli:
         cli.write("# edited\n")
     assert artifact_cache._environment_digest() == digest
-    with (tmp_path / "ember" / "driver" / "compiler.py").open("a") as compiler:
+    with (tmp_path / "src" / "ember" / "driver" / "compiler.py").open("a") as compiler:
         compiler.write("# edited\n")
     assert artifact_cache._environment_digest() != digest
 

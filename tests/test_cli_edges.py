@@ -32,7 +32,7 @@ from ember.runtime.chat import ChatSession
 from ember.runtime.evaluate import stream_token_ids
 from ember.runtime.tokenizer import Tokenizer
 
-DEMO_MODEL = REPO_ROOT / "ember" / "demo_model"
+DEMO_MODEL = REPO_ROOT / "src" / "ember" / "demo_model"
 
 
 BAD_OPTIONS = [

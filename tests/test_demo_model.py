@@ -107,7 +107,8 @@ def test_readme_eval_command_prints_the_readme_figure(demo_engine, capsys) -> No
     shown = re.search(r"demo-cpu \(q0f32\): (perplexity [\d.]+ over \d+ tokens \(\d+ windows of \d+\))", readme)[1]
     artifact = demo_engine.artifact.path
     assert demo_engine.artifact.manifest.kv_cache["max_context"] == 256
-    argv = [str(artifact) if arg == "demo-cpu" else str(DEMO_MODEL_DIR.parent.parent / arg) if "/" in arg else arg
+    root = Path(__file__).resolve().parent.parent  # where the README's commands run
+    argv = [str(artifact) if arg == "demo-cpu" else str(root / arg) if "/" in arg else arg
             for arg in command[1:]]
     assert main([*argv, "--no-progress"]) == 0
     assert shown in capsys.readouterr().out

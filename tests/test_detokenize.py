@@ -28,7 +28,7 @@ TEXTS = ["Hello, world! ", "naïve café — 東京 🚀 ", "a\nb\tc  ", "€uro
 
 
 def _byte_level() -> HFTokenizer:
-    return HFTokenizer.from_file(str(REPO_ROOT / "ember" / "demo_model" / "tokenizer.json"))
+    return HFTokenizer.from_file(str(REPO_ROOT / "src" / "ember" / "demo_model" / "tokenizer.json"))
 
 
 def _sentencepiece_byte_fallback() -> HFTokenizer:

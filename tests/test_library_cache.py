@@ -1,4 +1,4 @@
-"""The library cache (`ember/driver/library_cache.py`): a module equal to one built before for the same target gets
+"""The library cache (`src/ember/driver/library_cache.py`): a module equal to one built before for the same target gets
 that library, copied; any other module, target or a damaged entry is generated. Each test has a cache of its own."""
 
 from __future__ import annotations

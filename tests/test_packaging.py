@@ -108,6 +108,26 @@ def test_the_wheel_compiles_runs_and_packages_the_demo(venv, tmp_path):
     assert requirements(packaged) == requirements(RUNTIME_REQUIREMENTS.read_text().splitlines())
 
 
+def test_from_the_checkouts_root_the_wheel_is_what_runs(venv, tmp_path):
+    """In a checkout's root (a copy, its own files and links as Git has them), the non-editable install's ember is
+    the one imported, by this process and by TVM's tuning workers it starts there: `import ember.runtime`, the
+    README's Python snippet, and `ember tune` with its worker processes all work."""
+    root = tmp_path / "checkout"
+    shutil.copytree(REPO_ROOT, root, ignore=NOT_SOURCES, symlinks=True)
+    python, ember = venv / "bin" / "python", venv / "bin" / "ember"
+    found = check([python, "-c", "import ember.runtime; print(ember.runtime.__file__)"], cwd=root).stdout.strip()
+    assert not Path(found).is_relative_to(root), found
+    check([ember, "compile", "demo", "-o", "demo-cpu", "--no-progress"], cwd=root)
+    snippet = README_SNIPPET.search((REPO_ROOT / "README.md").read_text()).group(1)
+    assert "load_artifact" in snippet, snippet
+    assert check([python, "-c", snippet], cwd=root).stdout.strip()
+    check([ember, "tune", "demo", "--db", "tuning-db", "--trials", "4", "--budget", "1", "--kernels", "1"], cwd=root)
+
+
+# The README's Python snippet that runs an artifact without a server.
+README_SNIPPET = re.compile(r"```python\n(from ember\.runtime import .*?)```", re.DOTALL)
+
+
 def test_the_wheel_analyzes_and_serves_with_its_data_files(venv, tmp_path):
     """The wheel's hardware presets, chat page and server: `ember analyze` on a board preset, and `ember serve` of
     a demo compiled with --embeddings answering / (the chat page) and /v1/embeddings; stopped by its own PID."""

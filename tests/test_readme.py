@@ -1,8 +1,8 @@
 """Every `ember` command the README shows works as written, on the demo model.
 
 The convention: a command is a line that starts with `ember ` inside a ```sh or ```bash block.
-Each runs in a temporary directory holding a link to the checkout's `ember/` folder, so paths such
-as `ember/demo_model/validation.txt` resolve as they do from the checkout's root. `ember serve` runs
+Each runs in a temporary directory holding a link to the checkout's `src/` folder, so paths such
+as `src/ember/demo_model/validation.txt` resolve as they do from the checkout's root. `ember serve` runs
 until stopped: it is started on a free port of 127.0.0.1, answers a completion, and is stopped by
 its pid. `ember chat` reads one line from stdin, then end of input.
 """
@@ -65,7 +65,7 @@ def run(argv: list[str], cwd: Path, stdin: str = "") -> subprocess.CompletedProc
 def workdir(tmp_path_factory) -> Path:
     """A directory where the README's commands run, with the demo compiled once, as the set-up command does."""
     directory = tmp_path_factory.mktemp("readme")
-    (directory / "ember").symlink_to(REPO_ROOT / "ember", target_is_directory=True)
+    (directory / "src").symlink_to(REPO_ROOT / "src", target_is_directory=True)  # the paths README's commands read
     result = run(["ember", "compile", "demo", "-o", "demo-cpu"], directory)
     assert result.returncode == 0, result.stderr
     return directory

@@ -23,7 +23,7 @@ from ember.core.tokenizer_files import MAX_EXPANSION, regex_problem, tokenizer_j
 from ember.frontend.gguf_tokenizer import PRE_TOKENIZER_REGEXES
 from ember.runtime.tokenizer import RENDER_SECONDS, Tokenizer
 
-DEMO_TOKENIZER = REPO_ROOT / "ember" / "demo_model" / "tokenizer.json"
+DEMO_TOKENIZER = REPO_ROOT / "src" / "ember" / "demo_model" / "tokenizer.json"
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 O200K_REGEX = "|".join([
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",

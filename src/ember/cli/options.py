@@ -24,7 +24,7 @@ examples:
   ember package demo-pi5 -o demo-pi5-board      what to copy to the board (see README)
   ember inspect llama-cpu
   ember compile demo --quant q4f32 -o demo-q4    4-bit weights (see `ember compile --help`)
-  ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-cpu
+  ember eval demo-q4 --perplexity src/ember/demo_model/validation.txt --reference demo-cpu
   ember tune demo --db tuning-db && ember compile demo -o demo-tuned --tuning-db tuning-db
   ember generate demo-cpu --speculate ngram --prompt "..."   guess tokens from the prompt, check them at once
   ember compile demo-draft -o draft-cpu && ember chat demo-cpu --draft draft-cpu   a small model guesses

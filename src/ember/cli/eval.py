@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Perplexity of an artifact on a text file, and optionally how far its next-token "
                     "distributions are from a reference artifact of the same model (mean KL, top-1 agreement).",
         epilog="example:\n  ember compile demo --quant q4f32 -o demo-q4 && ember compile demo -o demo-f32\n"
-               "  ember eval demo-q4 --perplexity ember/demo_model/validation.txt --reference demo-f32",
+               "  ember eval demo-q4 --perplexity src/ember/demo_model/validation.txt --reference demo-f32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--perplexity", required=True, type=Path, metavar="TEXTFILE", help="UTF-8 text to score")

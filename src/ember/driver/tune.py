@@ -28,7 +28,7 @@ database's best is never slower than the rule. Each check is noted in the databa
 (`checks.json`), for compiles that cannot run the kernels themselves.
 
 With `--rpc-tracker HOST:PORT --device-key KEY` the same happens on a device farm
-(`ember/driver/farm.py`): kernels are built here for `--target` (a board's, cross-linked as
+(`src/ember/driver/farm.py`): kernels are built here for `--target` (a board's, cross-linked as
 compile links it) and timed on the key's devices by meta_schedule's `RPCRunner`, as many
 at once as devices are registered; the check against the rule runs on one of them. The
 database is keyed by the fingerprint the devices report about themselves, which must
