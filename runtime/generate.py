@@ -5,7 +5,7 @@ afterwards `.stats` holds token counts and prefill/decode speed. Text is decoded
 incrementally from all generated ids, so multi-byte characters split across
 tokens are emitted whole, and text that could still become a stop string is
 held back until it cannot. That per-request state is a `Decoding`, which the
-scheduler (`runtime/scheduler.py`) steps for many sequences decoded in one batch.
+scheduler (`serving/scheduler.py`) steps for many sequences decoded in one batch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A turn is a user message and the messages after it up to the next user message (the replies,
 tool calls and tool results it led to). The leading system messages are instructions, not
 history: they stay, as does the last turn. `ember chat` (runtime/chat.py) and `ember serve`'s
-`truncation: "auto"` (runtime/server.py) both drop turns this way.
+`truncation: "auto"` (serving/server.py) both drop turns this way.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ def _api_levels_worker(artifact: str, requests: list[list[list]], concurrencies:
     """`run_api_levels`' process: `Scheduler` as `ember serve` makes it, greedy, each stream's tokens timed."""
     from ember.runtime import Engine, load_artifact
     from ember.runtime.sampling import SamplingParams
-    from ember.runtime.scheduler import Scheduler
+    from ember.serving.scheduler import Scheduler
 
     todo = [[(prompt, max_tokens) for prompt, max_tokens in level] for level in requests]
     with Scheduler(Engine(load_artifact(artifact, threads=threads))) as scheduler:

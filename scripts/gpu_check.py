@@ -359,17 +359,18 @@ def tvm_ffi_wheel(version: str) -> Path:
 
 
 def copy_ember_runtime(site: Path) -> None:
-    """ember's runtime packages (`ember/__init__`, core, runtime) plus the weight conversion and the quant
-    formats it reads (neither imports the compiler), with the metadata that gives `ember.__version__`."""
+    """ember's runtime packages (`ember/__init__`, core, runtime), serving (the served check) and the weight
+    conversion and the quant formats it reads (neither imports the compiler), with the metadata that gives
+    `ember.__version__`."""
     import ember
-    from ember import core, runtime
+    from ember import core, runtime, serving
     from ember.driver import convert
     from ember.ir import quant_formats
 
     package = site / "ember"
     package.mkdir(parents=True)
     shutil.copyfile(ember.__file__, package / "__init__.py")
-    for module in (core, runtime):
+    for module in (core, runtime, serving):
         shutil.copytree(Path(module.__file__).parent, package / module.__name__.rsplit(".", 1)[1],
                         ignore=shutil.ignore_patterns("__pycache__"))
     for module in (convert, quant_formats):

@@ -188,8 +188,8 @@ def serve(workdir: Path) -> dict:
     import openai
 
     from ember.runtime import Engine, load_artifact
-    from ember.runtime.scheduler import Scheduler
-    from ember.runtime.server import Server
+    from ember.serving.scheduler import Scheduler
+    from ember.serving.server import Server
 
     artifact_dir = workdir / "artifacts" / "llama-q0f32"
     artifact, checks, prompt, steps = load_artifact(artifact_dir), [], "the quick brown fox", 8

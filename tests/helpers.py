@@ -230,8 +230,9 @@ class Served:
                  kv_capacity: int | None = None, speculation=None, pooling: str = "mean") -> None:
         import openai
 
-        from ember.runtime import Engine, Scheduler, load_artifact
-        from ember.runtime.server import Server
+        from ember.runtime import Engine, load_artifact
+        from ember.serving import Scheduler
+        from ember.serving.server import Server
 
         engine = Engine(load_artifact(artifact_dir))
         if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows

@@ -11,12 +11,13 @@ import json
 
 import pytest
 
-from ember.runtime import Scheduler, load_artifact
+from ember.runtime import load_artifact
 from ember.runtime.engine import Engine
 from ember.runtime.history import MAX_DEFAULT_REPLY_TOKENS, default_reply_tokens, fit_history
+from ember.serving import Scheduler
 
 pytest.importorskip("fastapi")
-from ember.runtime.server import DROPPED_TURNS_HEADER, Server
+from ember.serving.server import DROPPED_TURNS_HEADER, Server
 
 TIMEOUT = 60  # seconds; catches a hang, never a speed
 CONTEXT = 256  # the demo model's context window

@@ -72,7 +72,7 @@ def test_bundle_fits_one_upload_and_carries_no_weights(bundle):
     wheels = [f for f in files if f.endswith(".whl")]
     assert len(wheels) == 1 and "-cp312-cp312-manylinux" in wheels[0] and "apache_tvm_ffi" in wheels[0]
     assert {"site/ember/runtime/engine.py", "site/ember/core/manifest.py", "site/ember/driver/convert.py",
-            "site/ember/ir/quant_formats.py"} <= set(files)
+            "site/ember/ir/quant_formats.py", "site/ember/serving/server.py"} <= set(files)
     assert not [f for f in files if f.startswith("site/ember/") and f.split("/")[2] in
                 ("frontend", "ir_passes", "schedules", "cli", "targets")]
 

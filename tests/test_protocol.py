@@ -1,4 +1,4 @@
-"""`runtime/protocol.py` without HTTP: request bodies, their checks and sampling parameters, and the responses
+"""`serving/protocol.py` without HTTP: request bodies, their checks and sampling parameters, and the responses
 and stream chunks built from a request's events, whose shapes are checked against the official `openai`
 package's types (every field ember sends is one of theirs, of their type)."""
 
@@ -16,7 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from ember.core.errors import GenerationError  # noqa: E402
-from ember.runtime.protocol import (  # noqa: E402
+from ember.runtime.sampling import TokenLogprob  # noqa: E402
+from ember.serving.protocol import (  # noqa: E402
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -31,8 +32,7 @@ from ember.runtime.protocol import (  # noqa: E402
     sampling_params,
     sse,
 )
-from ember.runtime.sampling import TokenLogprob  # noqa: E402
-from ember.runtime.scheduler import QueueFullError, StreamEvent  # noqa: E402
+from ember.serving.scheduler import QueueFullError, StreamEvent  # noqa: E402
 
 VOCAB = 100
 CONTEXT = 64

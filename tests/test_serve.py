@@ -25,8 +25,9 @@ from helpers import REPO_ROOT, Served, ember_serve, prompt_ids
 
 from ember.cli import main
 from ember.core.errors import GenerationError
-from ember.runtime import Engine, SamplingParams, Scheduler, generate, load_artifact
+from ember.runtime import Engine, SamplingParams, generate, load_artifact
 from ember.runtime.sampling import sample_token, token_logprob
+from ember.serving import Scheduler
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -687,7 +688,7 @@ def test_cli_serve_refusals(tiny_llama, tmp_path, capsys):
 def test_cli_serve_refuses_cluster_options_without_ray(tiny_llama, monkeypatch, capsys):
     """--replicas and --no-prefix-routing mean something only with --ray: without it each is one line naming the
     option, exit 1, nothing served."""
-    from ember.runtime import server as server_module
+    from ember.serving import server as server_module
 
     monkeypatch.setattr(server_module.Server, "run", lambda server: None)  # were it served: return at once
     for option in (["--replicas", "2"], ["--no-prefix-routing"]):
@@ -698,8 +699,8 @@ def test_cli_serve_refuses_cluster_options_without_ray(tiny_llama, monkeypatch, 
 
 def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):
     """`--max-decode-stall` is the scheduler's bound, and without it the scheduler's default, which the help names."""
-    from ember.runtime import scheduler as scheduler_module
-    from ember.runtime import server as server_module
+    from ember.serving import scheduler as scheduler_module
+    from ember.serving import server as server_module
 
     seen = []
     # In place of serving until Ctrl-C: note the bound, return (and the server shuts down).
@@ -716,7 +717,7 @@ def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatc
 
 
 def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatch, capsys):
-    from ember.runtime import server as server_module
+    from ember.serving import server as server_module
 
     listen = server_module.listen
     # The server listens on loopback whatever --host says (tests never listen elsewhere), and returns at once.
@@ -742,8 +743,8 @@ def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatc
 
 def test_runtime_imports_without_the_serve_extra():
     code = ("import sys; sys.modules['fastapi'] = None; import ember.runtime; "
-            "from ember.runtime import Scheduler\n"
-            "try:\n import ember.runtime.server\nexcept ember.core.errors.EmberError as err: print(err)")
+            "from ember.serving import Scheduler\n"
+            "try:\n import ember.serving.server\nexcept ember.core.errors.EmberError as err: print(err)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
@@ -754,7 +755,7 @@ def test_connections_send_each_chunk_at_once():
     """The server's connections have Nagle's algorithm off (TCP_NODELAY), as asyncio sets it on sockets it
     accepts from a TCP listener: with it on, every streamed token after a response's first write waited for
     the client's delayed ACK on a kept-alive connection (~40 ms a token with the `openai` client)."""
-    from ember.runtime.server import listen
+    from ember.serving.server import listen
 
     async def accept_one() -> int:
         listener = listen("127.0.0.1", 0)

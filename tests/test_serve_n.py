@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import Served, prompt_ids
 
-from ember.runtime.scheduler import choice_seed
+from ember.serving.scheduler import choice_seed
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -120,7 +120,7 @@ def test_leaving_a_stream_cancels_every_choice(served):
 def test_check_choices_refuses_what_cannot_be_read_naming_n(n, returns_calls, words):
     from types import SimpleNamespace
 
-    from ember.runtime.protocol import ApiError, check_choices
+    from ember.serving.protocol import ApiError, check_choices
 
     with pytest.raises(ApiError) as caught:
         check_choices(n, 4, SimpleNamespace(returns_calls=returns_calls))

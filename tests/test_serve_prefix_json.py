@@ -19,8 +19,9 @@ import pytest
 from helpers import prompt_ids
 from test_serve import TIMEOUT, Served, _reference
 
-from ember.runtime import Engine, SamplingParams, Scheduler, generate
-from ember.runtime.prefix_cache import PrefixCache
+from ember.runtime import Engine, SamplingParams, generate
+from ember.serving import Scheduler
+from ember.serving.prefix_cache import PrefixCache
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

@@ -21,13 +21,14 @@ import pytest
 from helpers import ember_serve, run_main
 from tool_templates import TEMPLATES
 
-from ember.runtime import Engine, Scheduler, load_artifact
+from ember.runtime import Engine, load_artifact
+from ember.serving import Scheduler
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from ember.runtime.server import Server  # noqa: E402 - needs FastAPI, checked for above
+from ember.serving.server import Server  # noqa: E402 - needs FastAPI, checked for above
 
 TIMEOUT = 60  # seconds; catches a hang, never a speed
 CONTEXT = 2048

@@ -1,4 +1,4 @@
-"""runtime/tool_calls.py alone, no HTTP: which syntax a template teaches, the checks on tools and tool
+"""serving/tool_calls.py alone, no HTTP: which syntax a template teaches, the checks on tools and tool
 messages, rendering compared with transformers' apply_chat_template on the same template, the call grammar
 driven by random logits through the real token mask, and calls read back out of text, shaped as the
 official `openai` package's types parse them."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tool_templates import TEMPLATES
 
-from ember.runtime import tool_calls
 from ember.runtime.tokenizer import Tokenizer
-from ember.runtime.tool_calls import ToolRequestError, call_grammar, detect_syntax, parse, plan, template_message
+from ember.serving import tool_calls
+from ember.serving.tool_calls import ToolRequestError, call_grammar, detect_syntax, parse, plan, template_message
 
 openai_types = pytest.importorskip("openai.types.chat")
 pytest.importorskip("llguidance")
@@ -113,7 +113,7 @@ def test_a_round_trip_renders_as_transformers_renders_it(family, tokenizer_dir):
 
 def _constrained_texts(artifact, grammar: str, count: int, seed: int = 0) -> list[str]:
     """`count` texts sampled from random logits through the token mask of `grammar`, each to end of sequence."""
-    from ember.runtime.constrained import JsonConstraints
+    from ember.serving.constrained import JsonConstraints
 
     constraints, rng, texts = JsonConstraints(artifact, models.VOCAB_SIZE), np.random.default_rng(seed), []
     for _ in range(count):

@@ -6,6 +6,7 @@ import-linter contracts check this):
     ember.cli        the command line, a thin shell over ember.driver
     ember.driver     compile driver, codegen, weight conversion, tune, farm, bench, analyze, package
     ember.cluster    serving on a Ray cluster (replicas, pipeline stages), beside the driver (the cluster extra)
+    ember.serving    batching scheduler, the OpenAI API's server, protocol and tool calls, over the runtime
     ember.frontend | ember.ir_passes | ember.runtime     the stages (the runtime imports only ember.core)
     ember.schedules  kernel schedules and tuning databases
     ember.ir | ember.targets   the shared vocabulary and what a target is

@@ -9,7 +9,6 @@ import socket
 import stat
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ember.cli.options import (
     add_speculation_arguments,
@@ -22,9 +21,6 @@ from ember.cli.options import (
     whole_number,
 )
 from ember.core.errors import EmberError
-
-if TYPE_CHECKING:
-    from ember.runtime.artifact import Artifact
 
 MAX_KEY_FILE_BYTES = 4096
 MAX_TEMPLATE_BYTES = 2**20
@@ -111,24 +107,30 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None or args.replicas is not None or args.no_prefix_routing:
         return _run_cluster(args, api_key)
     from ember.runtime import Engine, load_artifact
-    from ember.runtime.scheduler import Scheduler
-    from ember.runtime.server import Server  # FastAPI is checked for before the artifact is loaded
+    from ember.serving import server as _  # noqa: F401 - FastAPI is checked for before the artifact is loaded
+    from ember.serving.assembly import serve_engine
 
-    artifact = load_artifact(args.artifact, threads=args.threads)
-    if args.chat_template is not None:
-        _use_chat_template(artifact, args.chat_template)
-    engine = Engine(artifact)
-    stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
-    with Scheduler(engine, max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache,
-                   speculation=speculation(args, engine), **stall) as scheduler:
-        server = Server(scheduler, args.artifact.resolve().name, args.host, args.port, api_key,
-                        allowed_origins=args.allow_origin, pooling=args.pooling)
+    settings = _serve_settings(args, api_key)
+    engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    server = serve_engine(engine, settings, args.host, args.port, speculation(args, engine))
+    with server.scheduler:
         print(f"ember: serving {server.model_name} at {server.url}, chat page at {server.page_url} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         for warning in exposure_warnings(args.host, api_key, args.allow_origin):
             print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
         server.run()
     return 0
+
+
+def _serve_settings(args: argparse.Namespace, api_key: str | None):
+    """The scheduler's and server's options, as every way of serving takes them (`ember.serving.assembly`)."""
+    from ember.serving.assembly import ServeSettings
+
+    stall = {} if args.max_decode_stall is None else {"max_decode_stall": args.max_decode_stall}
+    template = None if args.chat_template is None else _read_chat_template(args.chat_template)
+    return ServeSettings(args.artifact.resolve().name, api_key, template, f"--chat-template {args.chat_template}",
+                         max_queue=args.max_queue, prefix_cache=not args.no_prefix_cache, pooling=args.pooling,
+                         allowed_origins=tuple(args.allow_origin), **stall)
 
 
 def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
@@ -156,27 +158,16 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
     from ember.cluster.replica import ReplicaSettings  # Ray is checked for before anything starts
     from ember.cluster.serve import serve
 
-    settings = ReplicaSettings(
-        str(args.artifact.resolve()), args.artifact.resolve().name, threads=args.threads or 1, api_key=api_key,
-        chat_template=None if args.chat_template is None else _read_chat_template(args.chat_template),
-        max_queue=args.max_queue, max_decode_stall=args.max_decode_stall, prefix_cache=not args.no_prefix_cache,
-        pooling=args.pooling)
+    settings = ReplicaSettings(str(args.artifact.resolve()), _serve_settings(args, api_key), threads=args.threads or 1)
     for warning in exposure_warnings(args.host, api_key, args.allow_origin):
         print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
     if pipeline:
         from ember.cluster.pipeline import serve_pipeline
 
-        serve_pipeline(settings, args.ray or None, args.host, args.port, args.allow_origin)
+        serve_pipeline(settings, args.ray or None, args.host, args.port)
     else:
         serve(settings, replicas, args.ray or None, args.host, args.port, prefix_routing=not args.no_prefix_routing)
     return 0
-
-
-def _use_chat_template(artifact: Artifact, path: Path) -> None:
-    """Chat with the Jinja template in `path` instead of the artifact's own."""
-    if artifact.tokenizer is None:
-        raise EmberError(f"--chat-template {path}: this artifact has no tokenizer to chat with")
-    artifact.tokenizer.use_chat_template(_read_chat_template(path), f"--chat-template {path}")
 
 
 def _read_chat_template(path: Path) -> str:

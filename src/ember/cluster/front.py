@@ -18,8 +18,8 @@ from typing import TypeVar
 
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
-from ember.runtime.protocol import ApiError, internal_error, sse
-from ember.runtime.server import MAX_BODY_BYTES, read_body, wait_unless_disconnected
+from ember.serving.protocol import ApiError, internal_error, sse
+from ember.serving.server import MAX_BODY_BYTES, read_body, wait_unless_disconnected
 
 try:
     import aiohttp

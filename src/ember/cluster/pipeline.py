@@ -17,6 +17,7 @@ cache is off for a pipeline: its entries would outlive a stage's restart without
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -440,9 +441,8 @@ class PipelineServer:
     """`ember serve`'s server and scheduler, in this process, over a pipeline's stages on the Ray cluster."""
 
     def __init__(self, settings: ReplicaSettings, address: str | None, host: str = "127.0.0.1",
-                 port: int = 8000, allowed_origins: Sequence[str] = ()) -> None:
-        from ember.runtime.scheduler import Scheduler
-        from ember.runtime.server import Server
+                 port: int = 8000) -> None:
+        from ember.serving.assembly import serve_engine
 
         stages = len(read_manifest(Path(settings.artifact_dir)).pipeline["stages"])
         connect(address, settings.threads, 1)
@@ -453,18 +453,10 @@ class PipelineServer:
                                  f"(--threads) and the Ray cluster has {cpus:g}")
             self.engine = PipelineEngine(Path(settings.artifact_dir), settings.threads)
             try:
-                if settings.chat_template is not None:
-                    if self.engine.artifact.tokenizer is None:
-                        raise EmberError("--chat-template: this artifact has no tokenizer to chat with")
-                    self.engine.artifact.tokenizer.use_chat_template(settings.chat_template, "--chat-template")
-                stall = {} if settings.max_decode_stall is None else {"max_decode_stall": settings.max_decode_stall}
-                self.scheduler = Scheduler(self.engine, max_queue=settings.max_queue, prefix_cache=False, **stall)
-                try:
-                    self.server = Server(self.scheduler, settings.model_name, host, port, settings.api_key,
-                                         allowed_origins=allowed_origins, pooling=settings.pooling)
-                except BaseException:
-                    self.scheduler.close()
-                    raise
+                # One chain of stages over KV caches of their own: no prefix cache to keep across requests.
+                self.server = serve_engine(self.engine, dataclasses.replace(settings.serve, prefix_cache=False), host,
+                                           port)
+                self.scheduler = self.server.scheduler
             except BaseException:
                 self.engine.stop()
                 raise
@@ -482,10 +474,9 @@ class PipelineServer:
             ray.shutdown()
 
 
-def serve_pipeline(settings: ReplicaSettings, address: str | None, host: str, port: int,
-                   allowed_origins: Sequence[str] = ()) -> None:
+def serve_pipeline(settings: ReplicaSettings, address: str | None, host: str, port: int) -> None:
     """Serve the pipeline artifact `settings.artifact_dir` from its stages on Ray until Ctrl-C."""
-    server = PipelineServer(settings, address, host, port, allowed_origins)
-    print(f"ember: serving {settings.model_name} at {server.server.url} from {len(server.engine.stages)} pipeline "
-          f"stages on Ray ({address or 'a local cluster'}; Ctrl-C stops)", file=sys.stderr, flush=True)
+    server = PipelineServer(settings, address, host, port)
+    print(f"ember: serving {settings.serve.model_name} at {server.server.url} from {len(server.engine.stages)} "
+          f"pipeline stages on Ray ({address or 'a local cluster'}; Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

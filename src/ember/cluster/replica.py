@@ -1,7 +1,7 @@
 """Replicas of ember's serving engine as Ray actors, and the pool that starts, watches and replaces them.
 
 Each replica is one Ray actor process that loads the artifact, runs its own `Scheduler` (and so its own
-engine threads and prefix cache) and answers HTTP with `ember serve`'s own server (runtime/server.py) on
+engine threads and prefix cache) and answers HTTP with `ember serve`'s own server (serving/server.py) on
 its node's address: the front relays requests to it, so every endpoint, field and error is `ember serve`'s.
 The artifact must be at the same path on every node that hosts a replica.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ember.cluster.router import Router
 from ember.core.errors import EmberError
+from ember.serving.assembly import ServeSettings
 
 try:
     import ray
@@ -35,17 +36,12 @@ MAX_SOCKET_PATH = 107  # bytes of an AF_UNIX socket's path on Linux
 
 @dataclass(frozen=True)
 class ReplicaSettings:
-    """How every replica serves: `ember serve`'s options, as plain data that travels to the actors."""
+    """What every replica serves, and how: the artifact, its threads and `ember serve`'s options, as plain data that
+    travels to the actors."""
 
     artifact_dir: str
-    model_name: str
+    serve: ServeSettings
     threads: int = 1
-    api_key: str | None = None
-    chat_template: str | None = None  # the template's source, read by the CLI
-    max_queue: int = 256
-    max_decode_stall: float | None = None
-    prefix_cache: bool = True
-    pooling: str = "mean"
 
 
 class ReplicaActor:
@@ -57,20 +53,12 @@ class ReplicaActor:
     def start(self, settings: ReplicaSettings) -> dict:
         """Load the artifact and serve it on this node's address; returns where (url, pid, node)."""
         from ember.runtime import Engine, load_artifact
-        from ember.runtime.scheduler import Scheduler
-        from ember.runtime.server import Server
+        from ember.serving.assembly import serve_engine
 
         try:
-            artifact = load_artifact(Path(settings.artifact_dir), threads=settings.threads)
-            if settings.chat_template is not None:
-                if artifact.tokenizer is None:
-                    raise EmberError("--chat-template: this artifact has no tokenizer to chat with")
-                artifact.tokenizer.use_chat_template(settings.chat_template, "--chat-template")
-            engine = Engine(artifact)
-            stall = {} if settings.max_decode_stall is None else {"max_decode_stall": settings.max_decode_stall}
-            scheduler = Scheduler(engine, max_queue=settings.max_queue, prefix_cache=settings.prefix_cache, **stall)
+            engine = Engine(load_artifact(Path(settings.artifact_dir), threads=settings.threads))
             node = _node_address()
-            server = Server(scheduler, settings.model_name, node, 0, settings.api_key, pooling=settings.pooling)
+            server = serve_engine(engine, settings.serve, node, 0)
             server.start()
         except EmberError as err:  # travels to the front as itself: one line there
             raise EmberError(f"replica on {socket.gethostname()}: {err}") from None

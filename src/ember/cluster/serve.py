@@ -9,7 +9,7 @@ import uvicorn
 from ember.cluster.front import create_front
 from ember.cluster.replica import ReplicaPool, ReplicaSettings, connect, ray
 from ember.cluster.router import Router
-from ember.runtime.server import http_url, listen, serve_on
+from ember.serving.server import http_url, listen, serve_on
 
 
 class ClusterServer:
@@ -53,6 +53,6 @@ def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: s
           prefix_routing: bool = True) -> None:
     """Serve `settings.artifact_dir` from `replicas` replicas until Ctrl-C."""
     server = ClusterServer(settings, replicas, address, host, port, prefix_routing)
-    print(f"ember: serving {settings.model_name} at {server.url} from {replicas} replicas on Ray "
+    print(f"ember: serving {settings.serve.model_name} at {server.url} from {replicas} replicas on Ray "
           f"({address or 'a local cluster'}; Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run()

@@ -1,7 +1,7 @@
 """The OpenAI API as `ember serve` speaks it: request bodies and their checks, the sampling parameters they
 ask for, and the responses and stream chunks built from a request's events.
 
-No HTTP and no event loop here: `runtime/server.py` routes requests through these functions, and
+No HTTP and no event loop here: `serving/server.py` routes requests through these functions, and
 tests/test_protocol.py checks them alone against the official `openai` package's types. Every refusal is
 an `ApiError` in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Needs pydantic (which
 FastAPI brings, the `serve` extra); only the server imports this module.
@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import numpy as np
 
 from ember.core.errors import EmberError, GenerationError
-from ember.runtime import bounded_json, tool_calls
 from ember.runtime.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
-from ember.runtime.scheduler import QueueFullError, StreamEvent
+from ember.serving import bounded_json, tool_calls
+from ember.serving.scheduler import QueueFullError, StreamEvent
 
 try:
     from pydantic import BaseModel, ConfigDict, Field, ValidationError

@@ -24,8 +24,8 @@ from itertools import groupby
 from typing import Any
 
 from ember.core.errors import GenerationError
-from ember.runtime import bounded_json
-from ember.runtime.constrained import JSON_OPTIONS  # fixed whitespace, as for response_format
+from ember.serving import bounded_json
+from ember.serving.constrained import JSON_OPTIONS  # fixed whitespace, as for response_format
 
 JsonObject = dict[str, Any]
 _ALPHANUMERIC = string.ascii_letters + string.digits

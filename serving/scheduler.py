@@ -15,7 +15,7 @@ admitted request's prompt plus its `max_new_tokens`: the cache can never fill up
 a running request, and the others wait in the queue, first in first out. A cancelled
 request (a client gone) leaves at the next step and its pages are freed.
 
-With the prefix cache (`runtime/prefix_cache.py`, on by default), a request that ended
+With the prefix cache (`serving/prefix_cache.py`, on by default), a request that ended
 keeps its sequence as a cache entry, and a new prompt that starts with tokens a running or
 cached sequence holds forks its pages and prefills only the rest. Entries are evicted least recently used first as soon
 as a request needs their sequence slot or KV pages, so the cache never makes a request
@@ -63,9 +63,9 @@ import numpy as np
 from ember.core.errors import GenerationError
 from ember.runtime.engine import Engine
 from ember.runtime.generate import Decoding, LogitsProcessor
-from ember.runtime.prefix_cache import PrefixCache
 from ember.runtime.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.speculative import Speculation
+from ember.serving.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ events ending in `data: [DONE]`, or whole; `n` choices fork one prefilled prompt
 and /metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams
 through /v1/chat/completions); CORS answers for the web origins the caller allows, none
 by default. Every request runs through one `Scheduler`, which this module only wraps and
-routes to: bodies are parsed, checked and answered by `runtime/protocol.py`, prompts
+routes to: bodies are parsed, checked and answered by `serving/protocol.py`, prompts
 tokenized off the event loop, `response_format` JSON and `tool_choice` calls enforced by a token mask
-(`runtime/constrained.py`, `runtime/tool_calls.py`), and every failure answered in OpenAI's error shape
+(`serving/constrained.py`, `serving/tool_calls.py`), and every failure answered in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
 404 unknown model or path, 413 body too large, 429 queue full, 500 a bug), never
 a traceback: whatever one request raises, a Rust panic from the tokenizer included, the server goes on.
@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from ember.core.errors import EmberError, GenerationError
-from ember.runtime.constrained import JsonConstraints
 from ember.runtime.engine import pooled_embedding
 from ember.runtime.generate import LogitsProcessor
 from ember.runtime.history import default_reply_tokens, fit_history
-from ember.runtime.protocol import (
+from ember.runtime.tokenizer import Tokenizer
+from ember.serving.constrained import JsonConstraints
+from ember.serving.protocol import (
     NEVER_CAUGHT,
     ApiError,
     ChatRequest,
@@ -59,9 +60,8 @@ from ember.runtime.protocol import (
     sampling_params,
     sse,
 )
-from ember.runtime.scheduler import Histogram, Scheduler, StreamEvent, TokenStream
-from ember.runtime.tokenizer import Tokenizer
-from ember.runtime.tool_calls import ToolPlan, call_grammar
+from ember.serving.scheduler import Histogram, Scheduler, StreamEvent, TokenStream
+from ember.serving.tool_calls import ToolPlan, call_grammar
 
 log = logging.getLogger(__name__)
 
