@@ -360,3 +360,45 @@ def test_the_api_key_survives_a_reload_until_forgotten(page, demo_server):
     sync_api.expect(page.locator("#status")).to_have_text("API key needed")
     sync_api.expect(page.get_by_label("API key")).to_be_visible()
     assert page.locator("#error").text_content() == ""
+
+
+def test_a_reload_keeps_the_conversation_and_the_model_still_sees_it(page, server):
+    """Two turns, a reload: both are shown as they were, and the third turn is sent with them (its reply is the
+    API's greedy reply to all three); New chat then clears what a reload brings back."""
+    url, client, model = server
+    _open(page, url)
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    _send(page, "Hello, who are you?")
+    sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(1)
+    _send(page, "Tell me more.")
+    sync_api.expect(page.locator(".message.assistant[data-state=done]")).to_have_count(2)
+    before = _answers(page)
+    page.reload()
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    assert page.locator(".message.user .content").all_text_contents() == ["Hello, who are you?", "Tell me more."]
+    assert _answers(page) == before
+    _send(page, "And then?")
+    sync_api.expect(page.locator(".message.assistant .meta")).to_have_count(3)
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    messages += [{"role": "assistant", "content": _greedy(client, model, messages)},
+                 {"role": "user", "content": "Tell me more."}]
+    messages += [{"role": "assistant", "content": _greedy(client, model, messages)},
+                 {"role": "user", "content": "And then?"}]
+    assert _answers(page)[2] == _shown(_greedy(client, model, messages))
+    page.get_by_role("button", name="New chat").click()
+    page.reload()
+    sync_api.expect(page.locator("#status")).to_contain_text("Ready")
+    assert page.locator(".message").count() == 0
+
+
+def test_at_phone_width_the_title_stays_whole_on_screen(page, server):
+    """At 360 px wide (a phone), the title and the model's name are within the screen, and nothing scrolls
+    sideways."""
+    url, _client, model = server
+    page.set_viewport_size({"width": 360, "height": 740})
+    _open(page, url)
+    heading = page.get_by_role("heading", level=1)
+    sync_api.expect(heading).to_contain_text(model)
+    box = heading.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 360, box
+    assert page.evaluate("document.documentElement.scrollWidth") <= 360
