@@ -216,7 +216,8 @@ def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device) 
                 buffer = arena[start:start + nbytes] if arena is not None else np.empty(nbytes, dtype=np.uint8)
                 start += aligned(nbytes)
                 f.seek(record["byteOffset"])
-                if f.readinto(buffer) != nbytes:
+                # numpy's stubs declare an array's buffer protocol (`__buffer__`) only from Python 3.12 on.
+                if f.readinto(buffer) != nbytes:  # type: ignore[arg-type]
                     raise ArtifactError(f"{shard_path}: truncated weight shard")
                 array = buffer.view(record["dtype"]).reshape(record["shape"])
                 if arena is not None:
@@ -274,8 +275,8 @@ def _record_problem(record: Any, shard_size: int) -> str:
     if not isinstance(record, dict) or not isinstance(record.get("name"), str):
         return "the record is not an object with a name"
     shape, offset, nbytes = record.get("shape"), record.get("byteOffset"), record.get("nbytes")
-    counts = [*shape, offset, nbytes] if isinstance(shape, list) else [None]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in [*shape, offset, nbytes]):
         return f"shape {shape!r}, byteOffset {offset!r} and nbytes {nbytes!r} must be whole numbers >= 0"
     try:
         dtype = np.dtype(record.get("dtype")) if isinstance(record.get("dtype"), str) else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import tvm
@@ -23,6 +25,10 @@ from tvm import runtime as tvm_runtime
 
 from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
+
+if TYPE_CHECKING:
+    from ember.core.manifest import Manifest
+    from ember.runtime.tokenizer import Tokenizer
 
 _ShapeTuple = tvm_runtime.ShapeTuple
 POOLINGS = ("mean", "last")  # how `pooled_embedding` makes one vector of an input's hidden states
@@ -79,11 +85,61 @@ class SequenceChecks:
                     f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
                 )
 
-    def _check_tokens(self, token_ids: Sequence[int]) -> np.ndarray:
+    def _check_tokens(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         tokens = np.asarray(token_ids, dtype=np.int64)
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise GenerationError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
         return tokens.astype(np.int32)
+
+
+class ArtifactView(Protocol):
+    """What an engine's users read of its artifact: where it lies, its manifest and its tokenizer (an `Artifact`, or
+    a pipeline front's view of one without its weights)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+
+class SequenceEngine(Protocol):
+    """What the scheduler, the server and `generate` use of an engine: its sizes and `Engine`'s sequence calls, each
+    as `Engine` documents it. `Engine` and the cluster's `PipelineEngine` (stages on several machines) satisfy it,
+    neither naming it."""
+
+    prefill_chunk: int
+    max_batch: int
+    context_window: int
+    vocab_size: int
+    page_size: int
+    kv_capacity: int
+    verify_tokens: int
+    has_embeddings: bool
+
+    @property
+    def artifact(self) -> ArtifactView: ...
+
+    def add_sequence(self) -> int: ...
+
+    def fork_sequence(self, parent: int, length: int | None = None) -> int: ...
+
+    def remove_sequence(self, seq_id: int) -> None: ...
+
+    def truncate(self, seq_id: int, length: int) -> None: ...
+
+    def length(self, seq_id: int) -> int: ...
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray: ...
+
+    def verify(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray: ...
 
 
 class Engine(SequenceChecks):

@@ -11,14 +11,13 @@ scheduler (`serving/scheduler.py`) steps for many sequences decoded in one batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ember.core.errors import GenerationError
-from ember.runtime.artifact import Artifact
-from ember.runtime.engine import Engine
+from ember.runtime.engine import ArtifactView, SequenceEngine
 from ember.runtime.sampling import SamplingParams, TokenLogprob, sample_token, token_logprob
 from ember.runtime.speculative import Speculation, speculative_tokens
 from ember.runtime.tokenizer import Tokenizer
@@ -56,7 +55,7 @@ class Decoding:
     """One request's sampling and text state, advanced one token at a time by whoever runs the
     engine: `Generation` for a single sequence, the scheduler for many in one batch."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+    def __init__(self, engine: SequenceEngine, prompt_ids: list[int], params: SamplingParams,
                  logits_processor: LogitsProcessor | None = None) -> None:
         params.validate()
         tokenizer = engine.artifact.tokenizer
@@ -140,17 +139,19 @@ class Decoding:
     def _read_new_tokens(self) -> bool:
         """Append the text of the tokens generated since the last read to `_text`; False while the newest
         of them end inside a UTF-8 character (not read yet, unless the request is finished)."""
-        ids = self.token_ids
+        ids, tokenizer = self.token_ids, self.tokenizer
         if self._read == len(ids):
             return True
-        before = self.tokenizer.decode(ids[self._window: self._read])
-        after = self.tokenizer.decode(ids[self._window:])
+        if tokenizer is None:
+            raise GenerationError("text needs a tokenizer; this artifact has none")
+        before = tokenizer.decode(ids[self._window: self._read])
+        after = tokenizer.decode(ids[self._window:])
         if after.endswith("\ufffd") and not self.finished:
             return False
         if after.startswith(before):
             self._text += after[len(before):]
         else:  # a decoder that rewrote the window's text given more tokens: decode everything
-            self._text = self.tokenizer.decode(ids)
+            self._text = tokenizer.decode(ids)
         self._window, self._read = self._read, len(ids)
         return True
 
@@ -162,7 +163,7 @@ class Decoding:
 class Generation:
     """An in-progress generation: iterate for text pieces; `.token_ids` and `.stats` after."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, seq_id: int,
+    def __init__(self, engine: SequenceEngine, tokenizer: Tokenizer | None, seq_id: int,
                  new_input_ids: list[int], params: SamplingParams, speculation: Speculation | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -182,7 +183,7 @@ class Generation:
         """Counts, speeds and finish reason."""
         return self.decoding.stats
 
-    def tokens(self) -> Iterator[int]:
+    def tokens(self) -> Generator[int, None, None]:
         """Generate token ids (stop tokens excluded)."""
         start = time.perf_counter()
         cached_before = self.engine.length(self.seq_id)
@@ -234,7 +235,7 @@ class Generation:
         return "".join(self)
 
 
-def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, seq_id: int | None = None,
+def generate(engine: SequenceEngine, prompt: str | list[int], params: SamplingParams, seq_id: int | None = None,
              speculation: Speculation | None = None) -> Generation:
     """Start generating after `prompt` (text, or token ids) in a new or existing sequence, verifying
     `speculation`'s guesses several tokens per forward if given."""
@@ -248,7 +249,7 @@ def generate(engine: Engine, prompt: str | list[int], params: SamplingParams, se
     return Generation(engine, tokenizer, seq_id, list(prompt), params, speculation)
 
 
-def end_of_sequence_ids(artifact: Artifact) -> set[int]:
+def end_of_sequence_ids(artifact: ArtifactView) -> set[int]:
     """The tokens that end a generation unless a request names its own: the model's and its tokenizer's."""
     model_eos = artifact.manifest.model.get("eos_token_ids") or []
     return set(model_eos) | set(artifact.tokenizer.eos_token_ids if artifact.tokenizer else ())

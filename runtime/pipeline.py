@@ -24,11 +24,7 @@ def pipeline_stage_dirs(pipeline_dir: Path) -> list[Path]:
     """The stage directories of the pipeline artifact at `pipeline_dir`, in order, after checking its files and
     each stage's own manifest and files."""
     pipeline_dir = Path(pipeline_dir)
-    manifest = read_manifest(pipeline_dir)
-    if manifest.pipeline is None:
-        raise ArtifactError(f"{pipeline_dir}: not a pipeline artifact (compile it with `ember compile "
-                            f"--pipeline-stages K`)")
-    return verify_pipeline_stages(pipeline_dir, manifest)
+    return verify_pipeline_stages(pipeline_dir, read_manifest(pipeline_dir))
 
 
 class StageEngine(Engine):
@@ -119,14 +115,14 @@ class LocalPipeline:
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append `token_ids` to `seq_id` through every stage; logits [vocab] for the last, or [n, vocab]."""
-        x: Sequence[int] | np.ndarray = token_ids
-        for stage in self.stages:
+        x = self.stages[0].prefill(seq_id, token_ids, all_logits)
+        for stage in self.stages[1:]:
             x = stage.prefill(seq_id, x, all_logits)
         return x
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence through every stage; logits [len(seq_ids), vocab]."""
-        x: Sequence[int] | np.ndarray = token_ids
-        for stage in self.stages:
+        x = self.stages[0].decode(seq_ids, token_ids)
+        for stage in self.stages[1:]:
             x = stage.decode(seq_ids, x)
         return x

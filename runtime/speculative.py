@@ -44,7 +44,7 @@ import numpy as np
 from ember.core.errors import GenerationError
 
 if TYPE_CHECKING:
-    from ember.runtime.engine import Engine
+    from ember.runtime.engine import Engine, SequenceEngine
     from ember.runtime.generate import Decoding
 
 # At most 7 guesses: with the pending token, the 8 tokens an artifact's `verify` entry takes at once.
@@ -121,12 +121,13 @@ class DraftModel:
             self._seq, self._cached = None, []
 
 
-def _check_same_tokenizer(draft: Engine, target: Engine) -> None:
+def _check_same_tokenizer(draft: SequenceEngine, target: SequenceEngine) -> None:
     """A draft must speak the target's token ids: the same vocabulary size and, where both artifacts
     have a tokenizer, the same token at every id."""
-    tokenizers = [engine.artifact.tokenizer for engine in (draft, target)]
+    draft_tokenizer, target_tokenizer = draft.artifact.tokenizer, target.artifact.tokenizer
     same = draft.vocab_size == target.vocab_size and (
-        None in tokenizers or tokenizers[0].vocabulary() == tokenizers[1].vocabulary())
+        draft_tokenizer is None or target_tokenizer is None or
+        draft_tokenizer.vocabulary() == target_tokenizer.vocabulary())
     if not same:
         raise GenerationError(
             f"the draft model {draft.artifact.path} does not share the model's tokenizer (its vocabulary of "
@@ -182,7 +183,7 @@ class Speculation:
             self.guesses = max(1, self.guesses - 1)
 
 
-def speculative_tokens(engine: Engine, seq_id: int, decoding: Decoding, logits: np.ndarray,
+def speculative_tokens(engine: SequenceEngine, seq_id: int, decoding: Decoding, logits: np.ndarray,
                        speculation: Speculation) -> Iterator[int]:
     """Tokens sampled by `decoding`, from `logits` (the prompt's last) on, each step verifying guesses.
 

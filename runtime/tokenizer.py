@@ -112,9 +112,14 @@ class Tokenizer:
 
     def check_chat_template(self) -> None:
         """Raise `GenerationError` if the model has no chat template or it does not compile."""
+        self._chat_template()
+
+    def _chat_template(self) -> jinja2.Template:
+        """The compiled chat template; a `GenerationError` if the model has none or it does not compile."""
         template, error = self._compiled_template
-        if error:
+        if template is None:
             raise GenerationError(error)
+        return template
 
     def use_chat_template(self, source: str, name: str) -> None:
         """Render chats with `source` (from the file `name`) instead of the model's own template; a
@@ -127,8 +132,7 @@ class Tokenizer:
                             tools: list[dict[str, Any]] | None = None) -> str:
         """Render a conversation (and the tools it may call, as transformers passes them) with the model's chat
         template, within `RENDER_SECONDS` and `RENDER_CHARS` plus twice the conversation's characters."""
-        self.check_chat_template()
-        template = self._compiled_template[0]
+        template = self._chat_template()
         given = sum(len(str(value)) for message in messages for value in message.values()) + len(str(tools or ""))
         budget = _Budget(time.monotonic() + RENDER_SECONDS, RENDER_CHARS + 2 * given)
         token = _BUDGET.set(budget)

@@ -9,13 +9,15 @@ as `llama-quantize --pure` writes them). ember compiles the checkpoint (`--front
 `--isa` level's `--target`, `--max-batch 1`) in each `--quants` format, next to llama.cpp's build for the
 same level (`build_llama_cpp.py`) on the file of the same bits: q8f32 against Q8_0, q4f32 against Q4_0.
 
-For each context c of `--contexts`, every runtime runs in a fresh process (round-robin over `--repeats`,
-waiting for a quiet machine before each run, median): a warm-up, then a timed greedy generation from a c-token
-prompt, so prefill tok/s is over c tokens and decode tok/s over the `--new-tokens` that follow, each decoded
-with c to c + new tokens in the cache. llama.cpp runs as its own tools run it (llama-cli, llama-server): the
-windowed layers in a cache of their window (`swa_full` off; its Python binding's default is the full-size
-one), flash attention as `--llama-flash-attn` says (default on, what its `auto` picks on CPUs), its default
-float16 KV cache. ember's KV cache is float32 (its default for a float32 model).
+For each context c of `--contexts`, every runtime runs in a fresh process, round-robin over `--repeats`
+(median): a warm-up (a 16-token prompt and 4 decode steps), then a timed greedy generation from a c-token
+prompt, so prefill tok/s is over c tokens and decode tok/s over the `--new-tokens` that follow, decoded with c
+to c + new tokens in the cache. Each run waits for a quiet machine, and is run again (`--retries`) while other
+processes kept more than `--max-others` cores busy during its timed phases; the table says how many they did.
+llama.cpp runs as its own tools run it (llama-cli, llama-server): the windowed layers in a cache of their
+window (`swa_full` off; its Python binding's default is the full-size one), flash attention as
+`--llama-flash-attn` says (default on: what its `auto` picks on CPUs), its default float16 KV cache. ember's
+KV cache is float32 (its default for a float32 model).
 
 `--sweep` shows the windowed layers' decode cost against the context: one process per artifact prefills the
 prompt up to each context in turn and times `--sweep-tokens` decode steps there, for ember's `--sweep-quant`
@@ -163,72 +165,130 @@ def compile_ember(model_dir: Path, out: Path, quant: str, target: str) -> float:
     return time.perf_counter() - start
 
 
-def sweep_ember(artifact: Path, prompt: list[int], contexts: list[int], tokens: int, threads: int) -> list[float]:
-    """Seconds per decode step at each of `contexts` (ascending), one sequence in one fresh process."""
-    env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
-    request = json.dumps({"artifact": str(artifact), "prompt": prompt, "contexts": contexts, "tokens": tokens})
-    result = subprocess.run([sys.executable, __file__, "--sweep-worker", request], env=env, check=True,
-                            stdout=subprocess.PIPE, text=True)
-    return json.loads(result.stdout.splitlines()[-1])
+class _Meter:
+    """Wall seconds between laps, and how many cores other processes kept busy meanwhile: the machine's busy CPU
+    time (/proc/stat, time stolen by the hypervisor included) less this process's own, over the wall time."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        return (time.perf_counter(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+                own.ru_utime + own.ru_stime)
+
+    def lap(self) -> tuple[float, float]:
+        (wall, busy, own), (wall1, busy1, own1) = self._last, self._read()
+        self._last = (wall1, busy1, own1)
+        return wall1 - wall, max(0.0, (busy1 - busy) - (own1 - own)) / (wall1 - wall)
 
 
-def _sweep_worker(request: dict) -> None:
-    sys.modules["torch"] = None  # as bench_cpu's worker: the runtime alone
+def _timed_generation(prefill: Callable[[list[int]], int], decode: Callable[[int], int], prompt: list[int],
+                      new_tokens: int) -> dict:
+    """Warm up (a 16-token prompt, 4 decode steps: every kernel and weight once), then time a greedy generation:
+    tok/s of the prefill over `prompt` and of the `new_tokens` decode steps after it, the other processes' load
+    during each, the tokens. `prefill` starts a fresh sequence."""
+    token = prefill(prompt[:16])
+    for _ in range(4):
+        token = decode(token)
+    meter = _Meter()
+    tokens = [prefill(prompt)]
+    prefill_s, prefill_others = meter.lap()
+    for _ in range(new_tokens):
+        tokens.append(decode(tokens[-1]))
+    decode_s, decode_others = meter.lap()
+    return {"prefill_tokens_per_s": len(prompt) / prefill_s, "decode_tokens_per_s": new_tokens / decode_s,
+            "peak_rss_mb": 0.0, "token_ids": tokens, "others": max(prefill_others, decode_others)}
+
+
+def _ember_engine(artifact: str, threads: int):
+    os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts
+    sys.modules["torch"] = None  # as on a device: the runtime alone, without the torch tvm_ffi would load
     from ember.runtime import Engine, load_artifact
 
-    engine = Engine(load_artifact(Path(request["artifact"])))
-    prompt, tokens = request["prompt"], request["tokens"]
-    warm = engine.add_sequence()  # warm-up: every kernel once
-    token = int(np.argmax(engine.prefill(warm, prompt[:16])))
+    return Engine(load_artifact(Path(artifact)))
+
+
+def _ember_worker(artifact: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict:
+    engine = _ember_engine(artifact, threads)
+    seq = None
+
+    def prefill(ids: list[int]) -> int:
+        nonlocal seq
+        if seq is not None:
+            engine.remove_sequence(seq)
+        seq = engine.add_sequence()
+        return int(np.argmax(engine.prefill(seq, ids)))
+
+    return _timed_generation(prefill, lambda token: int(np.argmax(engine.decode([seq], [token])[0])), prompt_ids,
+                             new_tokens)
+
+
+def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, threads: int, package_dir: str,
+                      options: dict) -> dict:
+    sys.path.insert(0, package_dir)
+    import llama_cpp
+    from llama_cpp import Llama
+
+    if not Path(llama_cpp.__file__).resolve().is_relative_to(Path(package_dir).resolve()):
+        raise RuntimeError(f"llama_cpp was imported from {llama_cpp.__file__}, not from {package_dir}")
+    llm = Llama(model_path=gguf_path, n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=len(prompt_ids),
+                n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False, **options)
+
+    def step(ids: list[int]) -> int:
+        llm.eval(ids)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+    def prefill(ids: list[int]) -> int:
+        llm.reset()
+        return step(ids)
+
+    return _timed_generation(prefill, lambda token: step([token]), prompt_ids, new_tokens)
+
+
+def _sweep_worker(artifact: str, prompt_ids: list[int], contexts: list[int], tokens: int, threads: int) -> dict:
+    """Seconds per decode step at each of `contexts` (ascending) on one sequence: the prompt prefilled up to each
+    context in turn (the tokens decoded before count), then `tokens` steps timed."""
+    engine = _ember_engine(artifact, threads)
+    warm = engine.add_sequence()
+    token = int(np.argmax(engine.prefill(warm, prompt_ids[:16])))
     for _ in range(4):
         token = int(np.argmax(engine.decode([warm], [token])[0]))
     engine.remove_sequence(warm)
-    seq, length, used, seconds = engine.add_sequence(), 0, 0, []
-    for context in request["contexts"]:
-        fill = context - length  # prompt tokens that bring the cache to `context` (the decoded ones count)
-        token = int(np.argmax(engine.prefill(seq, prompt[used:used + fill])))
+    seq, length, used, seconds, others = engine.add_sequence(), 0, 0, [], 0.0
+    for context in contexts:
+        fill = context - length
+        token = int(np.argmax(engine.prefill(seq, prompt_ids[used:used + fill])))
         used, length = used + fill, context + tokens
-        start = time.perf_counter()
+        meter = _Meter()
         for _ in range(tokens):
             token = int(np.argmax(engine.decode([seq], [token])[0]))
-        seconds.append((time.perf_counter() - start) / tokens)
-    print(json.dumps(seconds))
+        wall, load = meter.lap()
+        seconds.append(wall / tokens)
+        others = max(others, load)
+    return {"seconds": seconds, "others": others}
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine since boot, stolen by the hypervisor included; CPU seconds of this
-    process's finished children)."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
-            children.ru_utime + children.ru_stime)
-
-
-def run_alone(run: Callable[[], object], max_foreign: float, retries: int, quiet_wait: float) -> tuple[object, float]:
-    """`run()` after waiting for a quiet machine, and how many cores other processes kept busy meanwhile (the
-    machine's busy time less the run's own, over its wall time). On a shared machine a run during which they
-    averaged more than `max_foreign` cores is discarded and run again, up to `retries` times: a decode step
-    is a chain of barriers between the threads, and one thread descheduled by a stranger stalls them all (in
-    trial runs beside a test suite, llama.cpp's decode of the 1b shape measured 0.4 to 9.5 tok/s). The last
-    try is kept."""
+def run_alone(run: Callable[[], dict], max_others: float, retries: int, quiet_wait: float) -> dict:
+    """`run()` (a worker's result) after waiting for a quiet machine; run again, up to `retries` times, while
+    other processes kept more than `max_others` cores busy on average during its timed phases (the last try is
+    kept). On a shared machine this matters more than noise: a decode step is a chain of barriers between the
+    threads, and one thread descheduled by a stranger stalls them all (in trial runs beside a test suite,
+    llama.cpp's decode of the 1b shape measured 0.4 to 9.5 tok/s)."""
     for attempt in range(retries + 1):
         peers.wait_for_quiet_machine(timeout_s=quiet_wait)
-        (busy, ours), start = _cpu_seconds(), time.perf_counter()
         result = run()
-        (busy_after, ours_after), seconds = _cpu_seconds(), time.perf_counter() - start
-        foreign = max(0.0, (busy_after - busy) - (ours_after - ours)) / seconds
-        if foreign <= max_foreign:
+        if result["others"] <= max_others:
             break
-        print(f"  run disturbed: other processes kept {foreign:.2f} cores busy"
+        print(f"  run disturbed: other processes kept {result['others']:.2f} cores busy"
               + (", again" if attempt < retries else ", kept"), file=sys.stderr)
-    return result, foreign
+    return result
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--sweep-worker":
-        _sweep_worker(json.loads(sys.argv[2]))
-        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("/tmp/gemma3-1b"),
                         help="checkpoint dir; created with random weights of --shape if missing")
@@ -249,8 +309,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quiet-wait", type=float, default=600,
                         help="seconds to wait for an idle machine before each run (then it runs anyway)")
-    parser.add_argument("--max-foreign", type=float, default=0.2,
-                        help="cores other processes may keep busy on average during a run before it is run again")
+    parser.add_argument("--max-others", type=float, default=0.2,
+                        help="cores other processes may keep busy on average during a run's timed phases before "
+                             "it is run again")
     parser.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (the last one is kept)")
     args = parser.parse_args()
     split = lambda text: [int(x) if x.isdigit() else x for x in text.split(",") if x]  # noqa: E731
@@ -295,25 +356,24 @@ def main() -> None:
     runners = {}
     for context in contexts:
         for quant in quants:
-            runners[context, f"ember {quant}"] = lambda a=artifacts[quant], c=context: bench_cpu.measure_ember(
-                a, prompt[:c], args.new_tokens, args.threads)
-            qtype = LLAMA_CPP_TYPE[quant]
-            runners[context, f"llama.cpp {qtype}"] = lambda p=ggufs[quant], c=context, q=qtype: (
-                peers.measure_llama_cpp_file(p, prompt[:c], args.new_tokens, args.threads, package,
-                                             name=f"llama.cpp {q}", options=llama_options))
+            runners[context, f"ember {quant}"] = lambda a=artifacts[quant], c=context: peers._run_isolated(
+                "bench_gemma3._ember_worker", artifact=str(a), prompt_ids=prompt[:c], new_tokens=args.new_tokens,
+                threads=args.threads)
+            runners[context, f"llama.cpp {LLAMA_CPP_TYPE[quant]}"] = lambda g=ggufs[quant], c=context: (
+                peers._run_isolated("bench_gemma3._llama_cpp_worker", gguf_path=str(g), prompt_ids=prompt[:c],
+                                    new_tokens=args.new_tokens, threads=args.threads, package_dir=str(package),
+                                    options=llama_options))
     for name in (args.sweep_quant, f"{args.sweep_quant}-global") if sweep else ():
-        runners["sweep", name] = lambda a=artifacts[name]: sweep_ember(a, prompt, sweep, args.sweep_tokens,
-                                                                       args.threads)
+        runners["sweep", name] = lambda a=artifacts[name]: peers._run_isolated(
+            "bench_gemma3._sweep_worker", artifact=str(a), prompt_ids=prompt, contexts=sweep,
+            tokens=args.sweep_tokens, threads=args.threads)
     runs: dict = {key: [] for key in runners}
-    foreign: dict = {key: [] for key in runners}
     started = time.time()
     for repeat in range(args.repeats):  # round-robin: a drifting machine lands on every runtime alike
         for key, run in runners.items():
-            result, load = run_alone(run, args.max_foreign, args.retries, args.quiet_wait)
-            runs[key].append(result)
-            foreign[key].append(load)
-            print(f"[{time.strftime('%H:%M:%S')}] round {repeat + 1}, {key}: other processes {load:.2f} cores",
-                  file=sys.stderr)
+            runs[key].append(run_alone(run, args.max_others, args.retries, args.quiet_wait))
+            print(f"[{time.strftime('%H:%M:%S')}] round {repeat + 1}, {key}: other processes "
+                  f"{runs[key][-1]['others']:.2f} cores", file=sys.stderr)
     peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
     bandwidth = bench_cpu.read_bandwidth()
 
@@ -321,17 +381,19 @@ def main() -> None:
           f"{args.new_tokens} new tokens after each prompt, median of {args.repeats}, round-robin; "
           f"{(time.time() - started) / 60:.0f} min")
     print(f"{bench_cpu.host_line()}; read bandwidth {bandwidth / 1e9:.1f} GB/s (measured after the runs)")
-    disturbed = sum(load > args.max_foreign for loads in foreign.values() for load in loads)
-    print(f"other processes during the kept runs: {np.median(sum(foreign.values(), [])):.2f} cores median, "
-          f"{max(sum(foreign.values(), [])):.2f} most; {disturbed} of {len(runners) * args.repeats} runs kept "
-          f"above --max-foreign {args.max_foreign} after {args.retries} reruns")
+    others = {key: [result["others"] for result in results] for key, results in runs.items()}
+    loads = sum(others.values(), [])
+    print(f"other processes during the timed phases: {np.median(loads):.2f} cores median, {max(loads):.2f} most; "
+          f"{sum(load > args.max_others for load in loads)} of {len(loads)} runs kept above --max-others "
+          f"{args.max_others} after {args.retries} reruns")
     compiled = ", ".join(f"{name} {s:.0f} s" for name, s in compile_s.items() if s) or "artifacts reused"
     print(f"ember --target {level.ember_target}, --frontend torch-export, --max-batch 1, float32 KV cache; "
           f"compile: {compiled}")
     print(f"llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(level)}; objdump: {counts['zmm']} zmm, "
           f"{counts['vpdpbusd']} vpdpbusd; Llama(swa_full=False, flash_attn={llama_options['flash_attn']}), "
           f"float16 KV cache, n_batch = prompt, n_ubatch 512")
-    summary = {key: peers.summarize(measured) for key, measured in runs.items() if key[0] != "sweep"}
+    summary = {key: peers.summarize([peers.Measurement(key[1], **{k: v for k, v in result.items() if k != "others"})
+                                     for result in results]) for key, results in runs.items() if key[0] != "sweep"}
     per_token = {f"ember {q}": bench_cpu.ember_bytes_per_token(artifacts[q]) for q in quants}
     per_token.update({f"llama.cpp {LLAMA_CPP_TYPE[q]}": bench_cpu.gguf_bytes_per_token(ggufs[q]) for q in quants})
     print(f"\n{'runtime':<17} {'context':>7} {'prefill tok/s':>13} {'decode tok/s':>12} {'MB/token':>9} "
@@ -339,7 +401,7 @@ def main() -> None:
     for (context, name), row in summary.items():
         print(f"{name:<17} {context:>7} {row.prefill_tokens_per_s:>13.1f} {row.decode_tokens_per_s:>12.2f} "
               f"{per_token[name] / 1e6:>9.1f} {row.decode_tokens_per_s * per_token[name] / bandwidth:>10.0%} "
-              f"{row.peak_rss_mb:>11.0f} {max(foreign[context, name]):>13.2f}")
+              f"{row.peak_rss_mb:>11.0f} {max(others[context, name]):>13.2f}")
     for quant in quants:
         ours, theirs = f"ember {quant}", f"llama.cpp {LLAMA_CPP_TYPE[quant]}"
         for context in contexts:
@@ -352,7 +414,8 @@ def main() -> None:
                   f"{last.decode_tokens_per_s / first.decode_tokens_per_s:.2f}x")
     if sweep:
         windowed, whole = args.sweep_quant, f"{args.sweep_quant}-global"
-        median = {name: np.median(np.array(runs["sweep", name]), axis=0) for name in (windowed, whole)}
+        median = {name: np.median([result["seconds"] for result in runs["sweep", name]], axis=0)
+                  for name in (windowed, whole)}
         print(f"\nember {args.sweep_quant} decode ms/token at each context ({args.sweep_tokens} steps, median of "
               f"{args.repeats}): windowed as Gemma 3 against the same weights with every layer global")
         print(f"{'context':>7} {'windowed':>9} {'all global':>10} {'windowed - at ' + str(sweep[0]):>16} "

@@ -428,13 +428,12 @@ def measure_llama_cpp(
 
 def measure_llama_cpp_file(
     path: str | os.PathLike, prompt_ids: list[int], new_tokens: int, threads: int,
-    package_dir: str | os.PathLike | None = None, name: str = "llama.cpp", options: dict[str, Any] | None = None,
+    package_dir: str | os.PathLike | None = None, name: str = "llama.cpp",
 ) -> Measurement:
-    """Time llama.cpp on the GGUF file ``path`` in a fresh process (``package_dir`` as for `measure_llama_cpp`;
-    ``options``: more keyword arguments of ``llama_cpp.Llama``, such as ``swa_full`` or ``flash_attn``)."""
+    """Time llama.cpp on the GGUF file ``path`` in a fresh process (``package_dir`` as for `measure_llama_cpp`)."""
     result = _run_isolated("_llama_cpp_worker", gguf_path=str(path), prompt_ids=list(prompt_ids),
                            new_tokens=new_tokens, threads=threads,
-                           package_dir=str(package_dir) if package_dir else None, options=options or {})
+                           package_dir=str(package_dir) if package_dir else None)
     return Measurement(name=name, **result)
 
 
@@ -444,7 +443,7 @@ def _write_gguf_worker(model_dir: str, out_path: str, qtype: str) -> dict[str, A
 
 
 def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, threads: int,
-                      package_dir: str | None, options: dict[str, Any] | None = None) -> dict[str, Any]:
+                      package_dir: str | None) -> dict[str, Any]:
     if package_dir:
         sys.path.insert(0, package_dir)
     import llama_cpp
@@ -455,7 +454,7 @@ def _llama_cpp_worker(gguf_path: str, prompt_ids: list[int], new_tokens: int, th
         raise RuntimeError(f"llama_cpp was imported from {llama_cpp.__file__}, not from {package_dir}")
 
     llm = Llama(model_path=gguf_path, n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=len(prompt_ids),
-                n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False, **(options or {}))
+                n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
 
     def last_logits() -> np.ndarray:  # logits of the last evaluated token (the only ones kept)
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))

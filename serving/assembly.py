@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ember.core.errors import EmberError
-from ember.runtime.engine import Engine
+from ember.runtime.engine import SequenceEngine
 from ember.runtime.speculative import Speculation
 from ember.serving.scheduler import DEFAULT_MAX_DECODE_STALL, DEFAULT_MAX_QUEUE, Scheduler
+
+if TYPE_CHECKING:
+    from ember.serving.server import Server
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class ServeSettings:
     allowed_origins: Sequence[str] = ()
 
 
-def use_chat_template(engine: Engine, settings: ServeSettings) -> None:
+def use_chat_template(engine: SequenceEngine, settings: ServeSettings) -> None:
     """Chat with the settings' template instead of the artifact's own, if they name one."""
     if settings.chat_template is None:
         return
@@ -40,8 +44,8 @@ def use_chat_template(engine: Engine, settings: ServeSettings) -> None:
     tokenizer.use_chat_template(settings.chat_template, settings.chat_template_name)
 
 
-def serve_engine(engine: Engine, settings: ServeSettings, host: str, port: int,
-                 speculation: Speculation | None = None):
+def serve_engine(engine: SequenceEngine, settings: ServeSettings, host: str, port: int,
+                 speculation: Speculation | None = None) -> Server:
     """The HTTP server (`ember.serving.server.Server`, listening from now on) over a new scheduler of `engine`, as
     `settings` say; run or start it, then close its scheduler (`server.scheduler`). The serve extra is needed."""
     from ember.serving.server import Server

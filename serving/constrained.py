@@ -17,21 +17,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from ember.core.errors import GenerationError
-from ember.runtime.artifact import Artifact
+from ember.runtime.engine import ArtifactView
 from ember.runtime.generate import end_of_sequence_ids
 
 try:
     import llguidance
 except ImportError:  # the serve extra brings it; the rest of the runtime runs without it
-    llguidance = None
+    _HAVE_LLGUIDANCE = False
+else:
+    _HAVE_LLGUIDANCE = True
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs only
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class JsonMask:
@@ -57,7 +62,7 @@ class JsonConstraints:
     """Makes `JsonMask`s for one artifact; its llguidance tokenizer is built on first use (about a second
     for a large vocabulary) and shared by every request."""
 
-    def __init__(self, artifact: Artifact, vocab_size: int) -> None:
+    def __init__(self, artifact: ArtifactView, vocab_size: int) -> None:
         self.artifact = artifact
         self.vocab_size = vocab_size  # the model's logits, which may be padded beyond the tokenizer's
         self._tokenizer: Any = None
@@ -69,7 +74,7 @@ class JsonConstraints:
         schema = _schema(response_format)
         if schema is None:
             return None
-        if llguidance is None:
+        if not _HAVE_LLGUIDANCE:
             raise GenerationError("response_format: JSON output needs llguidance: pip install 'ember[serve]'")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         return self._matcher_mask(grammar, "response_format", "invalid JSON schema")
@@ -77,7 +82,7 @@ class JsonConstraints:
     def grammar_mask(self, lark: str, param: str) -> JsonMask:
         """A fresh mask for one request held to a Lark grammar (llguidance's, `%json {schema}` included); a
         `GenerationError` naming `param` if it cannot be used."""
-        if llguidance is None:
+        if not _HAVE_LLGUIDANCE:
             raise GenerationError(f"{param}: constrained output needs llguidance: pip install 'ember[serve]'")
         return self._matcher_mask(lark, param, "cannot constrain the output to it")
 

@@ -76,7 +76,7 @@ class PrefixCache:
             length = int(differ[0]) if differ.size else n
             if length > best_length:
                 best, best_length = seq_id, length
-        if best_length < self.min_prefix:
+        if best is None or best_length < self.min_prefix:
             return None, 0
         if best in self._finished:
             self._finished.move_to_end(best)

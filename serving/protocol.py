@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
 
@@ -180,7 +180,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: None = None  # the model's hidden size only: no truncated (Matryoshka) vectors
 
 
-Request = TypeVar("Request", bound=SamplingFields | EmbeddingRequest)
+Request = TypeVar("Request", ChatRequest, CompletionRequest, EmbeddingRequest)
 
 
 def parse_request(body: bytes, schema: type[Request]) -> Request:
@@ -244,11 +244,14 @@ def tool_errors() -> Iterator[None]:
 
 def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list[int]:
     """The one prompt of a completion request: text to tokenize, or token ids checked against the vocabulary."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
+    # pydantic read the field as one branch of its union: a text, token ids, or a list of either.
+    given = request.prompt
+    if isinstance(given, list) and given and isinstance(given[0], (str, list)):
+        if len(given) != 1:
             raise ApiError(400, "one prompt per request is supported", param="prompt", code="unsupported_value")
-        prompt = prompt[0]
+        prompt = cast("str | list[int]", given[0])
+    else:
+        prompt = cast("str | list[int]", given)
     if isinstance(prompt, str):
         return prompt
     if not prompt:
@@ -272,9 +275,12 @@ def check_choices(n: int, max_batch: int, tools: tool_calls.ToolPlan | None = No
 
 def embedding_inputs(request: EmbeddingRequest, vocab_size: int) -> list[str | list[int]]:
     """The inputs of an embeddings request: texts to tokenize, or token ids checked against the vocabulary."""
-    inputs = request.input
-    if isinstance(inputs, str) or inputs and isinstance(inputs[0], int):
-        inputs = [inputs]
+    # pydantic read the field as one branch of its union: a text, token ids, or a list of either.
+    given = request.input
+    if isinstance(given, str) or given and isinstance(given[0], int):
+        inputs = [cast("str | list[int]", given)]
+    else:
+        inputs = list(cast("list[str | list[int]]", given))
     if not inputs:
         raise ApiError(400, "input: no inputs given", param="input", code="invalid_value")
     if len(inputs) > MAX_EMBEDDING_INPUTS:
@@ -286,7 +292,7 @@ def embedding_inputs(request: EmbeddingRequest, vocab_size: int) -> list[str | l
         if isinstance(item, list) and not 0 <= min(item) <= max(item) < vocab_size:
             raise ApiError(400, f"input.{index}: token ids must be in [0, {vocab_size}), got {min(item)}..{max(item)}",
                            param="input", code="invalid_value")
-    return list(inputs)
+    return inputs
 
 
 def check_embedding_lengths(lengths: Sequence[int], context_window: int) -> None:
@@ -431,7 +437,7 @@ class Reply:
         """The stream chunks `event` makes (none, one, or one and the usage chunk after the last); `offset`:
         characters of text streamed before it, `first`: whether no chunk was sent yet."""
         if self.tools is not None:
-            return self.tool_chunks(event, first)
+            return self.tool_chunks(event, first, self.tools)
         chunks = []
         if event.text or event.token_ids or event.finish_reason or first:
             chunk = {**self.head(), "choices": [self.choice(event, offset, first)]}
@@ -463,13 +469,13 @@ class Reply:
         return {"index": event.index, "delta": delta if event.text or first else {}, "logprobs": logprobs,
                 "finish_reason": event.finish_reason}
 
-    def tool_chunks(self, event: StreamEvent, first: bool) -> list[JsonObject]:
-        """A tool-calling stream's chunks: the role first, then the content and calls a `CallReader` reads out
-        of each event's text as it comes (a call once its name is read, then its arguments piece by piece), the
-        same as the whole answer's; last the finish reason ("tool_calls" only if the reply ended on whole calls)
-        and the usage."""
+    def tool_chunks(self, event: StreamEvent, first: bool, tools: tool_calls.ToolPlan) -> list[JsonObject]:
+        """A tool-calling stream's chunks: the role first, then the content and calls (of `tools`) a `CallReader`
+        reads out of each event's text as it comes (a call once its name is read, then its arguments piece by
+        piece), the same as the whole answer's; last the finish reason ("tool_calls" only if the reply ended on
+        whole calls) and the usage."""
         if event.index not in self.readers:
-            self.readers[event.index] = tool_calls.CallReader(self.tools)
+            self.readers[event.index] = tool_calls.CallReader(tools)
         reader = self.readers[event.index]
         read = reader.feed(event.text) + (reader.finish() if event.finish_reason is not None else [])
         chunks = [self.delta_chunk({"role": "assistant"})] if first else []

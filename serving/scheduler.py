@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember.core.errors import GenerationError
-from ember.runtime.engine import Engine
+from ember.runtime.engine import SequenceEngine
 from ember.runtime.generate import Decoding, LogitsProcessor
 from ember.runtime.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.speculative import Speculation
@@ -198,6 +198,12 @@ class _Request:
         """This request and the choices that share its prompt."""
         return [self, *self.followers]
 
+    @property
+    def seq(self) -> int:
+        """The sequence of a running request: it has one from its admission to its end."""
+        assert self.seq_id is not None, "a request that is not running has no sequence"
+        return self.seq_id
+
 
 @dataclass
 class _EmbedJob:
@@ -211,7 +217,7 @@ class _EmbedJob:
 class Scheduler:
     """Serves many generation requests over one engine with continuous batching (a background thread)."""
 
-    def __init__(self, engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
+    def __init__(self, engine: SequenceEngine, max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
                  prefix_cache: bool = True, max_decode_stall: float = DEFAULT_MAX_DECODE_STALL,
                  speculation: Speculation | None = None) -> None:
         if max_queue < 1:
@@ -249,7 +255,7 @@ class Scheduler:
         self._thread.start()
 
     async def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None = None,
+                     logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None = None,
                      n: int = 1) -> TokenStream:
         """Queue a request for `n` choices (with n > 1, a logits processor is one per choice); iterate the
         returned stream for the events of all. Raises `GenerationError` for a request that can never run,
@@ -356,7 +362,7 @@ class Scheduler:
         self.close()
 
     def _enqueue(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None,
+                 logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None,
                  emit: Callable[[StreamEvent | BaseException], None], n: int = 1) -> _Request:
         engine = self.engine
         prompt = [int(token) for token in prompt_ids]
@@ -388,7 +394,7 @@ class Scheduler:
             self._cond.notify()
         return request
 
-    def _choice_processors(self, logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None,
+    def _choice_processors(self, logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None,
                            n: int) -> list[LogitsProcessor | None]:
         """One logits processor (or None) per choice, once `n` is checked: choices share a prompt's pages."""
         if not 1 <= n <= self.engine.max_batch:
@@ -436,15 +442,16 @@ class Scheduler:
         shutdown = GenerationError("the server is shutting down")
         with self._cond:
             waiting, self._waiting = [member for leader in self._waiting for member in leader.group], deque()
-            embedding, self._embedding = list(self._embedding), deque()
-        for job in embedding:
+            jobs, self._embedding = list(self._embedding), deque()
+        for job in jobs:
             _settle(job.future, shutdown)
         for request in waiting + list(self._running):
             self._end(request, "error", shutdown)
         self._deliver_events()
         with self._cond:  # the engine may outlive the scheduler: give its sequence slots back
-            for seq_id in self._prefix.finished() if self._prefix else ():
-                self._evict(seq_id)
+            if self._prefix:
+                for seq_id in self._prefix.finished():
+                    self._evict(self._prefix, seq_id)
 
     def _embedding_admitted(self) -> _EmbedJob | None:
         """The oldest embedding job, if its next input fits in a sequence slot and KV pages no admitted request
@@ -500,7 +507,7 @@ class Scheduler:
                 break
             self._waiting.popleft()
             parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
-            if parent is not None and self._prefix.is_finished(parent) and \
+            if parent is not None and self._prefix and self._prefix.is_finished(parent) and \
                     not self._fits(reserve, parent, len(group)):
                 self._prefix.remove(parent)
                 self._cached_tokens -= self._pages(engine.length(parent))
@@ -527,18 +534,20 @@ class Scheduler:
     def _evict_for(self, reserve: int, keep: int | None, sequences: int = 1) -> None:
         """Evict cache entries other than `keep`, least recently used first, until `sequences` new sequences
         reserving `reserve` KV tokens fit (lock held; the caller checked that they can)."""
-        entries = self._prefix.finished() if self._prefix else []
-        for seq_id in entries:
-            if (len(self._running) + len(self._prefix.finished()) + sequences <= self.engine.max_batch and
+        prefix = self._prefix
+        if not prefix:  # no cache, no entries
+            return
+        for seq_id in prefix.finished():
+            if (len(self._running) + len(prefix.finished()) + sequences <= self.engine.max_batch and
                     self._reserved + self._cached_tokens + reserve <= self.engine.kv_capacity):
                 return
             if seq_id != keep:
-                self._evict(seq_id)
+                self._evict(prefix, seq_id)
 
-    def _evict(self, seq_id: int) -> None:
-        """Free a cache entry's sequence (lock held)."""
+    def _evict(self, prefix: PrefixCache, seq_id: int) -> None:
+        """Free the sequence of `prefix`'s cache entry `seq_id` (lock held)."""
         self._cached_tokens -= self._pages(self.engine.length(seq_id))
-        self._prefix.remove(seq_id)
+        prefix.remove(seq_id)
         self.engine.remove_sequence(seq_id)
 
     def _step(self) -> None:
@@ -553,7 +562,7 @@ class Scheduler:
             chunk = request.prompt_ids[request.prefilled: request.prefilled + size]
             start = time.perf_counter()
             try:
-                logits = self.engine.prefill(request.seq_id, chunk)
+                logits = self.engine.prefill(request.seq, chunk)
             except Exception as err:
                 for member in request.group:
                     self._end(member, "error", err)
@@ -562,22 +571,23 @@ class Scheduler:
                 with self._cond:
                     self._prefill_tokens += len(chunk)
                     if self._prefix:
-                        self._prefix.extend(request.seq_id, chunk)
+                        self._prefix.extend(request.seq, chunk)
                 request.prefilled += len(chunk)
                 if request.prefilled == len(request.prompt_ids):
                     group = self._fork_followers(request)
                     for member in group:  # each choice samples from the same logits: its own copy
                         self._advance(member, logits.copy() if len(group) > 1 else logits)
-        batch = [request for request in live if request.pending is not None]
-        if len(batch) == 1 and not reading and self.speculation is not None and self._verify(batch[0]):
+        # Each request with a token to feed, and the token.
+        batch = [(request, request.pending) for request in live if request.pending is not None]
+        if len(batch) == 1 and not reading and self.speculation is not None and \
+                self._verify(*batch[0], self.speculation):
             return
         if batch:
-            fed = [request.pending for request in batch]
-            rows = self.engine.decode([request.seq_id for request in batch], fed)
-            for request, token in zip(batch, fed):
+            rows = self.engine.decode([request.seq for request, _ in batch], [token for _, token in batch])
+            for request, token in batch:
                 if self._prefix:
-                    self._prefix.extend(request.seq_id, [token])
-            for request, row in zip(batch, rows):
+                    self._prefix.extend(request.seq, [token])
+            for (request, _), row in zip(batch, rows):
                 self._advance(request, row)
 
     def _fork_followers(self, request: _Request) -> list[_Request]:
@@ -587,7 +597,7 @@ class Scheduler:
         for follower in request.followers:
             if follower.cancelled:
                 continue
-            follower.seq_id = self.engine.fork_sequence(request.seq_id)
+            follower.seq_id = self.engine.fork_sequence(request.seq)
             follower.prefilled = len(follower.prompt_ids)
             if self._prefix:
                 with self._cond:
@@ -595,19 +605,19 @@ class Scheduler:
             group.append(follower)
         return group
 
-    def _verify(self, request: _Request) -> bool:
-        """A speculative step for `request`: its pending token and the proposer's guesses in one forward,
+    def _verify(self, request: _Request, pending: int, speculation: Speculation) -> bool:
+        """A speculative step for `request`: its `pending` token and `speculation`'s guesses in one forward,
         each row sampled in turn until one disagrees. False if there was nothing to guess (decode it)."""
-        decoding, engine, seq_id = request.decoding, self.engine, request.seq_id
-        guesses = self.speculation.guess(decoding, engine.context_window - engine.length(seq_id))
+        decoding, engine, seq_id = request.decoding, self.engine, request.seq
+        guesses = speculation.guess(decoding, engine.context_window - engine.length(seq_id))
         if not guesses:
             return False
-        start, fed = engine.length(seq_id), [request.pending, *guesses]
+        start, fed = engine.length(seq_id), [pending, *guesses]
         rows = engine.verify(seq_id, fed)
         accepted = 0
         for position, row in enumerate(rows):
             # What a plain decode step would have cached by this row (`_end` cuts the cache back to it).
-            request.cached = start + position + 1
+            request.cached = cached = start + position + 1
             if self._prefix:
                 with self._cond:
                     self._prefix.extend(seq_id, [fed[position]])
@@ -617,10 +627,10 @@ class Scheduler:
                 break
             accepted += 1
         if request.seq_id is not None:
-            engine.truncate(seq_id, request.cached)
+            engine.truncate(seq_id, cached)
         request.cached = None
         with self._cond:
-            self.speculation.record(len(guesses), accepted)
+            speculation.record(len(guesses), accepted)
         return True
 
     def _chunk_size(self, decoding: bool) -> int:
@@ -630,6 +640,7 @@ class Scheduler:
             return self.prefill_chunk
         page = self.engine.page_size
         rate = self._prefill_seconds_per_token
+        tokens: float
         if rate is None:  # not timed yet: a page, unless the stall is unbounded
             tokens = self.prefill_chunk if math.isinf(self.max_decode_stall) else page
         else:
@@ -650,7 +661,7 @@ class Scheduler:
         try:
             token = decoding.step(logits)
             if token is not None and not decoding.finished and \
-                    self.engine.length(request.seq_id) + 1 > self.engine.context_window:
+                    self.engine.length(request.seq) + 1 > self.engine.context_window:
                 decoding.out_of_room()
             text = decoding.text() if decoding.tokenizer is not None else ""
         except (KeyboardInterrupt, SystemExit):
@@ -697,7 +708,8 @@ class Scheduler:
             if request.leader is None:  # a group of choices read its prompt once
                 self._prompt_tokens += len(request.prompt_ids)
             self._generated_tokens += generated
-            if how in ("stop", "length") and generated > 1:
+            # A request that generated a token has its first token's time.
+            if how in ("stop", "length") and generated > 1 and request.first_token is not None:
                 self._tpot.observe((time.monotonic() - request.first_token) / (generated - 1))
             self._kv_used = self._kv_tokens_used()
         if isinstance(last, StreamEvent):

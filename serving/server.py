@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime.engine import pooled_embedding
@@ -187,23 +187,28 @@ class _Api:
         messages = chat_messages(fields)
         tokenizer = self._need_tokenizer()
         tools = chat_tools(fields, tokenizer.chat_template)
-        fit = fields.truncation == "auto"
-        if fit and fields.token_limit() is None:
-            fields = fields.model_copy(update={"max_tokens": default_reply_tokens(self.engine.context_window)})
+        # With truncation "auto", the earliest turns are dropped until the prompt leaves the reply its tokens.
+        prompt_limit: int | None = None
+        if fields.truncation == "auto":
+            reply_tokens = fields.token_limit()
+            if reply_tokens is None:
+                reply_tokens = default_reply_tokens(self.engine.context_window)
+                fields = fields.model_copy(update={"max_tokens": reply_tokens})
+            prompt_limit = self.engine.context_window - reply_tokens
 
         def prompt_of(kept: list[dict]) -> list[int]:
             text = tokenizer.apply_chat_template(kept, tools=tools.template_tools if tools else None)
             return tokenizer.encode(text, add_special_tokens=False)
 
         def render() -> tuple[list[int], int]:
-            if not fit:
+            if prompt_limit is None:
                 return prompt_of(messages), 0
-            _kept, prompt, dropped = fit_history(messages, prompt_of, self.engine.context_window - fields.token_limit())
+            _kept, prompt, dropped = fit_history(messages, prompt_of, prompt_limit)
             return prompt, dropped
 
         prompt, dropped = await _off_loop(render, "messages")
         response = await self._answer(request, fields, prompt, "messages", tools)
-        if fit:
+        if prompt_limit is not None:
             response.headers[DROPPED_TURNS_HEADER] = str(dropped)
         return response
 
@@ -212,8 +217,8 @@ class _Api:
         fields = await self.read(request, CompletionRequest)
         prompt = completion_prompt(fields, self.engine.vocab_size)
         if isinstance(prompt, str):
-            tokenizer = self._need_tokenizer()
-            prompt = await _off_loop(lambda: tokenizer.encode(prompt), "prompt")
+            tokenizer, text = self._need_tokenizer(), prompt
+            prompt = await _off_loop(lambda: tokenizer.encode(text), "prompt")
         return await self._answer(request, fields, prompt, "prompt")
 
     async def embeddings(self, request: HttpRequest) -> Response:
@@ -223,13 +228,14 @@ class _Api:
             raise ApiError(400, f"the model {self.model_name!r} has no embed function: recompile it with "
                                 "`ember compile --embeddings`", param="model", code="unsupported_value")
         inputs = embedding_inputs(fields, self.engine.vocab_size)
-        if any(isinstance(item, str) for item in inputs):
+        token_ids = [item for item in inputs if not isinstance(item, str)]
+        if len(token_ids) < len(inputs):  # texts among them
             tokenizer = self._need_tokenizer()
-            inputs = await _off_loop(lambda: [tokenizer.encode(item) if isinstance(item, str) else item
-                                              for item in inputs], "input")
-        check_embedding_lengths([len(ids) for ids in inputs], self.engine.context_window)
+            token_ids = await _off_loop(lambda: [tokenizer.encode(item) if isinstance(item, str) else item
+                                                 for item in inputs], "input")
+        check_embedding_lengths([len(ids) for ids in token_ids], self.engine.context_window)
         try:
-            future = self.scheduler.embed(inputs)
+            future = self.scheduler.embed(token_ids)
         except GenerationError as err:
             raise request_error(err, "input") from None
         waiting = asyncio.wrap_future(future)
@@ -243,7 +249,7 @@ class _Api:
         except BaseException as err:
             raise generation_error(err) from None
         vectors = [pooled_embedding(states, self.pooling) for states in hidden]
-        return JSONResponse(embedding_response(vectors, self.model_name, sum(len(ids) for ids in inputs),
+        return JSONResponse(embedding_response(vectors, self.model_name, sum(len(ids) for ids in token_ids),
                                                fields.encoding_format))
 
     def _need_tokenizer(self) -> Tokenizer:
@@ -262,10 +268,11 @@ class _Api:
         params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
         check_choices(fields.n, engine.max_batch, tools)
         processor = await self._processor(fields, tools)
+        processors: LogitsProcessor | list[LogitsProcessor | None] | None = processor
         if processor is not None and fields.n > 1:  # each choice advances a grammar state of its own
-            processor = [processor, *[await self._processor(fields, tools) for _ in range(fields.n - 1)]]
+            processors = [processor, *[await self._processor(fields, tools) for _ in range(fields.n - 1)]]
         try:
-            stream = await self.scheduler.submit(prompt_ids, params, processor, n=fields.n)
+            stream = await self.scheduler.submit(prompt_ids, params, processors, n=fields.n)
         except GenerationError as err:
             raise request_error(err) from None
         reply = Reply.to(fields, self.model_name, self._token_text, tools)
@@ -400,7 +407,7 @@ async def read_body(request: HttpRequest) -> bytes:
     return bytes(body)
 
 
-async def wait_unless_disconnected(request: HttpRequest, task: asyncio.Future[object],
+async def wait_unless_disconnected(request: HttpRequest, task: asyncio.Future[Any],
                                   on_cancel: Callable[[], object] | None = None) -> None:
     """Wait for `task`; when the client disconnects first, cancel it (and call `on_cancel`) and raise a 499."""
     async def gone() -> None:

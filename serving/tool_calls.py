@@ -397,7 +397,7 @@ class CallReader:
         self.region = ""  # the text of the call syntax being read, released if it turns out not to be a call
         self.region_calls = 0
         self.in_array = False  # the region is Mistral's array of calls
-        self.scanner: _ObjectScanner | None = None
+        self.scanner = _ObjectScanner()  # the JSON object being read (mode "object"), a new one per object
         self.name: str | None = None
         self.arguments_key: str | None = None
         self.sent = 0  # characters of the scanner's text sent as arguments
@@ -405,6 +405,7 @@ class CallReader:
         self.tail = ""  # the last characters read while looking for </tool_call>
         self.calls: list[ToolCall] = []
         self.contents: list[str] = []  # all the content read so far, in pieces
+        self.content_since_call = False  # text other than whitespace released as content since the last call began
         self.open = False  # a call has begun and its arguments are not closed
         self.events: list[CallEvent] = []
 
@@ -435,7 +436,12 @@ class CallReader:
         return self._take()
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's finish reason of the reply read (after `finish`): "tool_calls" if it ended on whole calls."""
+        """OpenAI's finish reason of the reply read (after `finish`): "tool_calls" if it ended on whole calls. A reply
+        cut by max_tokens after whole calls, in the syntax of another call not yet named (dropped), ended on whole
+        calls too: a weak model held to "one or more calls" may write calls until its token budget runs out."""
+        whole = bool(self.calls) and all(call.complete for call in self.calls)
+        if reason == "length" and whole and not self.content_since_call:
+            return "tool_calls"
         return finish_reason(reason, self.calls)
 
     def _take(self) -> list[CallEvent]:
@@ -443,9 +449,9 @@ class CallReader:
         taken: list[CallEvent] = []
         for (kind, index), group in groupby(self.events, lambda event: (type(event), getattr(event, "index", 0))):
             if kind is Content:
-                taken.append(Content("".join(event.text for event in group)))
+                taken.append(Content("".join(event.text for event in group if isinstance(event, Content))))
             elif kind is Arguments:
-                taken.append(Arguments(index, "".join(event.text for event in group)))
+                taken.append(Arguments(index, "".join(event.text for event in group if isinstance(event, Arguments))))
             else:
                 taken.extend(group)
         self.events = []
@@ -457,6 +463,7 @@ class CallReader:
         self.at_start = False
         self.contents.append(text)
         self.events.append(Content(text))
+        self.content_since_call = self.content_since_call or bool(text.strip())
 
     def _read(self, char: str) -> None:
         mode = self.mode
@@ -560,7 +567,7 @@ class CallReader:
                     return
                 self.name = name
             if self.name is not None and self.arguments_key is not None:
-                self._start_call()
+                self._start_call(self.name, self.arguments_key)
         if self.open and self.arguments_key in scanner.values:
             self._send_arguments()
             self.events.append(CallEnd(len(self.calls) - 1))
@@ -571,20 +578,21 @@ class CallReader:
             else:
                 self.mode = "to_close" if self.syntax is HERMES else "array" if self.in_array else "done"
 
-    def _start_call(self) -> None:
-        call = ToolCall(self.name, "", self.syntax.call_id())
+    def _start_call(self, name: str, arguments_key: str) -> None:
+        call = ToolCall(name, "", self.syntax.call_id())
+        self.content_since_call = False
         self.calls.append(call)
         self.region_calls += 1
         self.events.append(CallStart(len(self.calls) - 1, call.id, call.name))
         self.open = self.began = True
-        self.sent = self.scanner.values.get(self.arguments_key, (self.scanner.value_start, 0))[0]
+        self.sent = self.scanner.values.get(arguments_key, (self.scanner.value_start, 0))[0]
         self._send_arguments()
 
     def _send_arguments(self) -> None:
         if not self.open:
             return
-        scanner = self.scanner
-        end = scanner.values.get(self.arguments_key, (0, len(scanner)))[1]
+        scanner, key = self.scanner, self.arguments_key
+        end = scanner.values[key][1] if key in scanner.values else len(scanner)
         piece, self.sent = scanner.text(self.sent, end), end
         if not piece:
             return

@@ -328,3 +328,30 @@ def test_a_call_cut_off_by_max_tokens_streams_what_was_written_and_finishes_on_l
     streamed = _assembled(served.chat(stream=True, max_tokens=max_tokens, **options))
     assert streamed["finish_reason"] == "length" and streamed["calls"] == _whole(cut.message, "length")["calls"]
     assert whole.choices[0].message.tool_calls[0].function.arguments.startswith(streamed["calls"][0][1])
+
+
+def test_the_demo_runs_a_tool_round_trip_as_docs_serving_shows_it(demo_builds):
+    """docs/serving.md's example on the demo with the shipped template: `required` gives a valid call, ended as
+    "tool_calls" even when the model would go on to a second call it cannot finish within max_tokens (the
+    unfinished syntax after a whole call is dropped); the call and its result sent back fit the demo's context,
+    and the demo answers in text."""
+    import ember
+
+    template = (Path(ember.__file__).parent / "demo_model" / "chat_template_tools.jinja").read_text()
+    server = ToolServer(demo_builds.get("cpu", "q0f32"), template)
+    try:
+        tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+            "additionalProperties": False}}}]
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        reply = server.chat(messages=messages, tools=tools, tool_choice="required", max_tokens=64)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+        messages += [{"role": "assistant", "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "12 C and sunny"}]
+        answer = server.chat(messages=messages, tools=tools, max_tokens=32, temperature=0)
+        assert answer.usage.prompt_tokens + 32 <= 256 and answer.choices[0].message.content
+    finally:
+        server.close()

@@ -352,4 +352,19 @@ def test_a_call_cut_off_stays_incomplete_and_the_reply_does_not_end_on_calls():
     assert reader.calls[0].arguments == '{"zone": "ut' and not reader.calls[0].complete
     assert reader.finish_reason("length") == "length" and reader.finish_reason("stop") == "stop"
     whole = tool_calls.read('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]', tool_plan)
-    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "tool_calls"
+
+
+@pytest.mark.parametrize(("family", "text", "reason"), [
+    # max_tokens ran out as a second call began, its name not yet written: the reply ended on its whole call
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n<tool_call>\n{"na',
+     "tool_calls"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_', "tool_calls"),
+    # ...or in text written after it, or inside a second call whose name was read
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\nThe time is', "length"),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_time", "arguments": {"zo', "length"),
+])
+def test_a_reply_cut_after_whole_calls_ends_on_them(family, text, reason):
+    reader = tool_calls.read(text, plan(TOOLS, "required", True, TEMPLATES[family]))
+    assert reader.finish_reason("length") == reason

@@ -154,7 +154,7 @@ class _Parser(argparse.ArgumentParser):
     def _options(self, given: list[str]) -> list[str]:
         """The options of this parser and of the command `given` names (the top parser reports the arguments no
         parser took)."""
-        options = []
+        options: list[str] = []
         for action in self._actions:
             options += action.option_strings
             if isinstance(action, argparse._SubParsersAction):

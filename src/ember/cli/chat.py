@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from pathlib import Path
@@ -52,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(engine, system=args.system, speculation=speculation(args, engine))
     params = sampling(args)
     # Bytes that are not UTF-8 arrive as surrogates, which `send` refuses, instead of ending input().
-    sys.stdin.reconfigure(errors="surrogateescape")
+    if isinstance(sys.stdin, io.TextIOWrapper):  # as it is, unless something replaced it
+        sys.stdin.reconfigure(errors="surrogateescape")
     print("ember chat: type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:

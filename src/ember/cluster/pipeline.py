@@ -26,20 +26,24 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ember.cluster.replica import ReplicaSettings, connect, ray, wait_started
 from ember.core.errors import EmberError, GenerationError
-from ember.core.manifest import read_manifest
+from ember.core.manifest import Manifest, pipeline_field, read_manifest
 from ember.runtime.engine import SequenceChecks
 
 try:
+    from ray.actor import ActorClass
     from ray.exceptions import RayActorError, RayError, RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as err:
     raise EmberError(f"ember serve --ray needs Ray ({err.name} is missing): pip install 'ember[cluster]'") from None
+
+if TYPE_CHECKING:
+    from ember.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ def stage_specs(artifact_dir: Path) -> list[StageSpec]:
     weights, its workspace and its whole KV cache (the engine allocates all three up front)."""
     from ember.runtime.pipeline import pipeline_stage_dirs
 
-    pipeline = read_manifest(artifact_dir).pipeline
+    pipeline = pipeline_field(artifact_dir, read_manifest(artifact_dir))
     specs = []
     for index, stage_dir in enumerate(pipeline_stage_dirs(artifact_dir)):  # every stage's files checked
         manifest = read_manifest(stage_dir)
@@ -100,9 +104,8 @@ def plan_placement(stages: Sequence[StageSpec], nodes: Sequence[NodeOffer]) -> l
     for stage in stages:
         fits = [node for node in nodes if left[node.node_id] >= stage.needed_bytes]
         if not fits:
-            largest = max(left.values(), default=0)
-            capped = f" ({NODE_MEMORY_ENV} caps each node at {_mib(_node_memory_cap())})" \
-                if _node_memory_cap() is not None else ""
+            largest, cap = max(left.values(), default=0), _node_memory_cap()
+            capped = f" ({NODE_MEMORY_ENV} caps each node at {_mib(cap)})" if cap is not None else ""
             raise EmberError(
                 f"stage {stage.index} (layers {stage.layers[0]}-{stage.layers[1] - 1}) needs {_mib(stage.needed_bytes)}"
                 f" of memory (weights {_mib(stage.weight_bytes)}), and no node of the Ray cluster has that much left:"
@@ -212,15 +215,18 @@ class StageActor:
 class _Stage:
     """The front's handle on one stage's actor: where it runs, and how to start it again there."""
 
-    def __init__(self, spec: StageSpec, node: NodeOffer, threads: int) -> None:
+    # The actor's handle: Ray types a call of an actor's method only where the method is decorated with @ray.method.
+    actor: Any
+    ready: ray.ObjectRef[dict]  # what the actor's start returns
+    loading: bool  # launched, and not yet seen ready
+
+    def __init__(self, spec: StageSpec, node: NodeOffer, threads: int, actor_class: ActorClass[StageActor]) -> None:
         self.spec, self.node, self.threads = spec, node, threads
-        self.actor = None
-        self.ready = None
         self.info: dict = {}
         self.restarts = 0
-        self.loading = False  # launched, and not yet seen ready
+        self.launch(actor_class)
 
-    def launch(self, actor_class: object) -> None:
+    def launch(self, actor_class: ActorClass[StageActor]) -> None:
         """A new actor on this stage's node (another node if it is gone), loading the stage."""
         strategy = NodeAffinitySchedulingStrategy(self.node.node_id, soft=True)
         self.actor = actor_class.options(scheduling_strategy=strategy).remote()
@@ -241,6 +247,10 @@ class PipelineEngine(SequenceChecks):
 
     verify_tokens = 0  # no speculation: `verify` goes through prefill
     has_embeddings = False
+    # With max_batch and context_window, the stages' smallest figures (`_SIZES`), set once they are loaded.
+    prefill_chunk: int
+    page_size: int
+    kv_capacity: int
 
     def __init__(self, artifact_dir: Path, threads: int = 1, nodes: Sequence[NodeOffer] | None = None) -> None:
         artifact_dir = Path(artifact_dir)
@@ -249,9 +259,7 @@ class PipelineEngine(SequenceChecks):
         self.artifact = _front_artifact(artifact_dir)
         self.vocab_size = int(self.artifact.manifest.model["vocab_size"])
         self._actor_class = ray.remote(num_cpus=threads, max_restarts=0)(StageActor)
-        self.stages = [_Stage(spec, node, threads) for spec, node in zip(specs, placement)]
-        for stage in self.stages:
-            stage.launch(self._actor_class)
+        self.stages = [_Stage(spec, node, threads, self._actor_class) for spec, node in zip(specs, placement)]
         try:
             for stage in self.stages:
                 stage.wait_ready()
@@ -268,8 +276,7 @@ class PipelineEngine(SequenceChecks):
     def stop(self) -> None:
         """Kill every stage's actor."""
         for stage in self.stages:
-            if stage.actor is not None:
-                ray.kill(stage.actor, no_restart=True)
+            ray.kill(stage.actor, no_restart=True)
 
     def add_sequence(self) -> int:
         """Start an empty sequence (made on the stages with its first tokens); returns its id."""
@@ -367,7 +374,7 @@ class PipelineEngine(SequenceChecks):
         here) the next one's input; the last stage's output. A stage that died is restarted, and the step fails
         with one line."""
         self._await_restarts()
-        refs = []
+        refs: list[ray.ObjectRef[np.ndarray]] = []
         for index in range(len(self.stages)):
             refs.append(call(index, x if index == 0 else refs[-1]))
         try:
@@ -425,16 +432,25 @@ class PipelineEngine(SequenceChecks):
                                   "again")
 
 
-def _front_artifact(artifact_dir: Path) -> SimpleNamespace:
-    """What the server reads of an artifact (its path, manifest and tokenizer), without its weights: the whole
-    model's manifest, and the tokenizer every stage keeps (stage 0's)."""
+@dataclass(frozen=True)
+class FrontArtifact:
+    """What the server reads of a pipeline artifact (`ArtifactView`), without its weights: stage 0's directory, the
+    whole model's manifest, and the tokenizer every stage keeps (stage 0's)."""
+
+    path: Path
+    manifest: Manifest
+    tokenizer: Tokenizer | None
+
+
+def _front_artifact(artifact_dir: Path) -> FrontArtifact:
+    """The `FrontArtifact` of the pipeline artifact at `artifact_dir`."""
     from ember.runtime.tokenizer import Tokenizer
 
     manifest = read_manifest(artifact_dir)
-    first = artifact_dir / manifest.pipeline["stages"][0]
+    first = artifact_dir / pipeline_field(artifact_dir, manifest)["stages"][0]
     context = int(read_manifest(first).kv_cache["max_context"])
     tokenizer = Tokenizer.from_dir(first, context) if (first / "tokenizer.json").exists() else None
-    return SimpleNamespace(path=first, manifest=manifest, tokenizer=tokenizer)
+    return FrontArtifact(first, manifest, tokenizer)
 
 
 class PipelineServer:
@@ -444,7 +460,8 @@ class PipelineServer:
                  port: int = 8000) -> None:
         from ember.serving.assembly import serve_engine
 
-        stages = len(read_manifest(Path(settings.artifact_dir)).pipeline["stages"])
+        artifact_dir = Path(settings.artifact_dir)
+        stages = len(pipeline_field(artifact_dir, read_manifest(artifact_dir))["stages"])
         connect(address, settings.threads, 1)
         try:
             cpus = ray.cluster_resources().get("CPU", 0)

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ember.cluster.router import Router
 from ember.core.errors import EmberError
@@ -70,7 +71,7 @@ class ReplicaActor:
         self._forever.wait()
 
 
-def wait_started(ready: object, name: str, timeout_hint: str) -> dict:
+def wait_started(ready: ray.ObjectRef[dict], name: str, timeout_hint: str) -> dict:
     """What an actor's start call returned; one line naming `name` if it timed out (with `timeout_hint`) or failed."""
     try:
         return ray.get(ready, timeout=START_TIMEOUT)
@@ -96,9 +97,12 @@ class ReplicaPool:
     def __init__(self, router: Router, settings: ReplicaSettings) -> None:
         self.router = router
         self.settings = settings
-        self._actor_class = ray.remote(num_cpus=settings.threads, max_concurrency=2, max_restarts=0)(ReplicaActor)
-        self._actors: dict[int, object] = {}
-        self._stopped_refs: dict[int, object] = {}
+        # Ray's stubs type ray.remote's task options only; max_concurrency is one of its actor options.
+        self._actor_class = ray.remote(  # type: ignore[call-overload]
+            num_cpus=settings.threads, max_concurrency=2, max_restarts=0)(ReplicaActor)
+        # Actor handles: Ray types a call of an actor's method only where the method is decorated with @ray.method.
+        self._actors: dict[int, Any] = {}
+        self._stopped_refs: dict[int, ray.ObjectRef[None]] = {}
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -121,13 +125,13 @@ class ReplicaPool:
             ray.kill(actor, no_restart=True)
         self._actors.clear()
 
-    def _launch(self, index: int) -> object:
+    def _launch(self, index: int) -> ray.ObjectRef[dict]:
         """A new actor for replica `index`; returns the reference its address will arrive by."""
         actor = self._actor_class.remote()
         self._actors[index] = actor
         return actor.start.remote(self.settings)
 
-    def _serve(self, index: int, ready: object) -> None:
+    def _serve(self, index: int, ready: ray.ObjectRef[dict]) -> None:
         """Wait for replica `index`'s address and let the router send it requests."""
         info = wait_started(ready, f"replica {index}",
                             f"the cluster may lack a free node with {self.settings.threads} CPU(s) (--threads)")
@@ -173,7 +177,7 @@ def connect(address: str | None, threads: int, replicas: int) -> None:
     else:
         _check_temp_dir()
     # In the main thread: Ray's client started from another one cannot reach its own GCS.
-    local = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
+    local: dict[str, Any] = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False,
                  **local)

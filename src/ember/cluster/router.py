@@ -92,7 +92,8 @@ class Router:
             if not alive:
                 return None
             least = min(alive, key=lambda replica: (replica.in_flight, replica.routed, replica.index))
-            owner = self.replicas[self._owners[key]] if self.prefix_routing and key in self._owners else None
+            owner = self.replicas[self._owners[key]] \
+                if self.prefix_routing and key is not None and key in self._owners else None
             chosen = least
             if owner is not None and owner in alive and owner.in_flight <= least.in_flight + self.slack:
                 chosen = owner

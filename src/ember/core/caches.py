@@ -26,7 +26,10 @@ def package_sources_digest(*packages: str) -> str:
     packages are located, not imported: a layer below them may read them as files."""
     digest = hashlib.sha256()
     for package in packages:
-        (location,) = importlib.util.find_spec(f"ember.{package}").submodule_search_locations
+        spec = importlib.util.find_spec(f"ember.{package}")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ModuleNotFoundError(f"ember.{package} is not a package of this ember", name=f"ember.{package}")
+        (location,) = spec.submodule_search_locations
         root = Path(location)
         for path in sorted(root.rglob("*.py")):
             if "__pycache__" not in path.parts:

@@ -15,7 +15,9 @@ from typing import Any
 try:
     import resource
 except ImportError:  # not on Windows: no rlimits there
-    resource = None
+    _HAVE_RLIMITS = False
+else:
+    _HAVE_RLIMITS = True
 
 # ISA extensions that change which code a tuned kernel should be (vector width, FMA, dot products).
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
@@ -106,7 +108,7 @@ def memory_limits() -> list[tuple[int, str]]:
     """The headroom under each memory limit set on this process (its address-space and data rlimits, what is
     already mapped subtracted, and its cgroup's limits, what the cgroup uses subtracted), each with its name."""
     limits = []
-    if resource is not None:
+    if _HAVE_RLIMITS:
         status = _proc_status_bytes()
         for name, used, hint in (("RLIMIT_AS", "VmSize", "ulimit -v"), ("RLIMIT_DATA", "VmData", "ulimit -d")):
             soft, _ = resource.getrlimit(getattr(resource, name))

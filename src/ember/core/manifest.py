@@ -178,16 +178,26 @@ def check_whole_model(artifact_dir: Path, manifest: Manifest) -> None:
                             f"model; give the pipeline directory {pipeline_dir} instead")
 
 
+def pipeline_field(artifact_dir: Path, manifest: Manifest) -> dict[str, Any]:
+    """The `pipeline` field of `manifest`, the manifest of the pipeline artifact at `artifact_dir`; an
+    `ArtifactError` saying how to make one where it is a whole model's or one stage's."""
+    if manifest.pipeline is None:
+        raise ArtifactError(f"{artifact_dir}: not a pipeline artifact (compile it with `ember compile "
+                            f"--pipeline-stages K`)")
+    return manifest.pipeline
+
+
 def verify_pipeline_stages(pipeline_dir: Path, manifest: Manifest) -> list[Path]:
     """The stage directories of the pipeline artifact `pipeline_dir` (its `manifest`, whose files are verified),
     in order, each checked as an artifact of its own: its manifest sealed and of this format, the stage the
     pipeline names in that place, and its files those its own manifest lists, so that a stage changed under a
     resealed pipeline manifest is refused."""
     pipeline_dir = Path(pipeline_dir)
+    pipeline = pipeline_field(pipeline_dir, manifest)
     verify_files(pipeline_dir, manifest)
-    stages = manifest.pipeline["stages"]
+    stages = pipeline["stages"]
     dirs = []
-    for index, (name, layers) in enumerate(zip(stages, manifest.pipeline["layers"])):
+    for index, (name, layers) in enumerate(zip(stages, pipeline["layers"])):
         stage_dir = pipeline_dir / name
         stage_manifest = read_manifest(stage_dir)
         stage = stage_manifest.pipeline_stage

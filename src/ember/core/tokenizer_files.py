@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Iterable
 from typing import Any
 
 MAX_INSERTED_CHARS = 64
@@ -240,7 +241,7 @@ def _normalizer_expansion(node: Any, where: str) -> tuple[int, str]:
         return 1 + (len(prepend) if isinstance(prepend, str) else 0), f"{where}.prepend"
     if kind == "Precompiled":
         return _charsmap_expansion(node.get("precompiled_charsmap")), f"{where}.precompiled_charsmap"
-    return _UNICODE_EXPANSION.get(kind, 1), where
+    return (_UNICODE_EXPANSION.get(kind, 1) if isinstance(kind, str) else 1), where
 
 
 def _charsmap_expansion(charsmap: Any) -> int:
@@ -267,6 +268,7 @@ def _tokens_problem(data: dict) -> str | None:
                 return f"added_tokens[{index}].content: {len(content)} characters; at most {MAX_TOKEN_CHARS}"
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
+    pieces: Iterable[str]
     if isinstance(vocab, dict):
         pieces = vocab.keys()
     elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
