@@ -313,6 +313,7 @@ def main() -> None:
                         help="cores other processes may keep busy on average during a run's timed phases before "
                              "it is run again")
     parser.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (the last one is kept)")
+    parser.add_argument("--json", type=Path, help="also write every kept run's result to this file")
     args = parser.parse_args()
     split = lambda text: [int(x) if x.isdigit() else x for x in text.split(",") if x]  # noqa: E731
     quants, contexts, sweep = split(args.quants), split(args.contexts), split(args.sweep)
@@ -374,6 +375,8 @@ def main() -> None:
             runs[key].append(run_alone(run, args.max_others, args.retries, args.quiet_wait))
             print(f"[{time.strftime('%H:%M:%S')}] round {repeat + 1}, {key}: other processes "
                   f"{runs[key][-1]['others']:.2f} cores", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({" ".join(map(str, key)): results for key, results in runs.items()}))
     peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
     bandwidth = bench_cpu.read_bandwidth()
 
