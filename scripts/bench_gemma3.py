@@ -13,7 +13,8 @@ For each context c of `--contexts`, every runtime runs in a fresh process, round
 (median): a warm-up (a 16-token prompt and 4 decode steps), then a timed greedy generation from a c-token
 prompt, so prefill tok/s is over c tokens and decode tok/s over the `--new-tokens` that follow, decoded with c
 to c + new tokens in the cache. Each run waits for a quiet machine, and is run again (`--retries`) while other
-processes kept more than `--max-others` cores busy during its timed phases; the table says how many they did.
+processes kept more than `--max-others` cores busy during its timed phases; the header says how busy they kept
+the machine, the table how busy during each runtime's worst kept run (`--json FILE`: every kept run).
 llama.cpp runs as its own tools run it (llama-cli, llama-server): the windowed layers in a cache of their
 window (`swa_full` off; its Python binding's default is the full-size one), flash attention as
 `--llama-flash-attn` says (default on: what its `auto` picks on CPUs), its default float16 KV cache. ember's
@@ -22,8 +23,8 @@ KV cache is float32 (its default for a float32 model).
 `--sweep` shows the windowed layers' decode cost against the context: one process per artifact prefills the
 prompt up to each context in turn and times `--sweep-tokens` decode steps there, for ember's `--sweep-quant`
 artifact of the model and of the same weights with every layer global (`layer_types` all `full_attention`).
-Past the window the windowed model's step grows only by its global layers' keys, the all-global one's by all
-of them.
+Past the window the windowed model's step should grow only by its global layers' keys, the all-global one's by
+all of them.
 
     python scripts/bench_gemma3.py --model /tmp/gemma3-1b --isa avx2 --quants q8f32,q4f32 --contexts 128,4096 \\
         --new-tokens 128 --sweep 128,512,1024,2048,4096 --threads 2 --repeats 3
@@ -56,7 +57,7 @@ SHAPES = {
     "tiny": dict(hidden=256, layers=6, heads=4, kv_heads=1, head_dim=64, ffn=512, vocab=4096, window=64,
                  context=1024),
 }
-LLAMA_CPP_TYPE = dict(bench_cpu.FORMAT_PAIRS)  # ember --quant -> llama.cpp GGUF type of the same bits
+LLAMA_CPP_TYPE = {"q8f32": "Q8_0", "q4f32": "Q4_0"}  # ember --quant -> llama.cpp GGUF type of the same bits
 
 
 def make_random_gemma3(out_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
