@@ -549,3 +549,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line("hostile-input corpus (outcome of every generated case):")
         for line in hostile.TALLY.report():
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """A hostile-corpus worker process (tests/hostile.py) for a test module's cases, closed after them."""
+    from hostile import Worker
+
+    running = Worker()
+    yield running
+    running.close()

@@ -1,5 +1,6 @@
 """An engine without a model, for testing the serving layer's policy in milliseconds: `Engine`'s own sequence
-bookkeeping and checks (ids, lengths, slots, pages, context), with the KV cache's calls and the model replaced.
+methods, bookkeeping and checks (ids, lengths, slots, pages, context), with the KV cache's builtins and the model
+replaced.
 
 Its logits make the next token a function of the sequence's last token and its length alone, so that a greedy
 request's tokens are known in advance (`expected_tokens`) and do not depend on batching or forking. Every forward
@@ -51,6 +52,7 @@ class StubEngine(Engine):
         self.prefill_chunk, self.max_batch, self.context_window = prefill_chunk, max_batch, context_window
         self.vocab_size, self.page_size, self.kv_capacity = VOCAB, page_size, kv_capacity
         self.verify_tokens, self.has_embeddings = 0, False
+        self.kv_cache = None
         self._lengths: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}
         self._ids = itertools.count()
@@ -60,31 +62,21 @@ class StubEngine(Engine):
         self._lock = threading.Lock()
         self.step_seconds = step_seconds  # how long each forward takes, to let requests arrive mid-stream
 
-    def add_sequence(self) -> int:
-        self._check_free_slot()
-        seq_id = next(self._ids)
-        self._lengths[seq_id], self._tokens[seq_id] = 0, []
-        return seq_id
+    # The KV cache's builtins, as `Engine`'s sequence methods call them (their checks and lengths are Engine's own):
+    # here they keep each sequence's tokens, which the stub's logits are computed from.
+    def _f_add(self, _cache: None, seq_id: int) -> None:
+        self._tokens[seq_id] = []
 
-    def fork_sequence(self, parent: int, length: int | None = None) -> int:
-        self._check_known(parent)
-        self._check_free_slot()
-        length = self._fork_length(parent, length)
-        child = next(self._ids)
-        self._lengths[child], self._tokens[child] = length, self._tokens[parent][:length]
+    def _f_fork(self, _cache: None, parent: int, child: int, length: int) -> None:
+        self._tokens[child] = self._tokens[parent][:length]
         self.forks.append((parent, length))
-        return child
 
-    def remove_sequence(self, seq_id: int) -> None:
-        self._check_known(seq_id)
-        del self._lengths[seq_id], self._tokens[seq_id]
+    def _f_remove(self, _cache: None, seq_id: int) -> None:
+        del self._tokens[seq_id]
         self.removed.append(seq_id)
 
-    def truncate(self, seq_id: int, length: int) -> None:
-        self._check_known(seq_id)
-        self._check_truncate(seq_id, length)
-        self._lengths[seq_id] = length
-        del self._tokens[seq_id][length:]
+    def _f_popn(self, _cache: None, seq_id: int, drop: int) -> None:
+        del self._tokens[seq_id][-drop:]
 
     def pages_held(self) -> int:
         return sum(-(-length // self.page_size) for length in self._lengths.values())

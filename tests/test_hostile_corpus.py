@@ -37,20 +37,12 @@ from hostile import (
     TALLY,
     TEXTS,
     Result,
-    Worker,
     in_process,
     outcome,
     unchanged,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-
-@pytest.fixture(scope="module")
-def worker():
-    running = Worker()
-    yield running
-    running.close()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import artifact_cache
 import pytest
 from helpers import Served, compile_pipeline_cached, tree_snapshot, write_pipeline_checkpoint
-from hostile import JSON_VALUES, SETTINGS, Result, Worker, outcome, unchanged
+from hostile import JSON_VALUES, SETTINGS, Result, outcome, unchanged
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tool_templates import TEMPLATES
@@ -147,13 +147,6 @@ def test_http_raw_bodies(served, path, raw):
 
 
 # --- whole-model commands given one stage of a pipeline ---------------------------------------------------
-
-@pytest.fixture(scope="module")
-def worker():
-    running = Worker()
-    yield running
-    running.close()
-
 
 @pytest.fixture(scope="module")
 def pipeline_dir(tmp_path_factory) -> Path:
