@@ -29,6 +29,7 @@ from tvm import relax
 from ember.core.errors import ModelError
 from ember.frontend import trace_cache
 from ember.frontend.config import ModelConfig
+from ember.frontend.fused_experts import fused_weight_recipe
 from ember.frontend.traced_weights import read_weights_transposed
 from ember.ir.attributes import FORWARD
 from ember.ir.weight_recipes import set_recipes
@@ -66,15 +67,19 @@ def _trace(model_dir: Path, context_window: int, stored: Callable[[str], bool]) 
 
 
 def _build_model(auto_class, config, dtype):
-    """The model with transformers' sdpa attention, whose trace `specialize_attention` reads most directly;
-    its written-out (eager) attention where a family has no sdpa path."""
+    """The model with transformers' sdpa attention, whose trace `specialize_attention` reads most directly
+    (its written-out, eager, attention where a family has no sdpa path), and its `batched_mm` experts: a gather of
+    each token's experts' weights and a batched matmul, static shapes that trace and that `lower_moe` recognises
+    (the default, `grouped_mm`, traces into operators TVM's importer does not know)."""
     with quiet():
         try:
-            return auto_class.from_config(config, attn_implementation="sdpa", dtype=dtype)
+            return auto_class.from_config(config, attn_implementation="sdpa", experts_implementation="batched_mm",
+                                          dtype=dtype)
         except ValueError as err:
             if "scaled_dot_product_attention" not in str(err):
                 raise
-            return auto_class.from_config(config, attn_implementation="eager", dtype=dtype)
+            return auto_class.from_config(config, attn_implementation="eager", experts_implementation="batched_mm",
+                                          dtype=dtype)
 
 
 def import_module(
@@ -120,8 +125,16 @@ def import_module(
     forward = relax.Function(params, body, main.ret_ty, main.is_pure,
                              tvm.ir.make_node("ir.DictAttrs", num_input=num_input,
                                               tir_var_upper_bound={seq.name: max_seq_len}))
-    shapes = {p.name: tuple(int(d) for d in p.ty.shape) for p in renamed}
-    recipes = {p.name: {"op": "load", "name": p.name} for p in renamed}
+    shapes: dict[str, tuple[int, ...]] = {}
+    recipes = {}
+    for param in renamed:
+        shape = tuple(int(d) for d in param.ty.shape)
+        if len(shape) == 3 and not stored(param.name):  # experts transformers stacked as it loaded them
+            recipes[param.name], pieces = fused_weight_recipe(model, param.name, shape, stored)
+            shapes.update(pieces)
+        else:
+            recipes[param.name] = {"op": "load", "name": param.name}
+            shapes[param.name] = shape
     forward, recipes = read_weights_transposed(forward, recipes)
     return set_recipes(tvm.IRModule({FORWARD: forward}), recipes), shapes
 

@@ -10,6 +10,7 @@ every TVM pass), keyed by the Relax parameter name:
     {"op": "concat", "axis": 0, "inputs": [<recipe>, <recipe>, ...]}
     {"op": "quantize", "format": "q4f32", "part": "packed", "layout": "rows", "input": <recipe>}
     {"op": "transpose", "input": <recipe>}          a 2-D weight stored [in, out] (transformers' Conv1D)
+    {"op": "reshape", "shape": [..], "input": <recipe>}  stacked experts (`frontend/fused_experts.py`)
     {"op": "panels", "rows": 16, "input": <recipe>} `ir_passes/pack_float_panels.py`
 
 Every entry function that takes weights takes the same weights in the same order,

@@ -38,6 +38,7 @@ from ember.ir_passes.fold_permute_chains import fold_permute_chains
 from ember.ir_passes.fold_split_concat import fold_split_concat
 from ember.ir_passes.fuse_parallel_projections import fuse_parallel_projections
 from ember.ir_passes.fuse_rms_norm import fuse_rms_norm
+from ember.ir_passes.lower_moe import lower_moe
 from ember.ir_passes.merge_equal_kernels import merge_equal_kernels
 from ember.ir_passes.noalias_kernels import noalias_kernels
 from ember.ir_passes.pack_float_panels import pack_float_panels
@@ -75,6 +76,8 @@ def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
     return [
         # Views traced once per reader become one; empty slices (full-width partial rotary) go.
         tidy_traced_graph,
+        # Mixture-of-experts blocks (router, gathered expert projections) become ember's MoE kernels.
+        lower_moe(target.vector_bits),
         # Causal attention found in the graph is handed to the paged KV cache, built here for the target.
         specialize_attention(target.target),
     ]

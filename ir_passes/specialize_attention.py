@@ -174,7 +174,7 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     graph.probe_lengths = _probe_lengths(expected, context_window)
     found = graph.attentions()
     _check_windows(found, expected)
-    functions = {gv.name_hint: f for gv, f in mod.functions_items() if gv.name_hint != FORWARD}
+    functions: dict = {gv: f for gv, f in mod.functions_items() if gv.name_hint != FORWARD}  # kernels keep their gvs
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
         # Each entry its own variables: a Relax variable belongs to one function.

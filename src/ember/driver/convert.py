@@ -51,6 +51,8 @@ class RecipeEvaluator:
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
         if op == "transpose":
             return self(recipe["input"]).T
+        if op == "reshape":
+            return self(recipe["input"]).reshape(recipe["shape"])
         if op == "quantize":
             layout = recipe["layout"]
             key = json.dumps([recipe["format"], layout, recipe["input"]], sort_keys=True)
@@ -80,6 +82,10 @@ class RecipeEvaluator:
             return None
         if source["op"] == "load":
             return stored(source["name"], fmt.bits, fmt.zero_point)
+        if source["op"] == "reshape":  # rows of experts stacked and flattened back: the same rows
+            levels = self._stored_levels(fmt, source["input"])
+            shape = tuple(source["shape"])
+            return levels if levels is not None and levels["levels"].shape == shape else None
         if source["op"] == "concat" and source["axis"] == 0:
             members = [self._stored_levels(fmt, member) for member in source["inputs"]]
             if all(member is not None for member in members):

@@ -1,0 +1,204 @@
+"""ember's mixture-of-experts kernels: routing, grouping pairs by expert, and the expert projections.
+
+A sparse MoE block sends each token to `top_k` of `experts` FFNs. `ir_passes/lower_moe.py`
+rewrites the block transformers traces into three kernels, each written here as loops
+already scheduled for CPUs (their loop bounds are data: how many rows an expert got):
+
+    moe_route(logits[T, E]) -> weights[T, k], ids[T, k]
+        per token (parallel): the k largest logits, best first (ties to the lower expert),
+        each weighted by the full softmax's probability (`softmax_first`: softmax -> top-k,
+        Qwen-MoE, Mixtral) or by the softmax over the k chosen logits alone (top-k ->
+        softmax, GraniteMoE), exactly as transformers computes each.
+
+    moe_group(ids[P]) -> order[P], offsets[E + 1]
+        a counting sort of the P = T * k (token, expert) pairs by expert: pairs
+        order[offsets[e]:offsets[e + 1]] went to expert e, in pair order.
+
+    moe_matmul(x[P, K], w[E * N, K], order, offsets) -> y[P, N]
+        y[p] = w_e @ x[p] for p's expert e, the weights of expert e being rows
+        e*N .. e*N + N - 1 of `w` (float, or the parts of a `--quant` format, rows layout):
+        parallel over tiles of N, then expert by expert, each expert's pairs against its
+        tile of rows. A weight row is read once per call and only for the experts some
+        pair chose: a decode step streams the chosen experts' bytes, and a batch of
+        sequences (or a prompt) reads each expert its tokens share once, from cache, not
+        once per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ember.ir.quant_formats import SCALE_DTYPE, QuantFormat
+
+_OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}  # 8: opaque, never fused
+# Attribute on `moe_matmul` kernels: {"experts", "n", "k"}, so passes find an expert projection's weight.
+MOE_MATMUL_ATTR = "ember.moe_matmul"
+_NEG_INF = -3.4028234663852886e38
+
+
+@functools.cache
+def moe_route(experts: int, top_k: int, softmax_first: bool, index_dtype: str) -> tirx.PrimFunc:
+    """Routing of [tokens, experts] float32 logits: the top-k experts' ids and weights (see the module docstring)."""
+
+    @T.prim_func(s_tir=True)
+    def route(logits_handle: T.handle, weights_handle: T.handle, ids_handle: T.handle):
+        T.func_attr(_OPAQUE)
+        tokens = T.int64()
+        logits = T.match_buffer(logits_handle, (tokens, experts), "float32")
+        weights = T.match_buffer(weights_handle, (tokens, top_k), "float32")
+        ids = T.match_buffer(ids_handle, (tokens, top_k), index_dtype)
+        for t in T.parallel(tokens):
+            with T.sblock("route"):
+                T.reads()
+                T.writes()
+                taken = T.sblock_alloc_buffer((experts,), "int8")
+                top = T.sblock_alloc_buffer((2,), "float32")  # the row's max, then the normalizer
+                best = T.sblock_alloc_buffer((1,), "int32")
+                top[0] = T.float32(_NEG_INF)
+                for e in T.serial(experts):
+                    taken[e] = T.int8(0)
+                    top[0] = T.max(top[0], logits[t, e])
+                top[1] = T.float32(0)
+                if softmax_first:
+                    for e in T.serial(experts):
+                        top[1] = top[1] + T.exp(logits[t, e] - top[0])
+                for j in T.serial(top_k):
+                    best[0] = -1
+                    for e in T.serial(experts):
+                        if taken[e] == T.int8(0):
+                            if best[0] < 0:
+                                best[0] = T.Cast("int32", e)
+                            elif logits[t, e] > logits[t, best[0]]:
+                                best[0] = T.Cast("int32", e)
+                    taken[best[0]] = T.int8(1)
+                    ids[t, j] = T.Cast(index_dtype, best[0])
+                    weights[t, j] = T.exp(logits[t, best[0]] - top[0])
+                if not softmax_first:
+                    for j in T.serial(top_k):
+                        top[1] = top[1] + weights[t, j]
+                for j in T.serial(top_k):
+                    weights[t, j] = weights[t, j] / top[1]
+
+    return route.with_attr("global_symbol", "moe_route")
+
+
+@functools.cache
+def moe_group(experts: int, index_dtype: str) -> tirx.PrimFunc:
+    """The counting sort of (token, expert) pairs by expert: order[P] and offsets[experts + 1], int32."""
+
+    @T.prim_func(s_tir=True)
+    def group(ids_handle: T.handle, order_handle: T.handle, offsets_handle: T.handle):
+        T.func_attr(_OPAQUE)
+        pairs = T.int64()
+        ids = T.match_buffer(ids_handle, (pairs,), index_dtype)
+        order = T.match_buffer(order_handle, (pairs,), "int32")
+        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+        with T.sblock("group"):
+            T.reads()
+            T.writes()
+            cursor = T.sblock_alloc_buffer((experts,), "int32")
+            for e in T.serial(experts + 1):
+                offsets[e] = 0
+            for p in T.serial(pairs):
+                offsets[ids[p] + 1] = offsets[ids[p] + 1] + 1
+            for e in T.serial(experts):
+                offsets[e + 1] = offsets[e + 1] + offsets[e]
+                cursor[e] = offsets[e]
+            for p in T.serial(pairs):
+                order[cursor[ids[p]]] = T.Cast("int32", p)
+                cursor[ids[p]] = cursor[ids[p]] + 1
+
+    return group.with_attr("global_symbol", "moe_group")
+
+
+def _tile_rows(n: int) -> int:
+    """Weight rows one task computes per pair: 4 accumulators in flight where N allows."""
+    return next(rows for rows in (4, 2, 1) if n % rows == 0)
+
+
+def _lanes(k: int, vector_bits: int) -> int:
+    """float32 lanes of the dot products: the target's vector width where K is whole vectors of it."""
+    lanes = vector_bits // 32
+    while k % lanes:
+        lanes //= 2
+    return lanes
+
+
+@functools.cache
+def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bits: int) -> tirx.PrimFunc:
+    """The expert projection y[p] = w_e @ x[p] (see the module docstring) for a [experts * n, k] weight, float32
+    (`fmt` None) or stored in `fmt`'s rows layout. Parameters: x [P, k] float32, the weight (or its parts), order,
+    offsets, y [P, n] float32."""
+    rows, lanes = _tile_rows(n), _lanes(k, vector_bits)
+
+    @T.macro
+    def project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle):
+        pairs = T.int64()
+        x = T.match_buffer(x_handle, (pairs, k), "float32")
+        y = T.match_buffer(y_handle, (pairs, n), "float32")
+        order = T.match_buffer(order_handle, (pairs,), "int32")
+        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+        for tile in T.parallel(n // rows):
+            for e in T.serial(experts):
+                for r in T.serial(offsets[e + 1] - offsets[e]):
+                    with T.sblock("project"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((rows, lanes), "float32")
+                        p: T.let[T.int32] = order[offsets[e] + r]
+                        first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
+                        for j in T.unroll(rows):
+                            for v in T.vectorized(lanes):
+                                acc[j, v] = T.float32(0)
+                        for c in T.serial(k // lanes):
+                            for j in T.unroll(rows):
+                                for v in T.vectorized(lanes):
+                                    acc[j, v] = acc[j, v] + x[p, c * lanes + v] * _weight(
+                                        fmt, weight, scale, low, first + j, c * lanes + v)
+                        for j in T.unroll(rows):
+                            for v in T.serial(lanes - 1):
+                                acc[j, 0] = acc[j, 0] + acc[j, v + 1]
+                            y[p, tile * rows + j] = acc[j, 0]
+
+    attrs = {MOE_MATMUL_ATTR: {"experts": experts, "n": n, "k": k}}
+    if fmt is None:
+        @T.prim_func(s_tir=True)
+        def float_weights(x_handle: T.handle, weight: T.Buffer((experts * n, k), "float32"),
+                          order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
+            T.func_attr(_OPAQUE)
+            project(x_handle, weight, None, None, order_handle, offsets_handle, y_handle)
+
+        return float_weights.with_attrs({"global_symbol": "moe_matmul", **attrs})
+
+    shapes = fmt.part_shapes(experts * n, k)
+    packed_shape, packed_dtype = shapes["packed"]
+    scale_shape = shapes["scale"][0]
+    if fmt.zero_point:
+        @T.prim_func(s_tir=True)
+        def with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
+                          scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
+                          order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
+            T.func_attr(_OPAQUE)
+            project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle)
+
+        return with_minimums.with_attrs({"global_symbol": f"moe_matmul_{fmt.name}", **attrs})
+
+    @T.prim_func(s_tir=True)
+    def without_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
+                         scale: T.Buffer(scale_shape, SCALE_DTYPE), order_handle: T.handle,
+                         offsets_handle: T.handle, y_handle: T.handle):
+        T.func_attr(_OPAQUE)
+        project(x_handle, packed, scale, None, order_handle, offsets_handle, y_handle)
+
+    return without_minimums.with_attrs({"global_symbol": f"moe_matmul_{fmt.name}", **attrs})
+
+
+def _weight(fmt: QuantFormat | None, weight, scale, low, row, col):
+    """Element [row, col] of the expert weight: the float, or `fmt`'s unpacking of its parts."""
+    if fmt is None:
+        return weight[row, col]
+    parts = {"packed": weight, "scale": scale, **({"min": low} if low is not None else {})}
+    return fmt.dequantize_expr(parts, row, col).astype("float32")
