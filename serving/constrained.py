@@ -16,7 +16,7 @@ Whitespace between JSON tokens is fixed (", " and ": ", none elsewhere) unless t
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,16 +68,17 @@ class JsonConstraints:
         self._tokenizer: Any = None
         self._lock = threading.Lock()
 
-    def mask(self, response_format: Mapping[str, Any]) -> JsonMask | None:
-        """A fresh mask for one request, or None for `{"type": "text"}`; a `GenerationError` naming
-        response_format for a format or schema that cannot be used."""
-        schema = _schema(response_format)
+    def mask(self, response_format: Mapping[str, Any], param: str = "response_format") -> JsonMask | None:
+        """A fresh mask for one request, or None for `{"type": "text"}`; a `GenerationError` naming `param` (the
+        request field that holds the format: chat's `response_format`, the Responses API's `text.format`) for a
+        format or schema that cannot be used."""
+        schema = _schema(response_format, param)
         if schema is None:
             return None
         if not _HAVE_LLGUIDANCE:
-            raise GenerationError("response_format: JSON output needs llguidance: pip install 'ember[serve]'")
+            raise GenerationError(f"{param}: JSON output needs llguidance: pip install 'ember[serve]'")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        return self._matcher_mask(grammar, "response_format", "invalid JSON schema")
+        return self._matcher_mask(grammar, param, "invalid JSON schema")
 
     def grammar_mask(self, lark: str, param: str) -> JsonMask:
         """A fresh mask for one request held to a Lark grammar (llguidance's, `%json {schema}` included); a
@@ -91,6 +92,14 @@ class JsonConstraints:
         if matcher.is_error():
             raise GenerationError(f"{param}: {problem}: {_one_line(matcher.get_error())}")
         return JsonMask(matcher, param)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes, as the grammar engine reads the vocabulary: a byte-level token may hold part of a
+        UTF-8 character, which the token decoded alone turns into U+FFFD."""
+        if not _HAVE_LLGUIDANCE:
+            raise GenerationError("tokens' bytes need llguidance: pip install 'ember[serve]'")
+        tokenizer = self._llg_tokenizer()
+        return [tokenizer.decode_bytes([token]) for token in token_ids]
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:
@@ -130,8 +139,8 @@ class _TokenTexts:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _schema(response_format: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The JSON schema a response format asks for; None for plain text."""
+def _schema(response_format: Mapping[str, Any], param: str) -> dict[str, Any] | None:
+    """The JSON schema a response format (the request field `param`) asks for; None for plain text."""
     kind = response_format.get("type")
     if kind == "text":
         return None
@@ -141,9 +150,9 @@ def _schema(response_format: Mapping[str, Any]) -> dict[str, Any] | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
         if not isinstance(schema, Mapping):
-            raise GenerationError("response_format: json_schema.schema must be a JSON schema object")
+            raise GenerationError(f"{param}: json_schema.schema must be a JSON schema object")
         return dict(schema)
-    raise GenerationError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    raise GenerationError(f"{param}: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def _one_line(message: str) -> str:

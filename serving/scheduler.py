@@ -97,6 +97,7 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # all tokens generated so far
     index: int = 0  # the choice it belongs to, of a request for several
+    cached_tokens: int = 0  # on the last event: prompt tokens a prefix cache hit did not prefill
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -188,6 +189,7 @@ class _Request:
         self.first_token: float | None = None
         self.seq_id: int | None = None
         self.prefilled = 0
+        self.reused = 0  # prompt tokens whose KV pages were forked from a cached or running sequence
         self.pending: int | None = None  # the last sampled token, to feed at the next decode step
         self.cached: int | None = None  # during a verify step, the tokens of its sequence that are checked
         self.sent = 0  # tokens already handed out in events
@@ -517,7 +519,7 @@ class Scheduler:
             if request.seq_id is None:
                 request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
             if parent is not None:
-                request.prefilled = length
+                request.prefilled = request.reused = length
                 self._prefix_hits += 1
                 self._prefix_hit_tokens += length
             if self._prefix:
@@ -715,6 +717,7 @@ class Scheduler:
         if isinstance(last, StreamEvent):
             last.finish_reason = how
             last.prompt_tokens, last.completion_tokens = len(request.prompt_ids), generated
+            last.cached_tokens = (request.leader or request).reused
         if last is not None and not request.cancelled:
             request.emit(last)
 

@@ -106,38 +106,49 @@ def plan(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_calls: boo
         raise ToolRequestError("tools: this model's chat template has no tool-call syntax ember knows (Llama 3.1/3.2, "
                                "Qwen2.5/Hermes <tool_call>, Mistral [TOOL_CALLS]); serve it with --chat-template "
                                "FILE holding one", "tools")
-    functions, template_tools = {}, []
-    for index, tool in enumerate(tools):
-        name, parameters, described = _function(tool, index)
-        if name in functions:
-            raise ToolRequestError(f"tools.{index}.function.name: {name!r} is given twice", "tools")
-        functions[name] = parameters
-        template_tools.append({"type": "function", "function": described})
+    template_tools = function_tools([_function(tool, index) for index, tool in enumerate(tools)],
+                                    "tools.{index}.function")
+    functions = {tool["function"]["name"]: tool["function"]["parameters"] for tool in template_tools}
     choice, forced = _choice(tool_choice, functions)
     # A named function is one call (as vLLM makes it): a weak model held to "one or more" may never stop.
     parallel = parallel_tool_calls and syntax.parallel and forced is None
     return ToolPlan(syntax, functions, template_tools, choice, forced, parallel)
 
 
-def _function(tool: Any, index: int) -> tuple[str, JsonObject, JsonObject]:
-    """(name, parameters schema, function object for the template) of `tools[index]`."""
-    where = f"tools.{index}"
+def _function(tool: Any, index: int) -> tuple[Any, Any, Any]:
+    """(name, description, parameters) of `tools[index]`, in OpenAI's chat shape."""
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise ToolRequestError(f"{where}: must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        raise ToolRequestError(f"tools.{index}: must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
     function = tool["function"]
-    name = function.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-        raise ToolRequestError(f"{where}.function.name: must be 1 to 64 letters, digits, '_', '.' or '-', "
-                               f"got {name!r}", "tools")
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise ToolRequestError(f"{where}.function.description: must be a string", "tools")
-    parameters = function.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise ToolRequestError(f"{where}.function.parameters: must be a JSON schema of an object", "tools")
-    described = {"name": name, **({"description": description} if description is not None else {}),
-                 "parameters": parameters}
-    return name, parameters, described
+    return function.get("name"), function.get("description"), function.get("parameters")
+
+
+def function_tools(functions: Sequence[tuple[Any, Any, Any]], where: str,
+                   parameters_key: str = "parameters") -> list[JsonObject]:
+    """Tools as chat templates get them (OpenAI's chat shape) from the (name, description, parameters schema) of
+    each tool a request offers, in whichever API's shape it came: `where` is the path of tool `{index}` in that
+    request and `parameters_key` its schema's field, for the `ToolRequestError` naming what is wrong. A tool
+    without parameters takes none."""
+    template_tools: list[JsonObject] = []
+    names: set[str] = set()
+    for index, (name, description, parameters) in enumerate(functions):
+        place = where.format(index=index)
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ToolRequestError(f"{place}.name: must be 1 to 64 letters, digits, '_', '.' or '-', got {name!r}",
+                                   "tools")
+        if name in names:
+            raise ToolRequestError(f"{place}.name: {name!r} is given twice", "tools")
+        if description is not None and not isinstance(description, str):
+            raise ToolRequestError(f"{place}.description: must be a string", "tools")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ToolRequestError(f"{place}.{parameters_key}: must be a JSON schema of an object", "tools")
+        names.add(name)
+        template_tools.append({"type": "function", "function": {
+            "name": name, **({"description": description} if description is not None else {}),
+            "parameters": parameters}})
+    return template_tools
 
 
 def _choice(tool_choice: Any, functions: dict[str, JsonObject]) -> tuple[str, str | None]:
