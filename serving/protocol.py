@@ -1,10 +1,12 @@
 """The OpenAI API as `ember serve` speaks it: request bodies and their checks, the sampling parameters they
-ask for, and the responses and stream chunks built from a request's events.
+ask for, and the responses and stream chunks built from a request's events; and what the other APIs' modules
+(`responses.py`, `anthropic_messages.py`, `utilities.py`) build on: `ApiModel` for request bodies, the `ChatRequest`
+they map onto, `FieldNames` for errors in their own fields' names, `ReplyShape` for their answers.
 
 No HTTP and no event loop here: `serving/server.py` routes requests through these functions, and
 tests/test_protocol.py checks them alone against the official `openai` package's types. Every refusal is
 an `ApiError` in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Needs pydantic (which
-FastAPI brings, the `serve` extra); only the server imports this module.
+FastAPI brings, the `serve` extra); only the server and those modules import this one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -39,6 +41,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of unio
 NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
 MAX_CHOICES = 16  # `n`, as llama-server bounds it; the artifact's --max-batch may bound it lower
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, OpenAI's limit
+MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a request of the scheduler's queue
 
 
 class ApiError(Exception):
@@ -81,15 +84,34 @@ def generation_error(err: BaseException) -> ApiError:
     return internal_error(err)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+@dataclass(frozen=True)
+class FieldNames:
+    """What the API a chat came through calls the fields that errors about it name: the same chat is generated
+    for /v1/chat/completions, /v1/responses (whose conversation is `input`, its limit `max_output_tokens`, its
+    JSON format `text.format`) and /v1/messages."""
+
+    prompt: str = "messages"
+    max_tokens: str = "max_tokens"
+    response_format: str = "response_format"
+
+
+CHAT_FIELDS = FieldNames()
+COMPLETION_FIELDS = FieldNames(prompt="prompt")
+
+
+class ApiModel(BaseModel):
+    """A request body or a part of one: JSON's types as they are (strict), numbers finite, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(ApiModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(ApiModel):
     """Fields common to both completion endpoints, with OpenAI's ranges."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -119,14 +141,12 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(ApiModel):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Message(ApiModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[JsonObject] | None = None  # an assistant's calls, checked by tool_calls.template_message
@@ -161,7 +181,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False  # each choice's text starts with its prompt's
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: None = None
 
@@ -170,17 +190,16 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(ApiModel):
     """The body of POST /v1/embeddings."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: None = None  # the model's hidden size only: no truncated (Matryoshka) vectors
 
 
-Request = TypeVar("Request", ChatRequest, CompletionRequest, EmbeddingRequest)
+Request = TypeVar("Request", bound=ApiModel)
 
 
 def parse_request(body: bytes, schema: type[Request]) -> Request:
@@ -196,9 +215,11 @@ def parse_request(body: bytes, schema: type[Request]) -> Request:
     try:
         return schema.model_validate(data)
     except ValidationError as err:
-        # Of a union's failed branches, the one that got deepest says most ("content.0.type", not "content").
+        # Of a union's failed branches, the one that got deepest says most ("content.0.type", not "content"); the
+        # branches' own names (`str`, `list[int]`, a model's class name) are no part of the field's path.
         worst = max(err.errors(), key=lambda error: len(error["loc"]))
-        where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part))
+        where = ".".join(str(part) for part in worst["loc"] if part not in _TYPE_TAGS and "[" not in str(part)
+                         and not str(part)[:1].isupper())
         param = str(worst["loc"][0]) if worst["loc"] else None
         raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=param, code="invalid_value") from None
 
@@ -217,10 +238,16 @@ def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
                        param="functions", code="unsupported_value")
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return template_messages(request.messages)
+
+
+def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """`messages` as a chat template takes them: a developer's as the system's, text parts joined, tool calls with
+    their arguments as objects."""
     with tool_errors():
         return [tool_calls.template_message("system" if message.role == "developer" else message.role,
                                             _text(message.content), message.tool_calls, message.tool_call_id, index)
-                for index, message in enumerate(request.messages)]
+                for index, message in enumerate(messages)]
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -242,25 +269,34 @@ def tool_errors() -> Iterator[None]:
         raise ApiError(400, str(err), param=err.param, code="invalid_value") from None
 
 
-def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list[int]:
-    """The one prompt of a completion request: text to tokenize, or token ids checked against the vocabulary."""
+def completion_prompts(request: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
+    """The prompts of a completion request, each a text to tokenize or token ids checked against the vocabulary;
+    `echo` with `logprobs` refused (the prompt's own logprobs would be wanted, and the scheduler's prefill keeps
+    only the last position's logits)."""
+    if request.echo and request.logprobs is not None:
+        raise ApiError(400, "echo: with logprobs it asks for the prompt's logprobs, which ember does not compute "
+                            "(prefill keeps only the last position's logits): drop one of them", param="echo",
+                       code="unsupported_value")
     # pydantic read the field as one branch of its union: a text, token ids, or a list of either.
     given = request.prompt
     if isinstance(given, list) and given and isinstance(given[0], (str, list)):
-        if len(given) != 1:
-            raise ApiError(400, "one prompt per request is supported", param="prompt", code="unsupported_value")
-        prompt = cast("str | list[int]", given[0])
+        prompts = list(cast("list[str | list[int]]", given))
     else:
-        prompt = cast("str | list[int]", given)
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        raise ApiError(400, "prompt: the prompt is empty: it needs at least one token", param="prompt",
+        prompts = [cast("str | list[int]", given)]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts; at most {MAX_PROMPTS} per request", param="prompt",
                        code="invalid_value")
-    if not 0 <= min(prompt) <= max(prompt) < vocab_size:
-        raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size}), got {min(prompt)}..{max(prompt)}",
-                       param="prompt", code="invalid_value")
-    return list(prompt)
+    for index, prompt in enumerate(prompts):
+        where = f"prompt.{index}" if len(prompts) > 1 else "prompt"
+        if isinstance(prompt, str):
+            continue
+        if not prompt:
+            raise ApiError(400, f"{where}: the prompt is empty: it needs at least one token", param="prompt",
+                           code="invalid_value")
+        if not 0 <= min(prompt) <= max(prompt) < vocab_size:
+            raise ApiError(400, f"{where}: token ids must be in [0, {vocab_size}), got {min(prompt)}..{max(prompt)}",
+                           param="prompt", code="invalid_value")
+    return prompts
 
 
 def check_choices(n: int, max_batch: int, tools: tool_calls.ToolPlan | None = None) -> None:
@@ -317,15 +353,16 @@ def embedding_response(vectors: Sequence[np.ndarray], model: str, prompt_tokens:
 
 
 def sampling_params(request: SamplingFields, prompt_len: int, context_window: int, vocab_size: int,
-                    prompt_param: str) -> SamplingParams:
-    """The sampling parameters `request` asks for, for a prompt of `prompt_len` tokens (named `prompt_param`)."""
+                    names: FieldNames = CHAT_FIELDS) -> SamplingParams:
+    """The sampling parameters `request` asks for, for a prompt of `prompt_len` tokens (errors name its fields by
+    `names`)."""
     max_tokens = request.token_limit()
     if prompt_len > context_window:
         raise ApiError(400, f"the prompt is {prompt_len} tokens, more than this model's context window of "
-                            f"{context_window} tokens", param=prompt_param, code="context_length_exceeded")
+                            f"{context_window} tokens", param=names.prompt, code="context_length_exceeded")
     if max_tokens is not None and prompt_len + max_tokens > context_window:
         raise ApiError(400, f"this model's context window is {context_window} tokens; the prompt is {prompt_len} "
-                            f"and max_tokens {max_tokens}: reduce one of them", param="max_tokens",
+                            f"and {names.max_tokens} {max_tokens}: reduce one of them", param=names.max_tokens,
                        code="context_length_exceeded")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     if not all(stop):
@@ -359,11 +396,12 @@ def model_card(name: str, created: int, context_window: int) -> JsonObject:
     return {"id": name, "object": "model", "created": created, "owned_by": "ember", "max_model_len": context_window}
 
 
-def usage(*lasts: StreamEvent) -> dict[str, int]:
-    """The token counts of a request as the last events of its choices have them: the prompt once."""
+def usage(lasts: Sequence[StreamEvent], choices: int = 1) -> dict[str, int]:
+    """The token counts of a request as the last events of its choices have them, `choices` per prompt (choice i
+    of prompt p has index p * choices + i): each prompt once."""
+    prompt = sum(event.prompt_tokens for event in lasts if event.index % choices == 0)
     completion = sum(event.completion_tokens for event in lasts)
-    return {"prompt_tokens": lasts[0].prompt_tokens, "completion_tokens": completion,
-            "total_tokens": lasts[0].prompt_tokens + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def chat_logprobs(items: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> JsonObject:
@@ -391,12 +429,42 @@ def merge(events: Sequence[StreamEvent]) -> StreamEvent:
     last = events[-1]
     return StreamEvent("".join(e.text for e in events), [t for e in events for t in e.token_ids],
                        [lp for e in events for lp in e.logprobs], last.finish_reason, last.prompt_tokens,
-                       last.completion_tokens, last.index)
+                       last.completion_tokens, last.index, last.cached_tokens)
+
+
+class ReplyShape(Protocol):
+    """How one API answers a request from the scheduler's events: whole, or as server-sent events (`opening`, then
+    what `feed` makes of each event, `failure` if generation fails after the response began, and `closing`)."""
+
+    @property
+    def stream(self) -> bool:
+        """Whether the request asked for a stream."""
+        ...
+
+    def whole(self, events: Sequence[StreamEvent]) -> JsonObject:
+        """The response to an unstreamed request, from all its events."""
+        ...
+
+    def opening(self) -> list[str]:
+        """The stream's first events, before any token."""
+        ...
+
+    def feed(self, event: StreamEvent) -> list[str]:
+        """The stream's events that `event` makes."""
+        ...
+
+    def failure(self, error: ApiError) -> list[str]:
+        """The stream's events telling the client that generation failed."""
+        ...
+
+    def closing(self) -> list[str]:
+        """What ends the stream, whether it ended well or failed."""
+        ...
 
 
 @dataclass(frozen=True)
 class Reply:
-    """The shape of one request's answer: chat or text completion, whole or streamed, with what extras.
+    """The shape of one OpenAI chat or text completion answer: whole or streamed, with what extras.
 
     `token_text` names a token id (a tokenizer's decode of it alone) for logprobs."""
 
@@ -408,18 +476,23 @@ class Reply:
     token_text: Callable[[int], str] = str
     tools: tool_calls.ToolPlan | None = None  # read tool calls out of the reply by this plan
     readers: dict[int, tool_calls.CallReader] = field(default_factory=dict)  # a tool-calling stream's, by choice
-    choices: int = 1  # `n`: events carry the index of their choice
+    choices: int = 1  # `n` per prompt: events carry the index of their choice, prompt-major
+    echo: tuple[str, ...] = ()  # with `echo`, each prompt's text, which its choices' text starts with
+    prompts: int = 1  # a text completion's prompts
     ended: list[StreamEvent] = field(default_factory=list)  # a stream's choices' last events, for its usage
+    offsets: dict[int, int] = field(default_factory=dict)  # characters streamed so far, by choice
     created: int = field(default_factory=lambda: int(time.time()))
     ident: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
     def to(cls, request: ChatRequest | CompletionRequest, model: str, token_text: Callable[[int], str],
-           tools: tool_calls.ToolPlan | None = None) -> Reply:
-        """How `request` is answered (`tools`: the plan of a chat request's tools)."""
+           tools: tool_calls.ToolPlan | None = None, echo: Sequence[str] = (), prompts: int = 1) -> Reply:
+        """How `request` is answered (`tools`: the plan of a chat request's tools; `echo`: the texts of a completion
+        request's `prompts` that asked for them back)."""
         return cls(chat=isinstance(request, ChatRequest), model=model, stream=request.stream,
                    include_usage=request.wants_usage(), logprobs=request.logprob_count() is not None,
-                   token_text=token_text, tools=tools if tools and tools.returns_calls else None, choices=request.n)
+                   token_text=token_text, tools=tools if tools and tools.returns_calls else None, choices=request.n,
+                   echo=tuple(echo), prompts=prompts)
 
     def head(self) -> JsonObject:
         """The fields every response or chunk of this answer starts with."""
@@ -430,8 +503,29 @@ class Reply:
 
     def whole(self, events: Sequence[StreamEvent]) -> JsonObject:
         """The response to an unstreamed request, from all its events."""
-        merged = [merge([event for event in events if event.index == index]) for index in range(self.choices)]
-        return {**self.head(), "choices": [self.choice(one, 0) for one in merged], "usage": usage(*merged)}
+        merged = [merge([event for event in events if event.index == index])
+                  for index in range(self.prompts * self.choices)]
+        return {**self.head(), "choices": [self.choice(one, 0, first=True) for one in merged],
+                "usage": usage(merged, self.choices)}
+
+    def opening(self) -> list[str]:
+        """Nothing: OpenAI's stream begins with its first chunk."""
+        return []
+
+    def feed(self, event: StreamEvent) -> list[str]:
+        """The server-sent chunks of `event`."""
+        offset = self.offsets.get(event.index, 0)
+        chunks = self.chunks(event, offset, event.index not in self.offsets)
+        self.offsets[event.index] = offset + len(event.text)
+        return [sse(chunk) for chunk in chunks]
+
+    def failure(self, error: ApiError) -> list[str]:
+        """The error, in the stream."""
+        return [sse(error.body())]
+
+    def closing(self) -> list[str]:
+        """OpenAI's `[DONE]`."""
+        return [sse("[DONE]")]
 
     def chunks(self, event: StreamEvent, offset: int, first: bool) -> list[JsonObject]:
         """The stream chunks `event` makes (none, one, or one and the usage chunk after the last); `offset`:
@@ -446,18 +540,19 @@ class Reply:
             chunks.append(chunk)
         if event.finish_reason is not None:
             self.ended.append(event)
-            if self.include_usage and len(self.ended) == self.choices:
-                chunks.append({**self.head(), "choices": [], "usage": usage(*self.ended)})
+            if self.include_usage and len(self.ended) == self.prompts * self.choices:
+                chunks.append({**self.head(), "choices": [], "usage": usage(self.ended, self.choices)})
         return chunks
 
     def choice(self, event: StreamEvent, offset: int, first: bool = False) -> JsonObject:
-        """The choice (`event.index`) of a response or chunk holding `event`."""
+        """The choice (`event.index`) of a response or chunk holding `event` (`first`: the choice's first)."""
         logprobs = None
         if self.logprobs:
             logprobs = (chat_logprobs(event.logprobs, self.token_text) if self.chat else
                         completion_logprobs(event.logprobs, offset, self.token_text))
         if not self.chat:
-            return {"index": event.index, "text": event.text, "logprobs": logprobs,
+            echoed = self.echo[event.index // self.choices] if first and self.echo else ""
+            return {"index": event.index, "text": echoed + event.text, "logprobs": logprobs,
                     "finish_reason": event.finish_reason}
         if not self.stream:
             message, reason = {"role": "assistant", "content": event.text}, event.finish_reason
@@ -483,7 +578,7 @@ class Reply:
         if event.finish_reason is not None:
             chunks.append(self.delta_chunk({}, reader.finish_reason(event.finish_reason)))
             if self.include_usage:
-                chunks.append({**self.head(), "choices": [], "usage": usage(event)})
+                chunks.append({**self.head(), "choices": [], "usage": usage([event])})
         return chunks
 
     def delta_chunk(self, delta: JsonObject, finish_reason: str | None = None) -> JsonObject:
@@ -493,6 +588,8 @@ class Reply:
         return {**chunk, "usage": None} if self.include_usage else chunk
 
 
-def sse(data: JsonObject | str) -> str:
-    """One server-sent event carrying `data` (a JSON object, or the stream's closing `[DONE]`)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+def sse(data: JsonObject | str, event: str | None = None) -> str:
+    """One server-sent event carrying `data` (a JSON object, or the stream's closing `[DONE]`), of type `event` if
+    given (the Responses and Anthropic streams name each event's type)."""
+    named = f"event: {event}\n" if event is not None else ""
+    return f"{named}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

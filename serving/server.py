@@ -1,19 +1,21 @@
-"""`ember serve`: an OpenAI-compatible HTTP API over the scheduler (FastAPI + uvicorn, the `serve` extra).
+"""`ember serve`: an HTTP API over the scheduler (FastAPI + uvicorn, the `serve` extra) that speaks OpenAI's API,
+Anthropic's Messages API and llama-server's utility endpoints.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent
-events ending in `data: [DONE]`, or whole; `n` choices fork one prefilled prompt), POST /v1/embeddings
-(artifacts compiled with `--embeddings`; pooled as `--pooling` says), GET /v1/models and /v1/models/NAME, /health
-and /metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams
-through /v1/chat/completions); CORS answers for the web origins the caller allows, none
-by default. Every request runs through one `Scheduler`, which this module only wraps and
-routes to: bodies are parsed, checked and answered by `serving/protocol.py`, prompts
-tokenized off the event loop, `response_format` JSON and `tool_choice` calls enforced by a token mask
-(`serving/constrained.py`, `serving/tool_calls.py`), and every failure answered in OpenAI's error shape
-`{"error": {"message", "type", "param", "code"}}` (400 bad fields, 401 API key,
-404 unknown model or path, 413 body too large, 429 queue full, 500 a bug), never
-a traceback: whatever one request raises, a Rust panic from the tokenizer included, the server goes on.
-Unknown request fields are ignored, as by vLLM and llama.cpp's server.
-FastAPI is imported only here, so the rest of the runtime runs without it.
+The routes are `serving/routes.py`'s table (docs/serving.md lists them): OpenAI's chat and text completions
+(streamed as server-sent events ending in `data: [DONE]`, or whole; `n` choices fork one prefilled prompt), Responses
+and embeddings (artifacts compiled with `--embeddings`; pooled as `--pooling` says), the models; Anthropic's
+messages and their token count; llama-server's /tokenize, /detokenize, /apply-template, /props and /health;
+/metrics (Prometheus text), and a web chat page at / (static/chat.html, which streams through
+/v1/chat/completions); CORS answers for the web origins the caller allows, none by default. Every request runs
+through one `Scheduler`, which this module only wraps and routes to: bodies are parsed, checked and answered by
+`serving/protocol.py` (OpenAI), `responses.py`, `anthropic_messages.py` and `utilities.py`, a Responses or
+Messages request generated as the chat request it maps to; prompts tokenized off the event loop, `response_format`
+JSON and `tool_choice` calls enforced by a token mask (`serving/constrained.py`, `serving/tool_calls.py`), and every
+failure answered in its API's error shape, OpenAI's `{"error": {"message", "type", "param", "code"}}` or
+Anthropic's `{"type": "error", "error": {"type", "message"}}` (400 bad fields, 401 API key, 404 unknown model or
+path, 413 body too large, 429 queue full, 500 a bug), never a traceback: whatever one request raises, a Rust panic
+from the tokenizer included, the server goes on. Unknown request fields are ignored, as by vLLM and llama.cpp's
+server. FastAPI is imported only here, so the rest of the runtime runs without it.
 """
 
 from __future__ import annotations
@@ -27,29 +29,36 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ember.core.errors import EmberError, GenerationError
 from ember.runtime.engine import pooled_embedding
 from ember.runtime.generate import LogitsProcessor
 from ember.runtime.history import default_reply_tokens, fit_history
 from ember.runtime.tokenizer import Tokenizer
+from ember.serving import anthropic_messages, responses, utilities
+from ember.serving.anthropic_messages import CountTokensRequest, MessagesReply, MessagesRequest
 from ember.serving.constrained import JsonConstraints
 from ember.serving.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
     NEVER_CAUGHT,
     ApiError,
+    ApiModel,
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    FieldNames,
     Reply,
-    Request,
+    ReplyShape,
     chat_messages,
     chat_tools,
     check_choices,
     check_embedding_lengths,
     check_model,
-    completion_prompt,
+    completion_prompts,
     embedding_inputs,
     embedding_response,
     generation_error,
@@ -58,10 +67,13 @@ from ember.serving.protocol import (
     parse_request,
     request_error,
     sampling_params,
-    sse,
+    template_messages,
 )
+from ember.serving.responses import RESPONSES_FIELDS, ResponsesReply, ResponsesRequest
+from ember.serving.routes import ROUTES
 from ember.serving.scheduler import Histogram, Scheduler, StreamEvent, TokenStream
 from ember.serving.tool_calls import ToolPlan, call_grammar
+from ember.serving.utilities import DetokenizeRequest, TemplateRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +81,17 @@ MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused with 4
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 # How many of a `truncation: "auto"` chat's earliest turns were dropped to fit the context window.
 DROPPED_TURNS_HEADER = "X-Dropped-Turns"
-_ENDPOINTS = ("/", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
+# The paths /metrics counts responses by (a model's card by its route's, whatever the model), and those answering
+# errors in Anthropic's shape.
+_ENDPOINTS = frozenset(route.path for route in ROUTES if "{" not in route.path)
+_ANTHROPIC_PATHS = frozenset(route.path for route in ROUTES if route.errors == "anthropic")
 _Result = TypeVar("_Result")
+_Body = TypeVar("_Body", bound=ApiModel)
 
 try:
     import fastapi
     import uvicorn
+    from fastapi import Depends
     from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -112,9 +129,15 @@ class _Metrics:
         return counted
 
 
+def _error_response(path: str, error: ApiError) -> JSONResponse:
+    """The response answering `error` on `path`: in Anthropic's shape on its routes, else in OpenAI's."""
+    body = anthropic_messages.error_body(error) if path in _ANTHROPIC_PATHS else error.body()
+    return JSONResponse(body, status_code=error.status)
+
+
 def _guarded(app: ASGIApp) -> ASGIApp:
     """Wrap an ASGI app so that a failure no handler caught (a `BaseException` such as a Rust panic, which
-    Starlette's error middleware lets through as it catches only `Exception`) is answered with OpenAI's 500."""
+    Starlette's error middleware lets through as it catches only `Exception`) is answered with a 500."""
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
@@ -131,7 +154,7 @@ def _guarded(app: ASGIApp) -> ASGIApp:
             if started or scope["type"] != "http":  # answered already: uvicorn logs it and ends the response
                 raise
             log.error("internal error answering a request", exc_info=err)
-            await JSONResponse(internal_error(err).body(), status_code=500)(scope, receive, send)
+            await _error_response(scope["path"], internal_error(err))(scope, receive, send)
 
     return guarded
 
@@ -150,11 +173,51 @@ async def _off_loop(work: Callable[[], _Result], param: str) -> _Result:
         raise error from None
 
 
+class _EventStream(Protocol):
+    """A submitted request's events, as the scheduler's `TokenStream` gives them; `cancel()` ends the request."""
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class _PromptStreams:
+    """The streams of a completion request's prompts as one: each prompt's events in turn, their choices numbered
+    prompt-major (choice i of prompt p is p * n + i), as OpenAI numbers them. Every prompt generates at once in
+    the scheduler; the events of those after the first wait in their own queues until they are read."""
+
+    def __init__(self, streams: Sequence[TokenStream]) -> None:
+        self.streams = streams
+
+    def cancel(self) -> None:
+        """Stop every prompt's request."""
+        for stream in self.streams:
+            stream.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        for prompt, stream in enumerate(self.streams):
+            async for event in stream:
+                yield replace(event, index=prompt * stream.choices + event.index)
+
+
+@dataclass(frozen=True)
+class _ChatPrompt:
+    """A chat rendered for generation: its request (with the reply's tokens, if `truncation: "auto"` chose them),
+    its prompt's token ids, its tools, and how many of its earliest turns were dropped (None: none could be)."""
+
+    fields: ChatRequest
+    prompt_ids: list[int]
+    tools: ToolPlan | None
+    dropped: int | None
+
+
 class _Api:
     """What the routes do, over one scheduler serving one model."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None, pooling: str = "mean") -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None, pooling: str = "mean",
+                 metrics: _Metrics | None = None) -> None:
         self.scheduler = scheduler
+        self.counted = metrics or _Metrics()
         self.pooling = pooling
         self.engine = scheduler.engine
         self.model_name = model_name
@@ -162,64 +225,78 @@ class _Api:
         self.tokenizer: Tokenizer | None = self.engine.artifact.tokenizer
         self.constraints = JsonConstraints(self.engine.artifact, self.engine.vocab_size)
         self.card = model_card(model_name, int(time.time()), self.engine.context_window)
+        self.page = chat_page_html(api_key is not None)
 
     def authorize(self, request: HttpRequest) -> None:
-        """Refuse a request without the server's API key, if it has one."""
+        """Refuse a request without the server's API key, if it has one: as OpenAI's clients send it
+        (`Authorization: Bearer KEY`) or as Anthropic's (`x-api-key: KEY`)."""
         if self.api_key is None:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        given = bearer.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        if not given:
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                            code="invalid_api_key")
-        if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
-    async def read(self, request: HttpRequest, schema: type[Request]) -> Request:
-        """The authorized request's body, checked against `schema` and the model served."""
-        self.authorize(request)
+    async def read(self, request: HttpRequest, schema: type[_Body]) -> _Body:
+        """The request's body, checked against `schema` (and, where it names one, against the model served)."""
         fields = parse_request(await read_body(request), schema)
-        check_model(fields.model, self.model_name)
+        model = getattr(fields, "model", None)
+        if isinstance(model, str):
+            check_model(model, self.model_name)
         return fields
 
     async def chat(self, request: HttpRequest) -> Response:
         """POST /v1/chat/completions."""
         fields = await self.read(request, ChatRequest)
-        messages = chat_messages(fields)
-        tokenizer = self._need_tokenizer()
-        tools = chat_tools(fields, tokenizer.chat_template)
-        # With truncation "auto", the earliest turns are dropped until the prompt leaves the reply its tokens.
-        prompt_limit: int | None = None
-        if fields.truncation == "auto":
-            reply_tokens = fields.token_limit()
-            if reply_tokens is None:
-                reply_tokens = default_reply_tokens(self.engine.context_window)
-                fields = fields.model_copy(update={"max_tokens": reply_tokens})
-            prompt_limit = self.engine.context_window - reply_tokens
+        chat = await self._chat_prompt(fields, chat_messages(fields), CHAT_FIELDS)
+        stream = await self._generate(chat.fields, [chat.prompt_ids], CHAT_FIELDS, chat.tools)
+        reply = Reply.to(chat.fields, self.model_name, self._token_text, chat.tools)
+        return _with_dropped_turns(await _respond(request, stream, reply), chat)
 
-        def prompt_of(kept: list[dict]) -> list[int]:
-            text = tokenizer.apply_chat_template(kept, tools=tools.template_tools if tools else None)
-            return tokenizer.encode(text, add_special_tokens=False)
+    async def responses(self, request: HttpRequest) -> Response:
+        """POST /v1/responses: read into a chat request, generated as a chat, answered as a Response."""
+        body = await self.read(request, ResponsesRequest)
+        fields = responses.chat_request(body)
+        chat = await self._chat_prompt(fields, template_messages(fields.messages), RESPONSES_FIELDS)
+        stream = await self._generate(chat.fields, [chat.prompt_ids], RESPONSES_FIELDS, chat.tools)
+        return _with_dropped_turns(await _respond(request, stream, ResponsesReply(body, self.model_name, chat.tools)),
+                                   chat)
 
-        def render() -> tuple[list[int], int]:
-            if prompt_limit is None:
-                return prompt_of(messages), 0
-            _kept, prompt, dropped = fit_history(messages, prompt_of, prompt_limit)
-            return prompt, dropped
+    async def messages(self, request: HttpRequest) -> Response:
+        """POST /v1/messages: read into a chat request, generated as a chat, answered as Anthropic's Message."""
+        body = await self.read(request, MessagesRequest)
+        fields = anthropic_messages.chat_request(body)
+        chat = await self._chat_prompt(fields, template_messages(fields.messages), CHAT_FIELDS)
+        reply = MessagesReply(body, self.model_name, chat.tools, len(chat.prompt_ids), self._need_tokenizer().decode)
+        return await _respond(request, await self._generate(chat.fields, [chat.prompt_ids], CHAT_FIELDS, chat.tools),
+                              reply)
 
-        prompt, dropped = await _off_loop(render, "messages")
-        response = await self._answer(request, fields, prompt, "messages", tools)
-        if prompt_limit is not None:
-            response.headers[DROPPED_TURNS_HEADER] = str(dropped)
-        return response
+    async def count_tokens(self, request: HttpRequest) -> Response:
+        """POST /v1/messages/count_tokens: the tokens of the prompt /v1/messages would render."""
+        fields = anthropic_messages.chat_request(await self.read(request, CountTokensRequest))
+        chat = await self._chat_prompt(fields, template_messages(fields.messages), CHAT_FIELDS)
+        return JSONResponse({"input_tokens": len(chat.prompt_ids)})
 
     async def completion(self, request: HttpRequest) -> Response:
         """POST /v1/completions."""
         fields = await self.read(request, CompletionRequest)
-        prompt = completion_prompt(fields, self.engine.vocab_size)
-        if isinstance(prompt, str):
-            tokenizer, text = self._need_tokenizer(), prompt
-            prompt = await _off_loop(lambda: tokenizer.encode(text), "prompt")
-        return await self._answer(request, fields, prompt, "prompt")
+        prompts = completion_prompts(fields, self.engine.vocab_size)
+
+        def tokenized() -> tuple[list[list[int]], list[str]]:
+            """Each prompt's token ids, and with `echo` its text (token ids' decoded)."""
+            ids = [self._need_tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+                   for prompt in prompts]
+            echo = [prompt if isinstance(prompt, str) else self._need_tokenizer("echo").decode(prompt)
+                    for prompt in prompts] if fields.echo else []
+            return ids, echo
+
+        prompt_ids, echo = await _off_loop(tokenized, "prompt")
+        stream = await self._generate(fields, prompt_ids, COMPLETION_FIELDS)
+        reply = Reply.to(fields, self.model_name, self._token_text, echo=echo, prompts=len(prompt_ids))
+        return await _respond(request, stream, reply)
 
     async def embeddings(self, request: HttpRequest) -> Response:
         """POST /v1/embeddings."""
@@ -252,70 +329,184 @@ class _Api:
         return JSONResponse(embedding_response(vectors, self.model_name, sum(len(ids) for ids in token_ids),
                                                fields.encoding_format))
 
-    def _need_tokenizer(self) -> Tokenizer:
+    async def tokenize(self, request: HttpRequest) -> Response:
+        """POST /tokenize (llama-server's)."""
+        body = await self.read(request, TokenizeRequest)
+        tokenizer = self._need_tokenizer("content")
+        ids = await _off_loop(lambda: tokenizer.encode(body.content, add_special_tokens=body.add_special), "content")
+        if not body.with_pieces:
+            return JSONResponse({"tokens": ids})
+        pieces = await _off_loop(lambda: self.constraints.token_bytes(ids), "with_pieces")
+        return JSONResponse({"tokens": utilities.token_pieces(ids, pieces)})
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        """POST /detokenize (llama-server's)."""
+        body = await self.read(request, DetokenizeRequest)
+        tokenizer = self._need_tokenizer("tokens")
+        utilities.check_token_ids(body.tokens, tokenizer.vocab_size)
+        return JSONResponse({"content": await _off_loop(lambda: tokenizer.decode(body.tokens), "tokens")})
+
+    async def apply_template(self, request: HttpRequest) -> Response:
+        """POST /apply-template (llama-server's): the prompt text /v1/chat/completions would generate after."""
+        body = await self.read(request, TemplateRequest)
+        fields = ChatRequest.model_validate({"model": self.model_name, "messages": body.messages, "tools": body.tools,
+                                             "tool_choice": body.tool_choice,
+                                             "parallel_tool_calls": body.parallel_tool_calls})
+        tokenizer = self._need_tokenizer("messages")
+        tools = chat_tools(fields, tokenizer.chat_template)
+        messages = template_messages(fields.messages)
+        text = await _off_loop(lambda: tokenizer.apply_chat_template(messages, tools=_template_tools(tools)),
+                               "messages")
+        return JSONResponse({"prompt": text})
+
+    async def props(self) -> Response:
+        """GET /props (llama-server's)."""
+        tokenizer, engine = self.tokenizer, self.engine
+        return JSONResponse(utilities.props(
+            self.model_name, engine.artifact.path, engine.context_window, engine.max_batch,
+            tokenizer.chat_template if tokenizer else None, tokenizer.bos_token if tokenizer else None,
+            tokenizer.eos_token if tokenizer else None))
+
+    async def models(self) -> Response:
+        """GET /v1/models."""
+        return JSONResponse({"object": "list", "data": [self.card]})
+
+    async def model(self, model: str) -> Response:
+        """GET /v1/models/NAME: the openai client's models.retrieve(name) (a name may hold a slash)."""
+        check_model(model, self.model_name)
+        return JSONResponse(self.card)
+
+    async def chat_page(self) -> Response:
+        """GET /: the chat page, which holds no secret and asks for the API key when the API wants one."""
+        return HTMLResponse(self.page)
+
+    async def health(self) -> Response:
+        """GET /health."""
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Response:
+        """GET /metrics: Prometheus text."""
+        return PlainTextResponse(_prometheus(self.scheduler, self.counted.responses),
+                                 media_type="text/plain; version=0.0.4")
+
+    def _need_tokenizer(self, param: str = "prompt") -> Tokenizer:
         if self.tokenizer is None:
-            raise ApiError(400, "this artifact has no tokenizer: send prompt token ids to /v1/completions",
-                           param="prompt", code="unsupported_value")
+            hint = ": send prompt token ids to /v1/completions" if param == "prompt" else ""
+            raise ApiError(400, f"this artifact has no tokenizer{hint}", param=param, code="unsupported_value")
         return self.tokenizer
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
 
-    async def _answer(self, request: HttpRequest, fields: ChatRequest | CompletionRequest, prompt_ids: list[int],
-                      prompt_param: str, tools: ToolPlan | None = None) -> Response:
-        """Generate for `prompt_ids`: the whole answer, or its SSE stream; a client gone mid-way cancels it."""
-        engine = self.engine
-        params = sampling_params(fields, len(prompt_ids), engine.context_window, engine.vocab_size, prompt_param)
-        check_choices(fields.n, engine.max_batch, tools)
-        processor = await self._processor(fields, tools)
-        processors: LogitsProcessor | list[LogitsProcessor | None] | None = processor
-        if processor is not None and fields.n > 1:  # each choice advances a grammar state of its own
-            processors = [processor, *[await self._processor(fields, tools) for _ in range(fields.n - 1)]]
-        try:
-            stream = await self.scheduler.submit(prompt_ids, params, processors, n=fields.n)
-        except GenerationError as err:
-            raise request_error(err) from None
-        reply = Reply.to(fields, self.model_name, self._token_text, tools)
-        if not fields.stream:
-            return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
-        return StreamingResponse(_events(reply, stream), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def _chat_prompt(self, fields: ChatRequest, messages: list[dict[str, Any]], names: FieldNames) -> _ChatPrompt:
+        """The chat's prompt rendered through the chat template with its tools; with truncation "auto", the
+        earliest turns dropped until the prompt leaves the reply its tokens."""
+        tokenizer = self._need_tokenizer()
+        tools = chat_tools(fields, tokenizer.chat_template)
+        prompt_limit: int | None = None
+        if fields.truncation == "auto":
+            reply_tokens = fields.token_limit()
+            if reply_tokens is None:
+                reply_tokens = default_reply_tokens(self.engine.context_window)
+                fields = fields.model_copy(update={"max_tokens": reply_tokens})
+            prompt_limit = self.engine.context_window - reply_tokens
 
-    async def _processor(self, fields: ChatRequest | CompletionRequest,
-                         tools: ToolPlan | None) -> LogitsProcessor | None:
+        def prompt_of(kept: list[dict]) -> list[int]:
+            text = tokenizer.apply_chat_template(kept, tools=_template_tools(tools))
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        def render() -> tuple[list[int], int | None]:
+            if prompt_limit is None:
+                return prompt_of(messages), None
+            _kept, prompt, dropped = fit_history(messages, prompt_of, prompt_limit)
+            return prompt, dropped
+
+        prompt, dropped = await _off_loop(render, names.prompt)
+        return _ChatPrompt(fields, prompt, tools, dropped)
+
+    async def _generate(self, fields: ChatRequest | CompletionRequest, prompts: list[list[int]], names: FieldNames,
+                        tools: ToolPlan | None = None) -> _EventStream:
+        """Submit each prompt (`fields.n` choices of each) to the scheduler: their events as one stream."""
+        engine = self.engine
+        params = [sampling_params(fields, len(ids), engine.context_window, engine.vocab_size, names) for ids in prompts]
+        check_choices(fields.n, engine.max_batch, tools)
+        streams: list[TokenStream] = []
+        try:
+            for ids, prompt_params in zip(prompts, params):
+                processors = await self._processors(fields, tools, names)
+                streams.append(await self.scheduler.submit(ids, prompt_params, processors, n=fields.n))
+        except BaseException as err:
+            for stream in streams:
+                stream.cancel()
+            if isinstance(err, GenerationError):
+                raise request_error(err) from None
+            raise
+        return streams[0] if len(streams) == 1 else _PromptStreams(streams)
+
+    async def _processors(self, fields: ChatRequest | CompletionRequest, tools: ToolPlan | None,
+                          names: FieldNames) -> LogitsProcessor | list[LogitsProcessor | None] | None:
+        """The token masks of one prompt's choices (one for a single choice): each advances a grammar state of its
+        own."""
+        processor = await self._processor(fields, tools, names)
+        if processor is None or fields.n == 1:
+            return processor
+        return [processor, *[await self._processor(fields, tools, names) for _ in range(fields.n - 1)]]
+
+    async def _processor(self, fields: ChatRequest | CompletionRequest, tools: ToolPlan | None,
+                         names: FieldNames) -> LogitsProcessor | None:
         """The token mask that `response_format`, or a tool_choice that makes the reply a call, holds one reply to."""
-        response_format = fields.response_format
+        response_format, param = fields.response_format, names.response_format
         processor = None if response_format is None else \
-            await _off_loop(lambda: self.constraints.mask(response_format), "response_format")
+            await _off_loop(lambda: self.constraints.mask(response_format, param), param)
         if tools is not None and tools.enforced:  # the reply must be a call: held to the calls' grammar
             if processor is not None:
-                raise ApiError(400, "response_format cannot apply to a reply that tool_choice makes a tool call",
-                               param="response_format", code="invalid_value")
+                raise ApiError(400, f"{param} cannot apply to a reply that tool_choice makes a tool call",
+                               param=param, code="invalid_value")
             processor = await _off_loop(lambda: self.constraints.grammar_mask(call_grammar(tools), "tool_choice"),
                                         "tool_choice")
         return processor
 
 
-def _answer_errors_in_openai_shape(app: fastapi.FastAPI) -> None:
+def _template_tools(tools: ToolPlan | None) -> list[dict[str, Any]] | None:
+    return tools.template_tools if tools else None
+
+
+def _with_dropped_turns(response: Response, chat: _ChatPrompt) -> Response:
+    """`response` saying how many of the chat's earliest turns `truncation: "auto"` dropped, if it could drop any."""
+    if chat.dropped is not None:
+        response.headers[DROPPED_TURNS_HEADER] = str(chat.dropped)
+    return response
+
+
+async def _respond(request: HttpRequest, stream: _EventStream, reply: ReplyShape) -> Response:
+    """The whole answer once its events are in, or its event stream; a client gone mid-way cancels it."""
+    if not reply.stream:
+        return JSONResponse(reply.whole(await _unless_disconnected(request, stream)))
+    return StreamingResponse(_events(reply, stream), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _answer_errors_in_their_shape(app: fastapi.FastAPI) -> None:
+    """Every error answered in the shape of its route's API (OpenAI's but on Anthropic's routes)."""
     @app.exception_handler(ApiError)
-    async def api_error(_request: HttpRequest, err: ApiError) -> Response:
-        return JSONResponse(err.body(), status_code=err.status)
+    async def api_error(request: HttpRequest, err: ApiError) -> Response:
+        return _error_response(request.url.path, err)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: HttpRequest, err: HTTPException) -> Response:
+    async def http_error(request: HttpRequest, err: HTTPException) -> Response:
         code = "not_found" if err.status_code == 404 else None
-        return JSONResponse(ApiError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code)
+        return _error_response(request.url.path, ApiError(err.status_code, str(err.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def bug(_request: HttpRequest, err: Exception) -> Response:
+    async def bug(request: HttpRequest, err: Exception) -> Response:
         log.error("internal error answering a request", exc_info=err)
-        return JSONResponse(internal_error(err).body(), status_code=500)
+        return _error_response(request.url.path, internal_error(err))
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                allowed_origins: Sequence[str] = (), pooling: str = "mean") -> ASGIApp:
     """The ASGI application serving `scheduler`'s engine as the model `model_name` (embeddings pooled by
-    `pooling`, one of `engine.POOLINGS`).
+    `pooling`, one of `engine.POOLINGS`), its routes those of `serving/routes.py`'s table.
 
     `allowed_origins`: web origins (or `*`) whose pages' scripts may call the API from a browser: the
     answers carry CORS headers for them, and their preflight requests are answered. Others are refused
@@ -323,40 +514,14 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     app = fastapi.FastAPI(title="ember", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=[DROPPED_TURNS_HEADER],
-                           max_age=600)
-    _answer_errors_in_openai_shape(app)
-    api, metrics = _Api(scheduler, model_name, api_key, pooling), _Metrics()
-    page = chat_page_html(api_key is not None)
-    app.post("/v1/chat/completions")(api.chat)
-    app.post("/v1/completions")(api.completion)
-    app.post("/v1/embeddings")(api.embeddings)
-
-    @app.get("/v1/models")
-    async def models(request: HttpRequest) -> Response:
-        api.authorize(request)
-        return JSONResponse({"object": "list", "data": [api.card]})
-
-    @app.get("/v1/models/{model:path}")
-    async def model(request: HttpRequest, model: str) -> Response:
-        # The openai client's models.retrieve(name); `path` because a model name may hold a slash.
-        api.authorize(request)
-        check_model(model, model_name)
-        return JSONResponse(api.card)
-
-    @app.get("/")
-    async def chat_page() -> Response:
-        # No API key here: the page holds no secret, and it asks for the key when the API wants one.
-        return HTMLResponse(page)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return PlainTextResponse(_prometheus(scheduler, metrics.responses), media_type="text/plain; version=0.0.4")
-
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
+                           expose_headers=[DROPPED_TURNS_HEADER], max_age=600)
+    _answer_errors_in_their_shape(app)
+    metrics = _Metrics()
+    api = _Api(scheduler, model_name, api_key, pooling, metrics)
+    for route in ROUTES:
+        app.add_api_route(route.path, getattr(api, route.handler), methods=[route.method],
+                          dependencies=[Depends(api.authorize)] if route.needs_key else None)
     return metrics.middleware(_guarded(app))
 
 
@@ -366,28 +531,29 @@ def chat_page_html(needs_key: bool) -> str:
     return page.replace('data-api-key="optional"', 'data-api-key="required"', 1) if needs_key else page
 
 
-async def _events(reply: Reply, stream: TokenStream) -> AsyncIterator[str]:
-    """A streamed request's server-sent events, ending in `[DONE]`; an error after the status line was sent
+async def _events(reply: ReplyShape, stream: _EventStream) -> AsyncIterator[str]:
+    """A streamed request's server-sent events, as its API shapes them; an error after the status line was sent
     goes in the stream."""
-    offsets: dict[int, int] = {}  # characters streamed so far, by choice
     try:
+        for text in reply.opening():
+            yield text
         async for event in stream:
-            offset = offsets.get(event.index, 0)
-            for chunk in reply.chunks(event, offset, event.index not in offsets):
-                yield sse(chunk)
-            offsets[event.index] = offset + len(event.text)
+            for text in reply.feed(event):
+                yield text
     except NEVER_CAUGHT:
         raise
     except BaseException as err:
         if not isinstance(err, EmberError):
             log.error("internal error in a stream", exc_info=err)
-        yield sse(generation_error(err).body())
+        for text in reply.failure(generation_error(err)):
+            yield text
     finally:
         stream.cancel()  # the client went away (or the stream ended): free the sequence now
-    yield sse("[DONE]")
+    for text in reply.closing():
+        yield text
 
 
-async def _collect(stream: TokenStream) -> list[StreamEvent]:
+async def _collect(stream: _EventStream) -> list[StreamEvent]:
     return [event async for event in stream]
 
 
@@ -428,7 +594,7 @@ async def wait_unless_disconnected(request: HttpRequest, task: asyncio.Future[An
         raise ApiError(499, "the client closed the connection", code="client_closed")
 
 
-async def _unless_disconnected(request: HttpRequest, stream: TokenStream) -> list[StreamEvent]:
+async def _unless_disconnected(request: HttpRequest, stream: _EventStream) -> list[StreamEvent]:
     """All of `stream`'s events, or cancel the request when the client disconnects before they are in."""
     task = asyncio.ensure_future(_collect(stream))
     await wait_unless_disconnected(request, task, stream.cancel)

@@ -192,6 +192,19 @@ def ember_serve(artifact: Path, api_key_file: Path, timeout: float, *options: st
         process.wait(timeout=timeout)
 
 
+def assert_declared_fields_only(model) -> None:
+    """No field of `model`, a client library's pydantic type validated from what ember sent (nested ones included),
+    is outside the fields the type declares: every field ember sends is one of theirs."""
+    from pydantic import BaseModel
+
+    assert not model.model_extra, f"{type(model).__name__} has fields its type does not know: {model.model_extra}"
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                assert_declared_fields_only(item)
+
+
 def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
     """`ember ARGS` in this process, as a CompletedProcess (argparse's exit becomes the return code)."""
     from ember import cli

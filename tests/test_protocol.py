@@ -7,24 +7,25 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import assert_declared_fields_only
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("pydantic")
 
 from openai.types import Completion, Model  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
 
 from ember.core.errors import GenerationError  # noqa: E402
 from ember.runtime.sampling import TokenLogprob  # noqa: E402
 from ember.serving.protocol import (  # noqa: E402
+    COMPLETION_FIELDS,
     ApiError,
     ChatRequest,
     CompletionRequest,
     Reply,
     chat_messages,
     check_model,
-    completion_prompt,
+    completion_prompts,
     generation_error,
     model_card,
     parse_request,
@@ -52,16 +53,6 @@ def _refusal(call, *args, **kwargs) -> ApiError:
     return caught.value
 
 
-def _openai_shaped(model: BaseModel) -> None:
-    """No field of `model` (nested ones included) is outside the openai type's declared fields."""
-    assert not model.model_extra, f"{type(model).__name__} has fields openai does not know: {model.model_extra}"
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, BaseModel):
-                _openai_shaped(item)
-
-
 @pytest.mark.parametrize("body, status, param, words", [
     (b'{"model": "m", "prompt": ', 400, None, "not valid JSON"),
     (b'{"model": "\xff"}', 400, None, "not UTF-8"),
@@ -69,12 +60,12 @@ def _openai_shaped(model: BaseModel) -> None:
     (b'{"model": "m", "prompt": "a", "max_tokens": "5"}', 400, "max_tokens", "max_tokens"),
     (b'{"model": "m", "prompt": "a", "temperature": 3}', 400, "temperature", "temperature"),
     (b'{"model": "m", "prompt": "a", "n": 17}', 400, "n", "n"),
-    (b'{"model": "m", "prompt": "a", "echo": true}', 400, "echo", "echo"),
+    (b'{"model": "m", "prompt": "a", "echo": 1}', 400, "echo", "echo"),
     (b'{"model": "m", "prompt": ' + b"[" * 100_000, 400, None, "64 levels deep"),
     (b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "64 digits"),
     (b'{"model": "m", "prompt": "a", "temperature": NaN}', 400, None, "NaN, which is not JSON"),
     (b'{"model": "m", "prompt": "a", "temperature": 1e999}', 400, "temperature", "temperature"),
-], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 16", "echo",
+], ids=["truncated JSON", "not UTF-8", "array", "string number", "temperature above 2", "n above 16", "echo a number",
         "nested 100,000 deep", "5,000 digits", "NaN", "infinite number"])
 def test_a_bad_body_is_refused_naming_its_field(body, status, param, words):
     error = _refusal(parse_request, body, CompletionRequest)
@@ -118,28 +109,34 @@ def test_chat_refuses_what_ember_does_not_do(fields, param):
     assert (error.status, error.param) == (400, param)
 
 
-@pytest.mark.parametrize("prompt, expected", [("hi", "hi"), (["hi"], "hi"), ([1, 2], [1, 2]), ([[3, 99]], [3, 99])])
-def test_a_completion_has_one_prompt_of_text_or_token_ids(prompt, expected):
-    assert completion_prompt(_completion(prompt=prompt), VOCAB) == expected
+@pytest.mark.parametrize("prompt, expected", [("hi", ["hi"]), (["hi"], ["hi"]), ([1, 2], [[1, 2]]),
+                                              ([[3, 99]], [[3, 99]]), (["a", "b"], ["a", "b"]),
+                                              ([[1], [2, 3]], [[1], [2, 3]])])
+def test_a_completion_has_prompts_of_text_or_token_ids(prompt, expected):
+    assert completion_prompts(_completion(prompt=prompt), VOCAB) == expected
 
 
-@pytest.mark.parametrize("prompt, words", [(["a", "b"], "one prompt"), ([1, VOCAB], "token ids"),
-                                           ([[-1, 2]], "token ids"), ([], "empty")],
-                         ids=["several prompts", "id past the vocabulary", "negative id", "no tokens"])
-def test_a_bad_completion_prompt_is_refused_naming_prompt(prompt, words):
-    error = _refusal(completion_prompt, _completion(prompt=prompt), VOCAB)
-    assert (error.status, error.param) == (400, "prompt") and words in error.message, error.message
+@pytest.mark.parametrize("fields, words", [({"prompt": [1, VOCAB]}, "token ids"), ({"prompt": [[-1, 2]]}, "token ids"),
+                                           ({"prompt": []}, "empty"), ({"prompt": [[1], []]}, "prompt.1: the prompt"),
+                                           ({"prompt": ["a"] * 65}, "at most 64"),
+                                           ({"echo": True, "logprobs": 1}, "prompt's logprobs")],
+                         ids=["id past the vocabulary", "negative id", "no tokens", "a second prompt empty",
+                              "too many prompts", "echo with logprobs"])
+def test_a_bad_completion_prompt_is_refused_naming_its_field(fields, words):
+    error = _refusal(completion_prompts, _completion(**fields), VOCAB)
+    assert error.status == 400 and error.param == ("echo" if "echo" in fields else "prompt"), error.param
+    assert words in error.message and "\n" not in error.message, error.message
 
 
 def test_sampling_parameters_follow_the_request():
     params = sampling_params(_completion(temperature=0.5, top_p=0.9, top_k=3, stop="\n", seed=7, logprobs=2,
-                                         logit_bias={"5": -100}), 10, CONTEXT, VOCAB, "prompt")
+                                         logit_bias={"5": -100}), 10, CONTEXT, VOCAB, COMPLETION_FIELDS)
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 3, 7)
     assert params.stop_strings == ("\n",) and params.logprobs == 2 and params.logit_bias == {5: -100}
     assert params.max_new_tokens == CONTEXT - 10  # no max_tokens: up to the context window
-    chat = sampling_params(_chat(max_tokens=9, max_completion_tokens=4, logprobs=True), 10, CONTEXT, VOCAB, "messages")
+    chat = sampling_params(_chat(max_tokens=9, max_completion_tokens=4, logprobs=True), 10, CONTEXT, VOCAB)
     assert chat.max_new_tokens == 4 and chat.logprobs == 0
-    assert sampling_params(_chat(), 10, CONTEXT, VOCAB, "messages").logprobs is None
+    assert sampling_params(_chat(), 10, CONTEXT, VOCAB).logprobs is None
 
 
 @pytest.mark.parametrize("fields, prompt_len, param, code", [
@@ -151,7 +148,7 @@ def test_sampling_parameters_follow_the_request():
 ], ids=["prompt past the context", "prompt and max_tokens past it", "empty stop", "bias past the vocabulary",
         "bias of a negative id"])
 def test_sampling_parameters_refuse_what_cannot_run(fields, prompt_len, param, code):
-    error = _refusal(sampling_params, _chat(**fields), prompt_len, CONTEXT, VOCAB, "messages")
+    error = _refusal(sampling_params, _chat(**fields), prompt_len, CONTEXT, VOCAB)
     assert (error.status, error.param, error.code) == (400, param, code)
 
 
@@ -192,7 +189,7 @@ def _token_text(token_id: int) -> str:
 def test_a_whole_chat_reply_is_an_openai_chat_completion(logprobs):
     reply = Reply(chat=True, model="m", logprobs=logprobs, token_text=_token_text)
     completion = ChatCompletion.model_validate(reply.whole(_events()))
-    _openai_shaped(completion)
+    assert_declared_fields_only(completion)
     assert completion.id.startswith("chatcmpl-") and completion.object == "chat.completion"
     choice = completion.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "Hello", "stop")
@@ -209,7 +206,7 @@ def test_a_whole_chat_reply_is_an_openai_chat_completion(logprobs):
 def test_a_whole_text_reply_is_an_openai_completion_with_text_offsets():
     reply = Reply(chat=False, model="m", logprobs=True, token_text=_token_text)
     completion = Completion.model_validate(reply.whole(_events()))
-    _openai_shaped(completion)
+    assert_declared_fields_only(completion)
     assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
     choice = completion.choices[0]
     assert (choice.text, choice.finish_reason) == ("Hello", "stop")
@@ -230,7 +227,7 @@ def test_chat_stream_chunks_are_openai_chunks_ending_in_usage():
     reply = Reply(chat=True, model="m", stream=True, include_usage=True, logprobs=True, token_text=_token_text)
     chunks = [ChatCompletionChunk.model_validate(chunk) for chunk in _stream(reply)]
     for chunk in chunks:
-        _openai_shaped(chunk)
+        assert_declared_fields_only(chunk)
     assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     assert len(chunks) == 3  # the empty event makes no chunk; the last one is followed by usage alone
     assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "He")
@@ -247,7 +244,7 @@ def test_text_stream_chunks_are_openai_completions_with_running_offsets():
     chunks = [Completion.model_validate({**chunk, "choices": [{**chunk["choices"][0], "finish_reason": "stop"}]})
               for chunk in streamed]
     for chunk in chunks:
-        _openai_shaped(chunk)
+        assert_declared_fields_only(chunk)
     assert [chunk.choices[0].text for chunk in chunks] == ["He", "llo"]
     assert [chunk.choices[0].logprobs.text_offset for chunk in chunks] == [[0], [2]]
     assert all(chunk.usage is None for chunk in chunks)
@@ -264,3 +261,23 @@ def test_server_sent_events_and_the_model_card():
     assert sse({"a": 1}) == 'data: {"a": 1}\n\n' and sse("[DONE]") == "data: [DONE]\n\n"
     card = Model.model_validate(model_card("m", 5, CONTEXT))
     assert (card.id, card.created, card.owned_by, card.model_extra) == ("m", 5, "ember", {"max_model_len": CONTEXT})
+
+
+def test_several_prompts_answer_prompt_major_with_their_text_echoed_and_each_prompt_counted_once():
+    reply = Reply(chat=False, model="m", choices=2, prompts=2, echo=("A", "B"))
+    events = [StreamEvent("x", [1], [], "stop", 3, 1, index) for index in (0, 1)]
+    events += [StreamEvent("y", [2, 2], [], "length", 5, 2, index) for index in (2, 3)]
+    completion = Completion.model_validate(reply.whole(events[::-1]))  # in any order, as the scheduler ends them
+    assert_declared_fields_only(completion)
+    assert [(choice.index, choice.text) for choice in completion.choices] == [(0, "Ax"), (1, "Ax"), (2, "By"),
+                                                                              (3, "By")]
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3 + 5, 1 + 1 + 2 + 2)
+    streamed = Reply(chat=False, model="m", stream=True, echo=("A",), include_usage=True)
+    sent = [text for event in _events() for text in streamed.feed(event)] + streamed.closing()
+    chunks = [json.loads(text.removeprefix("data: ")) for text in sent[:-1]]
+    assert [chunk["choices"][0]["text"] for chunk in chunks[:-1]] == ["AHe", "llo"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 3 and sent[-1] == "data: [DONE]\n\n"
+
+
+def test_named_server_sent_events():
+    assert sse({"type": "ping"}, "ping") == 'event: ping\ndata: {"type": "ping"}\n\n'
