@@ -1,10 +1,12 @@
-"""The hostile-input corpus, continued, for the surfaces serving added: HTTP bodies to every endpoint (tools,
-`n`, embeddings among them), pipeline stages handed to every command, `--dump-ir` paths, and `--ray` addresses.
+"""The hostile-input corpus, continued, for the surfaces serving added: HTTP bodies to every endpoint that takes one
+(OpenAI's chat, completions, Responses and embeddings with tools, `n`, `echo` and lists of prompts among them;
+Anthropic's messages and their token count; llama-server's utilities), pipeline stages handed to every command,
+`--dump-ir` paths, and `--ray` addresses.
 
 Same property as `test_hostile_corpus.py` (`hostile.py` has the machinery): each case ends refused (for HTTP:
-a 4xx in OpenAI's error shape whose message is one line naming what is wrong) or accepted with a well-formed
-result, never a 500, a traceback, a crash, a hang or files left behind; and after every HTTP case the server
-still answers.
+a 4xx in its API's error shape, OpenAI's or Anthropic's, whose message is one line naming what is wrong) or
+accepted with a well-formed result, never a 500, a traceback, a crash, a hang or files left behind; and after every
+HTTP case the server still answers.
 """
 
 from __future__ import annotations
@@ -27,11 +29,26 @@ from tool_templates import TEMPLATES
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
+HI = [{"role": "user", "content": "hi"}]
+# A good body of each endpoint (the model is added), and what its accepted answer holds.
 ENDPOINTS = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 3},
     "/v1/completions": {"prompt": "ab", "max_tokens": 3},
     "/v1/embeddings": {"input": "ab"},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 3},
+    "/v1/messages": {"messages": HI, "max_tokens": 3},
+    "/v1/messages/count_tokens": {"messages": HI},
+    "/tokenize": {"content": "ab"},
+    "/detokenize": {"tokens": [5, 6]},
+    "/apply-template": {"messages": HI},
 }
+ANSWER_FIELDS = {"/v1/chat/completions": "choices", "/v1/completions": "choices", "/v1/embeddings": "data",
+                 "/v1/responses": "output", "/v1/messages": "content", "/v1/messages/count_tokens": "input_tokens",
+                 "/tokenize": "tokens", "/detokenize": "content", "/apply-template": "prompt"}
+# How a stream of each endpoint that streams begins.
+STREAM_STARTS = {"/v1/chat/completions": "data: ", "/v1/completions": "data: ",
+                 "/v1/responses": "event: response.created\n", "/v1/messages": "event: message_start\n"}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
     "$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["oslo", "rome"]}}, "required": ["city"],
                         "additionalProperties": False}},
@@ -40,9 +57,16 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
 DEEP = {"a": None}
 for _ in range(200):
     DEEP = {"a": DEEP}
+RESPONSES_TOOL = {"type": "function", "name": "weather", "parameters": TOOL["function"]["parameters"]}
+ANTHROPIC_TOOL = {"name": "weather", "input_schema": TOOL["function"]["parameters"]}
 # Values of the fields the endpoints read, at their edges and of the wrong shape.
 FIELD_VALUES = {
     "messages": st.sampled_from([[], [{"role": "user"}], [{"role": "tool", "content": "x"}],
+                                 [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                                "content": [{"type": "text", "text": "12 C"}]}]}],
+                                 [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                                          "name": "weather", "input": DEEP}]}],
+                                 [{"role": "user", "content": [{"type": "image", "source": {}}]}],
                                  [{"role": "assistant", "tool_calls": [{"function": {"name": "weather",
                                                                                      "arguments": '{"a": [[[['}}]}],
                                  [{"role": "assistant", "tool_calls": [{"function": {"name": "weather",
@@ -50,11 +74,17 @@ FIELD_VALUES = {
                                  [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                                  [{"role": "user", "content": "x" * 3000}]]) | JSON_VALUES,
     "tools": st.sampled_from([[TOOL], [TOOL, TOOL], [{"type": "function", "function": {"name": "a b"}}],
+                              [RESPONSES_TOOL], [RESPONSES_TOOL, RESPONSES_TOOL], [{"type": "web_search"}],
+                              [ANTHROPIC_TOOL], [{**ANTHROPIC_TOOL, "input_schema": DEEP}],
+                              [{"type": "bash_20250124", "name": "bash"}],
                               [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
                               [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]]) | JSON_VALUES,
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": "weather"},
                                     {"type": "function", "function": {"name": "weather"}},
-                                    {"type": "function", "function": ["weather"]}, ["auto"], {"type": "nope"}])
+                                    {"type": "function", "function": ["weather"]}, ["auto"], {"type": "nope"},
+                                    {"type": "function", "name": "weather"}, {"type": "function", "name": "nope"},
+                                    {"type": "any"}, {"type": "tool", "name": "weather"}, {"type": "tool"},
+                                    {"type": "none"}, {"type": "auto", "disable_parallel_tool_use": "yes"}])
     | JSON_VALUES,
     "n": st.sampled_from([0, 1, 2, 4, 16, 17, -1, 2**63, 1.5, "2"]),
     "max_tokens": st.sampled_from([0, 1, 3, 255, 256, 10**9, -3, 2.5, None]),
@@ -65,9 +95,32 @@ FIELD_VALUES = {
     "response_format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
         "schema": TOOL["function"]["parameters"]}}, {"type": "json_schema", "json_schema": {"schema": DEEP}},
         {"type": "xml"}]) | JSON_VALUES,
-    "input": st.sampled_from([[], [""], [[]], [[1, 2]], [[-1]], [[10**9]], ["ab"] * 40, [["ab"]], [1.5]])
+    "input": st.sampled_from([[], [""], [[]], [[1, 2]], [[-1]], [[10**9]], ["ab"] * 40, [["ab"]], [1.5],
+                              HI, [{"type": "function_call", "call_id": "c", "name": "weather", "arguments": "{"}],
+                              [{"type": "function_call", "call_id": "c", "name": "weather", "arguments": "9" * 400},
+                               {"type": "function_call_output", "call_id": "c", "output": "12 C"}],
+                              [{"type": "function_call_output", "call_id": "", "output": [{"type": "input_text"}]}],
+                              [{"type": "reasoning", "summary": []}], [{"role": "user", "content": [
+                                  {"type": "input_image", "image_url": "x"}]}]])
     | JSON_VALUES,
-    "prompt": st.sampled_from([[], [[]], [1, 2, 3], [[1], [2]], [-5], "", "x" * 2000]) | JSON_VALUES,
+    "prompt": st.sampled_from([[], [[]], [1, 2, 3], [[1], [2]], [-5], "", "x" * 2000, ["a", "b"], ["a"] * 65,
+                               [[1, 2], [10**9]], [[1], []]]) | JSON_VALUES,
+    "echo": st.booleans() | JSON_VALUES,
+    "instructions": st.sampled_from(["be brief", "", "x" * 3000]) | JSON_VALUES,
+    "text": st.sampled_from([{"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "f", "schema": TOOL["function"]["parameters"]}},
+                             {"format": {"type": "json_schema", "name": "f", "schema": DEEP}},
+                             {"format": {"type": "json_schema", "schema": {}}}, {"format": {"type": "xml"}},
+                             {"format": "text"}]) | JSON_VALUES,
+    "max_output_tokens": st.sampled_from([0, 1, 3, 255, 256, 10**9, -3, 2.5, None]),
+    "previous_response_id": st.sampled_from(["resp_1", ""]) | JSON_VALUES,
+    "store": JSON_VALUES, "truncation": st.sampled_from(["auto", "disabled", "sometimes"]),
+    "system": st.sampled_from(["be brief", [{"type": "text", "text": "x"}], [{"type": "image"}], ""]) | JSON_VALUES,
+    "stop_sequences": st.sampled_from([["\n"], [""], [], ["a"] * 100]) | JSON_VALUES,
+    "top_k": st.sampled_from([0, 1, 40, -1, 10**12, 1.5]),
+    "content": st.sampled_from(["", "日本語 🙂", "x" * 3000, "<s></s>"]) | JSON_VALUES,
+    "tokens": st.sampled_from([[], [1, 2, 3], [-1], [10**9], [2**63], [1.5], ["a"]]) | JSON_VALUES,
+    "add_special": JSON_VALUES, "with_pieces": JSON_VALUES,
     "stop": JSON_VALUES, "seed": JSON_VALUES, "logit_bias": JSON_VALUES, "parallel_tool_calls": JSON_VALUES,
     "encoding_format": st.sampled_from(["float", "base64", "hex"]), "model": JSON_VALUES,
 }
@@ -94,8 +147,9 @@ def served(tiny_models, tmp_path_factory):
 
 
 def _answer(served: Served, path: str, body: bytes) -> Result:
-    """The HTTP exchange as a case's result: 200 accepted; a 4xx in OpenAI's shape with a one-line message refused;
-    anything else (a 500, another shape, no answer) a traceback or messy."""
+    """The HTTP exchange as a case's result: 200 accepted; a 4xx in its API's error shape (Anthropic's on its paths,
+    else OpenAI's) with a one-line message refused; anything else (a 500, another shape, no answer) a traceback or
+    messy."""
     try:
         status, data = served.request("POST", path, body, {"Content-Type": "application/json"})
     except (OSError, TimeoutError) as err:
@@ -106,24 +160,26 @@ def _answer(served: Served, path: str, body: bytes) -> Result:
     message = error.get("message") if isinstance(error, dict) else None
     if status >= 500 or not isinstance(message, str):
         return Result("traceback", "", f"Traceback (most recent call last): HTTP {status}: {str(data)[:2000]}")
-    if not (400 <= status < 500) or "\n" in message or set(error) != {"message", "type", "param", "code"}:
+    shape = ({"type", "error"}, {"type", "message"}) if path in ANTHROPIC_PATHS else \
+        ({"error"}, {"message", "type", "param", "code"})
+    if not (400 <= status < 500) or "\n" in message or (set(data), set(error)) != shape:
         return Result(3, "", f"HTTP {status}: {message}")
     return Result(1, "", f"ember: error: {message}\n")
 
 
 def _check_accepted(path: str, result: Result, streamed: bool) -> None:
     if streamed:
-        assert result.stdout.startswith("data: "), result.stdout[:200]
+        assert result.stdout.startswith(STREAM_STARTS[path]), result.stdout[:200]
         return
     data = json.loads(result.stdout) if result.stdout.endswith("}") else None
     if data is None:
         return  # cut at 2000 characters: the status said 200 and the server parsed it
-    assert ("data" if path == "/v1/embeddings" else "choices") in data, data
+    assert ANSWER_FIELDS[path] in data, data
 
 
-@settings(max_examples=150, **SETTINGS)
-@given(path=st.sampled_from(list(ENDPOINTS)),
-       edits=st.dictionaries(st.sampled_from(list(FIELD_VALUES)), st.none(), max_size=4).flatmap(
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+@settings(max_examples=50, **SETTINGS)
+@given(edits=st.dictionaries(st.sampled_from(list(FIELD_VALUES)), st.none(), max_size=4).flatmap(
            lambda keys: st.fixed_dictionaries({key: FIELD_VALUES[key] for key in keys})))
 def test_http_bodies(served, path, edits):
     """A good body with up to four fields replaced by hostile values, to each endpoint."""
@@ -134,11 +190,11 @@ def test_http_bodies(served, path, edits):
         return
     result = _answer(served, path, raw)
     outcome(f"http {path}", result,
-            lambda: _check_accepted(path, result, body.get("stream") is True and path != "/v1/embeddings"))
+            lambda: _check_accepted(path, result, body.get("stream") is True and path in STREAM_STARTS))
     assert served.request("GET", "/health") == (200, {"status": "ok"})
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(path=st.sampled_from(list(ENDPOINTS)), raw=RAW_BODIES)
 def test_http_raw_bodies(served, path, raw):
     """Bodies no JSON parser should let through whole: malformed, bottomless, numbers of thousands of digits."""
