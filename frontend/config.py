@@ -100,7 +100,7 @@ SCHEMA = {
     "num_key_value_heads": Key(int, 1, _DIM),  # default: num_attention_heads
     "head_dim": Key(int, 1, _DIM),  # default: hidden_size // num_attention_heads
     "max_position_embeddings": Key(int, 1, _CONTEXT),
-    "sliding_window": Key(int, 1, _CONTEXT),
+    "sliding_window": Key(int, 0, _CONTEXT),  # 0: none (Qwen2-MoE's config writes 0 when it uses none)
     "use_sliding_window": Key(bool, default=False),
     "max_window_layers": Key(int, 0, 1024),
     "sliding_window_pattern": Key(int, 1, 1024),
@@ -291,7 +291,7 @@ def layer_windows(values: dict[str, Any], num_layers: int, path: Path | str = "c
     over `sliding_window`, `use_sliding_window`, `max_window_layers` and `sliding_window_pattern`; () if no layer
     has a window. `values` holds the keys of `SCHEMA`, validated."""
     model_type = values.get("model_type")
-    window = values.get("sliding_window")
+    window = values.get("sliding_window") or None
     if model_type in _OPT_IN_WINDOWS and not values.get("use_sliding_window"):
         window = None
     types = values.get("layer_types")

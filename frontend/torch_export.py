@@ -59,11 +59,25 @@ def _trace(model_dir: Path, context_window: int, stored: Callable[[str], bool]) 
 
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        _check_experts(hf_config, Path(model_dir) / "config.json")
         model = _build_model(transformers.AutoModelForCausalLM, hf_config, torch.float32)
     except (ValueError, KeyError, OSError) as err:
         raise ModelError(f"{Path(model_dir) / 'config.json'}: transformers cannot build this model: "
                          f"{str(err).splitlines()[0]}") from None
     return import_module(model.eval(), context_window, stored=stored)
+
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _check_experts(config, path: Path) -> None:
+    """A mixture of experts that routes each token to more experts than it has, refused before tracing."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    counted = next(((key, getattr(config, key)) for key in _EXPERT_COUNTS
+                    if isinstance(getattr(config, key, None), int)), None)
+    if isinstance(top_k, int) and counted is not None and not 0 < top_k <= counted[1]:
+        raise ModelError(f"{path}: num_experts_per_tok is {top_k}, but the model has {counted[1]} experts "
+                         f"({counted[0]}): each token must go to between 1 and {counted[1]}")
 
 
 def _build_model(auto_class, config, dtype):

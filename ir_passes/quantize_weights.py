@@ -11,6 +11,9 @@ Matches, in every entry function that takes weights, the two ways a model reads 
     y = matmul(x, permute_dims(W))      a projection (x [..., K] -> y [..., N])
     e = take(W, ids, axis=0)            an embedding gather
 
+    y = moe_matmul(x, W, order, offsets)  an expert projection (`ir_passes/lower_moe.py`),
+                                        W [experts * N, K] the experts' rows
+
 and, when every use of `W` is one of these, replaces the parameter by its stored
 parts (`W.packed`, `W.scale` and, for `_zp` formats, `W.min`; see `quant_formats`)
 and each use by one kernel that reads the parts directly:
@@ -58,7 +61,8 @@ from ember.ir.weight_recipes import (
     set_recipes,
     weight_params,
 )
-from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
+from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul, moe
+from ember.schedules.moe import expert_projection, is_routing
 from ember.targets.int8_dot import Int8Dot
 
 _PASS_THROUGH = ("relax.astype", "relax.reshape")
@@ -88,9 +92,11 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
         formats = {name: _format_of(recipe, fmt, tensor_formats or {}) for name, recipe in recipes.items()}
         chosen: set[str] | None = None
         projected: set[str] = set()
+        routers: set[str] = set()
         for name in names:
-            uses = _WeightUses(mod[name])
+            uses = _WeightUses(mod, mod[name])
             projected |= uses.projected
+            routers |= uses.routers
             keep = set()
             if keep_embedding:
                 keep |= uses.embeddings
@@ -100,7 +106,9 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
             chosen = found if chosen is None else chosen & found
         if not chosen:
             return mod
-        interleaved = projected if int8_dot is not None else set()
+        # A router keeps float activations: int8-rounded logits would choose other experts than the model's own
+        # where two are close, a different answer rather than a rounding error.
+        interleaved = projected - routers if int8_dot is not None else set()
         rewriter = _Rewriter(mod, {name: formats[name] for name in chosen}, int8_dot, vector_bits)
         for name in names:
             rewriter.builder_.update_func(mod.get_global_var(name),
@@ -128,10 +136,11 @@ def _format_of(recipe: Recipe, fmt: QuantFormat, tensor_formats: Mapping[str, Qu
 class _WeightUses:
     """How one function reads its weights."""
 
-    def __init__(self, func: relax.Function) -> None:
+    def __init__(self, mod: tvm.IRModule, func: relax.Function) -> None:
         weights = {p: p.name for p in weight_params(func)}
         transposed: dict[relax.Var, relax.Var] = {}
         self.embeddings: set[str] = set()
+        self.routers: set[str] = set()  # weights projecting a MoE router's logits
         projections: dict[relax.Var, str] = {}
         readable: dict[str, bool] = {name: True for name in weights.values()}
         for binding in bindings(func):
@@ -145,6 +154,12 @@ class _WeightUses:
             elif is_op(value, "relax.take") and value.args[0] in weights and _is_row_gather(value):
                 self.embeddings.add(weights[value.args[0]])
                 others = list(value.args[1:])
+            elif expert_projection(mod, value) is not None:
+                x, _weight, *grouping = value.args[1].fields
+                others = [x, *grouping]
+            elif is_routing(mod, value):
+                self.routers |= {projections[var] for var in value.args[1].fields if var in projections}
+                others = [value]
             else:
                 others = [value]
             for var in _free_vars(others):
@@ -167,10 +182,12 @@ class _Rewriter(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, formats: dict[str, QuantFormat], int8_dot: Int8Dot | None,
                  vector_bits: int) -> None:
         super().__init__(mod)
+        self.mod = mod
         self.formats = formats  # the chosen weights' formats, by parameter name
         self.int8_dot = int8_dot
         self.vector_bits = vector_bits
         self.int8_kernels: dict[tuple[str, int, int, bool], relax.GlobalVar] = {}
+        self._moe_kernels: dict[tuple[str, int, int, int], relax.GlobalVar] = {}
         self.parts_of: dict[relax.Var, tuple[QuantFormat, dict[str, relax.Var], int, str]] = {}
         self.transposed: dict[relax.Var, relax.Var] = {}
         self.layouts: dict[str, str] = {}  # weight name -> the layout its parts are stored in
@@ -211,6 +228,17 @@ class _Rewriter(relax.PyExprMutator):
             self._emit_as(binding.var, self.builder_.emit_te(
                 _dequantize_matmul(fmt, k, out_dtype), x, *parts.values(),
                 primfunc_name_hint="dequantize_matmul"))
+            return
+        if (experts := expert_projection(self.mod, value)) is not None and (
+                value.args[1].fields[1] in self.parts_of):
+            x, weight, order, offsets = (self.visit_expr(arg) for arg in value.args[1].fields)
+            fmt, parts, k, _layout = self.parts_of[value.args[1].fields[1]]
+            n = int(binding.var.ty.shape[-1])
+            kernel = self._moe_kernels.setdefault((fmt.name, experts, n, k), self.builder_.add_func(
+                moe.moe_matmul(fmt, experts, n, k, self.vector_bits).with_attr(KERNEL_SOURCE_ATTR, moe.__name__),
+                "moe_matmul"))
+            self._emit_as(binding.var, self.builder_.emit(
+                relax.call_tir(kernel, [x, *parts.values(), order, offsets], binding.var.ty)))
             return
         if is_op(value, "relax.take") and value.args[0] in self.parts_of:
             fmt, parts, k, layout = self.parts_of[value.args[0]]

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import functools
 
-from tvm import tirx
+import tvm
+from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from ember.ir.quant_formats import SCALE_DTYPE, QuantFormat
 
 _OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}  # 8: opaque, never fused
-# Attribute on `moe_matmul` kernels: {"experts", "n", "k"}, so passes find an expert projection's weight.
-MOE_MATMUL_ATTR = "ember.moe_matmul"
+# Attributes on the kernels, so passes find them: `moe_matmul`'s {"experts", "n", "k"} (an expert projection's
+# weight), `moe_route`'s {"experts", "top_k"} (the router's logits).
+MOE_MATMUL_ATTR, MOE_ROUTE_ATTR = "ember.moe_matmul", "ember.moe_route"
 _NEG_INF = -3.4028234663852886e38
 
 
@@ -43,7 +45,7 @@ _NEG_INF = -3.4028234663852886e38
 def moe_route(experts: int, top_k: int, softmax_first: bool, index_dtype: str) -> tirx.PrimFunc:
     """Routing of [tokens, experts] float32 logits: the top-k experts' ids and weights (see the module docstring)."""
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, private=True)
     def route(logits_handle: T.handle, weights_handle: T.handle, ids_handle: T.handle):
         T.func_attr(_OPAQUE)
         tokens = T.int64()
@@ -82,14 +84,14 @@ def moe_route(experts: int, top_k: int, softmax_first: bool, index_dtype: str) -
                 for j in T.serial(top_k):
                     weights[t, j] = weights[t, j] / top[1]
 
-    return route.with_attr("global_symbol", "moe_route")
+    return route.with_attr(MOE_ROUTE_ATTR, {"experts": experts, "top_k": top_k})
 
 
 @functools.cache
 def moe_group(experts: int, index_dtype: str) -> tirx.PrimFunc:
     """The counting sort of (token, expert) pairs by expert: order[P] and offsets[experts + 1], int32."""
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, private=True)
     def group(ids_handle: T.handle, order_handle: T.handle, offsets_handle: T.handle):
         T.func_attr(_OPAQUE)
         pairs = T.int64()
@@ -111,7 +113,7 @@ def moe_group(experts: int, index_dtype: str) -> tirx.PrimFunc:
                 order[cursor[ids[p]]] = T.Cast("int32", p)
                 cursor[ids[p]] = cursor[ids[p]] + 1
 
-    return group.with_attr("global_symbol", "moe_group")
+    return group
 
 
 def _tile_rows(n: int) -> int:
@@ -165,35 +167,55 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
 
     attrs = {MOE_MATMUL_ATTR: {"experts": experts, "n": n, "k": k}}
     if fmt is None:
-        @T.prim_func(s_tir=True)
+        @T.prim_func(s_tir=True, private=True)
         def float_weights(x_handle: T.handle, weight: T.Buffer((experts * n, k), "float32"),
                           order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
             T.func_attr(_OPAQUE)
             project(x_handle, weight, None, None, order_handle, offsets_handle, y_handle)
 
-        return float_weights.with_attrs({"global_symbol": "moe_matmul", **attrs})
+        return float_weights.with_attrs(attrs)
 
     shapes = fmt.part_shapes(experts * n, k)
     packed_shape, packed_dtype = shapes["packed"]
     scale_shape = shapes["scale"][0]
     if fmt.zero_point:
-        @T.prim_func(s_tir=True)
+        @T.prim_func(s_tir=True, private=True)
         def with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
                           scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
                           order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
             T.func_attr(_OPAQUE)
             project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle)
 
-        return with_minimums.with_attrs({"global_symbol": f"moe_matmul_{fmt.name}", **attrs})
+        return with_minimums.with_attrs(attrs)
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, private=True)
     def without_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
                          scale: T.Buffer(scale_shape, SCALE_DTYPE), order_handle: T.handle,
                          offsets_handle: T.handle, y_handle: T.handle):
         T.func_attr(_OPAQUE)
         project(x_handle, packed, scale, None, order_handle, offsets_handle, y_handle)
 
-    return without_minimums.with_attrs({"global_symbol": f"moe_matmul_{fmt.name}", **attrs})
+    return without_minimums.with_attrs(attrs)
+
+
+def expert_projection(mod: tvm.IRModule, value: relax.Expr) -> int | None:
+    """The number of experts if `value` calls a `moe_matmul` kernel of `mod` (args: x, weight, order, offsets), else
+    None."""
+    info = _kernel_attr(mod, value, MOE_MATMUL_ATTR)
+    return int(info["experts"]) if info is not None else None
+
+
+def is_routing(mod: tvm.IRModule, value: relax.Expr) -> bool:
+    """Whether `value` calls a `moe_route` kernel of `mod` (its argument: the router's logits)."""
+    return _kernel_attr(mod, value, MOE_ROUTE_ATTR) is not None
+
+
+def _kernel_attr(mod: tvm.IRModule, value: relax.Expr, attr: str):
+    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir"):
+        return None
+    callee = value.args[0]
+    func = mod[callee] if callee in mod.get_global_vars() else None
+    return (func.attrs or {}).get(attr) if isinstance(func, tirx.PrimFunc) else None
 
 
 def _weight(fmt: QuantFormat | None, weight, scale, low, row, col):

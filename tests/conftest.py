@@ -96,7 +96,11 @@ class TinyModel:
             stored_transposed = {id(module.weight) for module in model.modules() if _is_conv1d(module)}
             with torch.no_grad():
                 for param in model.parameters():
-                    if param.ndim == 2:
+                    if param.ndim == 3:  # stacked experts: ember quantizes each expert's rows
+                        stacked = param.numpy().reshape(-1, param.shape[-1])
+                        unpacked = fmt.dequantize(fmt.quantize(stacked), stacked.shape[1]).astype(np.float32)
+                        param.copy_(torch.from_numpy(unpacked.reshape(param.shape)))
+                    elif param.ndim == 2:
                         # ember quantizes rows of [out, in]: a Conv1D's [in, out] weight along its columns.
                         weight = param.numpy().T if id(param) in stored_transposed else param.numpy()
                         unpacked = fmt.dequantize(fmt.quantize(weight), weight.shape[1]).astype(np.float32)
