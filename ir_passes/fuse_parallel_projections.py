@@ -88,9 +88,7 @@ def _find_groups(func: relax.Function, formats: dict[str, tuple]) -> list[tuple[
         elif is_op(value, "relax.matmul") and value.args[1] in transposed:
             weight = transposed[value.args[1]]
             out_dtype = value.attrs.out_dtype
-            # A one-row projection (Qwen2-MoE's shared-expert gate) gains nothing from fusion, and fused beside
-            # gate/up its sigmoid-scaled row came out wrong (tests/test_moe.py's qwen2_moe): kept apart.
-            if (out_dtype is None or str(out_dtype) == str(weight.ty.dtype)) and int(weight.ty.shape[0]) > 1:
+            if out_dtype is None or str(out_dtype) == str(weight.ty.dtype):
                 by_input.setdefault((value.args[0], formats[weights[weight]]), []).append(weight)
     groups = []
     for members in by_input.values():

@@ -244,8 +244,7 @@ class MessagesReply:
         read: list[tool_calls.CallEvent] = [tool_calls.Content(event.text)]
         reason = event.finish_reason
         if self.reader is not None:
-            read = self.reader.feed(event.text) + (self.reader.finish() if reason is not None else [])
-            reason = self.reader.finish_reason(reason)
+            read, reason = self.reader.read(event.text, reason)
         sent = [text for piece in read for text in self._read(piece)]
         if reason is None:
             return sent

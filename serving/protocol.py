@@ -572,11 +572,11 @@ class Reply:
         if event.index not in self.readers:
             self.readers[event.index] = tool_calls.CallReader(tools)
         reader = self.readers[event.index]
-        read = reader.feed(event.text) + (reader.finish() if event.finish_reason is not None else [])
+        read, reason = reader.read(event.text, event.finish_reason)
         chunks = [self.delta_chunk({"role": "assistant"})] if first else []
         chunks += [self.delta_chunk(delta) for delta in map(tool_calls.delta, read) if delta is not None]
-        if event.finish_reason is not None:
-            chunks.append(self.delta_chunk({}, reader.finish_reason(event.finish_reason)))
+        if reason is not None:
+            chunks.append(self.delta_chunk({}, reason))
             if self.include_usage:
                 chunks.append({**self.head(), "choices": [], "usage": usage([event])})
         return chunks

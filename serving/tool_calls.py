@@ -446,6 +446,13 @@ class CallReader:
         self.mode, self.held = "done", ""
         return self._take()
 
+    def read(self, text: str, reason: str | None) -> tuple[list[CallEvent], str | None]:
+        """The events of one stream event's `text`, and its finish reason (`finish_reason`'s): the reply's last
+        event, whose `reason` is set, also finishes the reading."""
+        if reason is None:
+            return self.feed(text), None
+        return self.feed(text) + self.finish(), self.finish_reason(reason)
+
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's finish reason of the reply read (after `finish`): "tool_calls" if it ended on whole calls. A reply
         cut by max_tokens after whole calls, in the syntax of another call not yet named (dropped), ended on whole
