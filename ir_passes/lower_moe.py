@@ -75,7 +75,7 @@ class _Rewriter(relax.PyExprMutator):
             for read in relax.analysis.free_vars(value):
                 self.readers.setdefault(read, []).append(var)
         weights = weight_params(func)
-        self.stacked = {p: p for p in weights if len(p.ty.shape) == 3}  # [E, N, K] expert weights
+        self.stacked = {p for p in weights if len(p.ty.shape) == 3}  # [E, N, K] expert weights
         self.flattened: dict[str, list[int]] = {}  # name -> the [E, N, K] shape it had
         self.rows_of = {p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[1]),
                                                                int(p.ty.shape[2])], p.ty.dtype))

@@ -32,6 +32,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
+from ember.ir.module_utils import is_op
 from ember.ir.quant_formats import SCALE_DTYPE, QuantFormat
 
 _OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}  # 8: opaque, never fused
@@ -211,7 +212,8 @@ def is_routing(mod: tvm.IRModule, value: relax.Expr) -> bool:
 
 
 def _kernel_attr(mod: tvm.IRModule, value: relax.Expr, attr: str):
-    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir"):
+    """`attr` of the PrimFunc of `mod` that `value` calls through call_tir, else None."""
+    if not is_op(value, "relax.call_tir"):
         return None
     callee = value.args[0]
     func = mod[callee] if callee in mod.get_global_vars() else None
