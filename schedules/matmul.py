@@ -102,6 +102,7 @@ class NTMatmul(CPURule):
         if len(kinds) < 2 or kinds[-1] != "R" or kinds[:-1] != "S" * (len(kinds) - 1):
             return None
         block = main.block_rv
+        prologues, epilogues = _inline_side_inputs(sch, block, prologues, epilogues)
         panel = _panel_rows(sch, block)
         if panel is not None:
             return self._schedule_panels(sch, block, epilogues, panel, bounds) if not prologues else None
@@ -250,6 +251,41 @@ class NTMatmul(CPURule):
         lanes = reduction_lanes(extent, self.vector_bits, dtype)
         if lanes is not None and lanes > 1:
             sch.vectorize(sch.split(inner, [None, lanes])[1])
+
+
+def _inline_side_inputs(sch: s_tir.Schedule, block: s_tir.SBlockRV, prologues: list[s_tir.SBlockRV],
+                        epilogues: list[s_tir.SBlockRV]) -> tuple[list[s_tir.SBlockRV], list[s_tir.SBlockRV]]:
+    """The prologues the matmul reads and the epilogues that read its result (each directly or through the
+    others); every other block, computed from the kernel's inputs alone, inlined into the blocks that read it.
+
+    Such a block (sigmoid(G) of a [rows, 1] gate that scales the product, as Qwen2-MoE's shared expert has it)
+    covers no tile of the output: placed at a tile's loop it spans every row, and then so do the epilogues
+    that read it, each tile writing all rows from sums other tiles have not finished. Inlined, its value is
+    computed where each output element is."""
+    feeding = [region.source for region in sch.get(block).reads]
+    kept_prologues = []
+    for prologue in reversed(prologues):
+        stmt = sch.get(prologue)
+        if _touches(stmt.writes, feeding):
+            feeding.extend(region.source for region in stmt.reads)
+            kept_prologues.insert(0, prologue)
+        else:
+            sch.compute_inline(prologue)
+    derived = [sch.get(block).writes[0].source]
+    kept_epilogues = []
+    for epilogue in epilogues:
+        stmt = sch.get(epilogue)
+        if _touches(stmt.reads, derived):
+            derived.extend(region.source for region in stmt.writes)
+            kept_epilogues.append(epilogue)
+        else:
+            sch.compute_inline(epilogue)
+    return kept_prologues, kept_epilogues
+
+
+def _touches(regions, buffers) -> bool:
+    """Whether any of the buffer regions is of one of `buffers`."""
+    return any(region.source.same_as(buffer) for region in regions for buffer in buffers)
 
 
 def _panel_rows(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> int | None:

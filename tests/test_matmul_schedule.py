@@ -116,3 +116,43 @@ def _check(kernel, n, k, prefill, residual, scaled, row_counts, panels=0):
         kernel(*(tvm.runtime.tensor(x) for x in (a, *weights, *extra)), out)
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(weight).max() * np.sqrt(k),
                                    err_msg=f"{rows} rows")
+
+
+@pytest.mark.parametrize("gate_first", [True, False])  # the sigmoid's block before the matmul's, or after
+@pytest.mark.parametrize("panels, prefill, rows", [(0, True, 37), (PANEL, True, 37), (0, False, 5), (PANEL, False, 5)])
+def test_an_epilogue_scaled_by_a_per_row_input_matches_numpy(panels, prefill, rows, gate_first):
+    """C = sigmoid(G) * (A @ W^T) + R with G [.., 1] per activation row (Qwen2-MoE's gated shared expert): the
+    sigmoid of G is its own block, computed from an input alone, and must not be placed over every row inside one
+    tile's loop (each tile then wrote all rows from other tiles' unfinished sums)."""
+    n, k = 2 * PANEL, 64
+    size = tirx.Var("seq_len" if prefill else "batch_size", "int64")
+    one, n_, k_ = _i64(1, n, k)
+    shape = (one, size, k_) if prefill else (size, one, k_)
+    a = te.placeholder(shape, name="A")
+    gate = te.placeholder((*shape[:2], one), name="G")
+    residual = te.placeholder((*shape[:2], n_), name="R")
+    r = te.reduce_axis((0, k_), name="k")
+    if panels:
+        weight = te.placeholder(_i64(n // panels, k, panels), name="W")
+        c = te.compute((*shape[:2], n_), lambda b, i, j: te.sum(a[b, i, r] * weight[j // panels, r, j % panels],
+                                                                axis=r), name="matmul")
+    else:
+        weight = te.placeholder((n_, k_), name="W")
+        c = te.compute((*shape[:2], n_), lambda b, i, j: te.sum(a[b, i, r] * weight[j, r], axis=r), name="NT_matmul")
+    scale = te.compute(gate.shape, lambda b, i, j: te.sigmoid(gate[b, i, j]), name="sigmoid")
+    out = te.compute(c.shape, lambda b, i, j: (scale[b, i, 0] * c[b, i, j] if gate_first else c[b, i, j] * scale[
+        b, i, 0]) + residual[b, i, j], name="gated")
+    func = te.create_prim_func([a, weight, gate, residual, out]).with_attr(
+        "tir_var_upper_bound", {size.name: 64 if prefill else FEW_ROWS})
+    sch = NTMatmul(TARGET.vector_bits).apply(func, TARGET.target, False)
+    assert sch is not None
+    kernel = tvm.compile(tvm.IRModule({"main": sch.mod["main"]}), target=TARGET.target)["main"]
+    rng = np.random.default_rng(rows)
+    lead = (1, rows) if prefill else (rows, 1)
+    x, g, res = (rng.standard_normal(s, dtype=np.float32) for s in ((*lead, k), (*lead, 1), (*lead, n)))
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    expected = 1 / (1 + np.exp(-g.astype(np.float64))) * (x.astype(np.float64) @ w.T) + res
+    stored = np.ascontiguousarray(to_panels(w, panels)) if panels else w
+    y = tvm.runtime.tensor(np.zeros((*lead, n), np.float32))
+    kernel(*(tvm.runtime.tensor(v) for v in (x, stored, g, res)), y)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k) * np.abs(w).max())
