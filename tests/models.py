@@ -131,12 +131,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_alibi": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
                                     max_position_embeddings=256)),
     # Mixtures of experts (`ir_passes/lower_moe.py`): softmax then top-k, renormalised or not, top-k then softmax,
-    # per-expert and stacked checkpoint tensors, a shared expert behind a sigmoid gate, windows beside experts.
+    # per-expert and stacked checkpoint tensors, a shared expert behind a sigmoid gate, windows beside experts,
+# head dims 16 and 32, GQA and MQA, tied and untied heads.
     "qwen3_moe": ("qwen3_moe", dict(_GQA, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                     norm_topk_prob=True)),
-    "mixtral": ("mixtral", dict(_GQA, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
-    "granitemoe": ("granitemoe", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),  # stacked in the file
-    "olmoe": ("olmoe", dict(_GQA, num_experts=8, num_experts_per_tok=2)),  # not renormalised
+    "mixtral": ("mixtral", dict(_GQA, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=WINDOW)),
+    "granitemoe": ("granitemoe", dict(_GQA, num_key_value_heads=1, num_local_experts=4,
+                                      num_experts_per_tok=2)),  # MQA; experts stacked in the file
+    "olmoe": ("olmoe", dict(_GQA, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True)),  # not renormalised
     "qwen2_moe": ("qwen2_moe", dict(_GQA, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_experts=6, num_experts_per_tok=3, norm_topk_prob=False)),
 }
