@@ -34,6 +34,23 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ember.core.errors import EmberError, GenerationError
+
+# The serve extra, checked before the modules of the APIs it serves import pydantic (which FastAPI brings).
+try:
+    import fastapi
+    import uvicorn
+    from fastapi import Depends
+    from fastapi.middleware.cors import CORSMiddleware
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import Response
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+except ImportError as err:
+    raise EmberError(f"ember serve needs FastAPI and uvicorn ({err.name} is missing): "
+                     "pip install 'ember[serve]'") from None
+
 from ember.runtime.engine import pooled_embedding
 from ember.runtime.generate import LogitsProcessor
 from ember.runtime.history import default_reply_tokens, fit_history
@@ -87,21 +104,6 @@ _ENDPOINTS = frozenset(route.path for route in ROUTES if "{" not in route.path)
 _ANTHROPIC_PATHS = frozenset(route.path for route in ROUTES if route.errors == "anthropic")
 _Result = TypeVar("_Result")
 _Body = TypeVar("_Body", bound=ApiModel)
-
-try:
-    import fastapi
-    import uvicorn
-    from fastapi import Depends
-    from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect
-    from starlette.requests import Request as HttpRequest
-    from starlette.responses import Response
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
-except ImportError as err:
-    raise EmberError(f"ember serve needs FastAPI and uvicorn ({err.name} is missing): "
-                     "pip install 'ember[serve]'") from None
 
 
 class _Metrics:

@@ -742,8 +742,10 @@ def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatc
         assert lines[1:] == warnings, options
 
 
-def test_runtime_imports_without_the_serve_extra():
-    code = ("import sys; sys.modules['fastapi'] = None; import ember.runtime; "
+@pytest.mark.parametrize("missing", [("fastapi",), ("fastapi", "pydantic", "pydantic_core")])  # pydantic: a bare venv
+def test_runtime_imports_without_the_serve_extra(missing):
+    hidden = "; ".join(f"sys.modules[{name!r}] = None" for name in missing)
+    code = (f"import sys; {hidden}; import ember.runtime; "
             "from ember.serving import Scheduler\n"
             "try:\n import ember.serving.server\nexcept ember.core.errors.EmberError as err: print(err)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
