@@ -218,8 +218,9 @@ def parse_model_config(raw: dict[str, Any], path: Path | str = "config.json", ge
     model_type = values["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES and not any_architecture:
         raise ModelError(
-            f"{path}: model_type {short_repr(model_type)} is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{path}: model_type {short_repr(model_type)} has no builtin definition (those: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); compile it with --frontend torch-export, which traces "
+            "transformers' own code"
         )
 
     def get(key: str, required: bool = False) -> Any:

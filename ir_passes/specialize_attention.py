@@ -6,9 +6,9 @@ is a decoder-only LM's full-sequence forward as an importer wrote it
 ember's entries (`frontend/llama.py` has their contracts), the KV cache's constructor
 and kernels:
 
-    prefill(input_ids[1, seq_len], logit_positions[num_logits], kv_cache)
+    prefill(input_ids[1, seq_len], logit_positions[num_logits], [prompt_end[1]], kv_cache)
     decode(input_ids[batch_size, 1], kv_cache)
-    verify(input_ids[1, verify_len], kv_cache)
+    verify(input_ids[1, verify_len], [prompt_end[1]], kv_cache)
 
 Every entry is `forward` with its token count bound (`seq` becomes `seq_len`,
 `batch_size` or `verify_len`): a decoder's tokens only meet in attention, so a
@@ -37,6 +37,10 @@ sequence. Three rewrites make that true:
    attention mask) those positions plus one: rotary embeddings (either form, computed
    in the graph) and learned position tables then read the right rows. Keys are
    stored rotated, so the cache applies no rotary embedding itself (`RopeMode.NONE`).
+   Longrope's choice of factors by the longest position (`longrope_choice`) is made per
+   token from its own sequence's last position: the cache's position in decode, the
+   prompt's end in prefill and verify, which then take `prompt_end` (the sequence's
+   length once the whole prompt is appended, the same for each of its chunks).
 3. **Logits.** In `prefill`, the LM head (the projection whose result is returned)
    reads only the rows at `logit_positions`.
 
@@ -58,9 +62,11 @@ from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
 from ember.core.errors import ModelError
+from ember.core.manifest import PROMPT_END_INPUT
 from ember.ir.attributes import BATCH_SIZE, CONFIG_WINDOWS_ATTR, FORWARD, ROPE_ATTR, SEQ_LEN, VERIFY_LEN
 from ember.ir.kv_cache import CacheShape, cache_functions, with_cache_shape
 from ember.ir.module_utils import bindings, is_op, permute_axes, scalar_constant
+from ember.ir_passes.longrope_choice import longrope_lengths
 
 KV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 QUERY_POSITIONS = "vm.builtin.attention_kv_cache_get_query_positions"
@@ -111,7 +117,7 @@ _REDUCTIONS = ("relax.max", "relax.min", "relax.sum", "relax.mean", "relax.prod"
 
 def _check_no_token_reductions(name: str, func: relax.Function, count: tirx.Var) -> None:
     """Refuse a reduction over the entry `func`'s tokens (`count` of them) that is left once attention is the
-    cache's (longrope's choice of factors by the longest position, say): decode runs a batch's sequences as one
+    cache's (a choice by the longest position other than longrope's, say): decode runs a batch's sequences as one
     row of tokens, which it would mix."""
     for binding in bindings(func):
         value = binding.value
@@ -128,8 +134,8 @@ def _check_no_token_reductions(name: str, func: relax.Function, count: tirx.Var)
         if any(v.same_as(count) for a in axes for v in tirx.analysis.undefined_vars(dims[a])):
             raise ModelError(f"{name}: {binding.var.name} = {value.op.name.removeprefix('relax.')} over the "
                              "sequence's tokens, outside attention (a rotary scaling chosen by the longest position, "
-                             "as longrope's?); ember's entries run a batch of sequences as one row of tokens, which "
-                             "it would mix, so ember does not compile it")
+                             "not in longrope's form?); ember's entries run a batch of sequences as one row of "
+                             "tokens, which it would mix, so ember does not compile it")
 
 
 def _describe(window: int) -> str:
@@ -175,17 +181,25 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     found = graph.attentions()
     _check_windows(found, expected)
     functions: dict = {gv: f for gv, f in mod.functions_items() if gv.name_hint != FORWARD}  # kernels keep their gvs
+    long_above: set[int] = set()  # longrope: the lengths past which its choices take the long factors
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
+        rewriter = _Entry(mod, entry, count)
         # Each entry its own variables: a Relax variable belongs to one function.
-        functions[entry] = copy_with_new_vars(_Entry(mod, entry, count).rewrite(func.bind_symbolic_vars({seq: count})))
+        functions[entry] = copy_with_new_vars(rewriter.rewrite(func.bind_symbolic_vars({seq: count})))
+        long_above.update(rewriter.longest.values())
+    if len(long_above) > 1:
+        raise ModelError(f"{FORWARD}: longrope's factors switch at several sequence lengths ({sorted(long_above)}); "
+                         "ember's KV cache keeps one switch")
     shape = _cache_shape(found, context_window)
     cache = cache_functions(shape, str(found[0].q.ty.dtype), target)
     functions.update({gv.name_hint: f for gv, f in cache.functions_items()})
     cleaned = tvm.transform.Sequential(
         [relax.transform.Normalize(), relax.transform.DeadCodeElimination(list(ENTRIES))])
-    # The graph rotates q and k itself (in either form); the cache stores keys as they come.
-    specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, {"mode": "in-graph"})
+    # The graph rotates q and k itself (in either form); the cache stores keys as they come, and with longrope
+    # the runtime computes a sequence's keys again when its length passes `long_factors_above`.
+    rope = {"mode": "in-graph", **({"long_factors_above": long_above.pop()} if long_above else {})}
+    specialized = cleaned(tvm.IRModule(functions, attrs=mod.attrs)).with_attr(ROPE_ATTR, rope)
     for entry in ENTRIES:
         _check_no_token_reductions(entry, specialized[entry], specialized[entry].params[0].ty.shape[
             0 if entry == "decode" else 1])
@@ -551,6 +565,9 @@ class _Entry(relax.PyExprMutator):
         self.ids: relax.Var | None = None
         self.logit_positions = relax.Var("logit_positions",
                                          relax.TensorType([tirx.Var("num_logits", "int64")], "int32"))
+        # max(positions) choosing longrope's factors (`longrope_choice`) -> the length past which they are long
+        self.longest: dict[relax.Var, int] = {}
+        self.prompt_end: relax.Var | None = None
 
     def rewrite(self, func: relax.Function) -> relax.Function:
         self.attentions = {a.output: a for a in _Graph(func, check_masks=False).attentions()}
@@ -560,7 +577,11 @@ class _Entry(relax.PyExprMutator):
         self.input_ids, *weights = func.params
         shape = [self.count, 1] if self.entry == "decode" else [1, self.count]
         self.ids = relax.Var("input_ids", relax.TensorType(shape, "int32"))
-        inputs = [self.ids, self.logit_positions] if self.entry == "prefill" else [self.ids]
+        self.longest = longrope_lengths(func, self.count)
+        if self.longest and self.entry != "decode":
+            self.prompt_end = relax.Var(PROMPT_END_INPUT, relax.TensorType([1], "int32"))
+        inputs = [self.ids, *([self.logit_positions] if self.entry == "prefill" else []),
+                  *([self.prompt_end] if self.prompt_end is not None else [])]
         if self.entry != "decode":
             self.set_var_remap(self.input_ids, self.ids)
         body = self.visit_expr(func.body)
@@ -584,6 +605,8 @@ class _Entry(relax.PyExprMutator):
             positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
                                                                   ty_args=relax.TensorType([self.count], "int32")))
             self.set_var_remap(binding.var, self.builder_.emit(relax.op.astype(positions, value.ty.dtype)))
+        elif binding.var in self.longest:
+            self.set_var_remap(binding.var, self._last_positions(value.ty.dtype))
         elif is_op(value, "relax.cumsum") and _counts_ones(value, self.values):
             positions = self.builder_.emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
                                                                   ty_args=relax.TensorType([self.count], "int32")))
@@ -619,6 +642,17 @@ class _Entry(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             if _maps_each_logit(value) and value.args[0] in self.narrowed:
                 self.narrowed.add(binding.var)  # each logit mapped alone: still the rows at logit_positions
+
+    def _last_positions(self, dtype: str) -> relax.Expr:
+        """[n, 1]: per token, the last position of its sequence once this call's tokens are appended: its own in
+        decode (one token per sequence), the prompt's last (`prompt_end` - 1) in prefill and verify."""
+        emit = self.builder_.emit
+        if self.prompt_end is None:
+            positions = emit(relax.call_pure_packed(QUERY_POSITIONS, self.cache,
+                                                    ty_args=relax.TensorType([self.count], "int32")))
+            return emit(relax.op.reshape(relax.op.astype(positions, dtype), [self.count, 1]))
+        last = emit(relax.op.astype(relax.op.subtract(self.prompt_end, relax.const(1, "int32")), dtype))
+        return emit(relax.op.broadcast_to(relax.op.reshape(last, [1, 1]), [self.count, 1]))
 
     def _cached_attention(self, attention: _Attention) -> relax.Expr:
         emit = self.builder_.emit

@@ -129,8 +129,8 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
     """Refuse a library that is not the manifest's (another artifact's, its hash resealed into this manifest) before
     a kernel meets weights it was not built for: each entry function must exist and take the manifest's inputs,
     then the manifest's weights in order (VM bytecode metadata: no kernel runs)."""
-    for function, spec in manifest.entry_functions.items():
-        inputs = [str(arg).split("[")[0] for arg in spec.get("inputs", [])]
+    for function in manifest.entry_functions:
+        inputs = manifest.entry_inputs(function)
         if not _has_function(vm, function):
             raise ArtifactError(f"{library}: has no function {function!r}, which the manifest lists: the library "
                                 f"is not this artifact's; recompile the artifact")

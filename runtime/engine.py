@@ -25,6 +25,7 @@ from tvm import runtime as tvm_runtime
 
 from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
+from ember.runtime.longrope import LongropeKeys
 
 if TYPE_CHECKING:
     from ember.core.manifest import Manifest
@@ -156,6 +157,9 @@ class Engine(SequenceChecks):
         # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
         self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
         self.has_embeddings = "embed" in artifact.manifest.entry_functions  # `ember compile --embeddings`
+        # Longrope's rotary factors follow each sequence's length (prefill and verify are told it).
+        long_above = kv["rope"].get("long_factors_above")
+        self._longrope = LongropeKeys(int(long_above)) if long_above is not None else None
         self._vm = artifact.vm
         self._params = artifact.params
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
@@ -181,6 +185,8 @@ class Engine(SequenceChecks):
         seq_id = next(self._ids)
         self._f_add(self.kv_cache, seq_id)
         self._lengths[seq_id] = 0
+        if self._longrope is not None:
+            self._longrope.add(seq_id)
         return seq_id
 
     def fork_sequence(self, parent: int, length: int | None = None) -> int:
@@ -191,6 +197,8 @@ class Engine(SequenceChecks):
         child = next(self._ids)
         self._f_fork(self.kv_cache, parent, child, length)
         self._lengths[child] = length
+        if self._longrope is not None:
+            self._longrope.fork(parent, child, length)
         return child
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -198,6 +206,8 @@ class Engine(SequenceChecks):
         self._check_known(seq_id)
         self._f_remove(self.kv_cache, seq_id)
         del self._lengths[seq_id]
+        if self._longrope is not None:
+            self._longrope.remove(seq_id)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop the tokens of `seq_id` after the first `length`."""
@@ -207,6 +217,8 @@ class Engine(SequenceChecks):
         if drop:
             self._f_popn(self.kv_cache, seq_id, drop)
             self._lengths[seq_id] = length
+            if self._longrope is not None:
+                self._longrope.truncate(seq_id, length)
 
     def length(self, seq_id: int) -> int:
         """Tokens currently cached for `seq_id`."""
@@ -220,17 +232,40 @@ class Engine(SequenceChecks):
             raise GenerationError("prefill needs at least one token")
         self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
+        new_length = self._lengths[seq_id] + len(tokens)
+        self._rotate_for(seq_id, new_length)
+        logits = self._prefill_chunks(seq_id, tokens, all_logits, new_length)
+        if self._longrope is not None:
+            self._longrope.appended(seq_id, tokens)
+        return logits
+
+    def _prefill_chunks(self, seq_id: int, tokens: np.ndarray, all_logits: bool, new_length: int) -> np.ndarray:
+        """`prefill`'s work once checked: `tokens` appended chunk by chunk, `seq_id` holding `new_length` tokens
+        after them."""
+        end = self._prompt_end(new_length)
         outputs = []
         for begin in range(0, len(tokens), self.prefill_chunk):
             chunk = tokens[begin: begin + self.prefill_chunk]
             last = begin + len(chunk) >= len(tokens)
             # Without all_logits only the last row of the last chunk is used.
             positions = np.arange(len(chunk), dtype=np.int32) if all_logits else np.array([len(chunk) - 1], np.int32)
-            logits = self._forward("prefill", [seq_id], [len(chunk)], chunk[None, :], positions)
+            logits = self._forward("prefill", [seq_id], [len(chunk)], chunk[None, :], positions, *end)
             if all_logits or last:
                 outputs.append(logits[0])
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
+
+    def _rotate_for(self, seq_id: int, new_length: int) -> None:
+        """Before `seq_id` grows to `new_length` tokens: where longrope's factors for that length are not those its
+        cached keys were rotated with (`runtime/longrope.py`), compute its tokens again with them, as transformers'
+        `generate` does on the step that first passes the original context."""
+        if self._longrope is None or (stale := self._longrope.stale(seq_id, new_length)) is None:
+            return
+        self._f_remove(self.kv_cache, seq_id)  # pages a fork shares with its parent stay the parent's
+        self._f_add(self.kv_cache, seq_id)
+        self._lengths[seq_id] = 0
+        self._prefill_chunks(seq_id, np.asarray(stale, np.int32), False, new_length)
+        self._longrope.rotated(seq_id, new_length)
 
     def verify(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
         """Append a few tokens to `seq_id` (a pending token and guesses); logits [n, vocab] at every one.
@@ -242,7 +277,12 @@ class Engine(SequenceChecks):
         self._check_known(seq_id)
         self._check_room({seq_id: len(token_ids)})
         tokens = self._check_tokens(token_ids)
-        return self._forward("verify", [seq_id], [len(tokens)], tokens[None, :])[0]
+        new_length = self._lengths[seq_id] + len(tokens)
+        self._rotate_for(seq_id, new_length)
+        logits = self._forward("verify", [seq_id], [len(tokens)], tokens[None, :], *self._prompt_end(new_length))[0]
+        if self._longrope is not None:
+            self._longrope.appended(seq_id, tokens)
+        return logits
 
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The hidden states [n, hidden_size] after the final norm of `token_ids` read as one sequence, through
@@ -270,7 +310,18 @@ class Engine(SequenceChecks):
             self._check_known(seq_id)
         self._check_room({seq_id: 1 for seq_id in seq_ids})
         tokens = self._check_tokens(token_ids)
-        return self._forward("decode", list(seq_ids), [1] * len(seq_ids), tokens[:, None])[:, 0, :]
+        for seq_id in seq_ids:
+            self._rotate_for(seq_id, self._lengths[seq_id] + 1)
+        logits = self._forward("decode", list(seq_ids), [1] * len(seq_ids), tokens[:, None])[:, 0, :]
+        if self._longrope is not None:
+            for seq_id, token in zip(seq_ids, tokens):
+                self._longrope.appended(seq_id, [token])
+        return logits
+
+    def _prompt_end(self, new_length: int) -> tuple[np.ndarray, ...]:
+        """The `prompt_end` input of prefill and verify where the artifact takes one (longrope): the sequence's
+        length once the whole prompt is appended, the same for each of its chunks; otherwise nothing."""
+        return (np.array([new_length], np.int32),) if self._longrope is not None else ()
 
     def _forward(self, function: str, seq_ids: list[int], counts: list[int], *inputs: np.ndarray) -> np.ndarray:
         """Run the entry `function` on `inputs` (then the KV cache and the weights), appending `counts[i]`

@@ -35,11 +35,24 @@ def check_prefill(model) -> None:
                         f"{model.name}: prefill of {PROMPT} tokens")
 
 
+def decode_reference(model, ids: list[int], start: int) -> np.ndarray:
+    """transformers' logits [len(ids), vocab] for `ids[:start]` prefilled and the rest decoded one at a time: at
+    every position, those of one forward over the sequence up to it. One forward over all of `ids` gives them all,
+    except where the rotary factors follow the sequence's length (longrope), which one forward chooses once for
+    every position: there, one forward per step.
+    """
+    if (getattr(model.reference.config, "rope_parameters", None) or {}).get("rope_type") != "longrope":
+        return full_forward_logits(model, ids)
+    return np.stack([full_forward_logits(model, ids[:max(position + 1, start)])[position]
+                     for position in range(len(ids))])
+
+
 def check_decode_across_the_window(model) -> None:
-    """A short prompt, then decode steps on the paged cache well past the window."""
+    """A short prompt, then decode steps on the paged cache well past the window (and past longrope's
+    original context)."""
     ids = prompt_ids(PROMPT, seed=22)
     start = WINDOW // 2
-    expected = full_forward_logits(model, ids)
+    expected = decode_reference(model, ids, start)
     engine = model.engine()
     seq = engine.add_sequence()
     engine.prefill(seq, ids[:start])

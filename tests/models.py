@@ -89,6 +89,10 @@ EXPORTED_MODELS: dict[str, dict[str, Any]] = {
 WINDOW = 16
 _GQA = dict(_EXPORTED_SHAPES, num_key_value_heads=2)
 _LOCAL, _GLOBAL = "sliding_attention", "full_attention"
+# Longrope switching from short to long factors past 32 tokens (the tests' prompts of 3 windows pass it), over a
+# rotary dimension of 48 (24 factors each).
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=32,
+                 short_factor=[1.0 + 0.05 * i for i in range(24)], long_factor=[1.5 + 0.4 * i for i in range(24)])
 
 # The families table (`tests/test_families.py`): name -> (transformers model type, config), every one compiled
 # through `--frontend torch-export` against transformers. Between them: head dims 16 to 256, GQA, MQA and MHA,
@@ -110,6 +114,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                layer_types=[_LOCAL, _GLOBAL])),
     "phi": ("phi", dict(_EXPORTED_SHAPES, partial_rotary_factor=0.5)),
     "phi3": ("phi3", dict(_GQA, sliding_window=WINDOW)),
+    # Phi-4-mini's shape: longrope past original_max_position_embeddings (prompts of 3 windows cross it), rotary on
+    # 3/4 of each head, one key/value head, tied head.
+    "phi4_mini": ("phi3", dict(_EXPORTED_SHAPES, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                               partial_rotary_factor=0.75, tie_word_embeddings=True, rope_parameters=_LONGROPE,
+                               original_max_position_embeddings=32)),
     "stablelm": ("stablelm", dict(_GQA)),
     "olmo": ("olmo", dict(_EXPORTED_SHAPES)),
     "olmo2": ("olmo2", dict(_GQA)),

@@ -89,7 +89,8 @@ def malformed_tokenizer_config(model: Path) -> None:
 # (how to break the checkpoint, what stderr must contain)
 CASES = {
     "unknown_model_type": (unknown_model_type, [
-        "config.json: model_type 'gpt_neox' is not supported; supported model types: llama, mistral, qwen2"]),
+        "config.json: model_type 'gpt_neox' has no builtin definition (those: llama, mistral, qwen2); compile it "
+        "with --frontend torch-export"]),
     "missing_tensor": (missing_tensor, [f"tensor '{TENSOR}' is missing from the checkpoint"]),
     "wrong_shape": (wrong_shape, [
         "model.safetensors: tensor", f"'{K_PROJ}' has shape [48, 64], but config.json implies [32, 64]"]),

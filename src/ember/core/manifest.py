@@ -46,6 +46,9 @@ QUANTIZATIONS = ("q0f32", "q0f16", "q8f32", "q8f16", "q4f32", "q4f16", "q4f32_zp
 # kv_cache.quantization's values besides null (`compile --kv-quant`): the keys of `ember.ir.kv_cache.KV_ROWS`,
 # repeated for the same reason (the same test keeps them equal).
 KV_QUANTIZATIONS = ("q8", "f16")
+# An input of `prefill` and `verify` where longrope chooses its rotary factors by the sequence's length
+# (`ember.ir_passes.longrope_choice`): [1] int32, the sequence's length once the call's whole prompt is appended.
+PROMPT_END_INPUT = "prompt_end"
 
 
 @dataclass
@@ -85,6 +88,10 @@ class Manifest:
     # "output": "hidden" | "logits", "hidden_size": H}; None (and absent) for a whole model.
     pipeline_stage: dict[str, Any] | None = None
     manifest_sha256: str = ""  # `manifest_digest` of every other field, set by `write_manifest`
+
+    def entry_inputs(self, function: str) -> list[str]:
+        """The names of the entry `function`'s inputs, in order (none for an entry the artifact lacks)."""
+        return [str(arg).split("[")[0] for arg in self.entry_functions.get(function, {}).get("inputs", [])]
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON data (the pipeline fields only where set)."""
@@ -154,6 +161,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
     _check_file_list(path, data["files"], required_files(data))
     _check_cpu_features(path, data["target"])
     _check_param_types(path, data.get("param_types", {}))
+    _check_long_rope(path, data["kv_cache"]["rope"], data["entry_functions"])
     try:
         return Manifest(**data)
     except TypeError as err:
@@ -407,6 +415,22 @@ def _check_cpu_features(path: Path, target: dict[str, Any]) -> None:
     if not (isinstance(features, list) and all(isinstance(f, str) and f.isidentifier() for f in features)):
         raise ArtifactError(f"{path}: manifest field target.cpu_features must be a list of CPU flag names, "
                             f"got {reprlib.repr(features)}")
+
+
+def _check_long_rope(path: Path, rope: dict[str, Any], entries: dict[str, Any]) -> None:
+    """Refuse a kv_cache.rope.long_factors_above (longrope's switch, absent for other models) that is not a
+    positive whole number, or that disagrees with prefill taking the prompt's end (`PROMPT_END_INPUT`)."""
+    switch = rope.get("long_factors_above")
+    if switch is not None and not _POSITIVE[1](switch):
+        raise ArtifactError(f"{path}: manifest field kv_cache.rope.long_factors_above must be {_POSITIVE[0]}, "
+                            f"got {reprlib.repr(switch)}")
+    prefill = entries.get("prefill", {})
+    inputs = prefill.get("inputs", []) if isinstance(prefill, dict) else []
+    takes_end = any(str(arg).split("[")[0] == PROMPT_END_INPUT for arg in inputs)
+    if takes_end != (switch is not None):
+        raise ArtifactError(f"{path}: the manifest's prefill {'takes' if takes_end else 'does not take'} "
+                            f"{PROMPT_END_INPUT} but kv_cache.rope {'has no' if takes_end else 'has a'} "
+                            "long_factors_above; recompile the artifact")
 
 
 def _check_param_types(path: Path, types: Any) -> None:

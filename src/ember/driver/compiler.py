@@ -26,7 +26,15 @@ from tvm import relax
 import ember
 from ember.core.errors import EmberError
 from ember.core.machine import memory_limits
-from ember.core.manifest import FORMAT_VERSION, KV_QUANTIZATIONS, LIBRARY_NAME, PARAMS_DIR, Manifest, write_manifest
+from ember.core.manifest import (
+    FORMAT_VERSION,
+    KV_QUANTIZATIONS,
+    LIBRARY_NAME,
+    PARAMS_DIR,
+    PROMPT_END_INPUT,
+    Manifest,
+    write_manifest,
+)
 from ember.driver.artifact_dir import check_output_dir, replace_dir, staging_dir
 from ember.driver.codegen import build_library, cross_linker
 from ember.driver.convert import quantized_sources, write_params
@@ -35,7 +43,7 @@ from ember.frontend import source as model_source
 from ember.frontend.config import ModelConfig
 from ember.frontend.gguf import conversion_summary
 from ember.frontend.records import source_record
-from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, VERIFY_TOKENS
+from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, ROPE_ATTR, VERIFY_TOKENS
 from ember.ir.kv_cache import KV_ROWS, recorded_layer_windows
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.tvmscript import stacks_from_linecache
@@ -206,7 +214,7 @@ class _Build:
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
         manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
-                             activations(lowered))
+                             activations(lowered), _long_factors_above(lowered))
         manifest.param_types = param_types
         if pipeline_stage is not None:
             manifest.pipeline_stage = pipeline_stage
@@ -220,7 +228,7 @@ def _build_pipeline(build: _Build, mod: tvm.IRModule, staging: Path, dump_ir: Pa
     naming them, which seals every stage's files; the first stage's (manifest, memory, schedules, params, recipes)."""
     count = build.options.pipeline_stages
     config = _attention_as_built(mod, build.imported.config)
-    _check_pipeline_stages(count, config, build.options)
+    _check_pipeline_stages(count, config, _long_factors_above(mod))
     hidden = config.hidden_size
     ranges = stage_layers(config.num_hidden_layers, count)
     names = [f"stage-{index}" for index in range(count)]
@@ -284,14 +292,19 @@ def check_pipeline_options(options: CompileOptions) -> None:
                          "is not split by layers")
 
 
-def _check_pipeline_stages(count: int, config: ModelConfig, options: CompileOptions) -> None:
-    """Refuse a --pipeline-stages the model cannot be split into: more stages than layers, a sliding window."""
+def _check_pipeline_stages(count: int, config: ModelConfig, long_factors_above: int | None) -> None:
+    """Refuse a --pipeline-stages the model cannot be split into: more stages than layers, a sliding window,
+    longrope (whose keys are computed again from the tokens when a sequence passes its switch)."""
     if count > config.num_hidden_layers:
         raise EmberError(f"--pipeline-stages {count}: the model has {config.num_hidden_layers} layers; give at most "
                          f"{config.num_hidden_layers} stages")
     if config.sliding_window:
         raise EmberError(f"--pipeline-stages {count}: the model attends through a sliding window of "
                          f"{config.sliding_window} tokens, which a pipeline's stages do not support")
+    if long_factors_above is not None:
+        raise EmberError(f"--pipeline-stages {count}: the model's longrope factors switch when a sequence passes "
+                         f"{long_factors_above} tokens, computing its keys again from its tokens, which a pipeline's "
+                         "stages do not support")
 
 
 def _add_param_types(lowered: tvm.IRModule, param_types: dict[str, dict]) -> None:
@@ -397,13 +410,22 @@ def activations(lowered: tvm.IRModule) -> str:
     return "int8" if sources & set(amx_matmul.INT8_KERNEL_SOURCES) else "float"
 
 
+def _long_factors_above(lowered: tvm.IRModule) -> int | None:
+    """Longrope's switch (`ember.ir_passes.longrope_choice`): the sequence length past which the graph rotates with
+    the long factors, where prefill and verify take the prompt's end; None for other models."""
+    switch = dict((lowered.attrs or {}).get(ROPE_ATTR, {})).get("long_factors_above")
+    return None if switch is None else int(switch)
+
+
 def _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
-              activations) -> Manifest:
+              activations, long_factors_above: int | None) -> Manifest:
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
     # The runtime allocates the whole KV cache up front: max_batch full contexts, or
     # what the budget holds if that is less.
     kv_tokens = (memory.kv_capacity(options.memory_budget, options.max_batch) if options.memory_budget
                  else options.max_batch * config.context_window)
+    ends = [f"{PROMPT_END_INPUT}[1] int32"] if long_factors_above is not None else []
+    switch = {"long_factors_above": long_factors_above} if long_factors_above is not None else {}
     return Manifest(
         format_version=FORMAT_VERSION,
         ember_version=ember.__version__,
@@ -415,11 +437,12 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
         model_dtype=imported.model_dtype,
         target=target.to_json(),
         entry_functions={
-            "prefill": {"inputs": ["input_ids[1, seq_len] int32", "logit_positions[num_logits] int32", "kv_cache"],
+            "prefill": {"inputs": ["input_ids[1, seq_len] int32", "logit_positions[num_logits] int32", *ends,
+                                   "kv_cache"],
                         "outputs": ["logits[1, num_logits, vocab] float32", "kv_cache"]},
             "decode": {"inputs": ["input_ids[batch_size, 1] int32", "kv_cache"],
                        "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
-            "verify": {"inputs": ["input_ids[1, n] int32", "kv_cache"],
+            "verify": {"inputs": ["input_ids[1, n] int32", *ends, "kv_cache"],
                        "outputs": ["logits[1, n, vocab] float32", "kv_cache"],
                        # Like a prefill chunk, no more tokens than a window.
                        "max_tokens": min(VERIFY_TOKENS, config.sliding_window or VERIFY_TOKENS)},
@@ -442,7 +465,7 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
             "head_dim": config.head_dim,
             "dtype": imported.model_dtype,
             "sliding_window": config.sliding_window,
-            "rope": {"theta": config.rope_theta, "scaling": config.rope_scaling},
+            "rope": {"theta": config.rope_theta, "scaling": config.rope_scaling, **switch},
             "quantization": options.kv_quant,
         },
         params=[name for name, _ in params],
