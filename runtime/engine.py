@@ -5,11 +5,10 @@ chunk is fed chunk by chunk; decode advances any set of sequences by one token i
 one call. Every length is checked against the artifact's bounds before TVM sees
 it, so an overflow is an error that says which limit was hit.
 
-Sliding-window models (Mistral) keep only the last `window - 1` tokens of each
-sequence in the cache, evicted by TVM after each forward. That is exact for decode
-but not inside a prefill chunk, whose tokens would see more than `window` keys, so
-prompt tokens at positions >= window are fed one at a time (a Mistral prompt must
-exceed its 4096-token window to take this slower path).
+Sliding-window layers keep every token in the cache; their attention kernels mask
+keys by position, and the compiler makes prefill chunks no longer than the window.
+A longrope model's cached keys are computed again from a sequence's tokens when it
+passes the length where the rotary factors switch (`runtime/longrope.py`).
 """
 
 from __future__ import annotations
