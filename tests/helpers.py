@@ -328,9 +328,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[str]:
+def local_ray_cluster(nodes: int = 2, cpus: int = 1, env: dict[str, str] | None = None) -> Iterator[str]:
     """The head's address (127.0.0.1:PORT) of a Ray cluster of `nodes` nodes of `cpus` CPUs each, started by
-    `ray start` in a temporary directory of its own and stopped by killing the processes that name it."""
+    `ray start` (in `env`, by default RAY_ENV: no token authentication) in a temporary directory of its own and
+    stopped by killing the processes that name it."""
     import shutil
     import tempfile
 
@@ -344,7 +345,8 @@ def local_ray_cluster(nodes: int = 2, cpus: int = 1) -> Iterator[str]:
         # Ports Ray would otherwise take at fixed defaults get free ones: two test workers may each run a cluster.
         result = subprocess.run([*ray_cli, "start", f"--num-cpus={cpus}", "--disable-usage-stats",
                                  f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={free_port()}", *args],
-                                capture_output=True, text=True, timeout=RAY_START_TIMEOUT, env=RAY_ENV)
+                                capture_output=True, text=True, timeout=RAY_START_TIMEOUT,
+                                env=RAY_ENV if env is None else env)
         assert result.returncode == 0, result.stdout + result.stderr
 
     try:

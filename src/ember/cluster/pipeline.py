@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ember.cluster.replica import ReplicaSettings, connect, ray, wait_started
+from ember.cluster.ray_session import StartUp, connect
+from ember.cluster.replica import ReplicaSettings, ray, wait_started
 from ember.core.errors import EmberError, GenerationError
 from ember.core.manifest import Manifest, pipeline_field, read_manifest
 from ember.runtime.engine import SequenceChecks
@@ -462,24 +463,25 @@ class PipelineServer:
 
         artifact_dir = Path(settings.artifact_dir)
         stages = len(pipeline_field(artifact_dir, read_manifest(artifact_dir))["stages"])
-        connect(address, settings.threads, 1)
-        try:
-            cpus = ray.cluster_resources().get("CPU", 0)
-            if stages * settings.threads > cpus:
-                raise EmberError(f"{settings.artifact_dir}: its {stages} stages take {settings.threads} CPU(s) each "
-                                 f"(--threads) and the Ray cluster has {cpus:g}")
-            self.engine = PipelineEngine(Path(settings.artifact_dir), settings.threads)
+        with StartUp() as start_up:
+            self.session = connect(address, settings.threads, 1, start_up)
             try:
-                # One chain of stages over KV caches of their own: no prefix cache to keep across requests.
-                self.server = serve_engine(self.engine, dataclasses.replace(settings.serve, prefix_cache=False), host,
-                                           port)
-                self.scheduler = self.server.scheduler
+                cpus = ray.cluster_resources().get("CPU", 0)
+                if stages * settings.threads > cpus:
+                    raise EmberError(f"{settings.artifact_dir}: its {stages} stages take {settings.threads} CPU(s) "
+                                     f"each (--threads) and the Ray cluster has {cpus:g}")
+                self.engine = PipelineEngine(Path(settings.artifact_dir), settings.threads)
+                try:
+                    # One chain of stages over KV caches of their own: no prefix cache to keep across requests.
+                    self.server = serve_engine(self.engine, dataclasses.replace(settings.serve, prefix_cache=False),
+                                               host, port)
+                    self.scheduler = self.server.scheduler
+                except BaseException:
+                    self.engine.stop()
+                    raise
             except BaseException:
-                self.engine.stop()
+                self.session.close()
                 raise
-        except BaseException:
-            ray.shutdown()
-            raise
 
     def run(self) -> None:
         """Serve until interrupted, then stop the stages and leave the cluster."""
@@ -488,7 +490,7 @@ class PipelineServer:
         finally:
             self.scheduler.close()
             self.engine.stop()
-            ray.shutdown()
+            self.session.close()
 
 
 def serve_pipeline(settings: ReplicaSettings, address: str | None, host: str, port: int) -> None:

@@ -29,10 +29,8 @@ except ImportError as err:
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT = 10.0  # seconds for a cluster address to answer before `--ray ADDRESS` gives up
 START_TIMEOUT = 300.0  # seconds for a replica to be placed, load the artifact and listen
 RESTART_DELAY = 2.0  # seconds between tries to replace a dead replica whose replacement failed
-MAX_SOCKET_PATH = 107  # bytes of an AF_UNIX socket's path on Linux
 
 
 @dataclass(frozen=True)
@@ -167,64 +165,3 @@ class ReplicaPool:
             except EmberError as err:
                 log.warning("ember: %s; trying again", err)
                 time.sleep(RESTART_DELAY)
-
-
-def connect(address: str | None, threads: int, replicas: int) -> None:
-    """Join the Ray cluster at `address` (host:port of its head), or start one on this machine when None; refuse
-    with one line an address that does not answer or a cluster with fewer CPUs than the replicas need."""
-    if address is not None:
-        _probe(address)
-    else:
-        _check_temp_dir()
-    # In the main thread: Ray's client started from another one cannot reach its own GCS.
-    local: dict[str, Any] = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False,
-                 **local)
-    except (RayError, ConnectionError, RuntimeError, ValueError) as err:
-        where = f"--ray {address}" if address else "--ray"
-        raise EmberError(f"{where}: cannot join the Ray cluster: {str(err).strip().splitlines()[0]}") from None
-    cpus = ray.cluster_resources().get("CPU", 0)
-    if replicas * threads > cpus:
-        ray.shutdown()
-        raise EmberError(f"--replicas {replicas}: the Ray cluster has {cpus:g} CPUs and each replica takes {threads} "
-                         f"(--threads), so at most {int(cpus // threads)} replicas fit")
-
-
-def _probe(address: str) -> None:
-    """Raise one line unless a Ray cluster's head answers at `address` within CONNECT_TIMEOUT: its GCS must answer
-    a GetClusterId call, the first thing `ray.init` asks. Pointed at anything else (a web server, a gRPC server of
-    another kind, one that accepts and then says nothing), `ray.init` would retry for minutes."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EmberError(f"--ray {address}: not HOST:PORT (the address `ray start --head` prints)")
-    import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        try:
-            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_TIMEOUT)
-        except grpc.RpcError as err:
-            details = err.details() or ""
-            if err.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "resol" in details.lower()):
-                reason = details.rpartition(": ")[2] or "unreachable"
-                raise EmberError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
-            reason = (f"it did not answer Ray's handshake within {CONNECT_TIMEOUT:g} s"
-                      if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else
-                      f"Ray's handshake failed: {err.code().name.lower()}")
-            raise EmberError(f"--ray {address}: what answers there is not a Ray cluster's head ({reason})") from None
-
-
-def _check_temp_dir() -> None:
-    """Refuse a temporary directory so long that a local Ray cluster's socket paths would pass the 107 bytes an
-    AF_UNIX path may have (Ray would fail deep in its start-up)."""
-    from ray._common.utils import get_default_ray_temp_dir
-
-    temp = get_default_ray_temp_dir()
-    longest = os.path.join(temp, "session_2026-01-01_00-00-00_000000_4194304", "sockets", "plasma_store.99")
-    if len(longest.encode()) > MAX_SOCKET_PATH:
-        variable = "RAY_TMPDIR" if "RAY_TMPDIR" in os.environ else "TMPDIR"
-        raise EmberError(f"{variable}: a local Ray cluster keeps its sockets under {temp}, whose "
-                         f"{len(temp.encode())} bytes leave no room for their paths (an AF_UNIX path has at most "
-                         f"{MAX_SOCKET_PATH} bytes); set {variable} to a shorter directory, such as /tmp")

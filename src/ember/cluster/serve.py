@@ -7,7 +7,8 @@ import sys
 import uvicorn
 
 from ember.cluster.front import create_front
-from ember.cluster.replica import ReplicaPool, ReplicaSettings, connect, ray
+from ember.cluster.ray_session import StartUp, connect
+from ember.cluster.replica import ReplicaPool, ReplicaSettings
 from ember.cluster.router import Router
 from ember.serving.server import http_url, listen, serve_on
 
@@ -21,13 +22,14 @@ class ClusterServer:
         self.host, self.port = self._socket.getsockname()[:2]
         self.router = Router(replicas, prefix_routing=prefix_routing)
         try:
-            connect(address, settings.threads, replicas)
-            self.pool = ReplicaPool(self.router, settings)
-            try:
-                self.pool.start()
-            except BaseException:
-                ray.shutdown()
-                raise
+            with StartUp() as start_up:
+                self.session = connect(address, settings.threads, replicas, start_up)
+                self.pool = ReplicaPool(self.router, settings)
+                try:
+                    self.pool.start()
+                except BaseException:
+                    self.session.close()
+                    raise
         except BaseException:
             self._socket.close()
             raise
@@ -46,7 +48,7 @@ class ClusterServer:
             serve_on(self._server, self._socket)
         finally:
             self.pool.stop()
-            ray.shutdown()
+            self.session.close()
 
 
 def serve(settings: ReplicaSettings, replicas: int, address: str | None, host: str, port: int,
