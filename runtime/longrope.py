@@ -12,7 +12,7 @@ truncated back below it and grows again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 
 class LongropeKeys:
@@ -45,7 +45,7 @@ class LongropeKeys:
         """`seq_id`'s tokens were computed again, rotated for `new_length`."""
         self._long[seq_id] = new_length > self.long_above
 
-    def appended(self, seq_id: int, tokens: Sequence[int]) -> None:
+    def appended(self, seq_id: int, tokens: Iterable[int]) -> None:
         """`tokens` were appended to `seq_id`, rotated for its length after them."""
         self._tokens[seq_id].extend(int(t) for t in tokens)
         self._long[seq_id] = len(self._tokens[seq_id]) > self.long_above
