@@ -335,19 +335,25 @@ class GGUFWeights:
         vocabulary is neither held in float nor quantized twice (the conversion itself quantizes it)."""
         import gguf
 
-        tensor = self._tensors[self.record(name).name]
-        data = np.asarray(tensor.data)
-        data = data.reshape(data.shape[0], -1)
-        rows = np.unique(np.linspace(0, data.shape[0] - 1, min(ERROR_ROWS, data.shape[0])).astype(np.int64))
         squared_error = squared_norm = 0.0
-        for start in range(0, len(rows), ERROR_BLOCK_ROWS):
-            block = np.asarray(gguf.quants.dequantize(data[rows[start:start + ERROR_BLOCK_ROWS]], tensor.tensor_type),
-                               dtype=np.float32)
-            block = block.reshape(block.shape[0], -1)
-            requantized = fmt.dequantize(fmt.quantize(block), block.shape[1]).astype(np.float32)
-            squared_error += float(np.sum((requantized - block).astype(np.float64) ** 2))
-            squared_norm += float(np.sum(block.astype(np.float64) ** 2))
+        tensors = self._source_tensors(name)
+        for tensor in tensors:
+            data = np.asarray(tensor.data)
+            data = data.reshape(-1, data.shape[-1])  # rows (of every expert, in a stack of experts)
+            count = min(max(ERROR_ROWS // len(tensors), 1), data.shape[0])
+            rows = np.unique(np.linspace(0, data.shape[0] - 1, count).astype(np.int64))
+            for start in range(0, len(rows), ERROR_BLOCK_ROWS):
+                block = np.asarray(gguf.quants.dequantize(data[rows[start:start + ERROR_BLOCK_ROWS]],
+                                                          tensor.tensor_type), dtype=np.float32)
+                block = block.reshape(block.shape[0], -1)
+                requantized = fmt.dequantize(fmt.quantize(block), block.shape[1]).astype(np.float32)
+                squared_error += float(np.sum((requantized - block).astype(np.float64) ** 2))
+                squared_norm += float(np.sum(block.astype(np.float64) ** 2))
         return float(np.sqrt(squared_error / max(squared_norm, 1e-30)))
+
+    def _source_tensors(self, name: str) -> list:
+        """The file's tensors that hold parameter `name`."""
+        return [self._tensors[self.record(name).name]]
 
     def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Llama q/k row order (pairs of RoPE channels adjacent) on row-indexed `rows`."""
@@ -462,6 +468,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def has_experts(metadata: Metadata, architecture: str) -> bool:
+    """Whether the file's layers are mixtures of experts (`{architecture}.expert_count` above zero): those are
+    read through transformers' definition of the architecture, whatever it is called (Mixtral's files say llama)."""
+    return (metadata.get(f"{architecture}.expert_count", int) or 0) > 0
+
+
 def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = "float32",
                       workdir: Path | None = None):
     """Build the Relax IRModule for the GGUF file at `path`.
@@ -482,12 +494,12 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
         workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
         atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     architecture = Metadata(reader, path).get("general.architecture", str, required=True)
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in SUPPORTED_ARCHITECTURES or has_experts(Metadata(reader, path), architecture):
         from ember.frontend.gguf_traced import import_traced_gguf, traced_architectures
 
         if architecture not in traced_architectures():
             raise ModelError(f"{path}: general.architecture {short_repr(architecture)} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES + traced_architectures())}")
+                             f"{', '.join(dict.fromkeys(SUPPORTED_ARCHITECTURES + traced_architectures()))}")
         return import_traced_gguf(path, reader, model_dtype, workdir)
     config = gguf_config(reader, path)
     weights = GGUFWeights(path, reader, config)

@@ -159,7 +159,8 @@ def _checkpoint_names(model, stored: Callable[[str], bool]) -> Callable[[str], s
     transformers renames some tensors between the file and the module (GPT-NeoX's `embed_out` is
     the module's `lm_head`) and undoes that when it saves: the names its own `save_pretrained`
     would write are the file's. A tied weight has several names; the one `stored` says the
-    checkpoint has is taken."""
+    checkpoint has is taken, the module's own name where only it is stored (a GGUF file read
+    under transformers' names)."""
     import torch
 
     state = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
@@ -182,7 +183,7 @@ def _checkpoint_names(model, stored: Callable[[str], bool]) -> Callable[[str], s
 
     def checkpoint_name(name: str) -> str:
         candidates = aliases.get(id(parameters[name]), []) if name in parameters else []
-        return next((alias for alias in candidates if stored(alias)), saved.get(name, name))
+        return next((alias for alias in (*candidates, name) if stored(alias)), saved.get(name, name))
 
     return checkpoint_name
 

@@ -121,14 +121,19 @@ assert llama_cpp.llama_model_quantize({str(source).encode()!r}, {str(partial).en
     return path
 
 
+# llama.cpp's context options for the comparisons: its keys and values cached in float32 (GGML_TYPE_F32), not its
+# default float16, which rounds every attention input and flips near-tied expert choices.
+_CONTEXT = "type_k=0, type_v=0, n_threads=2, verbose=False"
+
+
 def logits(path: Path, ids: list[int]) -> np.ndarray:
     """llama.cpp's logits [len(ids), vocab] for `ids` in one batch (2 threads)."""
-    out = CACHE / f"logits-{_key(path, ids)}.npy"
+    out = CACHE / f"logits-{_key(path, ids, _CONTEXT)}.npy"
     if not out.exists():
         _llama_cpp(f"""
 import numpy as np
 from llama_cpp import Llama
-llm = Llama({str(path)!r}, logits_all=True, n_ctx={len(ids) + 8}, n_batch={len(ids)}, n_threads=2, verbose=False)
+llm = Llama({str(path)!r}, logits_all=True, n_ctx={len(ids) + 8}, n_batch={len(ids)}, {_CONTEXT})
 llm.eval({ids!r})
 np.save({str(out)!r}, np.array(llm.scores[:{len(ids)}], dtype=np.float32))
 """)
@@ -140,7 +145,7 @@ def greedy(path: Path, ids: list[int], new_tokens: int) -> list[int]:
     return json.loads(_llama_cpp(f"""
 import json, numpy as np
 from llama_cpp import Llama
-llm = Llama({str(path)!r}, n_ctx={len(ids) + new_tokens + 8}, n_batch={len(ids)}, n_threads=2, verbose=False)
+llm = Llama({str(path)!r}, n_ctx={len(ids) + new_tokens + 8}, n_batch={len(ids)}, {_CONTEXT})
 llm.eval({ids!r})
 out = []
 for _ in range({new_tokens}):

@@ -1,5 +1,5 @@
-"""GGUF files of architectures beyond Llama and Qwen2 (`frontend/gguf_traced.py`), written by llama.cpp's own
-converter from the same tiny weights as a checkpoint directory.
+"""GGUF files of architectures beyond Llama and Qwen2, mixtures of experts among them (`frontend/gguf_traced.py`),
+written by llama.cpp's own converter from the same tiny weights as a checkpoint directory.
 
 The F32 file must compile to exactly the logits of the checkpoint compiled through torch.export (same
 weights, same graph), and the Q8_0 file keep every block as llama.cpp wrote it (read back and quantized
@@ -30,6 +30,11 @@ GGUF_FAMILIES = {
     "starcoder2": ("starcoder2", dict(_GQA)),
     "gpt2": ("gpt2", dict(models.EXPORTED_MODELS["gpt2"], n_ctx=256)),
     "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4, seq_length=256)),  # ALiBi
+    # Mixtures of experts, stacked per layer in the file (`ffn_{gate,up,down}_exps`): Qwen3-MoE, Qwen2-MoE with its
+    # shared expert, and Mixtral, which llama.cpp writes as `llama` with an expert count.
+    "qwen3moe": models.FAMILIES["qwen3_moe"],
+    "qwen2moe": models.FAMILIES["qwen2_moe"],
+    "mixtral": ("mixtral", {k: v for k, v in models.FAMILIES["mixtral"][1].items() if k != "sliding_window"}),
 }
 PROMPT = 3 * models.WINDOW
 
@@ -75,7 +80,8 @@ def test_a_q8_0_file_keeps_its_blocks(checkpoints, tmp_path, name):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("name", ["qwen3", "stablelm", "starcoder2", "gpt2", "bloom"])
+@pytest.mark.parametrize("name", ["qwen3", "stablelm", "starcoder2", "gpt2", "bloom", "qwen3moe", "qwen2moe",
+                                  "mixtral"])
 def test_greedy_tokens_equal_llama_cpps_on_the_same_file(checkpoints, tmp_path, name):
     path = gguf_files.convert(checkpoints[name], "f32", pre="gpt-2")
     compile_model(path, tmp_path / "art", CompileOptions(prefill_chunk=64, max_batch=1, show_progress=False))
@@ -100,4 +106,26 @@ def test_an_architecture_neither_ember_nor_transformers_reads_is_refused(tmp_pat
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelError, match=r"general.architecture 'rwkv6' is not supported; supported: llama, qwen2, "):
+        import_gguf_model(path, None, "float32", tmp_path)
+
+
+@pytest.mark.parametrize(("architecture", "key"), [("qwen3moe", "qwen3moe.expert_feed_forward_length"),
+                                                   ("llama", "llama.expert_used_count")])
+def test_a_mixture_of_experts_without_its_expert_sizes_is_one_line(tmp_path, architecture, key):
+    """A file that counts experts but leaves out what transformers' mapping does not read is refused naming the
+    metadata key, before transformers builds anything from it."""
+    import gguf
+
+    from ember.core.errors import ModelError
+    from ember.frontend.gguf import import_gguf_model
+
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_uint32(f"{architecture}.expert_count", 4)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=rf"^{path}: .*{key}"):
         import_gguf_model(path, None, "float32", tmp_path)
