@@ -59,12 +59,16 @@ class ToolUseBlock(ApiModel):
 
 
 class ToolResultBlock(ApiModel):
-    """The result of a call, in a user message. `is_error` is accepted; chat templates have no place for it."""
+    """The result of a call, in a user message. Chat templates have no place for `is_error`: a failed call's result
+    reaches the model as its tool message prefixed `ERROR_PREFIX`."""
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[TextBlock] = ""
     is_error: bool = False
+
+
+ERROR_PREFIX = "Error: "
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -182,7 +186,8 @@ def _messages(given: Sequence[InputMessage]) -> list[Message]:
                 if text:
                     messages.append(Message(role="user", content="".join(text)))
                     text = []
-                messages.append(Message(role="tool", content=_text(block.content), tool_call_id=block.tool_use_id))
+                content = ERROR_PREFIX * block.is_error + _text(block.content)
+                messages.append(Message(role="tool", content=content, tool_call_id=block.tool_use_id))
             else:
                 text.append(block.text)
         if text or not blocks:

@@ -101,7 +101,7 @@ DROPPED_TURNS_HEADER = "X-Dropped-Turns"
 # The paths /metrics counts responses by (a model's card by its route's, whatever the model), and those answering
 # errors in Anthropic's shape.
 _ENDPOINTS = frozenset(route.path for route in ROUTES if "{" not in route.path)
-_ANTHROPIC_PATHS = frozenset(route.path for route in ROUTES if route.errors == "anthropic")
+ANTHROPIC_PATHS = frozenset(route.path for route in ROUTES if route.errors == "anthropic")
 _Result = TypeVar("_Result")
 _Body = TypeVar("_Body", bound=ApiModel)
 
@@ -131,9 +131,9 @@ class _Metrics:
         return counted
 
 
-def _error_response(path: str, error: ApiError) -> JSONResponse:
+def error_response(path: str, error: ApiError) -> JSONResponse:
     """The response answering `error` on `path`: in Anthropic's shape on its routes, else in OpenAI's."""
-    body = anthropic_messages.error_body(error) if path in _ANTHROPIC_PATHS else error.body()
+    body = anthropic_messages.error_body(error) if path in ANTHROPIC_PATHS else error.body()
     return JSONResponse(body, status_code=error.status)
 
 
@@ -156,7 +156,7 @@ def _guarded(app: ASGIApp) -> ASGIApp:
             if started or scope["type"] != "http":  # answered already: uvicorn logs it and ends the response
                 raise
             log.error("internal error answering a request", exc_info=err)
-            await _error_response(scope["path"], internal_error(err))(scope, receive, send)
+            await error_response(scope["path"], internal_error(err))(scope, receive, send)
 
     return guarded
 
@@ -492,17 +492,17 @@ def _answer_errors_in_their_shape(app: fastapi.FastAPI) -> None:
     """Every error answered in the shape of its route's API (OpenAI's but on Anthropic's routes)."""
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, err: ApiError) -> Response:
-        return _error_response(request.url.path, err)
+        return error_response(request.url.path, err)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HttpRequest, err: HTTPException) -> Response:
         code = "not_found" if err.status_code == 404 else None
-        return _error_response(request.url.path, ApiError(err.status_code, str(err.detail), code=code))
+        return error_response(request.url.path, ApiError(err.status_code, str(err.detail), code=code))
 
     @app.exception_handler(Exception)
     async def bug(request: HttpRequest, err: Exception) -> Response:
         log.error("internal error answering a request", exc_info=err)
-        return _error_response(request.url.path, internal_error(err))
+        return error_response(request.url.path, internal_error(err))
 
 
 def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,

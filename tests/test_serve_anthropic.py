@@ -136,6 +136,27 @@ def test_a_tool_use_round_trip_renders_as_the_chat_round_trip(served):
     assert counted.input_tokens == prompt_tokens
 
 
+def test_a_failed_tool_result_reaches_the_model_as_an_error(served):
+    """`is_error: true` renders as the chat tool message "Error: <result>" (counted against chat's own usage of that
+    conversation), and differs from the same result that succeeded."""
+    call = {"type": "tool_use", "id": "call_1", "name": "weather", "input": {"city": "Oslo"}}
+
+    def counted(is_error: bool) -> int:
+        result = {"type": "tool_result", "tool_use_id": "call_1", "content": "no such city", "is_error": is_error}
+        messages = [*QUESTION, {"role": "assistant", "content": [call]}, {"role": "user", "content": [result]}]
+        return served.anthropic.messages.count_tokens(model=served.name, messages=messages, tools=[TOOL]).input_tokens
+
+    chat_tool = {"type": "function", "function": {"name": "weather", "description": TOOL["description"],
+                                                  "parameters": CITY}}
+    chat = served.client.chat.completions.create(
+        model=served.name, tools=[chat_tool], max_tokens=1, temperature=0,
+        messages=[*QUESTION, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "weather", "arguments": json.dumps(call["input"])}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Error: no such city"}])
+    assert counted(True) == chat.usage.prompt_tokens
+    assert counted(True) != counted(False)
+
+
 def test_a_streamed_tool_use_arrives_as_input_json_deltas_the_client_parses(served):
     with served.anthropic.messages.stream(model=served.name, messages=QUESTION, tools=[TOOL], max_tokens=64,
                                           tool_choice={"type": "tool", "name": "weather"}) as stream:

@@ -4,22 +4,33 @@ Each request goes to the replica the router picks (router.py) and its answer com
 server wrote it, so the API and its errors are `ember serve`'s. A replica that fails before answering
 (its process died, its connection broke) is dropped from this request and the request goes to another:
 nothing had reached the client yet. A streamed answer is relayed event by event, each event whole; if its
-replica dies mid-stream the client gets one OpenAI error event and `data: [DONE]`, never a stream cut short
-without a word nor one continued by another replica. /health and /metrics are the front's own: per-replica
-load, routing and restarts, and each replica's own metrics labelled with its index.
+replica dies before the stream's last event (chat's `data: [DONE]`, Anthropic's `message_stop`, a Response's
+completion), the client gets its API's error event (`_lost_stream_events`), never a stream cut short without a
+word nor one continued by another replica. The front's own errors are in the shape of the route's API. /health
+and /metrics are the front's own: per-replica load, routing and restarts, and each replica's own metrics labelled
+with its index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlparse
 
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
+from ember.serving import anthropic_messages
 from ember.serving.protocol import ApiError, internal_error, sse
-from ember.serving.server import MAX_BODY_BYTES, read_body, wait_unless_disconnected
+from ember.serving.server import (
+    ANTHROPIC_PATHS,
+    MAX_BODY_BYTES,
+    error_response,
+    read_body,
+    wait_unless_disconnected,
+)
 
 try:
     import aiohttp
@@ -37,6 +48,10 @@ REPLICA_HEADER = "X-Ember-Replica"  # which replica answered, on every relayed r
 _NOT_RELAYED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date",
                           "server"})
 _BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
+RESPONSES_PATH = "/v1/responses"
+# The event types that end a stream, for the APIs that name their events.
+_LAST_EVENTS = {"anthropic": frozenset({"message_stop", "error"}),
+                "responses": frozenset({"response.completed", "response.incomplete", "response.failed"})}
 _Answer = TypeVar("_Answer")
 METRICS_TIMEOUT = 2.0  # seconds a replica's /metrics may take before /metrics leaves it out
 
@@ -64,10 +79,10 @@ def create_front(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[N
             else:
                 response, release = await front.relay(request)
         except ApiError as err:
-            response = JSONResponse(err.body(), status_code=err.status)
-        except Exception as err:  # a bug: OpenAI's 500, and the front goes on
+            response = error_response(scope["path"], err)
+        except Exception as err:  # a bug: a 500 in the route's API's shape, and the front goes on
             log.error("internal error relaying a request", exc_info=err)
-            response = JSONResponse(internal_error(err).body(), status_code=500)
+            response = error_response(scope["path"], internal_error(err))
         try:
             await response(scope, receive, send)
         finally:
@@ -168,15 +183,20 @@ class _Front:
         except BaseException:
             await release()
             raise
-        return StreamingResponse(self._events(index, first, upstream), upstream.status, relayed), release
+        stream = self._events(index, urlparse(url).path, first, upstream)
+        return StreamingResponse(stream, upstream.status, relayed), release
 
-    async def _events(self, index: int, first: bytes, upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The replica's events, each whole; if the replica dies mid-stream, an error event and [DONE]."""
+    async def _events(self, index: int, path: str, first: bytes,
+                      upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The replica's events, each whole; if the replica dies before the stream's last event, its API's error
+        event."""
         event: bytes | None = first
+        last = first
         while event is not None:
             yield event
-            if event.startswith(b"data: [DONE]"):
+            if _ends_stream(path, event):
                 return
+            last = event
             try:
                 event = await _next_event(upstream)
             except _BROKEN:
@@ -186,8 +206,8 @@ class _Front:
         lost = ApiError(503, f"the replica generating this stream (replica {index}) stopped mid-answer; what was "
                              "streamed is all there is: send the request again", code="replica_lost",
                         kind="server_error")
-        yield sse(lost.body()).encode()
-        yield sse("[DONE]").encode()
+        for text in _lost_stream_events(path, lost, first, last):
+            yield text.encode()
 
     def health(self) -> Response:
         """GET /health: 200 while any replica serves, 503 when none does; each replica's state either way."""
@@ -237,6 +257,59 @@ async def _unless_disconnected(request: HttpRequest, answer: Awaitable[_Answer])
 
 async def _nothing() -> None:
     return None
+
+
+def _api(path: str) -> str:
+    """Whose stream format `path` speaks: "anthropic", "responses" or "openai" (chat and completions)."""
+    return "anthropic" if path in ANTHROPIC_PATHS else "responses" if path == RESPONSES_PATH else "openai"
+
+
+def _event_data(event: bytes) -> tuple[str | None, bytes]:
+    """A server-sent event's type (None if it names none) and its data."""
+    name, data = None, b""
+    for line in event.split(b"\n"):
+        if line.startswith(b"event: "):
+            name = line[len(b"event: "):].decode(errors="replace")
+        elif line.startswith(b"data: "):
+            data = line[len(b"data: "):]
+    return name, data
+
+
+def _ends_stream(path: str, event: bytes) -> bool:
+    """Whether `event` is the last its API sends on `path`: chat's and completions' `data: [DONE]`, Anthropic's
+    `message_stop` (or `error`), a Response's completion or failure."""
+    name, data = _event_data(event)
+    api = _api(path)
+    return name in _LAST_EVENTS[api] if api in _LAST_EVENTS else data == b"[DONE]"
+
+
+def _lost_stream_events(path: str, error: ApiError, first: bytes, last: bytes) -> list[str]:
+    """The events ending a stream on `path` whose replica died after relaying `first` ... `last`, in its API's
+    shape: Anthropic's `error` event; the Responses API's `error` event numbered after `last`, then the Response
+    (as `first`, `response.created`, gave it) failed; chat's and completions' error chunk and `[DONE]`."""
+    api = _api(path)
+    if api == "anthropic":
+        return [sse(anthropic_messages.error_body(error), "error")]
+    if api == "responses":
+        created, previous = _event_json(first), _event_json(last)
+        sequence = previous.get("sequence_number", -1) + 1
+        response = created.get("response")
+        response = response if isinstance(response, dict) else {}
+        failed = {**response, "status": "failed", "error": {"code": error.code, "message": error.message}}
+        return [sse({"type": "error", "sequence_number": sequence, "code": error.code, "message": error.message,
+                     "param": None}, "error"),
+                sse({"type": "response.failed", "sequence_number": sequence + 1, "response": failed},
+                    "response.failed")]
+    return [sse(error.body()), sse("[DONE]")]
+
+
+def _event_json(event: bytes) -> dict:
+    """A server-sent event's data as a JSON object (empty if it is none)."""
+    try:
+        data = json.loads(_event_data(event)[1])
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 async def _next_event(upstream: aiohttp.ClientResponse) -> bytes | None:
