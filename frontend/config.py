@@ -189,7 +189,14 @@ def imported_model_config(model_dir: Path) -> ModelConfig:
     and heads are the graph's (the compiler takes them from the attention it finds), and position encodings
     are computed in the graph, so rope settings are not read."""
     path = checkpoint_file(model_dir, "config.json")
-    raw = read_json_object(path)
+    generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
+    generation = read_json_object(generation_path) if generation_path else {}
+    return imported_config(read_json_object(path), path, generation, generation_path)
+
+
+def imported_config(raw: dict[str, Any], path: Path | str, generation: dict[str, Any] | None = None,
+                    generation_path: Path | str | None = None) -> ModelConfig:
+    """`imported_model_config` of a parsed config.json (`raw`, read from `path`)."""
     construct = unsupported_construct(raw)
     if construct:
         raise ModelError(f"{path}: model_type {short_repr(raw.get('model_type'))} is {construct}, which ember does not "
@@ -202,8 +209,6 @@ def imported_model_config(model_dir: Path) -> ModelConfig:
                          "ember sizes the KV cache by it")
     if canonical["intermediate_size"] is None and isinstance(canonical["hidden_size"], int):
         canonical["intermediate_size"] = 4 * canonical["hidden_size"]
-    generation_path = optional_checkpoint_file(model_dir, "generation_config.json")
-    generation = read_json_object(generation_path) if generation_path else {}
     return parse_model_config({k: v for k, v in canonical.items() if v is not None}, path, generation,
                               generation_path, any_architecture=True)
 

@@ -12,9 +12,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 from ember.ir.weight_recipes import weight_params
+from ember.schedules.moe import MOE_MATMUL_ATTR, MOE_ROUTE_ATTR
+
+# Operators that only view a tensor under another shape (the weights they see are their first argument's).
+_VIEWS = ("relax.reshape", "relax.memory.view", "relax.ensure_zero_offset")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class MemoryReport:
     kv_bytes_per_token: int
     workspace_bytes: dict[str, int]
     context_window: int
+    # Of the weights, the routed experts' (read only by the expert projections), and the bytes of weights a decoded
+    # token reads: every other weight whole, and top_k of each layer's experts.
+    expert_weight_bytes: int = 0
+    active_weight_bytes: int = 0
 
     @property
     def peak_workspace_bytes(self) -> int:
@@ -67,10 +75,49 @@ def _storage_sizes(func: relax.Function) -> list[int]:
 def memory_report(lowered: tvm.IRModule, kv_bytes_per_token: int, context_window: int) -> MemoryReport:
     """The report for a module lowered through memory planning."""
     weights = weight_params(lowered["decode"])
-    weight_bytes = sum(
-        int(np.prod([int(d) for d in p.ty.shape])) * np.dtype(str(p.ty.dtype)).itemsize for p in weights
-    )
-    return MemoryReport(weight_bytes, kv_bytes_per_token, planned_workspace(lowered), context_window)
+    weight_bytes = sum(_bytes(p) for p in weights)
+    experts, share = _expert_weights(lowered, set(weights))
+    expert_bytes = sum(_bytes(p) for p in experts)
+    return MemoryReport(weight_bytes, kv_bytes_per_token, planned_workspace(lowered), context_window, expert_bytes,
+                        round(weight_bytes - expert_bytes * (1 - share)))
+
+
+def _bytes(param: relax.Var) -> int:
+    return int(np.prod([int(d) for d in param.ty.shape])) * np.dtype(str(param.ty.dtype)).itemsize
+
+
+def _expert_weights(lowered: tvm.IRModule, weights: set[relax.Var]) -> tuple[list[relax.Var], float]:
+    """The weights decode's expert projections read (`schedules/moe.moe_matmul`), and the share of them one token
+    reads (top_k of the experts, from the router's kernel)."""
+    kernels = {gv: func.attrs for gv, func in lowered.functions_items()
+               if isinstance(func, tirx.PrimFunc) and func.attrs is not None}
+    projections = {gv for gv, attrs in kernels.items() if MOE_MATMUL_ATTR in attrs}
+    route = next((attrs[MOE_ROUTE_ATTR] for attrs in kernels.values() if MOE_ROUTE_ATTR in attrs), None)
+    if not projections or route is None:
+        return [], 1.0
+    bound: dict[relax.Var, relax.Expr] = {}
+    found: dict[relax.Var, None] = {}
+
+    def source(expr: relax.Expr) -> relax.Expr:  # through the views and reshapes memory planning leaves
+        while isinstance(expr, relax.Var) and expr in bound:
+            value = bound[expr]
+            if not (isinstance(value, relax.Call) and value.args and isinstance(value.op, tvm.ir.Op)
+                    and value.op.name in _VIEWS):
+                break
+            expr = value.args[0]
+        return expr
+
+    for block in lowered["decode"].body.blocks:  # normalized: every call is a binding's value
+        for binding in block.bindings:
+            bound[binding.var] = call = binding.value
+            if not isinstance(call, relax.Call):
+                continue
+            callee, args = call.op, list(call.args)
+            if isinstance(callee, tvm.ir.Op) and callee.name == "relax.call_tir":
+                callee, args = args[0], list(args[1].fields) if isinstance(args[1], relax.Tuple) else [args[1]]
+            if callee in projections:
+                found.update({arg: None for arg in map(source, args) if arg in weights})
+    return list(found), int(route["top_k"]) / int(route["experts"])
 
 
 def _collect_storage(expr: relax.Expr, sizes: list[int]) -> None:

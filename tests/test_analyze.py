@@ -173,6 +173,39 @@ def test_mixture_of_experts_reads_only_the_experts_it_routes_to():
         tiny(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)
 
 
+@pytest.mark.parametrize(("name", "expected"), [
+    ("qwen3_moe", (8, 2, 32, 0)),      # moe_intermediate_size is the experts' width
+    ("qwen2_moe", (6, 3, 32, 48)),     # and a shared expert beside them
+    ("mixtral", (4, 2, 128, 0)),       # intermediate_size is the experts' width
+    ("olmoe", (8, 2, 128, 0)),
+    ("granitemoe", (4, 2, 128, 0)),
+])
+def test_every_moe_family_is_read_with_its_experts_sizes(name, expected):
+    """Each family's config as transformers writes it: the experts' count, how many a token uses, their width and a
+    shared expert's; a decode token's expert projections read k experts' weights, and the shared expert's always."""
+    import models
+
+    model_type, overrides = models.FAMILIES[name]
+    from transformers import AutoConfig
+
+    raw = AutoConfig.for_model(model_type, **models._EXPORTED_COMMON, **overrides).to_dict()
+    arch = architecture_from_config(raw, f"{name}/config.json", name)
+    assert (arch.num_experts, arch.experts_per_token, arch.expert_width,
+            arch.shared_expert_intermediate_size) == expected
+    experts, k, width, shared = expected
+    h = arch.config.hidden_size
+    one = by_name(decode(arch, FP16, 1, 5).layer)
+    assert one["down_proj"].weight_bytes == k * width * h * 2
+    assert ("shared_down_proj" in one) == bool(shared)
+    assert analyze(arch, toy_hardware(), FP16, Workload(1, 4, 2)).memory.expert_weights == \
+        3 * h * width * experts * arch.config.num_hidden_layers * 2
+
+
+def test_an_moe_config_without_its_top_k_is_one_line():
+    with pytest.raises(ModelError, match="'num_experts' is 8 and 'num_experts_per_tok' is missing"):
+        tiny(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=4)
+
+
 def test_generation_sums_one_decode_step_per_generated_token_after_the_first():
     hw = toy_hardware(fp16=100.0)
     a = analyze(tiny(), hw, FP16, Workload(batch=1, prompt_len=3, gen_len=4))
@@ -603,6 +636,34 @@ def test_measure_cli_refuses_what_does_not_apply(tiny_llama, tmp_path):
         measure(tmp_path, hardware=GENEROUS)
 
 
+def test_measure_counts_the_experts_a_step_reads(tiny_models):
+    """A q8f32 Qwen3-MoE artifact (8 experts, 2 a token): the expert kernels implement the experts' projections, and
+    a batch-1 decode step's read 2 experts' weights, a 16-token prefill's more of them; every share of the roof is
+    a share."""
+    m = measure(tiny_models.exported("qwen3_moe", "q8f32").artifact_dir, prompt_len=16, batch=1, repeats=1,
+                hardware=GENEROUS)
+    assert (m.arch.num_experts, m.arch.experts_per_token, m.arch.expert_width) == (8, 2, 32)
+    h, width, layers = m.arch.config.hidden_size, m.arch.expert_width, m.arch.config.num_hidden_layers
+    one_expert = h * width * 8.5 / 8  # q8f32: 8 bits a weight and a float16 scale per 32
+
+    def expert_kernels(stage, implements):
+        return [k for k in stage.kernels if k.implements == implements]
+
+    for stage, least, most in ((m.decode, 2, 2), (m.prefill, 3, 8)):
+        for implements, rows, inner in ((("gate_proj", "up_proj"), 2 * width, h), (("down_proj",), h, width)):
+            kernels = expert_kernels(stage, implements)
+            assert sum(k.calls for k in kernels) == layers, (stage.name, implements)
+            for k in kernels:
+                pairs = k.point.op.ops / (2 * rows * inner)
+                assert pairs == stage.new_tokens * stage.batch * 2
+                # float32 inputs and outputs of the pairs, their order and the 9 offsets (int32)
+                moved = pairs * (rows + inner) * 4 + pairs * 4 + 9 * 4
+                experts_read = (k.point.op.bytes - moved) / (one_expert * rows / width * (inner / h))
+                assert experts_read == pytest.approx(round(experts_read)) and least <= experts_read <= most, k.name
+                assert 0 < k.fraction < 1
+    assert "router" in {name for k in m.decode.kernels for name in k.implements}
+
+
 def test_kernels_map_to_operators_by_the_weights_they_read():
     layer = "model.layers.3"
     assert implemented_operators([f"{layer}.self_attn.q_k_v_proj.weight", f"{layer}.self_attn.q_k_v_proj.bias"],
@@ -616,6 +677,9 @@ def test_kernels_map_to_operators_by_the_weights_they_read():
     assert implemented_operators(quantized, 128) == ("lm_head",)
     assert implemented_operators([f"{layer}.mlp.down_proj.weight.packed"], 128) == ("down_proj",)
     assert implemented_operators([], 10) == ()
+    assert implemented_operators([f"{layer}.mlp.experts.gate_up_proj.packed"], 128) == ("gate_proj", "up_proj")
+    assert implemented_operators([f"{layer}.mlp.gate.weight"], 16) == ("router",)
+    assert implemented_operators([f"{layer}.mlp.shared_expert.down_proj.weight"], 16) == ("shared_down_proj",)
 
 
 def test_attention_and_data_movement_bytes_by_hand():

@@ -64,6 +64,30 @@ def test_quantized_experts_match_transformers_on_the_same_rounded_weights(tiny_m
     assert (got.argmax(1) == expected.argmax(1)).mean() >= 0.95
 
 
+def test_the_memory_plan_says_how_much_is_experts(tiny_models, tmp_path):
+    """q8f32 Qwen3-MoE (8 experts of width 32, 2 a token, 2 layers of hidden 64): the experts' bytes are their
+    weights at 8.5 bits, a decoded token reads a quarter of them and every other weight; a dense model has none.
+    A forged figure is refused in one line."""
+    import shutil
+
+    from ember.core.errors import ArtifactError
+    from ember.core.manifest import MANIFEST_NAME, manifest_digest, read_manifest
+
+    model = tiny_models.exported("qwen3_moe", "q8f32")
+    memory = read_manifest(model.artifact_dir).memory
+    assert memory["expert_weight_bytes"] == 3 * 64 * 32 * 8 * 2 * 8.5 / 8
+    assert memory["active_weight_bytes"] == memory["weight_bytes"] - memory["expert_weight_bytes"] * 3 / 4
+    dense = read_manifest(tiny_models.exported("llama3").artifact_dir).memory
+    assert (dense["expert_weight_bytes"], dense["active_weight_bytes"]) == (0, dense["weight_bytes"])
+    forged = Path(shutil.copytree(model.artifact_dir, tmp_path / "forged"))
+    data = json.loads((forged / MANIFEST_NAME).read_text())
+    data["memory"]["expert_weight_bytes"] = data["memory"]["weight_bytes"] + 1
+    data["manifest_sha256"] = manifest_digest(data)
+    (forged / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="memory.expert_weight_bytes must be a whole number >= 0 no larger"):
+        read_manifest(forged)
+
+
 def test_moe_kernels_match_numpy():
     """Routing both ways, the grouping, and the expert projection in every weight format, on odd sizes."""
     import tvm

@@ -149,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {describe_schedule_sources(result.schedules)}")
     print(f"  weights {mib(memory.weight_bytes)}, KV cache {memory.kv_bytes_per_token / 1024:.1f} KiB/token, "
           f"planned workspace {mib(memory.peak_workspace_bytes)}")
+    if memory.expert_weight_bytes:
+        print(f"  experts {mib(memory.expert_weight_bytes)} of the weights; a decoded token reads "
+              f"{mib(memory.active_weight_bytes)} of weights")
     kv = result.manifest.kv_cache
     if kv["memory_budget"]:
         print(f"  in a memory budget of {mib(kv['memory_budget'])}: KV cache of {kv['max_total_tokens']} tokens, "

@@ -63,7 +63,9 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
                      f"heads x {kv['head_dim']} ({_kv_storage(kv)}); prefill chunk {kv['prefill_chunk']}, "
                      f"max batch {kv['max_batch']}, {kv['max_total_tokens']} tokens in all"),
         ("memory", f"weights {mib(memory['weight_bytes'])}, KV {memory['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
-                   f"workspace {mib(memory['peak_workspace_bytes'])}"),
+                   f"workspace {mib(memory['peak_workspace_bytes'])}" + (
+                       f"; experts {mib(memory['expert_weight_bytes'])}, {mib(memory['active_weight_bytes'])} "
+                       "of weights read per decoded token" if memory.get("expert_weight_bytes") else "")),
         ("weights", f"{len(manifest.params)} tensors"),
         ("files", ", ".join(f"{name} ({entry['sha256'][:12]})" for name, entry in manifest.files.items())),
     ]

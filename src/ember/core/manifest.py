@@ -160,6 +160,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
     _check_pipeline_fields(path, data)
     _check_file_list(path, data["files"], required_files(data))
     _check_cpu_features(path, data["target"])
+    _check_expert_bytes(path, data["memory"])
     _check_param_types(path, data.get("param_types", {}))
     _check_long_rope(path, data["kv_cache"]["rope"], data["entry_functions"])
     try:
@@ -415,6 +416,16 @@ def _check_cpu_features(path: Path, target: dict[str, Any]) -> None:
     if not (isinstance(features, list) and all(isinstance(f, str) and f.isidentifier() for f in features)):
         raise ArtifactError(f"{path}: manifest field target.cpu_features must be a list of CPU flag names, "
                             f"got {reprlib.repr(features)}")
+
+
+def _check_expert_bytes(path: Path, memory: dict[str, Any]) -> None:
+    """Refuse a memory.expert_weight_bytes or memory.active_weight_bytes (a mixture of experts' weights, and those a
+    decoded token reads) that is not a byte count within the weights. Manifests written before them have neither."""
+    for key in ("expert_weight_bytes", "active_weight_bytes"):
+        value = memory.get(key, 0)
+        if not (_COUNT[1](value) and value <= memory["weight_bytes"]):
+            raise ArtifactError(f"{path}: manifest field memory.{key} must be {_COUNT[0]} no larger than "
+                                f"memory.weight_bytes, got {reprlib.repr(value)}")
 
 
 def _check_long_rope(path: Path, rope: dict[str, Any], entries: dict[str, Any]) -> None:

@@ -271,6 +271,8 @@ def _stage_entries(entries: dict[str, dict], stage: dict[str, Any]) -> dict[str,
 def _pipeline_memory(stages: list[dict[str, Any]]) -> dict[str, Any]:
     """The memory of the whole pipeline: its stages' weights and KV cache added, the largest workspace."""
     return {"weight_bytes": sum(m["weight_bytes"] for m in stages),
+            "expert_weight_bytes": sum(m["expert_weight_bytes"] for m in stages),
+            "active_weight_bytes": sum(m["active_weight_bytes"] for m in stages),
             "kv_bytes_per_token": sum(m["kv_bytes_per_token"] for m in stages),
             "context_window": stages[0]["context_window"],
             "peak_workspace_bytes": max(m["peak_workspace_bytes"] for m in stages), "workspace_bytes": {}}

@@ -52,6 +52,7 @@ from ember.driver.analyze.operators import (
     FormatPrecision,
     Operator,
     Precision,
+    architecture_from_config,
     decode,
     prefill,
     visible_keys,
@@ -59,6 +60,7 @@ from ember.driver.analyze.operators import (
 from ember.driver.analyze.roofline import Point, StageResult, evaluate, place
 from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend.config import ModelConfig
+from ember.frontend.files import read_json_object
 from ember.frontend.hf import build_module
 from ember.frontend.records import recorded_config_dir, recorded_formats, recorded_frontend
 from ember.frontend.source import import_model
@@ -70,6 +72,7 @@ from ember.runtime import Engine, load_artifact
 from ember.runtime.amx import request_amx_permission
 from ember.runtime.artifact import load_library
 from ember.schedules import amx_bf16_matmul, amx_matmul, int8_matmul
+from ember.schedules.moe import MOE_MATMUL_ATTR, MOE_ROUTE_ATTR
 from ember.targets.hardware import Hardware, load_host
 from ember.targets.registry import resolve_target
 
@@ -81,7 +84,7 @@ ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 ATTENTION_OPERATORS = ("rope", "qk_matmul", "softmax", "sv_matmul")
 # Weight names -> analyze operators; projections (fused or not) map by their `<a>_<b>_proj` name.
 _WEIGHT_OPERATORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm", "norm": "final_norm",
-                     "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
+                     "embed_tokens": "embed_tokens", "lm_head": "lm_head", "gate": "router"}
 _TIME_EVALUATOR = "runtime.RPCTimeEvaluator"
 # Unpacking a quantized value takes a handful of operations; a dot product, 2 per input.
 GATHER_OPS_PER_OUTPUT = 8
@@ -162,7 +165,6 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
         if int8_projections and "int8" not in hardware.peak_flops:
             hardware = with_int8_peak(hardware, json.dumps(manifest.target["tvm_target"]))
     config = _config(manifest, artifact_dir)
-    arch = Architecture(Path(artifact_dir).resolve().name, config)
     bits = tvm_runtime.DataType(manifest.model_dtype).bits
     # Weights at their stored width (a quantized format's bits per weight, scales included); likewise the KV cache.
     # Projections of int8 activations compute in int8, on the int8 roof.
@@ -170,13 +172,16 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
                                 "bf16" if manifest.model_dtype == "bfloat16" else "fp16",
                                 int8_projections=int8_projections)
     kernels = rebuild_kernels(manifest)
+    arch = _architecture(Path(artifact_dir).resolve().name, config, manifest, kernels)
 
     prompt = [int(t) for t in (np.arange(prompt_len) * 7919 + 3) % config.vocab_size]  # any in-vocabulary ids
     step_seconds = _time_steps(engine, prompt, batch, repeats)
     weights = {t.data_ptr(): name for t, name in zip(artifact.params, manifest.params)}
     names = {gv.name_hint for gv, func in kernels.functions_items() if isinstance(func, tirx.PrimFunc)}
     library = load_library(Path(artifact_dir) / LIBRARY_NAME)
-    recorder = _Recorder(names, library, artifact.device, weights, repeats)
+    routed = {gv.name_hint: func.attrs[MOE_MATMUL_ATTR]["experts"] for gv, func in kernels.functions_items()
+              if isinstance(func, tirx.PrimFunc) and MOE_MATMUL_ATTR in (func.attrs or {})}
+    recorder = _Recorder(names, library, artifact.device, weights, repeats, routed)
     artifact.vm.set_instrument(recorder)
     seqs = [engine.add_sequence() for _ in range(batch)]
     with recorder.recording() as prefill_calls:
@@ -197,6 +202,23 @@ def measure(artifact_dir: Path, prompt_len: int = 128, batch: int = 1, repeats: 
                                      timings, step_seconds[name], predicted)
     return Measurement(Path(artifact_dir), arch, hardware, precision, repeats, CACHE_FLUSH_BYTES,
                        stages["prefill"], stages["decode"])
+
+
+def _architecture(name: str, config: ModelConfig, manifest: Manifest, kernels: tvm.IRModule) -> Architecture:
+    """The artifact's model as analyze's formulas see it: its config and, where its kernels route tokens to experts,
+    their count, how many a token uses and their width, as ember's MoE kernels hold them (a shared expert's width
+    from the checkpoint's config.json, where the source is a checkpoint directory)."""
+    attrs = [func.attrs for _, func in kernels.functions_items() if isinstance(func, tirx.PrimFunc) and func.attrs]
+    route = next((a[MOE_ROUTE_ATTR] for a in attrs if MOE_ROUTE_ATTR in a), None)
+    if route is None:
+        return Architecture(name, config)
+    # The down projection's inputs are an expert's width wide, the gate and up projections' the hidden size.
+    width = next((int(a[MOE_MATMUL_ATTR]["k"]) for a in attrs
+                  if MOE_MATMUL_ATTR in a and int(a[MOE_MATMUL_ATTR]["k"]) != config.hidden_size), config.hidden_size)
+    source = Path(manifest.source) / "config.json"
+    shared = architecture_from_config(read_json_object(source), source, name).shared_expert_intermediate_size \
+        if source.is_file() else 0
+    return Architecture(name, config, int(route["experts"]), int(route["top_k"]), width, shared)
 
 
 # The int8 roof's matmul: the ~110M Llama's gate/up projection over a 128-token prompt, in q8f32.
@@ -344,9 +366,10 @@ def implemented_operators(weights: list[str], ops_per_output: float) -> tuple[st
         parts = weight.split(".")
         if parts[-1] in QUANTIZED_PARTS:
             parts = parts[:-1]
-        role = parts[-2]
+        role = parts[-1] if parts[-1].endswith("_proj") else parts[-2]  # stacked experts' have no ".weight"
         if role.endswith("_proj"):
-            names = [f"{part}_proj" for part in role.removesuffix("_proj").split("_")]
+            shared = "shared_" if "shared_expert" in parts else ""
+            names = [f"{shared}{part}_proj" for part in role.removesuffix("_proj").split("_")]
         elif role == "embed_tokens" and ops_per_output > GATHER_OPS_PER_OUTPUT:
             names = ["lm_head"]
         else:
@@ -362,14 +385,16 @@ class _Call:
     shapes: list[tuple[int, ...] | None]
     nbytes: list[float]           # per argument, 0 for a scalar
     weights: list[str]
+    touched: int | None = None    # an expert projection's: the experts some pair went to (the rest are not read)
 
 
 class _Recorder:
     """The VM instrument: records the kernel calls of a step, timing each new (kernel, shapes) once."""
 
     def __init__(self, kernels: set[str], library: tvm_runtime.Module, device: tvm_runtime.Device,
-                 weights: dict[int, str], repeats: int) -> None:
+                 weights: dict[int, str], repeats: int, routed: dict[str, int]) -> None:
         self.kernels = kernels
+        self.routed = routed  # expert projection kernels -> their experts
         self.library = library
         self.device = device
         self.weights = weights
@@ -395,7 +420,10 @@ class _Recorder:
                 self.times[signature] = self._time(symbol, args)
             nbytes = [t.numel() * tvm_runtime.DataType(str(t.dtype)).bits / 8 if t is not None else 0 for t in tensors]
             weights = [self.weights[t.data_ptr()] for t in tensors if t is not None and t.data_ptr() in self.weights]
-            self._calls.append(_Call(symbol, signature, shapes, nbytes, weights))
+            # `moe_matmul(x, weight parts..., order, offsets, y)`: expert e's pairs are offsets[e]..offsets[e + 1]
+            touched = int(np.count_nonzero(np.diff(tensors[-2].numpy()))) \
+                if symbol in self.routed and tensors[-2] is not None else None
+            self._calls.append(_Call(symbol, signature, shapes, nbytes, weights, touched))
         return 0  # run the call as usual
 
     def _time(self, symbol: str, args: tuple) -> float:
@@ -482,23 +510,26 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
     groups: dict[tuple, list[_Call]] = {}
     work: dict[tuple, tuple[float, float]] = {}
     for call in calls:
-        if call.signature not in work:
+        key = (call.signature, call.touched)
+        if key not in work:
             if call.symbol == ATTENTION_BUILTIN:
-                work[call.signature] = attention_work(config, batch, new, past, precision.abytes)
+                work[key] = attention_work(config, batch, new, past, precision.abytes)
+            elif call.touched is not None:
+                work[key] = expert_work(kernels[call.symbol], call)
             else:
                 ops = tir_ops(kernels[call.symbol], call.shapes)
-                work[call.signature] = (ops, moved_bytes(call.nbytes, inputs[call.symbol], ops))
-        ops = work[call.signature][0]
+                work[key] = (ops, moved_bytes(call.nbytes, inputs[call.symbol], ops))
+        ops = work[key][0]
         outputs = math.prod(call.shapes[-1] or (1,))
         implements = (ATTENTION_OPERATORS if call.symbol == ATTENTION_BUILTIN
                       else implemented_operators(call.weights, ops / max(outputs, 1)))
         # Weights of an imported graph may have names the roofline's Llama-shaped model has no operator for
         # (GPT-2's c_proj): such a kernel is timed and placed on the roofline, without a prediction.
         implements = tuple(name for name in implements if name in predicted_time)
-        groups.setdefault((call.signature, implements), []).append(call)
+        groups.setdefault((key, implements), []).append(call)
     timings = []
-    for (signature, implements), group in groups.items():
-        ops, nbytes = work[signature]
+    for ((signature, touched), implements), group in groups.items():
+        ops, nbytes = work[(signature, touched)]
         symbol = group[0].symbol
         int8 = (symbol != ATTENTION_BUILTIN
                 and (kernels[symbol].attrs or {}).get(KERNEL_SOURCE_ATTR) in amx_bf16_matmul.PROJECTION_KERNEL_SOURCES)
@@ -506,6 +537,16 @@ def _kernel_timings(calls: list[_Call], kernels: tvm.IRModule, inputs: dict[str,
         expected = sum(predicted_time[n] for n in implements) if implements else None
         timings.append(KernelTiming(symbol, implements, len(group), times[signature], point, expected))
     return tuple(timings)
+
+
+def expert_work(func: tirx.PrimFunc, call: _Call) -> tuple[float, float]:
+    """Operations and bytes of an expert projection (`schedules/moe.moe_matmul`): 2 n k a (token, expert) pair, and
+    of its weights only the `touched` experts' rows, read once each, besides the pairs' inputs and outputs."""
+    shape = func.attrs[MOE_MATMUL_ATTR]
+    experts, n, k = int(shape["experts"]), int(shape["n"]), int(shape["k"])
+    pairs = call.shapes[0][0]
+    weights = sum(call.nbytes[1:-3]) * (call.touched or 0) / experts
+    return 2.0 * pairs * n * k, weights + call.nbytes[0] + sum(call.nbytes[-3:])
 
 
 def moved_bytes(nbytes: list[float], num_inputs: int, ops: float) -> float:

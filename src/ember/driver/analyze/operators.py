@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ember import DEMO_MODEL_DIR
 from ember.core.errors import ModelError
-from ember.frontend.config import ModelConfig, parse_model_config
+from ember.frontend.config import SUPPORTED_MODEL_TYPES, ModelConfig, imported_config, parse_model_config
 from ember.frontend.files import read_json_object
 from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf
 from ember.ir.quant_formats import FORMATS
@@ -53,11 +53,18 @@ class Architecture:
     config: ModelConfig
     num_experts: int = 1
     experts_per_token: int = 1
+    expert_intermediate_size: int = 0  # each expert's FFN width; 0: the config's intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # an always-run shared expert's FFN width (Qwen2-MoE); 0: none
 
     @property
     def is_moe(self) -> bool:
-        """Whether the MLP is a routed mixture of experts (Mixtral)."""
+        """Whether the MLP is a routed mixture of experts (Mixtral, Qwen3-MoE, ...)."""
         return self.num_experts > 1
+
+    @property
+    def expert_width(self) -> int:
+        """Each routed expert's FFN width."""
+        return self.expert_intermediate_size or self.config.intermediate_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +237,10 @@ def moe_mlp(arch: Architecture, prec: Precision, rows: int) -> list[Operator]:
     expert that at least one row picked: `experts_touched` of them, all E in a long prefill,
     only k in a batch-1 decode step.
     """
-    c = arch.config
-    h, inter, experts, k = c.hidden_size, c.intermediate_size, arch.num_experts, arch.experts_per_token
+    h, inter, experts, k = arch.config.hidden_size, arch.expert_width, arch.num_experts, arch.experts_per_token
     routed = rows * k
     touched = experts_touched(experts, k, rows)
+    shared = arch.shared_expert_intermediate_size
     return [
         linear("router", prec, rows, h, experts),
         linear("gate_proj", prec, routed, h, inter, copies=touched),
@@ -241,6 +248,9 @@ def moe_mlp(arch: Architecture, prec: Precision, rows: int) -> list[Operator]:
         swiglu(prec, routed, inter),
         linear("down_proj", prec, routed, inter, h, copies=touched),
         expert_combine(prec, rows, k, h),
+        *([linear("shared_gate_proj", prec, rows, h, shared), linear("shared_up_proj", prec, rows, h, shared),
+           swiglu(prec, rows, shared, "shared_mlp_act"), linear("shared_down_proj", prec, rows, shared, h)]
+          if shared else []),
     ]
 
 
@@ -400,13 +410,13 @@ def residual_add(name: str, prec: Precision, rows: int, h: int) -> Operator:
                     act_read=2 * rows * h * prec.abytes, act_write=rows * h * prec.abytes)
 
 
-def swiglu(prec: Precision, rows: float, inter: int) -> Operator:
+def swiglu(prec: Precision, rows: float, inter: int, name: str = "mlp_act") -> Operator:
     """silu(gate) * up, silu(x) = x / (1 + exp(-x)).
 
     ops = 5 rows I (negate, exp, add, divide, multiply by up)
     bytes = 2 rows I abytes (gate, up) + rows I abytes (out)
     """
-    return Operator("mlp_act", VECTOR_DTYPE, ops=5 * rows * inter,
+    return Operator(name, VECTOR_DTYPE, ops=5 * rows * inter,
                     act_read=2 * rows * inter * prec.abytes, act_write=rows * inter * prec.abytes)
 
 
@@ -456,18 +466,36 @@ def load_architecture(spec: str) -> Architecture:
     return architecture_from_config(read_json_object(path), path, name)
 
 
+# Where families name their experts' sizes: the routed experts' count, how many each token uses, each expert's FFN
+# width (Mixtral, GraniteMoE and OLMoE use intermediate_size for it) and a shared expert's.
+_EXPERT_KEYS = {"num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                "experts_per_token": ("num_experts_per_tok",),
+                "expert_intermediate_size": ("moe_intermediate_size",),
+                "shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+
+
 def architecture_from_config(raw: dict, path: Path | str, name: str) -> Architecture:
-    """Map a parsed HF config dict onto an `Architecture` (llama, mistral, qwen2, mixtral)."""
-    if raw.get("model_type") != "mixtral":
-        return Architecture(name, parse_model_config(raw, path))
-    # Mixtral is Mistral's attention with a routed MLP: parse the shared keys as Mistral.
-    config = dataclasses.replace(parse_model_config({**raw, "model_type": "mistral"}, path),
-                                 model_type="mixtral")
-    experts, k = raw.get("num_local_experts"), raw.get("num_experts_per_tok")
-    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """Map a parsed HF config dict onto an `Architecture`: ember's builtin families by their definition, any other
+    decoder by the sizes `--frontend torch-export` reads (`imported_config`), and its experts' sizes if it routes
+    its MLP to experts."""
+    model_type = raw.get("model_type")
+    config = parse_model_config(raw, path) if model_type in SUPPORTED_MODEL_TYPES else imported_config(raw, path)
+    sizes = {}
+    for field, keys in _EXPERT_KEYS.items():
+        key = next((key for key in keys if raw.get(key) is not None), None)
+        value = raw.get(key) if key else None
+        if key and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelError(f"{path}: {key!r} must be a positive int, got {value!r}")
+        sizes[field] = (key, value)
+    (experts_key, experts), (k_key, k) = sizes["num_experts"], sizes["experts_per_token"]
+    if experts is None or experts <= 1:
+        return Architecture(name, config)
+    if k is None:
+        raise ModelError(f"{path}: {experts_key!r} is {experts} and 'num_experts_per_tok' is missing")
     if k > experts:
-        raise ModelError(f"{path}: num_experts_per_tok ({k}) exceeds num_local_experts ({experts})")
-    return Architecture(name, config, experts, k)
+        raise ModelError(f"{path}: {k_key} ({k}) exceeds {experts_key} ({experts})")
+    shared = sizes["shared_expert_intermediate_size"][1] or 0
+    if not shared and isinstance(raw.get("n_shared_experts"), int) and sizes["expert_intermediate_size"][1]:
+        shared = raw["n_shared_experts"] * sizes["expert_intermediate_size"][1]  # DeepSeek's shared experts
+    return Architecture(name, config, experts, k, sizes["expert_intermediate_size"][1] or 0, shared)
 

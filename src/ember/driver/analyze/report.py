@@ -64,7 +64,10 @@ def format_text(analysis: Analysis) -> str:
         f"mean step {_time(a.mean_decode_time)}; {_si(tokens / a.generation_time)} tokens/s overall",
         "",
         "Memory",
-        f"  weights           {_si(m.weights, 'B')}",
+        f"  weights           {_si(m.weights, 'B')}" + (
+            f"   (experts {_si(m.expert_weights, 'B')}, of which a token reads {a.arch.experts_per_token} of "
+            f"{a.arch.num_experts}: {_si(m.expert_weights * a.arch.experts_per_token / a.arch.num_experts, 'B')})"
+            if m.expert_weights else ""),
         f"  KV cache          {_si(m.kv_cache, 'B')}   "
         f"({work.prompt_len + work.gen_len} tokens x batch {work.batch})",
         f"  peak activations  {_si(m.activations, 'B')}",
@@ -126,7 +129,9 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
     a = analysis
     return {
         "model": {"name": a.arch.name, "config": a.arch.config.to_json(),
-                  "num_experts": a.arch.num_experts, "experts_per_token": a.arch.experts_per_token},
+                  "num_experts": a.arch.num_experts, "experts_per_token": a.arch.experts_per_token,
+                  "expert_intermediate_size": a.arch.expert_width if a.arch.is_moe else 0,
+                  "shared_expert_intermediate_size": a.arch.shared_expert_intermediate_size},
         "hardware": a.hardware.to_json(),
         "precision": dataclasses.asdict(a.precision),
         "workload": {**dataclasses.asdict(a.workload), "context": a.workload.decode_context},
@@ -142,6 +147,7 @@ def to_json(analysis: Analysis) -> dict[str, Any]:
         },
         "memory": {
             "weights_bytes": a.memory.weights,
+            "expert_weights_bytes": a.memory.expert_weights,
             "kv_cache_bytes": a.memory.kv_cache,
             "peak_activations_bytes": a.memory.activations,
             "total_bytes": a.memory.total,

@@ -111,6 +111,7 @@ class Memory:
     weights: float
     kv_cache: float
     activations: float
+    expert_weights: float = 0.0  # of `weights`, the routed experts' (a token reads experts_per_token of them)
 
     @property
     def total(self) -> float:
@@ -155,6 +156,7 @@ def analyze(arch: Architecture, hw: Hardware, prec: Precision, work: Workload) -
     steps_time = sum(evaluate(decode(arch, prec, work.batch, c, tile), hw).time for c in steps)
     memory = Memory(
         weights=weight_bytes(arch, prec),
+        expert_weights=expert_weight_bytes(arch, prec),
         kv_cache=kv_cache_bytes(arch, prec, work.batch, work.prompt_len + work.gen_len),
         activations=max(prefill_result.peak_activations(), decode_result.peak_activations()),
     )
@@ -176,13 +178,21 @@ def _flash_tile(arch: Architecture, hw: Hardware, prec: Precision, work: Workloa
 def weight_bytes(arch: Architecture, prec: Precision) -> float:
     """Bytes of all weights: linear layers and embeddings at wbits, norms and biases at abits."""
     c = arch.config
-    h, inter = c.hidden_size, c.intermediate_size
+    h = c.hidden_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    mlp = 3 * h * inter * arch.num_experts + (h * arch.num_experts if arch.is_moe else 0)
+    mlp = (3 * h * (arch.expert_width * arch.num_experts + arch.shared_expert_intermediate_size)
+           + (h * arch.num_experts if arch.is_moe else 0))
     linear = c.num_hidden_layers * (2 * h * q + 2 * h * kv + mlp)
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
     small = c.num_hidden_layers * (2 * h + (q + 2 * kv if c.attention_bias else 0)) + h
     return (linear + embeddings) * prec.wbytes + small * prec.abytes
+
+
+def expert_weight_bytes(arch: Architecture, prec: Precision) -> float:
+    """Bytes of the routed experts' projections (0 for a dense model)."""
+    c = arch.config
+    return 3 * c.hidden_size * arch.expert_width * arch.num_experts * c.num_hidden_layers * prec.wbytes \
+        if arch.is_moe else 0.0
 
 
 def kv_cache_bytes(arch: Architecture, prec: Precision, batch: int, tokens: int) -> float:
