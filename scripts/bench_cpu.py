@@ -118,7 +118,9 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def read_bandwidth() -> float:
-    """Best of five measurements of this machine's read bandwidth, bytes/s."""
+    """Best of five measurements of this machine's read bandwidth, bytes/s: each the faster of numpy's threaded dot
+    and a read TVM compiles for this CPU (`targets.hardware.BANDWIDTH_METHOD`), so that the roofline's bandwidth is
+    what a kernel can stream here."""
     return max(measure_host(matmul_size=64).hardware.memory_bandwidth for _ in range(5))
 
 
@@ -255,7 +257,8 @@ def main() -> None:
     flags = build_llama_cpp.host_flags()
     print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
           f"{args.new_tokens} new tokens, median of {args.repeats}, round-robin   "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured in this run)")
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured in this run: the best of numpy's dot and a "
+          "compiled read)")
     print(f"{host_line()}; "
           f"lacks: {' '.join(f for f in SHOWN_FLAGS if f not in flags) or 'none of these'}")
     for line in skipped:
