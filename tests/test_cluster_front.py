@@ -176,3 +176,27 @@ def test_the_fronts_own_refusals_on_anthropics_routes_are_in_anthropics_shape(re
         with pytest.raises(openai.APIStatusError) as raised_openai:
             front.openai.chat.completions.create(model=name, messages=QUESTION, max_tokens=4)
         assert raised_openai.value.status_code == 503 and raised_openai.value.body["code"] == "no_replica"
+
+
+def test_the_fronts_metrics_hold_its_own_and_each_replicas_labelled(replica_app):
+    """/metrics parses as Prometheus text (prometheus_client's own parser): the front's per-replica families, and
+    the replica's families with `replica="0"` added to every sample."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app, name = replica_app
+    with _serving(app) as replica_url, _front(replica_url, name) as front:
+        front.openai.completions.create(model=name, prompt="Hello", max_tokens=2)
+        with urllib.request.urlopen(front.url + "metrics", timeout=TIMEOUT) as answer:
+            text = answer.read().decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    up = families["ember_cluster_replica_up"]
+    assert (up.type, [(s.labels, s.value) for s in up.samples]) == ("gauge", [({"replica": "0"}, 1.0)])
+    assert families["ember_cluster_lost_streams"].type == "counter"
+    requests = families["ember_http_requests"]
+    assert requests.type == "counter" and all(s.labels["replica"] == "0" for s in requests.samples)
+    assert any(s.labels["endpoint"] == "/v1/completions" and s.labels["status"] == "200" and s.value >= 1
+               for s in requests.samples)
+    latency = families["ember_time_to_first_token_seconds"]
+    assert latency.type == "histogram" and {s.labels["replica"] for s in latency.samples} == {"0"}

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from ember.cluster.router import Router, routing_key
 from ember.core.errors import EmberError
-from ember.serving import anthropic_messages
+from ember.serving import anthropic_messages, prometheus
 from ember.serving.protocol import ApiError, internal_error, sse
 from ember.serving.server import (
     ANTHROPIC_PATHS,
@@ -75,7 +75,7 @@ def create_front(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[N
             if scope["path"] == "/health":
                 response = front.health()
             elif scope["path"] == "/metrics":
-                response = PlainTextResponse(await front.metrics(), media_type="text/plain; version=0.0.4")
+                response = PlainTextResponse(await front.metrics(), media_type=prometheus.CONTENT_TYPE)
             else:
                 response, release = await front.relay(request)
         except ApiError as err:
@@ -220,23 +220,32 @@ class _Front:
     async def metrics(self) -> str:
         """GET /metrics: the front's figures per replica, then every live replica's own, labelled replica="i"."""
         replicas = self.router.snapshot()
-        families = _Families()
-        families.add("ember_cluster_replica_up", "gauge", "1 while the replica serves, 0 while it is replaced.",
-                     [(r["replica"], int(r["alive"])) for r in replicas])
-        families.add("ember_cluster_replica_in_flight", "gauge", "Requests the front has relayed to the replica "
-                     "and not yet answered.", [(r["replica"], r["in_flight"]) for r in replicas])
-        families.add("ember_cluster_requests_routed_total", "counter", "Requests the front sent to the replica.",
-                     [(r["replica"], r["routed"]) for r in replicas])
-        families.add("ember_cluster_prefix_routed_total", "counter", "Requests sent to the replica because it "
-                     "answered their prompt's start before (prefix-cache-aware routing).",
-                     [(r["replica"], r["prefix_routed"]) for r in replicas])
-        families.add("ember_cluster_replica_restarts_total", "counter", "Times the replica died and was replaced.",
-                     [(r["replica"], r["restarts"]) for r in replicas])
-        texts = await asyncio.gather(*[self._replica_metrics(r["url"]) for r in replicas if r["alive"]])
-        for replica, text in zip([r for r in replicas if r["alive"]], texts):
-            families.merge(replica["replica"], text)
-        return families.text() + (f"ember_cluster_retried_requests_total {self.retried}\n"
-                                  f"ember_cluster_lost_streams_total {self.lost_streams}\n")
+
+        def per_replica(key: str) -> list[tuple[tuple[str, ...], float]]:
+            return [((str(r["replica"]),), float(r[key])) for r in replicas]
+
+        front = [
+            prometheus.gauge("ember_cluster_replica_up", "1 while the replica serves, 0 while it is replaced.",
+                             per_replica("alive"), labels=("replica",)),
+            prometheus.gauge("ember_cluster_replica_in_flight", "Requests the front has relayed to the replica and "
+                             "not yet answered.", per_replica("in_flight"), labels=("replica",)),
+            prometheus.counter("ember_cluster_requests_routed_total", "Requests the front sent to the replica.",
+                               per_replica("routed"), labels=("replica",)),
+            prometheus.counter("ember_cluster_prefix_routed_total", "Requests sent to the replica because it "
+                               "answered their prompt's start before (prefix-cache-aware routing).",
+                               per_replica("prefix_routed"), labels=("replica",)),
+            prometheus.counter("ember_cluster_replica_restarts_total", "Times the replica died and was replaced.",
+                               per_replica("restarts"), labels=("replica",)),
+            prometheus.counter("ember_cluster_retried_requests_total", "Requests sent to another replica after "
+                               "theirs failed before answering.", [((), self.retried)]),
+            prometheus.counter("ember_cluster_lost_streams_total", "Streams ended with an error event because "
+                               "their replica died.", [((), self.lost_streams)]),
+        ]
+        alive = [r for r in replicas if r["alive"]]
+        texts = await asyncio.gather(*[self._replica_metrics(r["url"]) for r in alive])
+        own = [family for replica, text in zip(alive, texts)
+               for family in _labelled(text, str(replica["replica"]))]
+        return prometheus.exposition(front + prometheus.merged(own))
 
     async def _replica_metrics(self, url: str) -> str:
         """A replica's /metrics text; empty when it does not answer in time."""
@@ -245,6 +254,14 @@ class _Front:
                 return await got.text() if got.status == 200 else ""
         except (*_BROKEN, asyncio.TimeoutError):
             return ""
+
+
+def _labelled(text: str, replica: str) -> list:
+    """A replica's metric families, labelled with its index; none if its text is no exposition."""
+    try:
+        return prometheus.labelled(text, "replica", replica)
+    except ValueError:
+        return []
 
 
 async def _unless_disconnected(request: HttpRequest, answer: Awaitable[_Answer]) -> _Answer:
@@ -321,41 +338,3 @@ async def _next_event(upstream: aiohttp.ClientResponse) -> bytes | None:
     if not event.endswith(b"\n\n"):
         raise asyncio.IncompleteReadError(event, None)
     return event
-
-
-class _Families:
-    """Prometheus metric families gathered from several sources, each family's samples together."""
-
-    def __init__(self) -> None:
-        self._header: dict[str, list[str]] = {}
-        self._samples: dict[str, list[str]] = {}
-
-    def add(self, name: str, kind: str, helptext: str, samples: list[tuple[int, float]]) -> None:
-        """A family of one sample per replica."""
-        self._header[name] = [f"# HELP {name} {helptext}", f"# TYPE {name} {kind}"]
-        self._samples[name] = [f'{name}{{replica="{index}"}} {value}' for index, value in samples]
-
-    def merge(self, replica: int, text: str) -> None:
-        """A replica's exposition, each sample labelled with `replica`."""
-        family = None
-        for line in text.splitlines():
-            if line.startswith("# HELP "):
-                family = line.split()[2]
-                self._samples.setdefault(family, [])
-                self._header.setdefault(family, [])
-            if family is None or not line.strip():
-                continue
-            if line.startswith("#"):
-                if len(self._header[family]) < 2:
-                    self._header[family].append(line)
-                continue
-            name, brace, rest = line.partition("{")
-            if brace:
-                self._samples[family].append(f'{name}{{replica="{replica}",{rest}')
-            else:
-                name, _, value = line.partition(" ")
-                self._samples[family].append(f'{name}{{replica="{replica}"}} {value}')
-
-    def text(self) -> str:
-        """The exposition, family by family."""
-        return "".join("\n".join([*self._header[name], *self._samples[name]]) + "\n" for name in self._header)
