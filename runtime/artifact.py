@@ -85,7 +85,7 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None, s
     _check_library(path / LIBRARY_NAME, manifest, vm)
     params = _load_params(path / PARAMS_DIR, manifest, dev)
     has_tokenizer = (path / "tokenizer.json").exists()
-    tokenizer = Tokenizer.from_dir(path, int(manifest.kv_cache["max_context"])) if has_tokenizer else None
+    tokenizer = Tokenizer.from_dir(path, manifest.kv_cache["max_context"]) if has_tokenizer else None
     return Artifact(path, manifest, vm, params, tokenizer, dev)
 
 

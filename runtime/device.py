@@ -13,7 +13,6 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import tvm
 import tvm_ffi
@@ -21,12 +20,13 @@ from tvm import runtime as tvm_runtime
 from tvm_ffi.libinfo import load_lib_ctypes
 
 from ember.core.errors import ArtifactError
+from ember.core.manifest import TargetRecord
 
 _DEVICE_NAMES = {"cuda": "CUDA", "opencl": "OpenCL"}
 _CUDA_ARCH = re.compile(r"sm_(\d+)([af]?)")
 
 
-def open_device(target: dict[str, Any], artifact: Path, threads: int | None = None) -> tvm_runtime.Device:
+def open_device(target: TargetRecord, artifact: Path, threads: int | None = None) -> tvm_runtime.Device:
     """The first device of the manifest target's kind, checked to exist and to run its code;
     a CPU with its kernels set to run on `threads` threads (`use_cpu_threads`)."""
     kind = target.get("name", "cpu")

@@ -148,11 +148,11 @@ class Engine(SequenceChecks):
     def __init__(self, artifact: Artifact, max_context: int | None = None) -> None:
         self.artifact = artifact
         kv = artifact.manifest.kv_cache
-        self.prefill_chunk = int(kv["prefill_chunk"])
-        self.max_batch = int(kv["max_batch"])
-        self.context_window = int(max_context or kv["max_context"])
+        self.prefill_chunk = kv["prefill_chunk"]
+        self.max_batch = kv["max_batch"]
+        self.context_window = max_context or kv["max_context"]
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
-        self.page_size = int(kv["page_size"])
+        self.page_size = kv["page_size"]
         # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
         self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
         self.has_embeddings = "embed" in artifact.manifest.entry_functions  # `ember compile --embeddings`
@@ -163,7 +163,7 @@ class Engine(SequenceChecks):
         self._params = artifact.params
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
         # when that is what the artifact's memory budget holds.
-        self.kv_capacity = min(self.context_window * self.max_batch, int(kv["max_total_tokens"]))
+        self.kv_capacity = min(self.context_window * self.max_batch, kv["max_total_tokens"])
         self.kv_cache = self._vm["create_paged_kv_cache"](
             _ShapeTuple([self.max_batch]), _ShapeTuple([self.kv_capacity]), _ShapeTuple([self.prefill_chunk]),
             # Windowed layers keep every token (the cache's own per-sequence window, which drops pages, stays off).
@@ -327,8 +327,8 @@ class Engine(SequenceChecks):
         tokens to sequence `seq_ids[i]`; its first output (logits, or `embed`'s hidden states).
 
         On a CPU the logits are the VM's own output buffer, viewed, not copied: each call returns a new
-        buffer, which the array keeps alive. Copying 8 rows of a 32,000-token vocabulary cost 65 us of a
-        2.3 ms decode step (~110M q4f32, Zen 5)."""
+        buffer, which the array keeps alive. A copy of a batch's logits was a measurable share of a small
+        model's decode step (docs/benchmarks.md#schedule-measurements)."""
         self._f_begin(self.kv_cache, _ShapeTuple(seq_ids), _ShapeTuple(counts))
         out = self._vm[function](*(tvm_runtime.tensor(x, self.artifact.device) for x in inputs), self.kv_cache,
                                  *self._params)

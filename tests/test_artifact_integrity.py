@@ -265,3 +265,19 @@ def test_manifest_schema_matches_its_sources():
     assert set(QUANTIZATIONS) == set(FORMATS)
     assert set(KV_QUANTIZATIONS) == set(KV_ROWS)
     assert set(SCHEMA["model"]) == {field.name for field in dataclasses.fields(ModelConfig)}
+
+
+def test_the_manifests_typed_records_are_its_schema():
+    """Each typed record of the manifest (what mypy checks readers against) has the fields the schema checks, and
+    the optional ones it checks apart, no more; the memory record's are the memory report's."""
+    from ember.core import manifest
+    from ember.ir_passes.memory_report import MemoryReport
+
+    records = {"target": manifest.TargetRecord, "kv_cache": manifest.KVCacheRecord, "memory": manifest.MemoryRecord,
+               "kept_float": manifest.KeptFloat}
+    for field, record in records.items():
+        assert record.__required_keys__ == set(SCHEMA[field]), field
+    assert manifest.TargetRecord.__optional_keys__ == {"cpu_features"}
+    assert manifest.MemoryRecord.__optional_keys__ == {"expert_weight_bytes", "active_weight_bytes"}
+    assert set(manifest.MemoryRecord.__annotations__) == {f.name for f in dataclasses.fields(MemoryReport)} | {
+        "peak_workspace_bytes"}

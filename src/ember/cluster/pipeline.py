@@ -92,7 +92,7 @@ def stage_specs(artifact_dir: Path) -> list[StageSpec]:
         needed = memory["weight_bytes"] + memory["peak_workspace_bytes"] + kv["max_total_tokens"] * \
             memory["kv_bytes_per_token"]
         specs.append(StageSpec(index, str(stage_dir.resolve()), tuple(pipeline["layers"][index]),
-                               int(needed), int(memory["weight_bytes"])))
+                               int(needed), memory["weight_bytes"]))
     return specs
 
 

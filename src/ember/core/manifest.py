@@ -28,7 +28,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypedDict
 
 from ember.core.errors import ArtifactError
 
@@ -51,6 +51,61 @@ KV_QUANTIZATIONS = ("q8", "f16")
 PROMPT_END_INPUT = "prompt_end"
 
 
+class _Target(TypedDict):
+    name: str
+    tvm_target: dict[str, Any]
+    arch: str
+    hardware: str
+    memory_bytes: int
+
+
+class TargetRecord(_Target, total=False):
+    """`target`: what the library was compiled for."""
+
+    cpu_features: list[str]  # the CPU flags the library needs; absent before 2026-11-28
+
+
+class KVCacheRecord(TypedDict):
+    """`kv_cache`: the paged KV cache's layout and the sizes the runtime creates it with."""
+
+    kind: str
+    page_size: int
+    prefill_chunk: int
+    max_batch: int
+    max_context: int
+    max_total_tokens: int
+    memory_budget: int | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    sliding_window: int | None
+    rope: dict[str, Any]
+    quantization: str | None
+
+
+class _Memory(TypedDict):
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context_window: int
+    peak_workspace_bytes: int
+    workspace_bytes: dict[str, int]
+
+
+class MemoryRecord(_Memory, total=False):
+    """`memory`: the compile-time memory report (`ember.ir_passes.memory_report.MemoryReport`)."""
+
+    expert_weight_bytes: int  # absent before 2026-12-07
+    active_weight_bytes: int
+
+
+class KeptFloat(TypedDict):
+    """`kept_float`: weights a quantized format left in the compute dtype."""
+
+    embedding: bool
+    lm_head: bool
+
+
 @dataclass
 class Manifest:
     """Everything the runtime needs to know about an artifact, as plain data."""
@@ -61,11 +116,11 @@ class Manifest:
     model: dict[str, Any]
     quantization: str
     model_dtype: str
-    target: dict[str, Any]
+    target: TargetRecord
     entry_functions: dict[str, dict[str, Any]]
-    kv_cache: dict[str, Any]
+    kv_cache: KVCacheRecord
     params: list[str]
-    memory: dict[str, Any]
+    memory: MemoryRecord
     source: str
     # The weights' source beyond its path (`ember.frontend.records.source_record`): {"format": "huggingface",
     # "frontend": "builtin" | "torch-export"}; for an ONNX file {"format": "onnx", "config_dir": its config and
@@ -74,7 +129,7 @@ class Manifest:
     # Every file but the manifest, by path relative to the artifact: {"sha256": hex, "size": bytes}.
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Weights left in the compute dtype by a quantized format: {"embedding": bool, "lm_head": bool}.
-    kept_float: dict[str, bool] = field(default_factory=lambda: {"embedding": False, "lm_head": False})
+    kept_float: KeptFloat = field(default_factory=lambda: KeptFloat(embedding=False, lm_head=False))
     # "int8": the quantized projections multiply int8-quantized activations (llama.cpp's
     # Q8_0 rounding, per group of 32); "float": activations stay in the compute dtype.
     activations: str = "float"

@@ -133,7 +133,7 @@ def _check_options(artifact: Path, manifest: Manifest, options: BenchOptions) ->
     """Refuse what the device would refuse, before any upload."""
     if options.prompt_tokens < 1 or options.new_tokens < 1 or options.repeats < 1:
         raise EmberError("--prompt-tokens, --new-tokens and --repeats must each be at least 1")
-    context = int(manifest.kv_cache["max_context"])
+    context = manifest.kv_cache["max_context"]
     if options.prompt_tokens + options.new_tokens > context:
         raise EmberError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed the "
                          f"{context} tokens of context {artifact} holds")

@@ -290,7 +290,7 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
         mod = import_model(Path(manifest.source), target.target, manifest.model_dtype, frontend=frontend,
                            tokenizer_dir=recorded_config_dir(manifest.source_weights)).mod
     kv = manifest.kv_cache
-    options = pipeline.LowerOptions(FORMATS[manifest.quantization], int(kv["prefill_chunk"]), int(kv["max_batch"]),
+    options = pipeline.LowerOptions(FORMATS[manifest.quantization], kv["prefill_chunk"], kv["max_batch"],
                                     manifest.kept_float["embedding"], manifest.kept_float["lm_head"],
                                     int8_activations=manifest.activations == "int8",
                                     tensor_formats=recorded_formats(manifest.source_weights, manifest.model_dtype),
