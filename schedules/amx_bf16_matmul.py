@@ -29,20 +29,15 @@ Numerics: the weight is dequantized in float32 as the reference (`QuantFormat.de
 v * scale + min, exact without a minimum) and rounded to bfloat16; x rounded to bfloat16; products exact, sums
 float32. Against the int8 path (which rounds x to 8 bits per group), bfloat16's 8-bit mantissa keeps ~2^-9 relative
 error per value on both operands.
-Measured (2-vCPU Sapphire Rapids VM, others' jobs on the same cores; `scripts/bench_amx_bf16.py`, 2 threads,
-round-robin medians): 0.31x-0.41x the VNNI kernel's time and 0.44x-0.62x the int8 AMX kernel's at 512 and 2048 rows
-on the 1B Llama's [2048, 2048], [8192, 2048], [2048, 8192] in q8f32 and q4f32, and 0.73x-0.84x VNNI's at 32 rows.
-Where the time goes ([2048, 2048] q8f32, 512 rows, 1 thread, CPU time, loaded host): the kernel with every A and B
-tile loaded from one fixed address 3.6 ms, with B streamed (A fixed) 4.2 ms, as built 4.6-6 ms; x's conversion and
-the dequantization without products 0.8 ms. Streaming A (the row block's tiles, from L2) costs the most: tiles are
-not renamed, so a load waits for the products reading the tile before. Tasks of 4 pairs (each block's A reused from
-L2 for 4) took 5.8 -> 4.6 ms (8 pairs no better); dequantizing all of K up front, not per sweep, made [2048, 8192]
-at 32 rows 1.6x slower (the panel out of L2). Tried, no gain: prefetching the next block's A (to L1 or L2) or the A
-tiles 2-8 chunks ahead; each tile loaded just before its first product (3%, within noise); sweeps of 32 or 16
-chunks (slower: C tiles reloaded from y).
-Accuracy against float64 x . w (gaussian x, 256 rows): bf16 2.1e-3-2.7e-3 of max|y| (rms 2.4e-3), the VNNI kernel
-4.8e-3-6.1e-3 (rms 5.3e-3): bfloat16 rounds each value to 2^-9 of itself, Q8_0 to half a step of its group's
-max / 127.
+It takes less time than the VNNI kernel from 32 rows on and than the int8 AMX kernel at prefill's row counts, and
+is closer to float64 x . w than the VNNI kernel: bfloat16 rounds each value to 2^-9 of itself, Q8_0 to half a step
+of its group's max / 127. Of where the time goes, streaming A (the row block's tiles, from L2) costs the most:
+tiles are not renamed, so a load waits for the products reading the tile before. So a task takes up to
+`MAX_PAIRS` column pairs, each block's A reused from L2 for each (4 pairs faster, 8 no better), and K is
+dequantized a sweep at a time (all of K up front was slower: the panel out of L2). Tried, no gain: prefetching the
+next block's A (to L1 or L2) or the A tiles 2-8 chunks ahead; each tile loaded just before its first product
+(within noise); sweeps of 32 or 16 chunks (slower: C tiles reloaded from y). Measured in
+docs/benchmarks.md#schedule-measurements.
 Needs `n` a multiple of 32 (whole column pairs). Linux gives a process AMX state only when asked
 (`ember.runtime.amx.request_amx_permission`).
 """
@@ -73,9 +68,9 @@ TILE_CONFIG = [1] + [0] * 15 + [TILE_BYTES, 0] * 8 + [0] * 16 + [TILE_ROWS] * 8 
 MAX_PAIRS = 4  # column pairs (32 weight rows each) of a task: a row block's A tiles reloaded for each, from L2
 MAX_BLOCK_CHUNKS = 64  # chunks of K per sweep: a row block's A tiles of one sweep, 128 KiB, stay in L2
 BF16_KNOBS = ("pairs", "block_chunks", "vnni_below")  # as `ember tune` enumerates them (`knob_space`)
-# Calls of fewer rows run the VNNI kernel's body: each call dequantizes the whole weight, which costs what 20-24 rows
-# of VNNI products do. [2048, 2048] and [8192, 2048], 2 threads, quiet 2-vCPU host, bf16/VNNI time: 16 rows
-# 1.12x-1.43x, 32 rows 0.73x-0.77x, 64 rows 0.56x-0.58x.
+# Calls of fewer rows run the VNNI kernel's body: each call dequantizes the whole weight, which costs what a few
+# dozen rows of VNNI products do: at 16 rows the tiles were slower, from 32 faster (measured in
+# docs/benchmarks.md#schedule-measurements).
 VNNI_BELOW_ROWS = 32
 VNNI_BELOW_SPACE = (16, 32, 64)  # the thresholds `ember tune` tries
 THRESHOLD_ROWS = (24, 48)  # rows between them, at which `ember tune` also times a kernel (`tuning.timed_rows`)

@@ -37,14 +37,13 @@ int32). With 2 x 2 (32 rows x 32 weight rows, `units` 4 and `row_tiles` 2, the r
 two products and four products are in flight at once; each C row is one 512-bit vector of the scaling.
 The quantized activations are stored tile by tile (`quantize_rows`' `tile_rows`): an A tile is 512 contiguous bytes,
 one stream, where row-major rows 2 * K apart were 16 streams of 32 bytes a line. Tried and slower: each group's
-products issued between parts of the previous pass's scaling (0.92x-0.98x, quiet host), parallel tasks over row
-chunks as well, each thread's xq chunk in its L2 ([2048, 8192] q8f32, 2048 rows, 2 threads: 225 against 185 ms),
-passes of 1 or 8 groups (0.9x, 0.8x), and 16 accumulators in registers (0.85x).
-Where the time goes ([2048, 2048] q8f32, 512 rows, 1 thread, quiet 2-vCPU Sapphire Rapids host, a variant with a
-part removed each): the tile work alone 5.6 ms (loads, zeroing and products 2.7, the 4 KiB of tile stores per group
-another 2.9), the scaling alone 3.7 ms, both 7.5-7.9 ms; VNNI 11.4 ms. The scaling is three vector instructions per
-16 sums per group, as in the VNNI kernel: with a scale every 32 weights, it and the tile stores set the pace, not
-the products (1.3x-1.6x VNNI, where the products alone run 4x).
+products issued between parts of the previous pass's scaling, parallel tasks over row chunks as well, each thread's
+xq chunk in its L2, passes of 1 or 8 groups, and 16 accumulators in registers.
+Where the time goes (timing variants with a part removed each): the 4 KiB of tile stores per group cost about as
+much as the tile loads, zeroing and products together, and the scaling more than either. The scaling is three
+vector instructions per 16 sums per group, as in the VNNI kernel: with a scale every 32 weights, it and the tile
+stores set the pace, not the products, so the kernel gains far less over VNNI than the products alone do.
+Measured in docs/benchmarks.md#schedule-measurements.
 Built with the target's dot product (as `QuantizeWeights` builds it), the kernel also holds the VNNI
 kernel's body (`int8_matmul.int8_dot_compute`) and runs it for calls of fewer than `VNNI_BELOW_ROWS` rows.
 `ember tune` tunes that threshold with the tile blocking (`knob_space`; compile rebuilds a kernel, `rebuild`).
@@ -76,9 +75,8 @@ AMX_KNOBS = ("units", "row_tiles", "vnni_below")  # 8-row weight blocks per para
 # from which a call runs on tiles (below: the VNNI body), as `ember tune` enumerates them (`knob_space`)
 ROW_TILE_SPACE = (2, 1)
 # Calls of fewer rows run the VNNI kernel's body: with one 32-row block, copying a task's blocks side by side and
-# padding the rows cost what the tiles gain. [2048, 2048], 2 threads, loaded 2-vCPU host, AMX/VNNI speed: 32 rows
-# 1.01x (q8f32) and 1.00x (q4f32), 48 rows (padded to 64) 0.90x and 0.79x, 64 rows 1.17x and 1.00x, 128 rows 1.40x
-# and 1.34x.
+# padding the rows cost what the tiles gain; 48 rows (padded to 64) ran slower on tiles, 64 rows no slower and
+# more rows faster (measured in docs/benchmarks.md#schedule-measurements).
 VNNI_BELOW_ROWS = 64
 VNNI_BELOW_SPACE = (32, 64, 128)  # the thresholds `ember tune` tries
 # Row counts between those thresholds: `ember tune` times a kernel at them, beside its prefill rows, so that the
@@ -374,7 +372,7 @@ def amx_int8_matmul(fmt: QuantFormat, n: int, k: int, units: int | None = None, 
             # buffer by the elements loads and stores touch, and a tile load (an address) touches one, so without
             # this write xq ends at the batch and the load reads up to 31 rows of K past it (a fault at K = 16384).
             # Their scales are zeros too: left as whatever memory held, they made denormals in the padded rows'
-            # sums, and each one a slow microcode assist (4 rows of a [2048, 2048] weight: 3.2 ms, VNNI 0.1 ms).
+            # sums, and each one a slow microcode assist (a 4-row call took many times the VNNI kernel's time).
             for pad, g in T.grid(padded(batch * seq) - batch * seq, groups):
                 xq[((batch * seq + pad) // TILE_ROWS * groups + g) * TILE_ROWS + (batch * seq + pad) % TILE_ROWS,
                    T.Ramp(0, 1, 8)] = T.Broadcast(T.int32(0), 8)

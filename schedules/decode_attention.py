@@ -2,8 +2,8 @@
 
 TVM's `TIRPagedKVCache` ships one CPU decode kernel (`_attention_decode_cpu`): every
 sequence and head in one serial loop, scalar dot products, and an online-softmax
-rescale of the whole output row for every cached token. On the 110M benchmark model
-it took 9.5% of a decode step (132 us a layer for 129 cached tokens).
+rescale of the whole output row for every cached token: on the 110M benchmark model a
+share of each decode step worth removing (measured in docs/benchmarks.md#schedule-measurements).
 
 This kernel has the same signature and results, so the KV cache runtime calls it
 unchanged (`ir_passes/specialize_cpu_attention.py` swaps it in). It also reads a `--kv-quant`
@@ -42,7 +42,7 @@ from ember.schedules.vector_math import exp2, reduce_lanes
 # Cached tokens scored per softmax rescale.
 CHUNK = 32
 # How many tokens ahead of its reads a task prefetches keys and values (`kv_storage` `prefetch`): a page
-# of 16 slots. On the ~110M model (8 sequences, 300 cached tokens) 8 and 32 measured within 2% of it.
+# of 16 slots; 8 and 32 measured no different (docs/benchmarks.md#schedule-measurements).
 AHEAD = 16
 # Initial running max: TVM's kernels start from the same value, so an empty
 # sequence yields the same (output 0, lse -5e4) that its state merge expects.

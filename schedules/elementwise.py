@@ -5,8 +5,7 @@ consumers so each output element is computed in one pass; each remaining block's
 innermost axis is split by the SIMD width and vectorized when its extent is a
 constant multiple of it. Outer axes stay serial on purpose: these kernels move a
 few KB per token, less than the cost of waking the thread pool, so parallelism
-would make them slower (measured: a 768-float decode copy, 0.5 ms parallel on a
-busy 2-core machine vs microseconds serial).
+would make them slower (measured in docs/benchmarks.md#schedule-measurements).
 """
 
 from __future__ import annotations

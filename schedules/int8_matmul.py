@@ -50,7 +50,7 @@ float16, widened to float32 as it is loaded: `vcvtph2ps`, NEON's `fcvtl`):
 
 The register tile reuses each weight load for `tokens` activation rows and each
 activation broadcast for `row_blocks` weight loads: prefill's tile (4 x 2 blocks on
-AVX-512's 32 registers) makes the kernel compute-bound at ~4x the float GEMM's speed;
+AVX-512's 32 registers) makes the kernel compute-bound, well above the float GEMM's speed;
 decode's (8 sequences x 1 block with VNNI or AVX-512, 2 on AVX2; int4 on AVX512-VNNI 8 x 2
 blocks) streams the weight once, linearly, and transforms each word once for all the tile's
 sequences. Values are stored unsigned (`v + offset`); `x_bias` takes the offset back out:
@@ -65,9 +65,10 @@ row is computed once, whatever the batch. Decode's tails of 8-row tiles past a f
 take one more whole tile over padded activations, storing only the batch's rows (`padded_tail_rows`).
 
 Knobs (`INT8_KNOBS`): `tokens`, `row_blocks` and `unroll` (the word loop unrolled, or a
-loop). The best tuple depends on the level, the CPU and the shape: AVX512-VNNI code on
-Zen 4 is within 3% of the rule, and AVX2's rule (`register_tile`) is the tile that does
-not spill on Zen 3.
+loop). The best tuple depends on the level, the CPU and the shape: the rule's is close to
+the best of AVX512-VNNI code on Zen 4, and AVX2's rule (`register_tile`) is the tile that
+does not spill on Zen 3 (measured in docs/benchmarks.md#schedule-measurements, as are the
+rule's other choices).
 The kernel is a whole PrimFunc built from its knobs, not a schedule of a generic one, so
 `knob_space` lists every tuple it takes (tiles within a quarter of the level's vector
 registers, as each tile entry holds an int32 and a float32 accumulator and, for int4
@@ -115,9 +116,8 @@ DECODE_TOKENS = 2  # sequences in AVX2's and NEON's decode register tile (`regis
 PREFETCH_BYTES = 4096
 CACHE_LINE_BYTES = 64
 # Decode quantizes its activation rows in parallel from this many sequences: at 8 sequences the serial
-# loop had the other thread wait (Zen 5, 2 threads, hot caches, the ~110M q4f32 [768, 2048] weight 25 ->
-# 22 us, [768, 768] 1.08x, [1280, 768] 1.05x; q8f32 1.02x to 1.07x), at 2 the parallel launch cost more
-# than it saved (0.95x to 0.97x), at 4 it was even (0.98x to 1.05x).
+# loop had the other thread wait, at 2 the parallel launch cost more than it saved, at 4 it was even
+# (measured in docs/benchmarks.md#schedule-measurements).
 PARALLEL_QUANTIZE_ROWS = 4
 
 
@@ -138,11 +138,10 @@ def kernel_dot(dot: Int8Dot, n: int, many_tokens: bool) -> Int8Dot:
 
     Decode streams the weight from memory. A 512-bit multiply reads two interleaved blocks at
     once, two streams 2k bytes apart, which the CPU's prefetchers follow worse than the one
-    linear stream of the 256-bit form: measured on Zen 5, the ~110M q4f32 decode step at one
-    sequence took 1.2x to 1.3x longer (1.52 against 1.26 to 1.42 ms), and at 8 sequences,
-    where the 512-bit tile computes up to 2x faster from cache, the step gained only 1.15x to
-    1.25x, less than the losses at 1 to 3 sequences. Only whole tiles of sequences take it
-    (`wide_decode_tiles`)."""
+    linear stream of the 256-bit form: with it a one-sequence decode step took longer, and at 8
+    sequences, where the 512-bit tile computes faster from cache, the step gained less than it
+    lost at 1 to 3 sequences (measured in docs/benchmarks.md#schedule-measurements). Only whole
+    tiles of sequences take it (`wide_decode_tiles`)."""
     if not many_tokens and dot.narrow is not None:
         return dot.narrow
     return dot.for_rows(n)
@@ -157,13 +156,10 @@ def wide_decode_tiles(n: int, dot: Int8Dot, many_tokens: bool, bits: int) -> boo
     tiles of 8 sequences x 2 blocks, one 512-bit multiply each (`wide_decode_tile`), and the
     sequences past the whole tiles take 256-bit tiles, one block and then the next, so a
     1-sequence step reads one linear stream as before. Int4 only: its nibble masks, shifts and
-    dot products all halve. Measured on Zen 5 (2 threads, the ~110M q4f32 model, one run): the
-    whole decode step at 8 sequences 2.92 against 3.56 ms (1.22x), 9: 3.36 against 4.12, 16: 5.21
-    against 6.71 (1.29x), at 1, 4 and 7 sequences the same within 3% (1.24 against 1.22 ms, 2.05
-    against 1.99, 3.43 against 3.38); each kernel at 8 sequences from cold caches 1.15x ([768,
-    2048]) to 1.47x ([32000, 768]). The two blocks' 256-bit tiles are a loop, not unrolled:
-    unrolled, the 1-sequence step took 7% longer. Int8's 512-bit tile measured 0.77x to 1.23x:
-    not taken."""
+    dot products all halve, and the steps with whole tiles got faster while those of fewer
+    sequences stayed the same; int8's 512-bit tile was as often slower as faster, so it is not
+    taken. The two blocks' 256-bit tiles are a loop, not unrolled: unrolled, the 1-sequence step
+    took longer. Measured in docs/benchmarks.md#schedule-measurements."""
     return not many_tokens and bits == 4 and dot.narrow is not None and dot.for_rows(n) is dot
 
 
@@ -177,14 +173,11 @@ def padded_tail_rows(tokens: int, wide_tiles: bool, many_tokens: bool) -> int | 
     missing rows read padding and store nothing; None: tails always take the halving tiles (4, 2, 1).
 
     Each halving tile reads its weight block again and transforms each word again, for fewer
-    sequences: past a few rows, one whole tile that wastes some rows costs less. Measured on Zen 5
-    (2 threads, the ~110M model, 100-token prompts, whole decode steps, one run): q4f32 on
-    `wide_decode_tiles` 2.27 against 2.39 ms at 5 sequences, 2.40 against 2.70 at 6, 2.49 against
-    3.06 at 7 (1.23x), 4.77 against 5.57 at 15 (1.17x), and every tail padded, 2.27 against 2.02 at
-    4; q8f32 (256-bit 8-row tiles) 3.38 against 3.78 at 7 (1.12x), 6.59 against 6.80 at 15, but
-    3.51 against 3.42 at 6 when padded. 1, 4, 8, 12 and 16 sequences: the same within 2.5%.
-    skylake-avx512 code (8-row tiles without VNNI, compute-bound): q4f32 and q8f32 at 7 and 15
-    sequences the same within 1.5% padded or not. Each row's arithmetic is the same in every tile,
+    sequences: past a few rows, one whole tile that wastes some rows costs less. Padding paid from
+    5 sequences on `wide_decode_tiles` (q4f32; at 4 it was slower) and from 7 with 256-bit 8-row
+    tiles (q8f32; at 6 it was slower); batches that take no padded tile were unchanged, and
+    compute-bound skylake-avx512 code neither gained nor lost (measured in
+    docs/benchmarks.md#schedule-measurements). Each row's arithmetic is the same in every tile,
     so the logits are the same to the bit. Prefill's tails, a few rows of many, and tiles of fewer
     rows keep the halving tiles."""
     if many_tokens or tokens != 8:
@@ -199,12 +192,11 @@ def prefetch_distance(many_tokens: bool) -> int:
     while a cache line feeds a few instructions (one sequence), not when it feeds a tile of
     sequences, and not across the two streams of a 512-bit multiply: the loads then wait on
     memory. A software prefetch `PREFETCH_BYTES` ahead, the group's lines once per group,
-    keeps the stream in flight. Measured on Zen 5 (2 threads, cold caches, the ~110M q4f32 and
-    q8f32 [4096, 768], [768, 2048] and [1280, 768] weights, 1 to 8 sequences): avx512vnni code
-    1.0x to 1.12x at 1 to 4 sequences, 1.03x to 1.87x at 8; znver3 (AVX2) code 1.11x to 1.34x
-    at one sequence, 1.05x to 1.50x at 8; 2 KiB and 8 KiB ahead did no better than 4 KiB.
-    Prefill reuses each weight line for many rows from cache and has nothing to gain.
-    (NEON's speed cannot be measured here: aarch64 gets the same prefetch, unmeasured.)"""
+    keeps the stream in flight: decode got faster with it on avx512vnni and on AVX2 code, most
+    at 8 sequences, and 2 KiB and 8 KiB ahead did no better than 4 KiB (measured in
+    docs/benchmarks.md#schedule-measurements). Prefill reuses each weight line for many rows from
+    cache and has nothing to gain. (NEON's speed cannot be measured here: aarch64 gets the same
+    prefetch, unmeasured.)"""
     return 0 if many_tokens else PREFETCH_BYTES // (4 * INTERLEAVED_ROWS)
 
 
@@ -215,12 +207,8 @@ def tile_prefetch_distance(distance: int, blocks: int, block_words: int) -> int:
     A tile of several blocks (AVX512-VNNI int4 decode's 8 sequences x 2 blocks, `wide_decode_tiles`) reads
     one stream per block, a block apart. A distance inside a block sends the first block's prefetches into
     the second, already being read, and none reaches the next tile's second block, which its tile then
-    starts from memory. Measured on Zen 5 (2 threads, 100-token prompts, whole decode steps, round-robin,
-    two runs): at 8 sequences the 1B-shape q4f32 step took 23.26-23.37 against 24.05-24.28 ms (1.03x-1.04x)
-    and the ~110M's 2.27-2.50 against 2.32-2.62 (1.03x-1.05x); at 16, 37.54 against 40.93 ms (1.09x) and
-    4.08 against 4.29 (1.05x); at 1 and 4 sequences, which take one-block tiles, within 2%. Each kernel at
-    8 sequences from cold weights: [3072, 2048], [2048, 2048], [768, 2048] and [2048, 8192] 1.13x to
-    1.16x, [4096, 768] and [768, 768] within 2%."""
+    starts from memory. A tile ahead made the 8- and 16-sequence steps faster and left the one-block tiles
+    of 1 and 4 sequences as they were (measured in docs/benchmarks.md#schedule-measurements)."""
     if distance == 0 or blocks == 1:
         return distance
     return max(distance, blocks * block_words)
@@ -230,31 +218,26 @@ def register_tile(vector_bits: int, many_tokens: bool, dot: Int8Dot, bits: int) 
     """(activation rows, weight row blocks) of one register tile.
 
     Prefill, 512-bit multiplies (AVX512-VNNI, 16 rows each, `kernel_dot`): 4 x 4 blocks, 8 int32
-    and 8 float32 accumulators. Measured on Zen 5, the ~110M shapes, 128 tokens, hot caches:
-    1.3 to 1.5 TFLOP/s, 1.6x to 1.85x the 256-bit 4 x 2 tile, 1.15x to 1.35x the 512-bit 4 x 2.
-    Prefill, 256-bit: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (measured on
-    Zen 4, 128 tokens: 1.3x the speed of 2 x 2, 1.7x of 1 x 1); AVX-VNNI has 16, so 2 x 2.
+    and 8 float32 accumulators, faster than the 256-bit and the 512-bit 4 x 2 tiles.
+    Prefill, 256-bit: 4 x 2 needs 16 accumulator registers, which AVX-512's 32 hold (faster than
+    2 x 2 and 1 x 1 on Zen 4); AVX-VNNI has 16, so 2 x 2.
     AVX2's steps hold more temporaries (the sign trick's |v| and signed q, int4's masked
     nibbles and int16 sums): its 2 x 2 tile spilled (haswell and znver3 code: 84 stack
     references in the q8 inner loop, 54 in q4's), so int8 takes 2 x 1 (5) and int4 1 x 4
-    (3, the masked nibbles shared by 4 blocks). Measured on Zen 3, 128 tokens, znver3 code:
-    1.7x to 1.9x 2 x 2's speed for q8, 1.6x to 2.4x for q4, on the ~110M and 1B shapes.
+    (3, the masked nibbles shared by 4 blocks), both faster than 2 x 2 on Zen 3.
     Decode, 256-bit: one row block, streamed once, and the sequences of a batch in tiles: each
     weight word is loaded and transformed (int4's nibbles, AVX2's sign trick) once for the tile's
     sequences; the last ones take tiles of 4, 2 and 1. With VNNI or AVX-512's 32 registers, the tile
     holds as many sequences as the register budget has entries (`tile_entries`: 8 on AVX-512, 4 on
     AVX-VNNI): each sequence's products are one dependent chain of vpdpbusd, which a 2-sequence tile
-    runs two at a time, and each weight word serves 8 sequences, not 2. Measured on Zen 5 (cold
-    caches, 2 threads, the ~110M gate/up [4096, 768] and down [768, 2048] projections at 8
-    sequences): 8 x 1 ran 1.26x to 1.69x as fast as 2 x 1 for q4f32, 1.69x and 0.91x for q8f32
-    (avx512vnni code), 1.17x to 1.65x with skylake-avx512 code, 4 x 1 0.96x to 1.64x with
-    alderlake's AVX-VNNI code; the same speed at 1 sequence, which only the 1-row tile computes.
-    (Splitting each sequence's chain in two, int4's low and high nibbles apart, then gained
-    nothing: 0.95x to 1.02x.) The ~110M q4f32 decode step at 8 sequences took 3.69 ms against
-    4.61 (Zen 5). AVX2 keeps pairs: measured on Zen 3, znver3 code, the ~110M shapes at 2 to 8
-    sequences, 2 x 1 ran 1.1x to 1.3x 1 x 1's speed; 4 x 1 spilled registers and was slower than
-    2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The dot products themselves, per sequence,
-    are most of AVX2's work: wider tiles cannot halve it.) NEON (4-row multiplies) keeps pairs too."""
+    runs two at a time, and each weight word serves 8 sequences, not 2. At 8 sequences the full
+    tile beat 2 x 1 on avx512vnni, skylake-avx512 and AVX-VNNI code (all but one q8f32 projection),
+    and the decode step got faster; at 1 sequence, which only the 1-row tile computes, the speed is
+    the same. (Splitting each sequence's chain in two, int4's low and high nibbles apart, then
+    gained nothing.) AVX2 keeps pairs: on Zen 3, 2 x 1 beat 1 x 1 at 2 to 8 sequences; 4 x 1
+    spilled registers and was slower than 2 x 1 at every batch, 2 x 2 no faster than 1 x 1. (The
+    dot products themselves, per sequence, are most of AVX2's work: wider tiles cannot halve it.)
+    NEON (4-row multiplies) keeps pairs too. Measured in docs/benchmarks.md#schedule-measurements."""
     if not many_tokens:
         if dot.lanes >= INTERLEAVED_ROWS and (dot.accumulates or vector_bits >= 512):
             return tile_entries(vector_bits), 1
@@ -523,7 +506,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
                             for b in T.unroll(blocks):
                                 for line in T.unroll(max(words // line_words, 1)):
                                     # (The index inline: bound to a name first, it made the 4-sequence step
-                                    # 1.2x slower.)
+                                    # slower.)
                                     T.evaluate(prefetch(T.address_of(packed_flat[
                                         T.min((first_block + b) * block_words + g * words + line * line_words + ahead,
                                               n // lanes * block_words - 1) * lanes])))
@@ -534,8 +517,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
                                 sums[t, u, wide] = T.Broadcast(T.int16(0), 2 * lanes)
                     # Word by word over the tile: each weight word is loaded (and transformed) once per
                     # tile. Without VNNI a step is several instructions, and a group unrolled spilled
-                    # registers (q4f32, 128 tokens, haswell target on Zen 4: 3x slower), so the rule
-                    # unrolls only on VNNI.
+                    # registers and ran far slower (haswell code on Zen 4), so the rule unrolls only on VNNI.
                     for w in word_loop(words):
                         for t in T.unroll(count):
                             for u in T.unroll(units):
@@ -581,7 +563,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
 
     def whole_tiles(rows):
         """Whole tiles of `rows` activation rows: with `padded_tail_rows`, a tail of pad_from rows or more is one.
-        (An expression inline in the loop: bound to a TIR name, it made the 8- and 16-sequence steps 3-9% slower.)"""
+        (An expression inline in the loop: bound to a TIR name, it made the 8- and 16-sequence steps slower.)"""
         return rows // tokens if pad_from is None else (rows + tokens - pad_from) // tokens
 
     def halving_tail(rows):

@@ -26,7 +26,7 @@ or 4 rows x two vectors of k (GEMV) / two activation rows (GEMM, `m_tile`). That
 makes a decode batch (m = 2..8) and a prefill FMA-bound instead of load- and
 latency-bound. Float weights, which `ir_passes/pack_float_panels.py` stores as
 panels of rows transposed at compile time, take an outer-product tile instead
-(`_schedule_panels`: no horizontal sums; 1.45x this tile's GEMM on Zen 3); this
+(`_schedule_panels`: no horizontal sums; faster than this tile's GEMM on Zen 3); this
 tile remains for weights unpacked from integers and for weights read any other way.
 
 Quantized weights arrive as an unpacking block (the prologue) that computes W from
@@ -130,7 +130,7 @@ class NTMatmul(CPURule):
         # module docstring). Rows longer than L1 holds eight of (k = 2048) take four, and two
         # vectors of k (GEMV) or two activation rows per weight load (GEMM) for the other four.
         # Weights unpacked in registers (a quantized GEMV) stream one row at a time: on Zen 4,
-        # interleaving rows' reads ran at about half the DRAM bandwidth.
+        # interleaving rows' reads left DRAM bandwidth unused (docs/benchmarks.md#schedule-measurements).
         fits_l1 = [r for r in (8, 4) if r * k_extent * DataType(dtype).bits // 8 <= L1_BYTES] or [4]
         rows = 1 if unpack_inline else fits_l1[0]
         rows = self.choose("rows", [r for r in (1, 2, 4, 8) if n_extent % r == 0],

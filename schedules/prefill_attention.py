@@ -4,9 +4,10 @@ TVM's `TIRPagedKVCache` ships two CPU prefill kernels, both one serial scalar lo
 `batch_prefill_ragged_kv` (the new tokens attending to each other, causally) and
 `batch_prefill_paged_kv_cpu` (the new tokens attending to the tokens already cached,
 for a prompt fed in chunks). The ragged one scores every query against every key,
-masked ones included, and took 21% of a 110M model's 128-token prefill (6.5 ms a
-layer). These kernels have the same signatures and results, so the KV cache runtime
-calls them unchanged (`ir_passes/specialize_cpu_attention.py` swaps them in):
+masked ones included, and took a large share of a 110M model's prefill (measured in
+docs/benchmarks.md#schedule-measurements). These kernels have the same signatures and
+results, so the KV cache runtime calls them unchanged (`ir_passes/specialize_cpu_attention.py`
+swaps them in):
 
     parallel (sequence, block of BLOCK_ROWS query rows, KV head)
       qs[r, g] = Q[row r, head g of the group] * scale * log2(e)    # the block's (row, head) pairs
@@ -21,11 +22,10 @@ calls them unchanged (`ir_passes/specialize_cpu_attention.py` swaps them in):
           o[t] += p[t] @ vc                      # vector over the head dim, each vc row loaded once per tile
       out = o / d;  lse = m + log2(d)            # base 2, as the runtime's state merge expects
 
-The sizes are measured (Zen 5, 2 threads, the ~110M shape: 4 KV heads of 3 query heads, head dim
-64): 256 queries over 1,792 cached keys took 13.2 ms a layer with one pair at a time, 8-row blocks
-and 32-key chunks, whose two 16-lane score chains waited on the FMA latency, and 5.2 ms with these
-(32-row blocks transpose each key chunk once for 96 pairs; 64-key chunks halve the softmax's share);
-a 72-token prompt's causal attention 115 -> 65 us a layer (`scripts/bench_attention.py`).
+The sizes are measured (`scripts/bench_attention.py`; docs/benchmarks.md#schedule-measurements): one
+pair at a time, 8-row blocks and 32-key chunks left two 16-lane score chains waiting on the FMA latency;
+these sizes take much less time over cached keys and in a short prompt's causal attention (32-row blocks
+transpose each key chunk once for 96 pairs; 64-key chunks halve the softmax's share).
 
 Causal blocks grow in cost with their position, and TVM's thread pool hands each
 thread one contiguous range of tasks, so tasks visit the blocks in the order

@@ -3,8 +3,8 @@
 TVM's `llama_rope_with_position_map` (the KV cache's `fused_rope`, run on every
 layer's fused qkv projection before attention) evaluates the rotation angle of every
 element: a `pow`, a `cos` and a `sin` libm call for each (token, head, dim), the same
-angles recomputed for all heads. On the 110M model that was 1.5 ms a layer for a
-128-token prompt. This kernel has the same signature and results:
+angles recomputed for all heads, a cost that shows in prefill (measured in
+docs/benchmarks.md#schedule-measurements). This kernel has the same signature and results:
 
     parallel token s
       for d < rotary_dim / 2:  cos_t[d] = cos_t[d + half], sin_t[d] = sin_t[d + half]

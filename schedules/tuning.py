@@ -33,11 +33,12 @@ trace is what makes a static-shape record apply to a symbolic kernel.
 
 An int8 decode kernel serves one stream and a full batch with the same knobs, and
 the fastest knobs for one row can lose at a batch: timed at one sequence only, `ember
-tune` took a one-block tile for the ~110M q4f32 down projection (1.01x at one row),
-which gives up AVX512-VNNI's 8 x 2-block tile, and the tuned model's 8-sequence step
-took 2.73 against 2.56 ms (Zen 5, 2 threads). So each trial of such a kernel is timed
-at one row and at the most rows a call of it takes (`timed_rows`: the artifact's
-`--max-batch`, or a verify step's tokens), and its time is the sum. Those rows are
+tune` took a one-block tile for the ~110M q4f32 down projection (barely faster at one
+row), which gives up AVX512-VNNI's 8 x 2-block tile, and the tuned model's 8-sequence
+step was slower than the rule's (docs/benchmarks.md#schedule-measurements). So each
+trial of such a kernel is timed at one row and at the most rows a call of it takes
+(`timed_rows`: the artifact's `--max-batch`, or a verify step's tokens), and its time
+is the sum. Those rows are
 part of its workload (`TIMED_ROWS_ATTR`, absent at one row, the key every decode kernel
 had before): a record measured for one batch bound does not apply to another's kernels.
 An AMX kernel's row threshold is chosen the same way: each trial is timed at its prefill tokens and at

@@ -72,10 +72,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 256
 # Seconds a prompt's prefill may hold back the running streams' next decode step. Each chunk streams
 # every weight once more, so a bound that cuts prompts into small chunks costs throughput: on the
-# 1B-shape q4f32 model (Zen 5, 2 threads, `bench_serve`'s 32 requests of 16-128-token prompts at 8
-# streams, Python API), 0.05 s cut them into 146 chunks of one or two pages, the prompts took 5.44 s
-# of a 12.2 s run and 3.69 s when read whole; 0.1 s: 61 chunks, 4.15 s, a 10.5 s run (1.16x); 0.2 s:
-# 35 chunks, 10.0 s. On the ~110M model a 128-token prompt takes 20 ms, under either bound.
+# 1B-shape q4f32 model under `bench_serve`'s load, 0.05 s cut prompts into chunks of one or two pages and
+# the run took clearly longer than with 0.1 s, which 0.2 s improved on only a little. A ~110M model's
+# 128-token prompt fits under either bound (measured in docs/benchmarks.md#schedule-measurements).
 DEFAULT_MAX_DECODE_STALL = 0.1
 # Seconds; Prometheus-style upper bounds, the last one +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -488,7 +487,8 @@ class Scheduler:
 
     def _deliver_events(self) -> None:
         """Hand each event loop the events its requests got since the last call, in one callback.
-        Measured at 8 streams (~110M q4f32, Zen 5): a wake-up per event took 6% of the engine thread."""
+        A wake-up per event took a measurable share of the engine thread at 8 streams
+        (docs/benchmarks.md#schedule-measurements)."""
         outbox, self._outbox = self._outbox, {}
         for loop, batch in outbox.items():
             try:

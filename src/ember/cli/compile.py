@@ -15,6 +15,19 @@ from ember.cli.options import (
 from ember.core.errors import EmberError
 from ember.core.manifest import KV_QUANTIZATIONS
 
+COMPILE_DETAILS = """
+A GGUF file's tensors keep their types: Q8_0/Q4_0/Q4_1 weights as stored, K-quants
+re-quantized to the closest format with at least their bits and the error printed. An ONNX
+file's forward takes input_ids and returns the logits of every position.
+
+TARGET is `cpu` (this machine, the default); an aarch64 Linux board (raspberry-pi-5,
+rk3588, jetson-orin-cpu, graviton3, or `aarch64` for any ARMv8.2-A CPU with dotprod;
+cross-linked with aarch64-linux-gnu-g++); a TVM target JSON object or file for another CPU,
+e.g. '{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}'; `cuda:ARCH` (cuda:sm_80,
+cuda:sm_90a, ...; compiles without a GPU); `cuda:DEVICE` (a GPU preset such as cuda:h100,
+cuda:l4); `cuda` (this machine's GPU); or `opencl`.
+"""
+
 COMPILE_CACHES = """
 Parsed kernels, built libraries and torch.export's traces are kept in ~/.cache/ember/
 (kernels/, libraries/ up to 2 GiB, traced/): compiling a model of the same architecture,
@@ -33,25 +46,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "compile", help="compile a model into an artifact directory",
         description="Compile a Hugging Face checkpoint, a GGUF file (llama.cpp's format) or an ONNX file into a "
                     "deployable artifact.",
-        epilog=EXAMPLES + COMPILE_CACHES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="checkpoint directory, a .gguf file (each tensor keeps its type: Q8_0/Q4_0/"
-                                      "Q4_1 weights as stored, K-quants re-quantized to the closest format with "
-                                      "at least their bits and the error printed), an .onnx file of a decoder's "
-                                      "full-sequence forward (logits = f(input_ids), as torch.onnx.export writes "
-                                      "it; see --tokenizer), or `demo` for the bundled demo model")
+        epilog=EXAMPLES + COMPILE_DETAILS + COMPILE_CACHES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="checkpoint directory, a .gguf file, an .onnx file (see --tokenizer) or `demo` "
+                                      "for the bundled demo model (see MODEL below)")
     parser.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write")
     parser.add_argument("--target", default="cpu",
-                        help="`cpu` (this machine, default), an aarch64 Linux board (raspberry-pi-5, rk3588, "
-                             "jetson-orin-cpu, graviton3, or `aarch64` for any ARMv8.2-A CPU with dotprod; "
-                             "cross-linked with aarch64-linux-gnu-g++), a TVM target JSON object or file for another "
-                             'CPU, e.g. \'{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 8}\', '
-                             "`cuda:ARCH` (cuda:sm_80, cuda:sm_90a, ...; compiles without a GPU), `cuda:DEVICE` "
-                             "(a GPU preset such as cuda:h100, cuda:l4), `cuda` (this machine's GPU) or `opencl`")
+                        help="`cpu` (this machine, default), an aarch64 board such as raspberry-pi-5, a TVM target "
+                             "JSON object or file, `cuda:ARCH`, `cuda:DEVICE`, `cuda` or `opencl` (see TARGET below)")
     parser.add_argument("--quant", default=None, metavar="FORMAT",
                         help="weight format of every weight (default: a GGUF file's own per tensor, else q0f32 "
-                             "on CPUs, q0f16 on GPUs): "
-                             + ", ".join(f"{fmt.name} ({fmt.bits_per_weight:g} bits/weight)"
-                                         for fmt in FORMATS.values()))
+                             "on CPUs, q0f16 on GPUs), with its bits per weight: "
+                             + ", ".join(f"{fmt.name} ({fmt.bits_per_weight:g})" for fmt in FORMATS.values()))
     add_graph_arguments(parser)
     _add_weight_arguments(parser)
     _add_cache_arguments(parser)
@@ -72,19 +77,15 @@ def _add_weight_arguments(parser: argparse.ArgumentParser) -> None:
                              "a tied embedding is kept if either flag is given")
     parser.add_argument("--float-activations", action="store_true",
                         help="q8f32/q4f32: keep the projections' activations in float. By default, on CPUs with "
-                             "an int8 dot product (AVX512-VNNI, AVX-VNNI, AVX2, ARM dotprod/i8mm), each activation "
-                             "row is rounded to int8 per group of 32, as llama.cpp does for Q8_0/Q4_0, and "
-                             "multiplied in integers (decode projections 1.2-2x, prefill projections ~4x faster "
-                             "than float)")
+                             "an int8 dot product (AVX2 and up, ARM dotprod), they are rounded to int8 per group of "
+                             "32, as llama.cpp does, and multiplied in integers, which is faster")
 
 
 def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-quant", choices=KV_QUANTIZATIONS, default=None,
-                        help="float32 models on CPU targets: store the KV cache's keys and values packed, for "
-                             "longer contexts in the same memory and less to read per decoded token. q8: int8 "
-                             "with a float32 scale per token and head (0.27x the bytes of float32 at a head dim "
-                             "of 64); f16: float16 (0.5x, llama.cpp's default cache type, and 20x closer to the "
-                             "float cache's logits than q8). Default: the model's dtype")
+                        help="float32 models on CPU targets: store the KV cache packed, for longer contexts in the "
+                             "same memory: q8 (int8, scaled per token and head: ~0.27x the bytes) or f16 (0.5x, "
+                             "closer to float32's logits than q8). Default: the model's dtype")
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="largest number of prompt tokens per prefill call (default 256)")
     parser.add_argument("--embeddings", action="store_true",
@@ -93,11 +94,9 @@ def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=8,
                         help="most sequences decoded together (default 8)")
     parser.add_argument("--pipeline-stages", type=int, default=None, metavar="K",
-                        help="split the model by layers into K stages, each an artifact of its own in OUT/stage-i "
-                             "holding only its layers' weights and KV cache (the first stages get the extra layer "
-                             "where they do not divide evenly), for `ember serve --ray` to run a stage per machine; "
-                             "see docs/cluster.md. At most the model's layer count; not with --embeddings or "
-                             "--kv-quant")
+                        help="split the model by layers into K artifacts, OUT/stage-i, each with only its layers' "
+                             "weights and KV cache, for `ember serve --ray` to run one per machine (docs/cluster.md); "
+                             "K at most the layer count; not with --embeddings or --kv-quant")
     parser.add_argument("--memory-budget", type=parse_bytes,
                         help="memory for weights + workspace + KV cache, e.g. 4GB; sets the longest context "
                              "the artifact allows and the KV cache's size (default on GPUs: 90%% of its memory)")

@@ -184,10 +184,9 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
 def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
     """compile's and tune's options of where a model's graph comes from."""
     parser.add_argument("--frontend", default="builtin", choices=("builtin", "torch-export"),
-                        help="how a checkpoint directory's graph is built: builtin (ember's own definition of "
-                             "the llama/mistral/qwen2 family) or torch-export (transformers builds the model, "
-                             "torch.export traces it, ember's passes find its attention; needs torch and "
-                             "transformers at compile time)")
+                        help="how a checkpoint directory's graph is built: builtin (ember's own llama/mistral/qwen2 "
+                             "definition, the default) or torch-export (torch.export traces transformers' model; "
+                             "needs torch and transformers)")
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                         help="an .onnx file's Hugging Face directory: its config.json (context length, token ids) "
                              "and tokenizer files (default: the directory the .onnx file is in)")

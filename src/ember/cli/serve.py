@@ -60,10 +60,9 @@ def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key-file", type=Path, metavar="FILE",
                      help="as --api-key, the key read from the first line of FILE (not shown in `ps`)")
     parser.add_argument("--allow-origin", type=web_origin, action="append", default=[], metavar="ORIGIN",
-                        help="a web page's origin (scheme://host[:port], e.g. http://localhost:3000) whose scripts "
-                             "may call the API from a browser (CORS); repeat for more, or * for any page the browser "
-                             "opens, the internet's included, so pair it with --api-key. Default: none but the "
-                             "server's own chat page at /")
+                        help="a web page's origin (scheme://host[:port]) whose scripts may call the API (CORS); "
+                             "repeatable; * lets any page on the internet in, so pair it with --api-key (default: "
+                             "only the server's own chat page at /)")
 
 
 def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,11 +70,10 @@ def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                         help="requests that may wait for a free sequence; more are answered 429 (default %(default)s)")
     parser.add_argument("--max-decode-stall", type=seconds, metavar="SECONDS",
-                        help="how long reading an arriving prompt may hold back the running streams' next token: "
-                             "prompts are read, while others stream, in chunks of what the engine prefills in that "
-                             "time. Shorter keeps streams smoother, longer reads prompts in fewer chunks (each "
-                             "streams every weight once more) and serves more tokens a second under load; 0: a KV "
-                             "page at a time, inf: whole prompts (default 0.1)")
+                        help="how long reading an arriving prompt may hold back the running streams' next token "
+                             "(prompts are read in chunks of that much prefill): shorter is smoother, longer serves "
+                             "more tokens a second under load; 0: a KV page at a time, inf: whole prompts "
+                             "(default 0.1)")
     parser.add_argument("--pooling", choices=("mean", "last"), default="mean",  # ember.runtime.engine.POOLINGS
                         help="how /v1/embeddings makes one vector of an input's last hidden states (artifacts "
                              "compiled with --embeddings): their mean, or the last token's; L2-normalized "
@@ -89,10 +87,9 @@ def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """Replicas on a Ray cluster (the cluster extra; docs/cluster.md)."""
     parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                        help="serve from replicas of the engine on a Ray cluster, one OpenAI endpoint here: join the "
-                             "cluster whose head is at ADDRESS (HOST:PORT, as `ray start --head` prints), or start "
-                             "one on this machine when none is given. A pipeline artifact (compile --pipeline-stages) "
-                             "is served from one actor per stage instead. Needs pip install 'ember[cluster]'")
+                        help="serve from engine replicas on a Ray cluster, behind one endpoint here: the cluster "
+                             "whose head is at ADDRESS (HOST:PORT), else a new one on this machine; a pipeline "
+                             "artifact gets an actor per stage. Needs pip install 'ember[cluster]'")
     parser.add_argument("--replicas", type=whole_number(0), metavar="N",
                         help="with --ray: how many replicas, each a Ray actor process with --threads CPUs "
                              "(default 1 each) and its own prefix cache (default 2)")
