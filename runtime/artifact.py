@@ -39,6 +39,8 @@ TENSOR_ALIGNMENT = 64
 HUGE_PAGE = 2 * 2**20
 # The library's function returning its weights' shapes and dtypes as JSON (`Manifest.param_types`' content).
 PARAM_TYPES_FUNCTION = "_ember_param_types"
+# The library's function returning, as JSON, the formats and sizes its kernels were built for (`_built_for_manifest`).
+BUILT_FOR_FUNCTION = "_ember_built_for"
 # platform.machine() spellings of the names LLVM triples use.
 _MACHINE_NAMES = {"amd64": "x86_64", "arm64": "aarch64"}
 
@@ -150,6 +152,40 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
             raise ArtifactError(f"{library}: built for weight {differing!r} of {_describe(built_for.get(differing))}, "
                                 f"the manifest has {_describe(manifest.param_types.get(differing))}: the library is "
                                 f"not this artifact's; recompile the artifact")
+    if _has_function(vm, BUILT_FOR_FUNCTION):
+        built = json.loads(str(vm[BUILT_FOR_FUNCTION]()))
+        for field, given, fits in _built_for_manifest(manifest, built):
+            if not fits:
+                raise ArtifactError(f"{library}: built for {field} {built_value(built, field)!r}, the manifest has "
+                                    f"{given!r}: the manifest was changed after compile or the library is another "
+                                    "artifact's; recompile the artifact")
+
+
+def built_value(built: dict[str, Any], field: str) -> Any:
+    """The library's recorded value for the manifest `field` (`_built_for_manifest`'s names)."""
+    return built[_BUILT_FOR_KEYS[field]]
+
+
+# Manifest field -> the library's record of it (`BUILT_FOR_FUNCTION`).
+_BUILT_FOR_KEYS = {"quantization": "quantization", "model_dtype": "model_dtype", "activations": "activations",
+                   "kv_cache.quantization": "kv_quantization", "kv_cache.page_size": "page_size",
+                   "kv_cache.prefill_chunk": "prefill_chunk", "kv_cache.max_batch": "max_batch",
+                   "kv_cache.max_context": "context_window",
+                   "kv_cache.rope.long_factors_above": "long_factors_above", "model.layer_windows": "layer_windows"}
+
+
+def _built_for_manifest(manifest: Manifest, built: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+    """(field, the manifest's value, whether the library's kernels run it) for each fact the library records: the
+    formats, layouts and sizes equal, and a context no longer than the one it was built for."""
+    kv = manifest.kv_cache
+    given = {"quantization": manifest.quantization, "model_dtype": manifest.model_dtype,
+             "activations": manifest.activations, "kv_cache.quantization": kv["quantization"],
+             "kv_cache.page_size": kv["page_size"], "kv_cache.prefill_chunk": kv["prefill_chunk"],
+             "kv_cache.max_batch": kv["max_batch"], "kv_cache.max_context": kv["max_context"],
+             "kv_cache.rope.long_factors_above": kv["rope"].get("long_factors_above"),
+             "model.layer_windows": manifest.model["layer_windows"]}
+    return [(field, value, value <= built_value(built, field) if field == "kv_cache.max_context"
+             else value == built_value(built, field)) for field, value in given.items()]
 
 
 def _has_function(vm: VirtualMachine, name: str) -> bool:

@@ -264,6 +264,33 @@ def test_swapped_library_is_refused_at_load(request, tiny_models, tiny_llama, co
     assert_one_line_error(result, f"{artifact}/model.so: {expected}", "the library is not this artifact's")
 
 
+@pytest.mark.parametrize(("field", "change", "message"), [
+    ("kv_cache.max_context", lambda data: data["kv_cache"].__setitem__("max_context", 4096),
+     "built for kv_cache.max_context 256, the manifest has 4096"),
+    ("quantization", lambda data: data.__setitem__("quantization", "q8f32"),
+     "built for quantization 'q0f32', the manifest has 'q8f32'"),
+    ("kv_cache.prefill_chunk", lambda data: data["kv_cache"].__setitem__("prefill_chunk", 128),
+     "built for kv_cache.prefill_chunk 64, the manifest has 128"),
+    ("kv_cache.quantization", lambda data: data["kv_cache"].__setitem__("quantization", "q8"),
+     "built for kv_cache.quantization None, the manifest has 'q8'"),
+])
+def test_a_resealed_manifest_cannot_lie_about_what_the_library_was_built_for(tiny_llama, copy_artifact, field,
+                                                                             change, message):
+    """The library records the formats and sizes its kernels were built for; a manifest edited past them and
+    resealed (a longer context, another weight format, a larger prefill chunk, a quantized KV cache) is refused by
+    `ember generate` in one line naming the field, and a shorter context than the library's still loads."""
+    artifact = copy_artifact(tiny_llama)
+    edit_manifest(artifact, change, seal=True)
+    result = run_ember("generate", str(artifact), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"{artifact}/model.so: {message}", "recompile the artifact")
+
+
+def test_a_shorter_context_than_the_library_was_built_for_loads(tiny_llama, copy_artifact):
+    artifact = copy_artifact(tiny_llama)
+    edit_manifest(artifact, lambda data: data["kv_cache"].__setitem__("max_context", 64), seal=True)
+    assert load_artifact(artifact).manifest.kv_cache["max_context"] == 64
+
+
 def test_library_without_an_entry_function_is_refused(tiny_llama, copy_artifact):
     """A manifest listing an entry function its library lacks is refused naming it (load_artifact)."""
     artifact = copy_artifact(tiny_llama)

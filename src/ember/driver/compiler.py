@@ -51,7 +51,7 @@ from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.split_pipeline_stages import split_pipeline_stage, stage_layers
-from ember.runtime.artifact import PARAM_TYPES_FUNCTION
+from ember.runtime.artifact import BUILT_FOR_FUNCTION, PARAM_TYPES_FUNCTION
 from ember.schedules import amx_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
@@ -203,7 +203,12 @@ class _Build:
         stage("generating code")
         param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
                        for p in weight_params(lowered["decode"])}
-        _add_param_types(lowered, param_types)
+        _add_json_function(lowered, PARAM_TYPES_FUNCTION, param_types)
+        _add_json_function(lowered, BUILT_FOR_FUNCTION, {
+            "quantization": options.quantization, "model_dtype": imported.model_dtype,
+            "activations": activations(lowered), "kv_quantization": options.kv_quant, "page_size": PAGE_SIZE,
+            "prefill_chunk": prefill_chunk, "max_batch": options.max_batch, "context_window": config.context_window,
+            "long_factors_above": _long_factors_above(lowered), "layer_windows": list(config.layer_windows)})
         staging.mkdir(exist_ok=True)
         if build_library(lowered, target, staging / LIBRARY_NAME):
             stage("copied the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)",
@@ -309,13 +314,14 @@ def _check_pipeline_stages(count: int, config: ModelConfig, long_factors_above: 
                          "stages do not support")
 
 
-def _add_param_types(lowered: tvm.IRModule, param_types: dict[str, dict]) -> None:
-    """Add to `lowered` a function returning the weights' shapes and dtypes as JSON, which the loader compares with
-    the manifest's (`PARAM_TYPES_FUNCTION`): a library of another artifact, resealed into this one's manifest, is
-    refused at load rather than failing in a kernel."""
-    text = tvm.ir.StringImm(json.dumps(param_types, sort_keys=True))
+def _add_json_function(lowered: tvm.IRModule, name: str, data: dict[str, Any]) -> None:
+    """Add to `lowered` a function `name` returning `data` as JSON: what the library was built for, which the loader
+    compares with the manifest (`PARAM_TYPES_FUNCTION`: the weights' shapes and dtypes; `BUILT_FOR_FUNCTION`: the
+    formats and sizes its kernels assume). A library of another artifact, or a manifest edited and resealed, is
+    refused at load rather than failing in a kernel or computing with sizes the kernels were not built for."""
+    text = tvm.ir.StringImm(json.dumps(data, sort_keys=True))
     func = relax.Function([], relax.SeqExpr([], text), tvm.ir.StringType())
-    lowered[PARAM_TYPES_FUNCTION] = func.with_attr("global_symbol", PARAM_TYPES_FUNCTION)
+    lowered[name] = func.with_attr("global_symbol", name)
 
 
 def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
