@@ -508,24 +508,40 @@ class Scheduler:
             if self._reserved + reserve > engine.kv_capacity:
                 break
             self._waiting.popleft()
-            parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
-            if parent is not None and self._prefix and self._prefix.is_finished(parent) and \
-                    not self._fits(reserve, parent, len(group)):
-                self._prefix.remove(parent)
-                self._cached_tokens -= self._pages(engine.length(parent))
-                engine.truncate(parent, length)
-                request.seq_id = parent
-            self._evict_for(reserve, keep=parent, sequences=len(group))
-            if request.seq_id is None:
-                request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
+            try:
+                seq, parent, length = self._sequence_for(request, reserve, len(group))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # a bug, not the request's fault: it fails, the scheduler goes on
+                log.exception("admitting a request failed")
+                for member in group:
+                    self._end(member, "error", err)
+                continue
             if parent is not None:
                 request.prefilled = request.reused = length
                 self._prefix_hits += 1
                 self._prefix_hit_tokens += length
             if self._prefix:
-                self._prefix.add(request.seq_id, request.prompt_ids[:length])
+                self._prefix.add(seq, request.prompt_ids[:length])
             self._reserved += reserve
             self._running.extend(group)
+
+    def _sequence_for(self, request: _Request, reserve: int, sequences: int) -> tuple[int, int | None, int]:
+        """Give `request` a sequence (lock held): a finished cache entry its prompt starts with, truncated to the
+        shared part when it cannot also stay, a fork of a matching one, or a new one, after evicting entries for
+        `reserve` tokens; the sequence, and the matched one and its length (None, 0 without one)."""
+        engine = self.engine
+        parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
+        if parent is not None and self._prefix and self._prefix.is_finished(parent) and \
+                not self._fits(reserve, parent, sequences):
+            self._prefix.remove(parent)
+            self._cached_tokens -= self._pages(engine.length(parent))
+            engine.truncate(parent, length)
+            request.seq_id = parent
+        self._evict_for(reserve, keep=parent, sequences=sequences)
+        if request.seq_id is None:
+            request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
+        return request.seq_id, parent, length
 
     def _fits(self, reserve: int, keep: int, sequences: int = 1) -> bool:
         """Whether `sequences` new sequences reserving `reserve` KV tokens fit beside the running ones and the

@@ -53,6 +53,7 @@ class StubEngine(Engine):
         self.vocab_size, self.page_size, self.kv_capacity = VOCAB, page_size, kv_capacity
         self.verify_tokens, self.has_embeddings = 0, False
         self.kv_cache = None
+        self._longrope = None  # no longrope switch: sequences never computed again
         self._lengths: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}
         self._ids = itertools.count()

@@ -136,7 +136,7 @@ def test_a_long_prompt_arriving_mid_stream_is_read_a_chunk_per_step():
 
 
 def test_cancelling_a_stream_frees_its_pages_at_the_next_step():
-    engine = StubEngine()
+    engine = StubEngine(step_seconds=0.005)  # 60 steps: the stream is still running when its caller leaves
     with Scheduler(engine, prefix_cache=False) as scheduler:
         stream = scheduler.submit_sync(_prompt(40), _greedy(60))
         next(stream)
@@ -148,3 +148,23 @@ def test_cancelling_a_stream_frees_its_pages_at_the_next_step():
         stats = scheduler.stats()
     assert stats.running == 0 and stats.kv_tokens_reserved == 0 and stats.finished["cancelled"] == 1
     assert engine.pages_held() == 0
+
+
+def test_a_request_whose_sequence_cannot_be_made_fails_and_the_next_is_served():
+    """The engine raising while a request is admitted (a bug, not the request's fault) fails that request with the
+    error, and the scheduler goes on: before, its thread died and every waiting stream hung."""
+    engine = StubEngine()
+    real_add = engine.add_sequence
+    failures = iter([RuntimeError("no slot, by a bug")])
+
+    def add_sequence() -> int:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real_add()
+
+    engine.add_sequence = add_sequence
+    with Scheduler(engine) as scheduler:
+        with pytest.raises(RuntimeError, match="no slot, by a bug"):
+            _tokens(scheduler.submit_sync(_prompt(6), _greedy(3)))
+        assert _tokens(scheduler.submit_sync(_prompt(6), _greedy(3))) == expected_tokens(_prompt(6), 3)
