@@ -39,7 +39,7 @@ TENSOR_ALIGNMENT = 64
 HUGE_PAGE = 2 * 2**20
 # The library's function returning its weights' shapes and dtypes as JSON (`Manifest.param_types`' content).
 PARAM_TYPES_FUNCTION = "_ember_param_types"
-# The library's function returning, as JSON, the formats and sizes its kernels were built for (`_built_for_manifest`).
+# The library's function returning, as JSON, the formats and sizes its kernels were built for (`built_for`).
 BUILT_FOR_FUNCTION = "_ember_built_for"
 # platform.machine() spellings of the names LLVM triples use.
 _MACHINE_NAMES = {"amd64": "x86_64", "arm64": "aarch64"}
@@ -145,47 +145,41 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
             raise ArtifactError(f"{library}: its {function} function takes {found} as argument {at} where the "
                                 f"manifest has {wanted}: the library is not this artifact's; recompile the artifact")
     if manifest.param_types and _has_function(vm, PARAM_TYPES_FUNCTION):
-        built_for = json.loads(str(vm[PARAM_TYPES_FUNCTION]()))
-        differing = next((name for name in manifest.params if built_for.get(name) != manifest.param_types.get(name)),
-                         None)
+        weight_types = json.loads(str(vm[PARAM_TYPES_FUNCTION]()))
+        differing = next((name for name in manifest.params
+                          if weight_types.get(name) != manifest.param_types.get(name)), None)
         if differing is not None:
-            raise ArtifactError(f"{library}: built for weight {differing!r} of {_describe(built_for.get(differing))}, "
+            raise ArtifactError(f"{library}: built for weight {differing!r} of "
+                                f"{_describe(weight_types.get(differing))}, "
                                 f"the manifest has {_describe(manifest.param_types.get(differing))}: the library is "
                                 f"not this artifact's; recompile the artifact")
     if _has_function(vm, BUILT_FOR_FUNCTION):
         built = json.loads(str(vm[BUILT_FOR_FUNCTION]()))
-        for field, given, fits in _built_for_manifest(manifest, built):
+        for field, given in built_for(manifest).items():
+            if field not in built:  # a fact this library does not record
+                continue
+            fits = given <= built[field] if field == CONTEXT_FIELD else given == built[field]
             if not fits:
-                raise ArtifactError(f"{library}: built for {field} {built_value(built, field)!r}, the manifest has "
-                                    f"{given!r}: the manifest was changed after compile or the library is another "
-                                    "artifact's; recompile the artifact")
+                raise ArtifactError(f"{library}: built for {field} {built[field]!r}, the manifest has {given!r}: the "
+                                    "manifest was changed after compile or the library is another artifact's; "
+                                    "recompile the artifact")
 
 
-def built_value(built: dict[str, Any], field: str) -> Any:
-    """The library's recorded value for the manifest `field` (`_built_for_manifest`'s names)."""
-    return built[_BUILT_FOR_KEYS[field]]
+# The one fact of `built_for` the manifest may hold less of than its library: a shorter context than it was built for.
+CONTEXT_FIELD = "kv_cache.max_context"
 
 
-# Manifest field -> the library's record of it (`BUILT_FOR_FUNCTION`).
-_BUILT_FOR_KEYS = {"quantization": "quantization", "model_dtype": "model_dtype", "activations": "activations",
-                   "kv_cache.quantization": "kv_quantization", "kv_cache.page_size": "page_size",
-                   "kv_cache.prefill_chunk": "prefill_chunk", "kv_cache.max_batch": "max_batch",
-                   "kv_cache.max_context": "context_window",
-                   "kv_cache.rope.long_factors_above": "long_factors_above", "model.layer_windows": "layer_windows"}
-
-
-def _built_for_manifest(manifest: Manifest, built: dict[str, Any]) -> list[tuple[str, Any, bool]]:
-    """(field, the manifest's value, whether the library's kernels run it) for each fact the library records: the
-    formats, layouts and sizes equal, and a context no longer than the one it was built for."""
+def built_for(manifest: Manifest) -> dict[str, Any]:
+    """By manifest field, what `manifest` says of the formats, layouts and sizes its library's kernels assume: what
+    `ember compile` records in the library (`BUILT_FOR_FUNCTION`, with the context the kernels were built for as
+    `CONTEXT_FIELD`) and the loader holds the manifest to."""
     kv = manifest.kv_cache
-    given = {"quantization": manifest.quantization, "model_dtype": manifest.model_dtype,
-             "activations": manifest.activations, "kv_cache.quantization": kv["quantization"],
-             "kv_cache.page_size": kv["page_size"], "kv_cache.prefill_chunk": kv["prefill_chunk"],
-             "kv_cache.max_batch": kv["max_batch"], "kv_cache.max_context": kv["max_context"],
-             "kv_cache.rope.long_factors_above": kv["rope"].get("long_factors_above"),
-             "model.layer_windows": manifest.model["layer_windows"]}
-    return [(field, value, value <= built_value(built, field) if field == "kv_cache.max_context"
-             else value == built_value(built, field)) for field, value in given.items()]
+    return {"quantization": manifest.quantization, "model_dtype": manifest.model_dtype,
+            "activations": manifest.activations, "kv_cache.quantization": kv["quantization"],
+            "kv_cache.page_size": kv["page_size"], "kv_cache.prefill_chunk": kv["prefill_chunk"],
+            "kv_cache.max_batch": kv["max_batch"], CONTEXT_FIELD: kv["max_context"],
+            "kv_cache.rope.long_factors_above": kv["rope"].get("long_factors_above"),
+            "model.layer_windows": manifest.model["layer_windows"]}
 
 
 def _has_function(vm: VirtualMachine, name: str) -> bool:

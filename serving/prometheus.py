@@ -15,19 +15,20 @@ from prometheus_client.parser import text_string_to_metric_families
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def counter(name: str, helptext: str, samples: Iterable[tuple[Sequence[str], float]],
-            labels: Sequence[str] = ()) -> Metric:
+Samples = Iterable[tuple[Sequence[str], float]]  # (label values, value) per sample
+
+
+def counter(name: str, helptext: str, samples: Samples, labels: Sequence[str] = ()) -> Metric:
     """A counter family (`name` ends in `_total`) of one sample per label values."""
-    family = CounterMetricFamily(name, helptext, labels=list(labels))
-    for values, value in samples:
-        family.add_metric(list(values), value)
-    return family
+    return _filled(CounterMetricFamily(name, helptext, labels=list(labels)), samples)
 
 
-def gauge(name: str, helptext: str, samples: Iterable[tuple[Sequence[str], float]],
-          labels: Sequence[str] = ()) -> Metric:
+def gauge(name: str, helptext: str, samples: Samples, labels: Sequence[str] = ()) -> Metric:
     """A gauge family of one sample per label values."""
-    family = GaugeMetricFamily(name, helptext, labels=list(labels))
+    return _filled(GaugeMetricFamily(name, helptext, labels=list(labels)), samples)
+
+
+def _filled(family: CounterMetricFamily | GaugeMetricFamily, samples: Samples) -> Metric:
     for values, value in samples:
         family.add_metric(list(values), value)
     return family

@@ -105,20 +105,28 @@ def test_a_q8_0_mixture_of_experts_predicts_llama_cpps_tokens(checkpoints, tmp_p
     assert agreement >= 0.95, f"top-1 agreement {agreement:.3f}"
 
 
-def test_an_architecture_neither_ember_nor_transformers_reads_is_refused(tmp_path):
-    """One line naming the architecture and the ones that are read."""
+def _metadata_only_gguf(path, architecture: str, counts: dict[str, int] | None = None):
+    """A GGUF file of `architecture` with `counts` (uint32 metadata) and one small tensor, written by gguf-py."""
     import gguf
 
-    from ember.core.errors import ModelError
-    from ember.frontend.gguf import import_gguf_model
-
-    path = tmp_path / "rwkv.gguf"
-    writer = gguf.GGUFWriter(str(path), "rwkv6")
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in (counts or {}).items():
+        writer.add_uint32(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_an_architecture_neither_ember_nor_transformers_reads_is_refused(tmp_path):
+    """One line naming the architecture and the ones that are read."""
+
+    from ember.core.errors import ModelError
+    from ember.frontend.gguf import import_gguf_model
+
+    path = _metadata_only_gguf(tmp_path / "rwkv.gguf", "rwkv6")
     with pytest.raises(ModelError, match=r"general.architecture 'rwkv6' is not supported; supported: llama, qwen2, "):
         import_gguf_model(path, None, "float32", tmp_path)
 
@@ -128,18 +136,10 @@ def test_an_architecture_neither_ember_nor_transformers_reads_is_refused(tmp_pat
 def test_a_mixture_of_experts_without_its_expert_sizes_is_one_line(tmp_path, architecture, key):
     """A file that counts experts but leaves out what transformers' mapping does not read is refused naming the
     metadata key, before transformers builds anything from it."""
-    import gguf
 
     from ember.core.errors import ModelError
     from ember.frontend.gguf import import_gguf_model
 
-    path = tmp_path / "experts.gguf"
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_uint32(f"{architecture}.expert_count", 4)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _metadata_only_gguf(tmp_path / "experts.gguf", architecture, {f"{architecture}.expert_count": 4})
     with pytest.raises(ModelError, match=rf"^{path}: .*{key}"):
         import_gguf_model(path, None, "float32", tmp_path)

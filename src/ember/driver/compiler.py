@@ -51,7 +51,7 @@ from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.split_pipeline_stages import split_pipeline_stage, stage_layers
-from ember.runtime.artifact import BUILT_FOR_FUNCTION, PARAM_TYPES_FUNCTION
+from ember.runtime.artifact import BUILT_FOR_FUNCTION, CONTEXT_FIELD, PARAM_TYPES_FUNCTION, built_for
 from ember.schedules import amx_matmul
 from ember.schedules.tuning import ScheduleSources, schedule_sources
 from ember.schedules.tuning_db import TuningDatabase
@@ -201,26 +201,22 @@ class _Build:
         options = dataclasses.replace(options, memory_budget=budget)
 
         stage("generating code")
-        param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
-                       for p in weight_params(lowered["decode"])}
-        _add_json_function(lowered, PARAM_TYPES_FUNCTION, param_types)
-        _add_json_function(lowered, BUILT_FOR_FUNCTION, {
-            "quantization": options.quantization, "model_dtype": imported.model_dtype,
-            "activations": activations(lowered), "kv_quantization": options.kv_quant, "page_size": PAGE_SIZE,
-            "prefill_chunk": prefill_chunk, "max_batch": options.max_batch, "context_window": config.context_window,
-            "long_factors_above": _long_factors_above(lowered), "layer_windows": list(config.layer_windows)})
+        weights = weight_params(lowered["decode"])
+        params = [(p.name, str(p.ty.dtype)) for p in weights]
+        manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
+                             activations(lowered), _long_factors_above(lowered))
+        manifest.param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
+                                for p in weights}
+        _add_json_function(lowered, PARAM_TYPES_FUNCTION, manifest.param_types)
+        _add_json_function(lowered, BUILT_FOR_FUNCTION, {**built_for(manifest), CONTEXT_FIELD: config.context_window})
         staging.mkdir(exist_ok=True)
         if build_library(lowered, target, staging / LIBRARY_NAME):
             stage("copied the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)",
                   detail=True)
-        params = [(p.name, str(p.ty.dtype)) for p in weight_params(lowered["decode"])]
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
         write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
-        manifest = _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
-                             activations(lowered), _long_factors_above(lowered))
-        manifest.param_types = param_types
         if pipeline_stage is not None:
             manifest.pipeline_stage = pipeline_stage
             manifest.entry_functions = _stage_entries(manifest.entry_functions, pipeline_stage)
@@ -317,8 +313,9 @@ def _check_pipeline_stages(count: int, config: ModelConfig, long_factors_above: 
 def _add_json_function(lowered: tvm.IRModule, name: str, data: dict[str, Any]) -> None:
     """Add to `lowered` a function `name` returning `data` as JSON: what the library was built for, which the loader
     compares with the manifest (`PARAM_TYPES_FUNCTION`: the weights' shapes and dtypes; `BUILT_FOR_FUNCTION`: the
-    formats and sizes its kernels assume). A library of another artifact, or a manifest edited and resealed, is
-    refused at load rather than failing in a kernel or computing with sizes the kernels were not built for."""
+    formats and sizes its kernels assume, `built_for`). A library of another artifact, or a manifest edited and
+    resealed, is refused at load rather than failing in a kernel or computing with sizes the kernels were not built
+    for."""
     text = tvm.ir.StringImm(json.dumps(data, sort_keys=True))
     func = relax.Function([], relax.SeqExpr([], text), tvm.ir.StringType())
     lowered[name] = func.with_attr("global_symbol", name)
