@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from ember.core.errors import EmberError
 from ember.runtime.engine import SequenceEngine
 from ember.runtime.speculative import Speculation
-from ember.serving.scheduler import DEFAULT_MAX_DECODE_STALL, DEFAULT_MAX_QUEUE, Scheduler
+from ember.serving.batch_policy import DEFAULT_MAX_DECODE_STALL
+from ember.serving.scheduler import DEFAULT_MAX_QUEUE, Scheduler
 
 if TYPE_CHECKING:
     from ember.serving.server import Server

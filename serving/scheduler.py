@@ -1,26 +1,10 @@
 """Continuous batching: many requests served by one engine loop in a background thread.
 
-Requests join and leave between steps. Each step prefills at most one chunk of the
-oldest prompt still being read, then decodes every request that has a token to feed
-in ONE batched `Engine.decode` call, so a long prompt holds running streams back by
-one chunk at most. While other requests decode, that chunk is cut to what the engine
-prefills in `max_decode_stall` seconds (at its measured speed, in whole KV pages, at
-least one page): prefill costs about the same per token in any chunk of a page or more,
-so a 2,000-token prompt arriving mid-stream delays each step of the running streams by
-that bound instead of a whole compiled chunk, and its own first token comes a few
-decode steps later. With nothing decoding, prompts are read in whole compiled chunks.
-
-A request is admitted (given a sequence) only while the KV cache can hold every
-admitted request's prompt plus its `max_new_tokens`: the cache can never fill up under
-a running request, and the others wait in the queue, first in first out. A cancelled
-request (a client gone) leaves at the next step and its pages are freed.
-
-With the prefix cache (`serving/prefix_cache.py`, on by default), a request that ended
-keeps its sequence as a cache entry, and a new prompt that starts with tokens a running or
-cached sequence holds forks its pages and prefills only the rest. Entries are evicted least recently used first as soon
-as a request needs their sequence slot or KV pages, so the cache never makes a request
-wait; admission counts their pages as the engine does. When only the matched entry stands
-in the way, the request takes that entry's sequence over (truncated to the shared prefix).
+Requests join and leave between steps. What runs next is `BatchPolicy`'s decision (serving/batch_policy.py:
+first-in-first-out admission within the batch and the KV pages, prefix-cache reuse and eviction, one bounded
+prefill chunk and one batched decode a step); this module is the loop that carries it out on the engine,
+samples, and hands each request its events. A cancelled request (a client gone) leaves at the next step and
+its pages are freed.
 
 Sampling, stop tokens and stop strings are `generate.Decoding`'s, the same as a single
 `generate()`: a greedy request's text does not depend on what else runs beside it, within
@@ -50,7 +34,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -65,17 +48,11 @@ from ember.runtime.engine import SequenceEngine
 from ember.runtime.generate import Decoding, LogitsProcessor
 from ember.runtime.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.speculative import Speculation
-from ember.serving.prefix_cache import PrefixCache
+from ember.serving.batch_policy import DEFAULT_MAX_DECODE_STALL, Admission, BatchPolicy, Limits, PlannedRequest
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 256
-# Seconds a prompt's prefill may hold back the running streams' next decode step. Each chunk streams
-# every weight once more, so a bound that cuts prompts into small chunks costs throughput: on the
-# 1B-shape q4f32 model under `bench_serve`'s load, 0.05 s cut prompts into chunks of one or two pages and
-# the run took clearly longer than with 0.1 s, which 0.2 s improved on only a little. A ~110M model's
-# 128-token prompt fits under either bound (measured in docs/benchmarks.md#schedule-measurements).
-DEFAULT_MAX_DECODE_STALL = 0.1
 # Seconds; Prometheus-style upper bounds, the last one +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -172,38 +149,18 @@ def _put_events(batch: _Outbox) -> None:
         events.put_nowait(item)
 
 
-class _Request:
-    """A request as the engine loop sees it."""
+class _Request(PlannedRequest):
+    """A request as the engine loop sees it: its scheduling state, decoding and delivery."""
 
     def __init__(self, prompt_ids: list[int], decoding: Decoding, reserve: int,
                  emit: Callable[[StreamEvent | BaseException], None], index: int = 0) -> None:
-        self.prompt_ids = prompt_ids
-        self.index = index  # the choice it is, of a request for several
-        self.followers: list[_Request] = []  # choices 1..n-1: they fork this one's pages once its prompt is read
-        self.leader: _Request | None = None  # for a follower, the choice 0 whose prompt it shares
+        super().__init__(prompt_ids, reserve, index)
         self.decoding = decoding
-        self.reserve = reserve
         self.emit = emit
         self.submitted = time.monotonic()
         self.first_token: float | None = None
-        self.seq_id: int | None = None
-        self.prefilled = 0
-        self.reused = 0  # prompt tokens whose KV pages were forked from a cached or running sequence
-        self.pending: int | None = None  # the last sampled token, to feed at the next decode step
         self.cached: int | None = None  # during a verify step, the tokens of its sequence that are checked
         self.sent = 0  # tokens already handed out in events
-        self.cancelled = False
-
-    @property
-    def group(self) -> list[_Request]:
-        """This request and the choices that share its prompt."""
-        return [self, *self.followers]
-
-    @property
-    def seq(self) -> int:
-        """The sequence of a running request: it has one from its admission to its end."""
-        assert self.seq_id is not None, "a request that is not running has no sequence"
-        return self.seq_id
 
 
 @dataclass
@@ -228,24 +185,20 @@ class Scheduler:
         self.engine = engine
         self.max_queue = max_queue
         self.prefill_chunk = min(prefill_chunk or engine.prefill_chunk, engine.prefill_chunk)
-        self.max_decode_stall = max_decode_stall
         self.speculation = speculation
-        self._prefill_seconds_per_token: float | None = None  # measured on the chunks read so far
+        # Its queue is shared with callers' threads, the rest is the engine thread's: used with the lock held.
+        self._policy: BatchPolicy[_Request] = BatchPolicy(
+            Limits(engine.max_batch, engine.kv_capacity, engine.page_size, self.prefill_chunk), prefix_cache,
+            max_decode_stall)
         self._cond = threading.Condition()
-        self._waiting: deque[_Request] = deque()  # a group of choices waits as its first
         self._embedding: deque[_EmbedJob] = deque()
         self._embedded_tokens = 0
-        self._running: list[_Request] = []  # oldest first; only the engine thread changes it
-        self._reserved = 0
         self._kv_used = 0
         self._finished: Counter[str] = Counter()
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._ttft = Histogram(TTFT_BUCKETS)
         self._tpot = Histogram(TPOT_BUCKETS)
-        # A shared prefix shorter than a page saves less prefill than the fork costs.
-        self._prefix = PrefixCache(engine.page_size) if prefix_cache else None
-        self._cached_tokens = 0  # page-rounded lengths of the cache entries
         self._prefill_tokens = 0
         self._prefix_hits = 0
         self._prefix_hit_tokens = 0
@@ -254,6 +207,11 @@ class Scheduler:
         self._outbox: dict[asyncio.AbstractEventLoop, _Outbox] = {}
         self._thread = threading.Thread(target=self._loop, name="ember-scheduler", daemon=True)
         self._thread.start()
+
+    @property
+    def max_decode_stall(self) -> float:
+        """Seconds a prompt's prefill may hold back the running streams' next decode step."""
+        return self._policy.max_decode_stall
 
     async def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                      logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None = None,
@@ -301,8 +259,7 @@ class Scheduler:
                 return
             for member in leader.group:
                 member.cancelled = True
-            if leader in self._waiting:
-                self._waiting.remove(leader)
+            if self._policy.withdraw(leader):
                 self._finished["cancelled"] += len(leader.group)
             self._cond.notify()
 
@@ -319,14 +276,14 @@ class Scheduler:
                 raise GenerationError("an input is empty: it needs at least one token")
             if min(ids) < 0 or max(ids) >= engine.vocab_size:
                 raise GenerationError(f"input token ids must be in [0, {engine.vocab_size})")
-            if len(ids) > engine.context_window or self._pages(len(ids)) > engine.kv_capacity:
+            if len(ids) > engine.context_window or self._policy.limits.pages(len(ids)) > engine.kv_capacity:
                 raise GenerationError(f"an input is {len(ids)} tokens, more than the context window of "
                                       f"{engine.context_window} tokens")
         with self._cond:
             if self._closed:
                 raise GenerationError("the scheduler is closed")
-            if len(self._waiting) + len(self._embedding) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting) + len(self._embedding)} requests are already waiting "
+            if len(self._policy.waiting) + len(self._embedding) >= self.max_queue:
+                raise QueueFullError(f"{len(self._policy.waiting) + len(self._embedding)} requests are already waiting "
                                      f"(--max-queue {self.max_queue}); try again later")
             self._embedding.append(job)
             self._cond.notify()
@@ -335,15 +292,16 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Queue, batch, KV cache and latency figures now."""
         with self._cond:
+            policy = self._policy
             return SchedulerStats(
-                queued=len(self._waiting), running=len(self._running), kv_tokens_used=self._kv_used,
-                kv_tokens_free=self.engine.kv_capacity - self._kv_used, kv_tokens_reserved=self._reserved,
+                queued=len(policy.waiting), running=len(policy.running), kv_tokens_used=self._kv_used,
+                kv_tokens_free=self.engine.kv_capacity - self._kv_used, kv_tokens_reserved=policy.reserved,
                 finished=dict(self._finished), prompt_tokens=self._prompt_tokens,
                 generated_tokens=self._generated_tokens, ttft=self._ttft.copy(), tpot=self._tpot.copy(),
                 prefill_tokens=self._prefill_tokens, prefix_cache_hits=self._prefix_hits,
                 prefix_cache_hit_tokens=self._prefix_hit_tokens,
-                prefix_cache_sequences=len(self._prefix.finished()) if self._prefix else 0,
-                prefix_cache_tokens=self._cached_tokens,
+                prefix_cache_sequences=len(policy.prefix.finished()) if policy.prefix else 0,
+                prefix_cache_tokens=policy.cached_tokens,
                 speculative_proposed=self.speculation.stats.proposed if self.speculation else 0,
                 speculative_accepted=self.speculation.stats.accepted if self.speculation else 0,
                 embedded_tokens=self._embedded_tokens,
@@ -375,7 +333,7 @@ class Scheduler:
             raise GenerationError(f"the prompt is {len(prompt)} tokens, more than the context window of "
                                   f"{engine.context_window} tokens")
         processors = self._choice_processors(logits_processor, n)
-        reserve = self._pages(min(len(prompt) + params.max_new_tokens, engine.context_window))
+        reserve = self._policy.limits.pages(min(len(prompt) + params.max_new_tokens, engine.context_window))
         if reserve * n > engine.kv_capacity:
             raise GenerationError(f"the prompt and max_new_tokens need {reserve * n} KV cache tokens"
                                   f"{f' for {n} choices' if n > 1 else ''}; the cache holds {engine.kv_capacity}")
@@ -388,10 +346,10 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise GenerationError("the scheduler is closed")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (--max-queue "
+            if len(self._policy.waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._policy.waiting)} requests are already waiting (--max-queue "
                                      f"{self.max_queue}); try again later")
-            self._waiting.append(request)
+            self._policy.waiting.append(request)
             self._cond.notify()
         return request
 
@@ -409,19 +367,14 @@ class Scheduler:
             raise GenerationError(f"{len(logits_processor)} logits processors for {n} choices")
         return list(logits_processor)
 
-    def _pages(self, tokens: int) -> int:
-        """`tokens` rounded up to whole KV pages, as the engine allocates them."""
-        page = self.engine.page_size
-        return -(-tokens // page) * page
-
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self._running and not self._embedding:
+                while not (self._closed or self._policy.waiting or self._policy.running or self._embedding):
                     self._cond.wait()
                 if self._closed:
                     break
-                cancelled = [request for request in self._running if request.cancelled]
+                cancelled = [request for request in self._policy.running if request.cancelled]
                 self._admit()
                 embedding = self._embedding_admitted()
             for request in cancelled:
@@ -434,7 +387,7 @@ class Scheduler:
                 raise
             except BaseException as err:  # a bug, not a request's fault (a Rust panic included): fail the batch
                 log.exception("scheduler step failed")
-                for request in list(self._running):
+                for request in list(self._policy.running):
                     self._end(request, "error", err)
             self._deliver_events()
             used = self._kv_tokens_used()
@@ -442,17 +395,16 @@ class Scheduler:
                 self._kv_used = used
         shutdown = GenerationError("the server is shutting down")
         with self._cond:
-            waiting, self._waiting = [member for leader in self._waiting for member in leader.group], deque()
+            waiting = self._policy.drain()
             jobs, self._embedding = list(self._embedding), deque()
         for job in jobs:
             _settle(job.future, shutdown)
-        for request in waiting + list(self._running):
+        for request in waiting + list(self._policy.running):
             self._end(request, "error", shutdown)
         self._deliver_events()
         with self._cond:  # the engine may outlive the scheduler: give its sequence slots back
-            if self._prefix:
-                for seq_id in self._prefix.finished():
-                    self._evict(self._prefix, seq_id)
+            for seq_id in self._policy.evict_all():
+                self.engine.remove_sequence(seq_id)
 
     def _embedding_admitted(self) -> _EmbedJob | None:
         """The oldest embedding job, if its next input fits in a sequence slot and KV pages no admitted request
@@ -462,10 +414,11 @@ class Scheduler:
         if not self._embedding:
             return None
         job = self._embedding[0]
-        reserve = self._pages(len(job.inputs[len(job.outputs)]))
-        if len(self._running) >= self.engine.max_batch or self._reserved + reserve > self.engine.kv_capacity:
+        evicted = self._policy.room_for(len(job.inputs[len(job.outputs)]))
+        if evicted is None:
             return None
-        self._evict_for(reserve, keep=None)
+        for seq_id in evicted:
+            self.engine.remove_sequence(seq_id)
         return job
 
     def _embed_one(self, job: _EmbedJob) -> None:
@@ -498,85 +451,41 @@ class Scheduler:
                     request.cancelled = True
 
     def _admit(self) -> None:
-        """Give sequences to waiting requests, oldest first, while the batch and the KV cache have room
-        (called with the lock held). Cache entries are evicted for them, and never make them wait."""
-        engine = self.engine
-        while self._waiting and len(self._running) + len(self._waiting[0].group) <= engine.max_batch:
-            request = self._waiting[0]
-            group = request.group
-            reserve = request.reserve * len(group)
-            if self._reserved + reserve > engine.kv_capacity:
-                break
-            self._waiting.popleft()
+        """Give sequences to the waiting requests the policy admits, oldest first (called with the lock held)."""
+        while (admission := self._policy.next_admission()) is not None:
+            request = admission.request
             try:
-                seq, parent, length = self._sequence_for(request, reserve, len(group))
+                seq = self._make_sequence(admission)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as err:  # a bug, not the request's fault: it fails, the scheduler goes on
                 log.exception("admitting a request failed")
-                for member in group:
+                for member in request.group:
                     self._end(member, "error", err)
                 continue
-            if parent is not None:
-                request.prefilled = request.reused = length
+            self._policy.started(admission, seq)
+            if admission.parent is not None:
                 self._prefix_hits += 1
-                self._prefix_hit_tokens += length
-            if self._prefix:
-                self._prefix.add(seq, request.prompt_ids[:length])
-            self._reserved += reserve
-            self._running.extend(group)
+                self._prefix_hit_tokens += admission.shared
 
-    def _sequence_for(self, request: _Request, reserve: int, sequences: int) -> tuple[int, int | None, int]:
-        """Give `request` a sequence (lock held): a finished cache entry its prompt starts with, truncated to the
-        shared part when it cannot also stay, a fork of a matching one, or a new one, after evicting entries for
-        `reserve` tokens; the sequence, and the matched one and its length (None, 0 without one)."""
-        engine = self.engine
-        parent, length = self._prefix.match(request.prompt_ids) if self._prefix else (None, 0)
-        if parent is not None and self._prefix and self._prefix.is_finished(parent) and \
-                not self._fits(reserve, parent, sequences):
-            self._prefix.remove(parent)
-            self._cached_tokens -= self._pages(engine.length(parent))
-            engine.truncate(parent, length)
-            request.seq_id = parent
-        self._evict_for(reserve, keep=parent, sequences=sequences)
-        if request.seq_id is None:
-            request.seq_id = engine.add_sequence() if parent is None else engine.fork_sequence(parent, length)
-        return request.seq_id, parent, length
-
-    def _fits(self, reserve: int, keep: int, sequences: int = 1) -> bool:
-        """Whether `sequences` new sequences reserving `reserve` KV tokens fit beside the running ones and the
-        cache entry `keep` once every other entry is evicted (lock held)."""
-        return (len(self._running) + sequences + 1 <= self.engine.max_batch and
-                self._reserved + self._pages(self.engine.length(keep)) + reserve <= self.engine.kv_capacity)
-
-    def _evict_for(self, reserve: int, keep: int | None, sequences: int = 1) -> None:
-        """Evict cache entries other than `keep`, least recently used first, until `sequences` new sequences
-        reserving `reserve` KV tokens fit (lock held; the caller checked that they can)."""
-        prefix = self._prefix
-        if not prefix:  # no cache, no entries
-            return
-        for seq_id in prefix.finished():
-            if (len(self._running) + len(prefix.finished()) + sequences <= self.engine.max_batch and
-                    self._reserved + self._cached_tokens + reserve <= self.engine.kv_capacity):
-                return
-            if seq_id != keep:
-                self._evict(prefix, seq_id)
-
-    def _evict(self, prefix: PrefixCache, seq_id: int) -> None:
-        """Free the sequence of `prefix`'s cache entry `seq_id` (lock held)."""
-        self._cached_tokens -= self._pages(self.engine.length(seq_id))
-        prefix.remove(seq_id)
-        self.engine.remove_sequence(seq_id)
+    def _make_sequence(self, admission: Admission[_Request]) -> int:
+        """Carry out an admission on the engine: free the evicted entries, then take the matched entry over (cut
+        to the shared prompt), fork a matching sequence, or add a new one."""
+        engine, parent = self.engine, admission.parent
+        for seq_id in admission.evicted:
+            engine.remove_sequence(seq_id)
+        if parent is None:
+            return engine.add_sequence()
+        if admission.take_over:
+            engine.truncate(parent, admission.shared)
+            return parent
+        return engine.fork_sequence(parent, admission.shared)
 
     def _step(self) -> None:
         """One chunk of the oldest unread prompt, then one batched decode of every request with a token."""
-        live = [request for request in self._running if not request.cancelled]
-        # A follower's prompt is read by its leader.
-        reading = [request for request in live
-                   if request.leader is None and request.prefilled < len(request.prompt_ids)]
+        reading = self._policy.next_prefill()
         if reading:
-            request = reading[0]
-            size = self._chunk_size(decoding=any(other.pending is not None for other in live))
+            request, size = reading
             chunk = request.prompt_ids[request.prefilled: request.prefilled + size]
             start = time.perf_counter()
             try:
@@ -585,26 +494,24 @@ class Scheduler:
                 for member in request.group:
                     self._end(member, "error", err)
             else:
-                self._measure_prefill(len(chunk), time.perf_counter() - start)
+                self._policy.timed_prefill(len(chunk), time.perf_counter() - start)
                 with self._cond:
                     self._prefill_tokens += len(chunk)
-                    if self._prefix:
-                        self._prefix.extend(request.seq, chunk)
+                    self._policy.wrote(request.seq, chunk)
                 request.prefilled += len(chunk)
                 if request.prefilled == len(request.prompt_ids):
                     group = self._fork_followers(request)
                     for member in group:  # each choice samples from the same logits: its own copy
                         self._advance(member, logits.copy() if len(group) > 1 else logits)
-        # Each request with a token to feed, and the token.
-        batch = [(request, request.pending) for request in live if request.pending is not None]
+        batch = self._policy.decode_batch()
         if len(batch) == 1 and not reading and self.speculation is not None and \
                 self._verify(*batch[0], self.speculation):
             return
         if batch:
             rows = self.engine.decode([request.seq for request, _ in batch], [token for _, token in batch])
-            for request, token in batch:
-                if self._prefix:
-                    self._prefix.extend(request.seq, [token])
+            with self._cond:
+                for request, token in batch:
+                    self._policy.wrote(request.seq, [token])
             for (request, _), row in zip(batch, rows):
                 self._advance(request, row)
 
@@ -615,11 +522,9 @@ class Scheduler:
         for follower in request.followers:
             if follower.cancelled:
                 continue
-            follower.seq_id = self.engine.fork_sequence(request.seq)
-            follower.prefilled = len(follower.prompt_ids)
-            if self._prefix:
-                with self._cond:
-                    self._prefix.add(follower.seq_id, follower.prompt_ids)
+            seq = self.engine.fork_sequence(request.seq)
+            with self._cond:
+                self._policy.forked(follower, seq)
             group.append(follower)
         return group
 
@@ -636,9 +541,8 @@ class Scheduler:
         for position, row in enumerate(rows):
             # What a plain decode step would have cached by this row (`_end` cuts the cache back to it).
             request.cached = cached = start + position + 1
-            if self._prefix:
-                with self._cond:
-                    self._prefix.extend(seq_id, [fed[position]])
+            with self._cond:
+                self._policy.wrote(seq_id, [fed[position]])
             self._advance(request, row)
             if request.seq_id is None or request.pending is None or position == len(guesses) or \
                     request.pending != guesses[position]:
@@ -650,28 +554,6 @@ class Scheduler:
         with self._cond:
             speculation.record(len(guesses), accepted)
         return True
-
-    def _chunk_size(self, decoding: bool) -> int:
-        """Prompt tokens to prefill this step: a whole compiled chunk, or while other requests decode,
-        the whole KV pages the engine reads in `max_decode_stall` seconds (one page until it is timed)."""
-        if not decoding:
-            return self.prefill_chunk
-        page = self.engine.page_size
-        rate = self._prefill_seconds_per_token
-        tokens: float
-        if rate is None:  # not timed yet: a page, unless the stall is unbounded
-            tokens = self.prefill_chunk if math.isinf(self.max_decode_stall) else page
-        else:
-            tokens = min(self.max_decode_stall / rate, self.prefill_chunk)
-        return min(max(int(tokens) // page, 1) * page, self.prefill_chunk)
-
-    def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        """Fold one chunk's prefill time into the running seconds-per-token figure (chunks shorter than a
-        page, mostly fixed cost, would overstate it)."""
-        if tokens < self.engine.page_size:
-            return
-        rate, previous = seconds / tokens, self._prefill_seconds_per_token
-        self._prefill_seconds_per_token = rate if previous is None else (previous + rate) / 2
 
     def _advance(self, request: _Request, logits: np.ndarray) -> None:
         """Sample a request's next token from `logits` and hand out what it produced."""
@@ -710,18 +592,13 @@ class Scheduler:
         if request.seq_id is not None and request.cached is not None:  # ended inside a verify step
             self.engine.truncate(request.seq_id, request.cached)
         with self._cond:
+            length = self.engine.length(request.seq_id) if request.seq_id is not None else 0
+            keep = self._policy.keeps(how, length)
+            self._policy.ended(request, keep, length)
             if request.seq_id is not None:
-                if self._prefix and how in ("stop", "length") and self.engine.length(request.seq_id):
-                    self._prefix.finish(request.seq_id)
-                    self._cached_tokens += self._pages(self.engine.length(request.seq_id))
-                else:  # an error may have left it half-written; a client gone wants its pages back at once
-                    if self._prefix:
-                        self._prefix.remove(request.seq_id)
+                if not keep:
                     self.engine.remove_sequence(request.seq_id)
                 request.seq_id = None
-            if request in self._running:
-                self._running.remove(request)
-                self._reserved -= request.reserve
             self._finished[how] += 1
             if request.leader is None:  # a group of choices read its prompt once
                 self._prompt_tokens += len(request.prompt_ids)
@@ -739,8 +616,8 @@ class Scheduler:
 
     def _kv_tokens_used(self) -> int:
         """KV cache tokens in the pages of running sequences (engine thread only)."""
-        return sum(self._pages(self.engine.length(request.seq_id))
-                   for request in self._running if request.seq_id is not None)
+        return sum(self._policy.limits.pages(self.engine.length(request.seq_id))
+                   for request in self._policy.running if request.seq_id is not None)
 
 
 class TokenStream:

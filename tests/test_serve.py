@@ -700,13 +700,13 @@ def test_cli_serve_refuses_cluster_options_without_ray(tiny_llama, monkeypatch, 
 
 def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatch, capsys):
     """`--max-decode-stall` is the scheduler's bound, and without it the scheduler's default, which the help names."""
-    from ember.serving import scheduler as scheduler_module
+    from ember.serving import batch_policy
     from ember.serving import server as server_module
 
     seen = []
     # In place of serving until Ctrl-C: note the bound, return (and the server shuts down).
     monkeypatch.setattr(server_module.Server, "run", lambda server: seen.append(server.scheduler.max_decode_stall))
-    for options, expected in (([], scheduler_module.DEFAULT_MAX_DECODE_STALL), (["--max-decode-stall", "0.25"], 0.25),
+    for options, expected in (([], batch_policy.DEFAULT_MAX_DECODE_STALL), (["--max-decode-stall", "0.25"], 0.25),
                               (["--max-decode-stall", "inf"], math.inf)):
         assert main(["serve", str(tiny_llama.artifact_dir), "--port", "0", *options]) == 0
         assert seen.pop() == expected
@@ -714,7 +714,7 @@ def test_cli_serve_max_decode_stall_reaches_the_scheduler(tiny_llama, monkeypatc
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert f"(default {scheduler_module.DEFAULT_MAX_DECODE_STALL:g})" in help_text
+    assert f"(default {batch_policy.DEFAULT_MAX_DECODE_STALL:g})" in help_text
 
 
 def test_cli_serve_warns_when_strangers_can_use_the_model(tiny_llama, monkeypatch, capsys):

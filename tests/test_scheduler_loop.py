@@ -1,6 +1,7 @@
-"""The scheduler's policy on an engine without a model (tests/stub_engine.py): what it admits and when, how it
-shares and frees KV pages, how it interleaves a long prompt with running streams, and what it refuses. No TVM
-compile, a few milliseconds a test: each checks the engine calls a step made, or the pages held, not only tokens.
+"""The scheduler's loop on an engine without a model (tests/stub_engine.py): the policy's decisions
+(tests/test_batch_policy.py) carried out on the engine, each request's tokens and events, cancellation, failures,
+and what it refuses. No TVM compile, a few milliseconds a test: each checks the engine calls a step made, or the
+pages held, not only tokens.
 """
 
 from __future__ import annotations
