@@ -154,7 +154,8 @@ class Engine(SequenceChecks):
         self.vocab_size = int(artifact.manifest.model["vocab_size"])
         self.page_size = kv["page_size"]
         # Tokens the `verify` entry takes at once (0: an artifact compiled before it existed).
-        self.verify_tokens = int(artifact.manifest.entry_functions.get("verify", {}).get("max_tokens", 0))
+        verify = artifact.manifest.entry_functions.get("verify")
+        self.verify_tokens = verify.get("max_tokens", 0) if verify else 0
         self.has_embeddings = "embed" in artifact.manifest.entry_functions  # `ember compile --embeddings`
         # Longrope's rotary factors follow each sequence's length (prefill and verify are told it).
         long_above = kv["rope"].get("long_factors_above")

@@ -109,6 +109,12 @@ def shift_last_tensor(index: dict) -> None:
 
 # id: (tampering(artifact, a directory outside it), what the one-line error must contain; {art} is the artifact).
 EDITED = "{art}/manifest.json: the manifest was edited after compile"
+
+def edit_entries(edit):
+    """A tampering that edits the manifest's entry functions and reseals it."""
+    return lambda art, _: edit_manifest(art, lambda data: edit(data["entry_functions"]), seal=True)
+
+
 TAMPERINGS: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...]]] = {
     # Files on disk against the files listed.
     "unlisted zeroed shard": (lambda art, _: unlist_and_zero_shard(art, seal=False), (EDITED, "recompile")),
@@ -150,6 +156,20 @@ TAMPERINGS: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...]]] = {
                   ("{art}/manifest.json: the manifest has no memory.weight_bytes",)),
     "max_batch a string": (lambda art, _: edit_manifest(art, set_field("kv_cache", "max_batch", value="4"), seal=True),
                            ("manifest field kv_cache.max_batch must be a whole number >= 1, got '4'",)),
+    "entry argument as text": (
+        edit_entries(lambda entries: entries["decode"]["inputs"].__setitem__(0, "input_ids[batch_size, 1] int32")),
+        ("manifest field entry_functions.decode.inputs[0] must be an object with an identifier as its name, "
+         "got 'input_ids[",)),
+    "entry shape without dtype": (
+        edit_entries(lambda entries: entries["prefill"]["inputs"][0].pop("dtype")),
+        ("manifest field entry_functions.prefill.inputs[0] must be a shape and a dtype, or neither",)),
+    "entry dimension not a name": (
+        edit_entries(lambda entries: entries["verify"]["outputs"][0].__setitem__("shape", [1, "n+1"])),
+        ("manifest field entry_functions.verify.outputs[0] must be a shape of sizes and dimension names, and a "
+         "dtype's name",)),
+    "verify max_tokens 0": (
+        edit_entries(lambda entries: entries["verify"].__setitem__("max_tokens", 0)),
+        ("manifest field entry_functions.verify.max_tokens must be a whole number >= 1, got 0",)),
     "model config key missing": (lambda art, _: edit_manifest(art, lambda data: data["model"].pop("vocab_size"),
                                                                seal=True), ("the manifest has no model.vocab_size",)),
     "manifest is a directory": (replace_with("manifest.json", Path.mkdir),
@@ -178,8 +198,9 @@ TAMPERINGS: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...]]] = {
 # Damage `ember inspect` meets: the manifest's own (the files around it are `load_artifact`'s to check).
 MANIFEST_LEVEL = ["unlisted zeroed shard", "files {}, resealed", "absolute path entry", "../ entry",
                   "eos_token_ids edited", "unknown quantization", "memory {}", "max_batch a string",
-                  "model config key missing", "manifest is a directory", "manifest is a FIFO", "manifest is a link",
-                  "manifest not UTF-8", "manifest over 64 MiB"]
+                  "model config key missing", "entry argument as text", "entry shape without dtype",
+                  "entry dimension not a name", "verify max_tokens 0", "manifest is a directory",
+                  "manifest is a FIFO", "manifest is a link", "manifest not UTF-8", "manifest over 64 MiB"]
 
 
 @pytest.fixture

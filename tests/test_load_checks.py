@@ -294,7 +294,8 @@ def test_a_shorter_context_than_the_library_was_built_for_loads(tiny_llama, copy
 def test_library_without_an_entry_function_is_refused(tiny_llama, copy_artifact):
     """A manifest listing an entry function its library lacks is refused naming it (load_artifact)."""
     artifact = copy_artifact(tiny_llama)
-    edit_manifest(artifact, lambda data: data["entry_functions"].__setitem__("embed", {"inputs": ["ids"]}), seal=True)
+    embed = {"inputs": [{"name": "ids"}]}
+    edit_manifest(artifact, lambda data: data["entry_functions"].__setitem__("embed", embed), seal=True)
     with pytest.raises(ArtifactError, match=r"model.so: has no function 'embed', which the manifest lists"):
         load_artifact(artifact)
 

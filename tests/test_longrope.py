@@ -186,7 +186,7 @@ def test_a_forged_switch_is_refused_in_one_line(phi4, tmp_path, forgery):
     if forgery == "a string switch":
         data["kv_cache"]["rope"]["long_factors_above"] = "32"
     elif forgery == "a switch without prompt_end":
-        data["entry_functions"]["prefill"]["inputs"].remove("prompt_end[1] int32")
+        data["entry_functions"]["prefill"]["inputs"].remove({"name": "prompt_end", "shape": [1], "dtype": "int32"})
     else:
         del data["kv_cache"]["rope"]["long_factors_above"]
     data["manifest_sha256"] = manifest_digest(data)

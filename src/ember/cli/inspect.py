@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ember.cli.options import mib
+from ember.core.manifest import EntryFunction, signature_text
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,8 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser(
         "inspect", help="describe an artifact",
         description="Describe an artifact from its manifest, without loading it: where it came from, the model's "
-                    "shape, context window, weight format, target, KV cache layout, memory and files (each with "
-                    "the start of its sha256).",
+                    "shape, context window, weight format, target, entry functions' signatures, KV cache layout, "
+                    "memory and files (each with the start of its sha256).",
         epilog="examples:\n  ember inspect demo-cpu\n"
                "  ember inspect demo-cpu --json | python -m json.tool   the manifest, every field",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +59,7 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
         ("quantization", f"{manifest.quantization} ({FORMATS[manifest.quantization].bits_per_weight:g} bits/weight, "
                          f"{manifest.model_dtype} compute){_mixed_formats(manifest)}"),
         ("target", _describe_target(manifest.target)),
-        ("entry functions", ", ".join(manifest.entry_functions)),
+        *((f"{function}()", _signature(entry)) for function, entry in manifest.entry_functions.items()),
         ("KV cache", f"paged, {kv['page_size']} tokens/page, {kv['num_layers']} layers x {kv['num_kv_heads']} "
                      f"heads x {kv['head_dim']} ({_kv_storage(kv)}); prefill chunk {kv['prefill_chunk']}, "
                      f"max batch {kv['max_batch']}, {kv['max_total_tokens']} tokens in all"),
@@ -69,6 +70,13 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
         ("weights", f"{len(manifest.params)} tensors"),
         ("files", ", ".join(f"{name} ({entry['sha256'][:12]})" for name, entry in manifest.files.items())),
     ]
+
+
+def _signature(entry: EntryFunction) -> str:
+    """An entry function's arguments, then its results: "input_ids[1, seq_len] int32, kv_cache -> ..."."""
+    inputs = ", ".join(map(signature_text, entry["inputs"]))
+    outputs = ", ".join(map(signature_text, entry.get("outputs", [])))
+    return inputs + (f" -> {outputs}" if outputs else "")
 
 
 def _pipeline_rows(manifest) -> list[tuple[str, str]]:

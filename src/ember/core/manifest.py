@@ -28,11 +28,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, TypedDict
+from typing import Any, BinaryIO, Required, TypedDict
 
 from ember.core.errors import ArtifactError
 
-FORMAT_VERSION = 6  # 4: quantized weights store float16 scales; 5: kv_cache.quantization; 6: model.layer_windows
+# Format versions: 4: quantized weights store float16 scales; 5: kv_cache.quantization; 6: model.layer_windows;
+# 7: entry functions' arguments as records ({name, shape, dtype}), not text.
+FORMAT_VERSION = 7
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
@@ -106,6 +108,40 @@ class KeptFloat(TypedDict):
     lm_head: bool
 
 
+class EntryArg(TypedDict, total=False):
+    """One argument or result of an entry function: a tensor's name, shape (sizes, and dimensions named where the
+    call decides them, such as "seq_len") and dtype; a runtime object (the KV cache, a cache setting) by name alone."""
+
+    name: Required[str]
+    shape: list[int | str]
+    dtype: str
+
+
+class EntryFunction(TypedDict, total=False):
+    """An entry function of the library: its arguments in order, before the weights, and its results."""
+
+    inputs: Required[list[EntryArg]]
+    outputs: list[EntryArg]
+    max_tokens: int  # verify's: tokens one call checks at most
+
+
+def tensor_arg(name: str, shape: list[int | str], dtype: str) -> EntryArg:
+    """A tensor argument or result of an entry function."""
+    return {"name": name, "shape": shape, "dtype": dtype}
+
+
+def object_arg(name: str) -> EntryArg:
+    """An argument that is a runtime object or a setting, not a tensor."""
+    return {"name": name}
+
+
+def signature_text(arg: EntryArg) -> str:
+    """An argument as people write it: "input_ids[1, seq_len] int32", or its name alone."""
+    if "shape" not in arg:
+        return arg["name"]
+    return f"{arg['name']}[{', '.join(map(str, arg['shape']))}] {arg.get('dtype', '')}".rstrip()
+
+
 @dataclass
 class Manifest:
     """Everything the runtime needs to know about an artifact, as plain data."""
@@ -117,7 +153,7 @@ class Manifest:
     quantization: str
     model_dtype: str
     target: TargetRecord
-    entry_functions: dict[str, dict[str, Any]]
+    entry_functions: dict[str, EntryFunction]
     kv_cache: KVCacheRecord
     params: list[str]
     memory: MemoryRecord
@@ -146,7 +182,8 @@ class Manifest:
 
     def entry_inputs(self, function: str) -> list[str]:
         """The names of the entry `function`'s inputs, in order (none for an entry the artifact lacks)."""
-        return [str(arg).split("[")[0] for arg in self.entry_functions.get(function, {}).get("inputs", [])]
+        entry = self.entry_functions.get(function)
+        return [arg["name"] for arg in entry["inputs"]] if entry else []
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON data (the pipeline fields only where set)."""
@@ -217,6 +254,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
     _check_cpu_features(path, data["target"])
     _check_expert_bytes(path, data["memory"])
     _check_param_types(path, data.get("param_types", {}))
+    _check_entry_functions(path, data["entry_functions"])
     _check_long_rope(path, data["kv_cache"]["rope"], data["entry_functions"])
     try:
         return Manifest(**data)
@@ -490,13 +528,46 @@ def _check_long_rope(path: Path, rope: dict[str, Any], entries: dict[str, Any]) 
     if switch is not None and not _POSITIVE[1](switch):
         raise ArtifactError(f"{path}: manifest field kv_cache.rope.long_factors_above must be {_POSITIVE[0]}, "
                             f"got {reprlib.repr(switch)}")
-    prefill = entries.get("prefill", {})
-    inputs = prefill.get("inputs", []) if isinstance(prefill, dict) else []
-    takes_end = any(str(arg).split("[")[0] == PROMPT_END_INPUT for arg in inputs)
+    prefill = entries.get("prefill")
+    takes_end = prefill is not None and any(arg["name"] == PROMPT_END_INPUT for arg in prefill["inputs"])
     if takes_end != (switch is not None):
         raise ArtifactError(f"{path}: the manifest's prefill {'takes' if takes_end else 'does not take'} "
                             f"{PROMPT_END_INPUT} but kv_cache.rope {'has no' if takes_end else 'has a'} "
                             "long_factors_above; recompile the artifact")
+
+
+_ARG_KEYS = {"name", "shape", "dtype"}
+_DIMENSION: _Rule = ("sizes and dimension names",
+                     lambda v: _COUNT[1](v) or (isinstance(v, str) and v.isidentifier()))
+
+
+def _check_entry_functions(path: Path, entries: dict[str, Any]) -> None:
+    """Refuse entry functions that are not {function: {"inputs": [args], "outputs": [args]}}, each argument
+    {"name": identifier} and, for a tensor, its "shape" (sizes and dimension names) and "dtype"."""
+    def arg_problem(arg: Any) -> str | None:
+        if not (isinstance(arg, dict) and isinstance(arg.get("name"), str) and arg["name"].isidentifier()):
+            return "an object with an identifier as its name"
+        if set(arg) - _ARG_KEYS:
+            return f"keys among {', '.join(sorted(_ARG_KEYS))}"
+        if ("shape" in arg) != ("dtype" in arg):
+            return "a shape and a dtype, or neither"
+        if "shape" in arg and not (isinstance(arg["shape"], list) and all(map(_DIMENSION[1], arg["shape"]))
+                                   and _TEXT[1](arg["dtype"])):
+            return f"a shape of {_DIMENSION[0]}, and a dtype's name"
+        return None
+
+    for function, entry in entries.items():
+        where = f"{path}: manifest field entry_functions.{function}"
+        if not (isinstance(entry, dict) and isinstance(entry.get("inputs"), list)):
+            raise ArtifactError(f"{where} must be an object with a list of inputs, got {reprlib.repr(entry)}")
+        if not isinstance(entry.get("outputs", []), list):
+            raise ArtifactError(f"{where}.outputs must be a list, got {reprlib.repr(entry['outputs'])}")
+        if "max_tokens" in entry and not _POSITIVE[1](entry["max_tokens"]):
+            raise ArtifactError(f"{where}.max_tokens must be {_POSITIVE[0]}, got {reprlib.repr(entry['max_tokens'])}")
+        for key in ("inputs", "outputs"):
+            for i, arg in enumerate(entry.get(key, [])):
+                if (problem := arg_problem(arg)) is not None:
+                    raise ArtifactError(f"{where}.{key}[{i}] must be {problem}, got {reprlib.repr(arg)}")
 
 
 def _check_param_types(path: Path, types: Any) -> None:

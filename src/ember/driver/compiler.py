@@ -32,7 +32,10 @@ from ember.core.manifest import (
     LIBRARY_NAME,
     PARAMS_DIR,
     PROMPT_END_INPUT,
+    EntryFunction,
     Manifest,
+    object_arg,
+    tensor_arg,
     write_manifest,
 )
 from ember.driver.artifact_dir import check_output_dir, replace_dir, staging_dir
@@ -44,7 +47,7 @@ from ember.frontend.config import ModelConfig
 from ember.frontend.gguf import conversion_summary
 from ember.frontend.records import source_record
 from ember.ir.attributes import KERNEL_SOURCE_ATTR, KV_CACHE_ATTR, ROPE_ATTR, VERIFY_TOKENS
-from ember.ir.kv_cache import KV_ROWS, recorded_layer_windows
+from ember.ir.kv_cache import CREATE_ARGUMENTS, KV_ROWS, recorded_layer_windows
 from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir.weight_recipes import get_recipes, weight_params
@@ -251,21 +254,19 @@ def _build_pipeline(build: _Build, mod: tvm.IRModule, staging: Path, dump_ir: Pa
     return (whole, *results[0][1:])
 
 
-def _stage_entries(entries: dict[str, dict], stage: dict[str, Any]) -> dict[str, dict]:
+def _stage_entries(entries: dict[str, EntryFunction], stage: dict[str, Any]) -> dict[str, EntryFunction]:
     """A stage's entry functions: a later stage takes float32 `hidden` [.., n, hidden_size] in place of `input_ids`
     [.., n]; all but the last give `hidden` of their input's positions in place of logits."""
-    def rows(spec: str) -> str:
-        return f"hidden[{spec.partition('[')[2].split(']')[0]}, {stage['hidden_size']}] float32"
-
-    described = {}
-    for function, spec in entries.items():
-        inputs, outputs = spec.get("inputs", []), spec.get("outputs")
-        if not inputs or outputs is None or not inputs[0].startswith("input_ids["):
-            described[function] = spec
+    described: dict[str, EntryFunction] = {}
+    for function, entry in entries.items():
+        inputs, outputs = entry["inputs"], entry.get("outputs")
+        if not inputs or outputs is None or inputs[0]["name"] != "input_ids":
+            described[function] = entry
             continue
-        first = inputs[0] if stage["input"] == "token_ids" else rows(inputs[0])
-        last = outputs[0] if stage["output"] == "logits" else rows(inputs[0])
-        described[function] = {**spec, "inputs": [first, *inputs[1:]], "outputs": [last, *outputs[1:]]}
+        hidden = tensor_arg("hidden", [*inputs[0].get("shape", []), stage["hidden_size"]], "float32")
+        first = inputs[0] if stage["input"] == "token_ids" else hidden
+        last = outputs[0] if stage["output"] == "logits" else hidden
+        described[function] = {**entry, "inputs": [first, *inputs[1:]], "outputs": [last, *outputs[1:]]}
     return described
 
 
@@ -429,7 +430,8 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
     # what the budget holds if that is less.
     kv_tokens = (memory.kv_capacity(options.memory_budget, options.max_batch) if options.memory_budget
                  else options.max_batch * config.context_window)
-    ends = [f"{PROMPT_END_INPUT}[1] int32"] if long_factors_above is not None else []
+    ends = [tensor_arg(PROMPT_END_INPUT, [1], "int32")] if long_factors_above is not None else []
+    cache = object_arg("kv_cache")
     switch = {"long_factors_above": long_factors_above} if long_factors_above is not None else {}
     return Manifest(
         format_version=FORMAT_VERSION,
@@ -442,20 +444,19 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
         model_dtype=imported.model_dtype,
         target=target.to_json(),
         entry_functions={
-            "prefill": {"inputs": ["input_ids[1, seq_len] int32", "logit_positions[num_logits] int32", *ends,
-                                   "kv_cache"],
-                        "outputs": ["logits[1, num_logits, vocab] float32", "kv_cache"]},
-            "decode": {"inputs": ["input_ids[batch_size, 1] int32", "kv_cache"],
-                       "outputs": ["logits[batch_size, 1, vocab] float32", "kv_cache"]},
-            "verify": {"inputs": ["input_ids[1, n] int32", *ends, "kv_cache"],
-                       "outputs": ["logits[1, n, vocab] float32", "kv_cache"],
+            "prefill": {"inputs": [tensor_arg("input_ids", [1, "seq_len"], "int32"),
+                                   tensor_arg("logit_positions", ["num_logits"], "int32"), *ends, cache],
+                        "outputs": [tensor_arg("logits", [1, "num_logits", "vocab"], "float32"), cache]},
+            "decode": {"inputs": [tensor_arg("input_ids", ["batch_size", 1], "int32"), cache],
+                       "outputs": [tensor_arg("logits", ["batch_size", 1, "vocab"], "float32"), cache]},
+            "verify": {"inputs": [tensor_arg("input_ids", [1, "n"], "int32"), *ends, cache],
+                       "outputs": [tensor_arg("logits", [1, "n", "vocab"], "float32"), cache],
                        # Like a prefill chunk, no more tokens than a window.
                        "max_tokens": min(VERIFY_TOKENS, config.sliding_window or VERIFY_TOKENS)},
-            **({"embed": {"inputs": ["input_ids[1, seq_len] int32", "kv_cache"],
-                          "outputs": ["hidden[1, seq_len, hidden_size] float32", "kv_cache"]}}
+            **({"embed": {"inputs": [tensor_arg("input_ids", [1, "seq_len"], "int32"), cache],
+                          "outputs": [tensor_arg("hidden", [1, "seq_len", "hidden_size"], "float32"), cache]}}
                if options.embeddings else {}),
-            "create_paged_kv_cache": {"inputs": ["max_batch_size", "max_total_seq_len", "prefill_chunk_size",
-                                                 "page_size", "support_sliding_window"]},
+            "create_paged_kv_cache": {"inputs": [object_arg(name) for name in CREATE_ARGUMENTS]},
         },
         kv_cache={
             "kind": "tir_paged",
