@@ -84,16 +84,26 @@ def _build_model(auto_class, config, dtype):
     """The model with transformers' sdpa attention, whose trace `specialize_attention` reads most directly
     (its written-out, eager, attention where a family has no sdpa path), and its `batched_mm` experts: a gather of
     each token's experts' weights and a batched matmul, static shapes that trace and that `lower_moe` recognises
-    (the default, `grouped_mm`, traces into operators TVM's importer does not know)."""
+    (the default, `grouped_mm`, traces into operators TVM's importer does not know).
+
+    Its weights are left uninitialised (`no_init_weights`): the trace never reads them, and memory the process
+    never writes is never resident, so a model far larger than this machine's memory is traced in the memory of
+    its graph (the importer hands the parameters on by DLPack, without a copy). Buffers that the graph does read
+    as constants (rotary frequencies, embedding scales) are computed by the modules' constructors, as before."""
+    from transformers.initialization import no_init_weights
+
     with quiet():
-        try:
-            return auto_class.from_config(config, attn_implementation="sdpa", experts_implementation="batched_mm",
-                                          dtype=dtype)
-        except ValueError as err:
-            if "scaled_dot_product_attention" not in str(err):
-                raise
-            return auto_class.from_config(config, attn_implementation="eager", experts_implementation="batched_mm",
-                                          dtype=dtype)
+        with no_init_weights():
+            try:
+                model = auto_class.from_config(config, attn_implementation="sdpa",
+                                               experts_implementation="batched_mm", dtype=dtype)
+            except ValueError as err:
+                if "scaled_dot_product_attention" not in str(err):
+                    raise
+                model = auto_class.from_config(config, attn_implementation="eager",
+                                               experts_implementation="batched_mm", dtype=dtype)
+        model.tie_weights()  # skipped with the initialisation it belongs to: a tied head is the embedding
+    return model
 
 
 def import_module(
