@@ -383,6 +383,21 @@ def _gguf_name(hf_name: str) -> str:
     return next((f"blk.{layer}.{g}" for g, h in _LAYER_NAMES.items() if h == rest), hf_name)
 
 
+def read_through_transformers(reader, path: Path) -> bool:
+    """Whether the file is read through transformers' GGUF mappings (`frontend/gguf_traced.py`): every architecture
+    but those ember defines itself, and those too when their layers are mixtures of experts. An architecture neither
+    reads is one line naming the supported ones."""
+    architecture = Metadata(reader, path).get("general.architecture", str, required=True)
+    if architecture in SUPPORTED_ARCHITECTURES and not has_experts(Metadata(reader, path), architecture):
+        return False
+    from ember.frontend.gguf_traced import traced_architectures
+
+    if architecture not in traced_architectures():
+        raise ModelError(f"{path}: general.architecture {short_repr(architecture)} is not supported; supported: "
+                         f"{', '.join(dict.fromkeys(SUPPORTED_ARCHITECTURES + traced_architectures()))}")
+    return True
+
+
 def gguf_config(reader, path: Path) -> ModelConfig:
     """The model config of the file's metadata, validated as a Hugging Face config.json would be."""
     meta = Metadata(reader, path)
@@ -493,13 +508,9 @@ def import_gguf_model(path: Path, target: tvm.target.Target, model_dtype: str = 
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ember-gguf-"))
         atexit.register(shutil.rmtree, workdir, ignore_errors=True)
-    architecture = Metadata(reader, path).get("general.architecture", str, required=True)
-    if architecture not in SUPPORTED_ARCHITECTURES or has_experts(Metadata(reader, path), architecture):
-        from ember.frontend.gguf_traced import import_traced_gguf, traced_architectures
+    if read_through_transformers(reader, path):
+        from ember.frontend.gguf_traced import import_traced_gguf
 
-        if architecture not in traced_architectures():
-            raise ModelError(f"{path}: general.architecture {short_repr(architecture)} is not supported; supported: "
-                             f"{', '.join(dict.fromkeys(SUPPORTED_ARCHITECTURES + traced_architectures()))}")
         return import_traced_gguf(path, reader, model_dtype, workdir)
     config = gguf_config(reader, path)
     weights = GGUFWeights(path, reader, config)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import re
 import shutil
 import tempfile
@@ -148,11 +149,7 @@ def import_traced_gguf(path: Path, reader, model_dtype: str, workdir: Path):
     atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
     metadata = Metadata(reader, path)
     architecture = metadata.get("general.architecture", str, required=True)
-    # What transformers' config mapping leaves out for some architectures: BLOOM's and GPT-2's context, the head
-    # dim where it is not hidden / heads.
-    known = {"context": metadata.get(f"{architecture}.context_length", int),
-             "head_dim": metadata.get(f"{architecture}.attention.key_length", int)}
-    names, shapes, processor, parsed = _transformers_reading(path, config_dir, architecture, known,
+    names, shapes, processor, parsed = _transformers_reading(path, config_dir, architecture, _known(metadata),
                                                              _experts_config(metadata, architecture))
     config = imported_model_config(config_dir)
     weights = TracedGGUFWeights(path, reader, config, names, shapes, processor, parsed)
@@ -163,6 +160,30 @@ def import_traced_gguf(path: Path, reader, model_dtype: str, workdir: Path):
         _check_tensor(weights, name, shape)
     mod = mod.with_attr(CONFIG_WINDOWS_ATTR, list(config.layer_windows))
     return ImportedModel(mod, config, weights, tokenizer_files, model_dtype, "torch-export")
+
+
+def transformers_config(path: Path, reader) -> dict[str, Any]:
+    """The config.json the model of the GGUF file at `path` (opened as `reader`) is built and traced from by
+    `import_traced_gguf`: transformers' reading of its metadata, with what that leaves out (`ember analyze` reads
+    a file's sizes and experts from it)."""
+    missing = [package for package in ("torch", "transformers") if importlib.util.find_spec(package) is None]
+    if missing:
+        raise ModelError(f"{path}: its architecture is read through transformers' GGUF mappings, and this Python has "
+                         f"no {' and no '.join(missing)}: pip install torch==2.13.0 transformers")
+    metadata = Metadata(reader, path)
+    architecture = metadata.get("general.architecture", str, required=True)
+    with tempfile.TemporaryDirectory(prefix="ember-gguf-config-") as config_dir:
+        _transformers_reading(path, Path(config_dir), architecture, _known(metadata),
+                              _experts_config(metadata, architecture))
+        return json.loads((Path(config_dir) / "config.json").read_text())
+
+
+def _known(metadata: Metadata) -> dict[str, int | None]:
+    """What transformers' config mapping leaves out for some architectures: BLOOM's and GPT-2's context, the head
+    dim where it is not hidden / heads."""
+    architecture = metadata.get("general.architecture", str, required=True)
+    return {"context": metadata.get(f"{architecture}.context_length", int),
+            "head_dim": metadata.get(f"{architecture}.attention.key_length", int)}
 
 
 # A mixture of experts' config as llama.cpp reads the file and transformers' mapping does not: per GGUF

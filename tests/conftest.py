@@ -84,9 +84,10 @@ class TinyModel:
     def reference(self):
         """The same checkpoint in transformers, float32, eager attention.
 
-        For a quantized artifact, every 2-D weight (projections, embeddings) is
-        replaced by its quantized-then-unpacked value, computed in numpy: the
-        reference is transformers running the same quantized weights.
+        For a quantized artifact, every 2-D weight (projections, embeddings) but a
+        mixture of experts' router is replaced by its quantized-then-unpacked value,
+        computed in numpy: the reference is transformers running the same quantized
+        weights.
         """
         model = models.load_reference(self.model_dir)
         fmt = FORMATS[self.quantization]
@@ -95,7 +96,12 @@ class TinyModel:
 
             stored_transposed = {id(module.weight) for module in model.modules() if _is_conv1d(module)}
             with torch.no_grad():
+                routers = {id(weight) for module in model.modules() if hasattr(module, "experts")
+                           for router in (getattr(module, "gate", None), getattr(module, "router", None))
+                           if isinstance(router, torch.nn.Module) for weight in router.parameters()}
                 for param in model.parameters():
+                    if id(param) in routers:  # kept in float
+                        continue
                     if param.ndim == 3:  # stacked experts: ember quantizes each expert's rows
                         stacked = param.numpy().reshape(-1, param.shape[-1])
                         unpacked = fmt.dequantize(fmt.quantize(stacked), stacked.shape[1]).astype(np.float32)

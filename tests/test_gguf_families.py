@@ -15,7 +15,7 @@ import gguf_files
 import models
 import numpy as np
 import pytest
-from helpers import prompt_ids
+from helpers import prompt_ids, run_ember
 
 from ember.driver.compiler import CompileOptions, compile_model
 from ember.runtime import Engine, SamplingParams, generate, load_artifact
@@ -103,6 +103,22 @@ def test_a_q8_0_mixture_of_experts_predicts_llama_cpps_tokens(checkpoints, tmp_p
     ours = engine.prefill(engine.add_sequence(), ids, all_logits=True)
     agreement = float(np.mean(ours.argmax(axis=1) == gguf_files.logits(path, ids).argmax(axis=1)))
     assert agreement >= 0.95, f"top-1 agreement {agreement:.3f}"
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_analyze_reads_a_gguf_mixture_of_experts_with_its_experts(checkpoints, name):
+    """`ember analyze FILE.gguf` reads a file's experts as compile does: the same count, top-k, width and shared
+    expert as the checkpoint it was converted from, and says how much of the weights a token reads."""
+    from ember.driver.analyze.operators import load_architecture
+
+    path = gguf_files.convert(checkpoints[name], "f32", pre="gpt-2")
+    ours, theirs = load_architecture(str(path)), load_architecture(str(checkpoints[name]))
+    sizes = lambda arch: (arch.num_experts, arch.experts_per_token, arch.expert_width,  # noqa: E731
+                          arch.shared_expert_intermediate_size, arch.config.num_hidden_layers, arch.config.hidden_size)
+    assert sizes(ours) == sizes(theirs) and ours.num_experts > 1
+    result = run_ember("analyze", str(path), "--hardware", "raspberry-pi-5")
+    assert result.returncode == 0, result.stderr
+    assert f"of which a token reads {theirs.experts_per_token} of {theirs.num_experts}" in result.stdout
 
 
 def _metadata_only_gguf(path, architecture: str, counts: dict[str, int] | None = None):

@@ -38,7 +38,8 @@ from ember import DEMO_MODEL_DIR
 from ember.core.errors import ModelError
 from ember.frontend.config import SUPPORTED_MODEL_TYPES, ModelConfig, imported_config, parse_model_config
 from ember.frontend.files import read_json_object
-from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf
+from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf, read_through_transformers
+from ember.frontend.gguf_traced import transformers_config
 from ember.ir.quant_formats import FORMATS
 
 PRESET_DIR = Path(__file__).with_name("presets")
@@ -448,7 +449,10 @@ def load_architecture(spec: str) -> Architecture:
     `demo` (the bundled demo model, as for `ember compile`)."""
     path = DEMO_MODEL_DIR if spec == "demo" else Path(spec)
     if is_gguf_file(path):
-        return Architecture(path.stem, gguf_config(open_gguf(path), path))
+        reader = open_gguf(path)
+        if read_through_transformers(reader, path):  # its sizes and experts as compile reads them
+            return architecture_from_config(transformers_config(path, reader), path, path.stem)
+        return Architecture(path.stem, gguf_config(reader, path))
     if path.is_dir():
         path = path / "config.json"
         name = path.resolve().parent.name
