@@ -239,18 +239,23 @@ class QuantFormat:
             if self.zero_point:
                 weight = weight + parts["min"][block, col // self.group_size, lane].astype(self.dtype)
             return weight
-        if self.bits == 8:
-            value = packed[row, col]
-        else:
-            word = packed[row, col // self.per_word]
-            shift = (col % self.per_word * self.bits).astype("uint32")
-            value = (word >> shift) & tirx.const(2**self.bits - 1, "uint32")
-            if self.stored_offset:
-                value = value.astype("int32") - self.stored_offset
+        value = self.level_expr(packed, row, col)
         weight = value.astype(self.dtype) * parts["scale"][row, col // self.group_size].astype(self.dtype)
         if self.zero_point:
             weight = weight + parts["min"][row, col // self.group_size].astype(self.dtype)
         return weight
+
+    def level_expr(self, packed: te.Tensor, row: tirx.PrimExpr, col: tirx.PrimExpr) -> tirx.PrimExpr:
+        """TIR: the integer level of element [row, col] stored in `rows` layout, its offset taken out: the weight is
+        the level times its group's scale (plus the group's minimum, for a zero-point format)."""
+        from tvm import tirx
+
+        if self.bits == 8:
+            return packed[row, col]
+        word = packed[row, col // self.per_word]
+        shift = (col % self.per_word * self.bits).astype("uint32")
+        value = (word >> shift) & tirx.const(2**self.bits - 1, "uint32")
+        return value.astype("int32") - self.stored_offset if self.stored_offset else value
 
     def _pack(self, values: np.ndarray) -> np.ndarray:
         if self.bits == 8:

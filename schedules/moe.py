@@ -166,6 +166,8 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
                                 acc[j, 0] = acc[j, 0] + acc[j, v + 1]
                             y[p, tile * rows + j] = acc[j, 0]
 
+    if fmt is not None and k % fmt.group_size == 0 and fmt.group_size % lanes == 0:
+        project = _grouped_project(fmt, experts, n, k, rows, lanes)
     attrs = {MOE_MATMUL_ATTR: {"experts": experts, "n": n, "k": k}}
     if fmt is None:
         @T.prim_func(s_tir=True, private=True)
@@ -218,6 +220,68 @@ def _kernel_attr(mod: tvm.IRModule, value: relax.Expr, attr: str):
     callee = value.args[0]
     func = mod[callee] if callee in mod.get_global_vars() else None
     return (func.attrs or {}).get(attr) if isinstance(func, tirx.PrimFunc) else None
+
+
+def _grouped_project(fmt: QuantFormat, experts: int, n: int, k: int, rows: int, lanes: int):
+    """`moe_matmul`'s loops for a quantized weight, a quantization group at a time: the group's integer levels are
+    multiplied with the activations unscaled, and the sums scaled once a group,
+
+        y[p, row] = sum_g scale[row, g] * sum_{c in g} x[p, c] * level[row, c]  (+ min[row, g] * sum_{c in g} x[p, c])
+
+    so a weight costs a widening, a convert and an FMA; unpacking each weight to its float value took a scale load,
+    a convert and a multiply more, and kept the expert projections compute-bound below the host's bandwidth."""
+    group = fmt.group_size
+
+    @T.macro
+    def project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle):
+        pairs = T.int64()
+        x = T.match_buffer(x_handle, (pairs, k), "float32")
+        y = T.match_buffer(y_handle, (pairs, n), "float32")
+        order = T.match_buffer(order_handle, (pairs,), "int32")
+        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+        for tile in T.parallel(n // rows):
+            for e in T.serial(experts):
+                for r in T.serial(offsets[e + 1] - offsets[e]):
+                    with T.sblock("project"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((rows, lanes), "float32")
+                        part = T.sblock_alloc_buffer((rows, lanes), "float32")
+                        xsum = T.sblock_alloc_buffer((lanes,), "float32")
+                        p: T.let[T.int32] = order[offsets[e] + r]
+                        first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
+                        for j in T.unroll(rows):
+                            for v in T.vectorized(lanes):
+                                acc[j, v] = T.float32(0)
+                        for g in T.serial(k // group):
+                            for j in T.unroll(rows):
+                                for v in T.vectorized(lanes):
+                                    part[j, v] = T.float32(0)
+                            for v in T.vectorized(lanes):
+                                xsum[v] = T.float32(0)
+                            for c in T.serial(group // lanes):
+                                for v in T.vectorized(lanes):
+                                    xsum[v] = xsum[v] + x[p, g * group + c * lanes + v]
+                                for j in T.unroll(rows):
+                                    for v in T.vectorized(lanes):
+                                        part[j, v] = part[j, v] + x[p, g * group + c * lanes + v] * T.Cast(
+                                            "float32", fmt.level_expr(weight, first + j, g * group + c * lanes + v))
+                            for j in T.unroll(rows):
+                                for v in T.vectorized(lanes):
+                                    acc[j, v] = acc[j, v] + part[j, v] * T.Cast("float32", scale[first + j, g]) + \
+                                        _group_minimum(low, first + j, g) * xsum[v]
+                        for j in T.unroll(rows):
+                            for v in T.serial(lanes - 1):
+                                acc[j, 0] = acc[j, 0] + acc[j, v + 1]
+                            y[p, tile * rows + j] = acc[j, 0]
+
+    return project
+
+
+def _group_minimum(low, row, group):
+    """A zero-point format's minimum of `row`'s quantization group, 0 for a format without minimums (whose activation
+    sums then drop out when LLVM folds the product)."""
+    return T.float32(0) if low is None else T.Cast("float32", low[row, group])
 
 
 def _weight(fmt: QuantFormat | None, weight, scale, low, row, col):
