@@ -392,6 +392,11 @@ def read_through_transformers(reader, path: Path) -> bool:
         return False
     from ember.frontend.gguf_traced import traced_architectures
 
+    if not traced_architectures():  # transformers is what reads every other architecture
+        raise ModelError(f"{path}: general.architecture {short_repr(architecture)}"
+                         f"{' with experts' if architecture in SUPPORTED_ARCHITECTURES else ''} is read through "
+                         "transformers' GGUF mappings, and this Python has no transformers: pip install "
+                         "torch==2.13.0 transformers")
     if architecture not in traced_architectures():
         raise ModelError(f"{path}: general.architecture {short_repr(architecture)} is not supported; supported: "
                          f"{', '.join(dict.fromkeys(SUPPORTED_ARCHITECTURES + traced_architectures()))}")

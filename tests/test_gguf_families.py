@@ -159,3 +159,20 @@ def test_a_mixture_of_experts_without_its_expert_sizes_is_one_line(tmp_path, arc
     path = _metadata_only_gguf(tmp_path / "experts.gguf", architecture, {f"{architecture}.expert_count": 4})
     with pytest.raises(ModelError, match=rf"^{path}: .*{key}"):
         import_gguf_model(path, None, "float32", tmp_path)
+
+
+@pytest.mark.parametrize(("architecture", "counts", "named"), [
+    ("qwen3", None, "'qwen3'"), ("llama", {"llama.expert_count": 4}, "'llama' with experts")])
+def test_without_transformers_a_file_it_would_read_says_to_install_it(tmp_path, monkeypatch, architecture, counts,
+                                                                       named):
+    """Where transformers is not installed (a runtime-only or serve-only install), a file of an architecture that
+    only transformers' mappings read is one line saying so and how to install it, not "not supported"."""
+    from ember.core.errors import ModelError
+    from ember.frontend import gguf_traced
+    from ember.frontend.gguf import import_gguf_model
+
+    monkeypatch.setattr(gguf_traced, "traced_architectures", lambda: ())
+    path = _metadata_only_gguf(tmp_path / f"{architecture}.gguf", architecture, counts)
+    with pytest.raises(ModelError, match=rf"^{path}: general.architecture {named} is read through transformers' "
+                                         r"GGUF mappings, and this Python has no transformers: pip install"):
+        import_gguf_model(path, None, "float32", tmp_path)
