@@ -176,3 +176,20 @@ def test_without_transformers_a_file_it_would_read_says_to_install_it(tmp_path, 
     with pytest.raises(ModelError, match=rf"^{path}: general.architecture {named} is read through transformers' "
                                          r"GGUF mappings, and this Python has no transformers: pip install"):
         import_gguf_model(path, None, "float32", tmp_path)
+
+
+def test_measure_rebuilds_a_gguf_mixture_of_experts_as_compile_built_it(checkpoints, tmp_path):
+    """`ember analyze --measure` rebuilds an artifact's kernels from its source to time them: a GGUF file read through
+    transformers' mappings (here a Q8_0 Qwen3-MoE) is read again that way, not built with ember's own definition of
+    a dense model, so every kernel the artifact ran is found (it said "its kernels differ" before)."""
+    from ember.driver.analyze.measure import measure
+    from ember.targets.hardware import Hardware
+
+    path = gguf_files.convert(checkpoints["qwen3moe"], "q8_0", pre="gpt-2")
+    compile_model(path, tmp_path / "art", CompileOptions(prefill_chunk=64, max_batch=1, show_progress=False))
+    generous = Hardware("generous", "generous", "cpu", {"fp32": 1e14}, memory_bandwidth=1e13, memory_capacity=1e12,
+                        onchip_memory=2**20, source="test")
+    m = measure(tmp_path / "art", prompt_len=16, batch=1, repeats=1, hardware=generous)
+    expert_kernels = [k for k in m.decode.kernels if set(k.implements) & {"gate_proj", "down_proj"}]
+    assert sum(k.calls for k in expert_kernels) == 2 * m.arch.config.num_hidden_layers
+    assert "router" in {name for k in m.decode.kernels for name in k.implements}

@@ -281,9 +281,10 @@ def rebuild_kernels(manifest: Manifest) -> tvm.IRModule:
     config = _config(manifest, "the artifact")
     target = resolve_target(json.dumps(manifest.target["tvm_target"]))
     frontend = recorded_frontend(manifest.source_weights)
-    if frontend == "builtin" and manifest.source_weights["format"] != "onnx":
+    if frontend == "builtin" and manifest.source_weights["format"] == "huggingface":
         mod, _ = build_module(config, target.target, manifest.model_dtype)
-    else:  # an imported graph is imported again, from its source
+    else:  # an imported graph (a GGUF file's too: ember's definition or transformers', as the file decides) is
+        # imported again, from its source
         if not Path(manifest.source).exists():
             raise ModelError(f"{manifest.source}: the artifact's graph was imported from this source, which is "
                              "gone; measuring rebuilds its kernels from it")
