@@ -17,11 +17,13 @@ already scheduled for CPUs (their loop bounds are data: how many rows an expert 
     moe_matmul(x[P, K], w[E * N, K], order, offsets) -> y[P, N]
         y[p] = w_e @ x[p] for p's expert e, the weights of expert e being rows
         e*N .. e*N + N - 1 of `w` (float, or the parts of a `--quant` format, rows layout):
-        parallel over tiles of N, then expert by expert, each expert's pairs against its
-        tile of rows. A weight row is read once per call and only for the experts some
-        pair chose: a decode step streams the chosen experts' bytes, and a batch of
-        sequences (or a prompt) reads each expert its tokens share once, from cache, not
-        once per token.
+        expert by expert (those some pair chose), parallel over tiles of N within one, each
+        of the expert's pairs against its tile of rows: each thread streams one contiguous
+        run of the expert's rows (parallel over tiles first, each thread interleaved k
+        experts' short runs, and a decode step read its experts at half the speed). A weight
+        row is read once per call and only for the experts some pair chose: a decode step
+        streams the chosen experts' bytes, and a batch of sequences (or a prompt) reads each
+        expert its tokens share once, from cache, not once per token.
 """
 
 from __future__ import annotations
@@ -144,27 +146,28 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
         y = T.match_buffer(y_handle, (pairs, n), "float32")
         order = T.match_buffer(order_handle, (pairs,), "int32")
         offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
-        for tile in T.parallel(n // rows):
-            for e in T.serial(experts):
-                for r in T.serial(offsets[e + 1] - offsets[e]):
-                    with T.sblock("project"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((rows, lanes), "float32")
-                        p: T.let[T.int32] = order[offsets[e] + r]
-                        first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
-                        for j in T.unroll(rows):
-                            for v in T.vectorized(lanes):
-                                acc[j, v] = T.float32(0)
-                        for c in T.serial(k // lanes):
+        for e in T.serial(experts):
+            if offsets[e + 1] > offsets[e]:
+                for tile in T.parallel(n // rows):
+                    for r in T.serial(offsets[e + 1] - offsets[e]):
+                        with T.sblock("project"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((rows, lanes), "float32")
+                            p: T.let[T.int32] = order[offsets[e] + r]
+                            first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
                             for j in T.unroll(rows):
                                 for v in T.vectorized(lanes):
-                                    acc[j, v] = acc[j, v] + x[p, c * lanes + v] * _weight(
-                                        fmt, weight, scale, low, first + j, c * lanes + v)
-                        for j in T.unroll(rows):
-                            for v in T.serial(lanes - 1):
-                                acc[j, 0] = acc[j, 0] + acc[j, v + 1]
-                            y[p, tile * rows + j] = acc[j, 0]
+                                    acc[j, v] = T.float32(0)
+                            for c in T.serial(k // lanes):
+                                for j in T.unroll(rows):
+                                    for v in T.vectorized(lanes):
+                                        acc[j, v] = acc[j, v] + x[p, c * lanes + v] * _weight(
+                                            fmt, weight, scale, low, first + j, c * lanes + v)
+                            for j in T.unroll(rows):
+                                for v in T.serial(lanes - 1):
+                                    acc[j, 0] = acc[j, 0] + acc[j, v + 1]
+                                y[p, tile * rows + j] = acc[j, 0]
 
     if fmt is not None and k % fmt.group_size == 0 and fmt.group_size % lanes == 0:
         project = _grouped_project(fmt, experts, n, k, rows, lanes)
@@ -239,41 +242,42 @@ def _grouped_project(fmt: QuantFormat, experts: int, n: int, k: int, rows: int, 
         y = T.match_buffer(y_handle, (pairs, n), "float32")
         order = T.match_buffer(order_handle, (pairs,), "int32")
         offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
-        for tile in T.parallel(n // rows):
-            for e in T.serial(experts):
-                for r in T.serial(offsets[e + 1] - offsets[e]):
-                    with T.sblock("project"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((rows, lanes), "float32")
-                        part = T.sblock_alloc_buffer((rows, lanes), "float32")
-                        xsum = T.sblock_alloc_buffer((lanes,), "float32")
-                        p: T.let[T.int32] = order[offsets[e] + r]
-                        first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
-                        for j in T.unroll(rows):
-                            for v in T.vectorized(lanes):
-                                acc[j, v] = T.float32(0)
-                        for g in T.serial(k // group):
+        for e in T.serial(experts):
+            if offsets[e + 1] > offsets[e]:
+                for tile in T.parallel(n // rows):
+                    for r in T.serial(offsets[e + 1] - offsets[e]):
+                        with T.sblock("project"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((rows, lanes), "float32")
+                            part = T.sblock_alloc_buffer((rows, lanes), "float32")
+                            xsum = T.sblock_alloc_buffer((lanes,), "float32")
+                            p: T.let[T.int32] = order[offsets[e] + r]
+                            first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
                             for j in T.unroll(rows):
                                 for v in T.vectorized(lanes):
-                                    part[j, v] = T.float32(0)
-                            for v in T.vectorized(lanes):
-                                xsum[v] = T.float32(0)
-                            for c in T.serial(group // lanes):
-                                for v in T.vectorized(lanes):
-                                    xsum[v] = xsum[v] + x[p, g * group + c * lanes + v]
+                                    acc[j, v] = T.float32(0)
+                            for g in T.serial(k // group):
                                 for j in T.unroll(rows):
                                     for v in T.vectorized(lanes):
-                                        part[j, v] = part[j, v] + x[p, g * group + c * lanes + v] * T.Cast(
-                                            "float32", fmt.level_expr(weight, first + j, g * group + c * lanes + v))
-                            for j in T.unroll(rows):
+                                        part[j, v] = T.float32(0)
                                 for v in T.vectorized(lanes):
-                                    acc[j, v] = acc[j, v] + part[j, v] * T.Cast("float32", scale[first + j, g]) + \
-                                        _group_minimum(low, first + j, g) * xsum[v]
-                        for j in T.unroll(rows):
-                            for v in T.serial(lanes - 1):
-                                acc[j, 0] = acc[j, 0] + acc[j, v + 1]
-                            y[p, tile * rows + j] = acc[j, 0]
+                                    xsum[v] = T.float32(0)
+                                for c in T.serial(group // lanes):
+                                    for v in T.vectorized(lanes):
+                                        xsum[v] = xsum[v] + x[p, g * group + c * lanes + v]
+                                    for j in T.unroll(rows):
+                                        for v in T.vectorized(lanes):
+                                            part[j, v] = part[j, v] + x[p, g * group + c * lanes + v] * T.Cast(
+                                                "float32", fmt.level_expr(weight, first + j, g * group + c * lanes + v))
+                                for j in T.unroll(rows):
+                                    for v in T.vectorized(lanes):
+                                        acc[j, v] = acc[j, v] + part[j, v] * T.Cast("float32", scale[first + j, g]) + \
+                                            _group_minimum(low, first + j, g) * xsum[v]
+                            for j in T.unroll(rows):
+                                for v in T.serial(lanes - 1):
+                                    acc[j, 0] = acc[j, 0] + acc[j, v + 1]
+                                y[p, tile * rows + j] = acc[j, 0]
 
     return project
 
