@@ -84,13 +84,7 @@ def write_gguf(path: Path, qtype: str, seed: int) -> None:
     writer.add_layer_norm_rms_eps(s["eps"])
     writer.add_file_type({"Q8_0": 7, "Q4_0": 2}[qtype])
     vocab = s["vocab"]
-    writer.add_tokenizer_model("llama")  # placeholder pieces: the benchmark feeds token ids, never text
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-                          + [f"tok{i}" for i in range(vocab - 259)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    peers.add_placeholder_vocabulary(writer, vocab)
 
     hidden, q_rows, kv_rows = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     shapes: list[tuple[str, tuple[int, ...], bool]] = [("token_embd.weight", (vocab, hidden), True)]

@@ -340,6 +340,18 @@ def _rates(prompt_len: int, new_tokens: int, prefill_s: float, decode_s: float) 
 LLAMA_CPP_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 
 
+def add_placeholder_vocabulary(writer: Any, vocab: int) -> None:
+    """A llama (SentencePiece) vocabulary of `vocab` placeholder pieces on a GGUF writer: unk, bos 1, eos 2, the 256
+    byte tokens, then `tok<i>`. Benchmarks feed token ids, never text."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+                          + [f"tok{i}" for i in range(vocab - 259)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str) -> Path:
     """Write the Llama checkpoint at ``model_dir`` as a llama.cpp GGUF file, 2-D weights as ``qtype``.
 
@@ -370,14 +382,7 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
     writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[qtype])
-    vocab = config["vocab_size"]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-                          + [f"tok{i}" for i in range(vocab - 259)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_placeholder_vocabulary(writer, config["vocab_size"])
 
     def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
         return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
