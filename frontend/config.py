@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.core.errors import ModelError
-from ember.frontend.files import checkpoint_file, optional_checkpoint_file, read_json_object, short_repr
+from ember.core.files import checkpoint_file, optional_checkpoint_file, read_json_object, short_repr
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ember.core.errors import ModelError
+from ember.core.files import short_repr
 from ember.frontend import gguf_rope
 from ember.frontend.config import ModelConfig, parse_model_config
-from ember.frontend.files import short_repr
 
 if TYPE_CHECKING:
     import tvm

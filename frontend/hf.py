@@ -21,15 +21,15 @@ import tvm
 from tokenizers import Tokenizer
 
 from ember.core.errors import ModelError
-from ember.core.tokenizer_files import default_chat_template, tokenizer_json_problem
-from ember.frontend.config import ModelConfig, imported_model_config, load_model_config
-from ember.frontend.files import (
+from ember.core.files import (
     MAX_TOKENIZER_BYTES,
     check_file_size,
     optional_checkpoint_file,
     read_json_object,
     short_repr,
 )
+from ember.core.tokenizer_files import default_chat_template, tokenizer_json_problem
+from ember.frontend.config import ModelConfig, imported_model_config, load_model_config
 from ember.frontend.llama import LlamaForCausalLM
 from ember.frontend.weights import CheckpointWeights
 from ember.ir.attributes import CONFIG_WINDOWS_ATTR, ROPE_ATTR

@@ -41,8 +41,8 @@ from tvm import relax, tirx
 from tvm.sym import Analyzer
 
 from ember.core.errors import ModelError
+from ember.core.files import check_file_size, checkpoint_file
 from ember.frontend.config import imported_model_config
-from ember.frontend.files import check_file_size, checkpoint_file
 from ember.frontend.hf import ImportedModel, checked_tokenizer_files
 from ember.frontend.traced_weights import read_weights_transposed
 from ember.ir.attributes import CONFIG_WINDOWS_ATTR, FORWARD

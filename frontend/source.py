@@ -10,8 +10,8 @@ from pathlib import Path
 import tvm
 
 from ember.core.errors import EmberError
+from ember.core.files import is_onnx_file
 from ember.frontend import gguf, onnx
-from ember.frontend.files import is_onnx_file
 from ember.frontend.hf import ImportedModel, import_hf_model
 from ember.frontend.records import FRONTENDS
 

@@ -30,6 +30,7 @@ import tvm
 from tvm import relax
 
 from ember.ir.quant_formats import FORMATS, QuantFormat
+from ember.ir_passes.add_lora_slots import LoraSlots, add_lora_slots
 from ember.ir_passes.attach_sequence_bounds import attach_sequence_bounds
 from ember.ir_passes.capture_cuda_graphs import capture_cuda_graphs
 from ember.ir_passes.drop_unreachable_functions import drop_unreachable_functions
@@ -69,6 +70,7 @@ class LowerOptions:
     tensor_formats: Mapping[str, str] = field(default_factory=dict)
     # "q8"/"f16": the KV cache stores int8/float16 rows (`quantize_kv_cache`); None: the model's dtype.
     kv_quant: str | None = None
+    lora: LoraSlots | None = None  # room for LoRA adapters chosen at serve time
 
 
 def imported_graph_passes(target: TargetSpec) -> list[tvm.transform.Pass]:
@@ -93,6 +95,8 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         fold_permute_chains,
         # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.
         fuse_rms_norm,
+        # With --lora-rank, each targeted projection adds its row's adapter term; before fusion, which keeps them.
+        *([add_lora_slots(options.lora, target.vector_bits)] if options.lora else []),
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections(tensor_formats),
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;

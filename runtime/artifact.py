@@ -10,7 +10,7 @@ import platform
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,9 @@ class Artifact:
     params: list[tvm_runtime.Tensor]
     tokenizer: Tokenizer | None
     device: tvm_runtime.Device
+    # An artifact with adapter slots (`manifest.lora`): each adapter parameter's array, which `params` shares, so
+    # that writing a slot (`ember.runtime.lora.AdapterSlots`) changes what the next call reads.
+    adapter_stacks: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def load_artifact(path: Path, verify: bool = True, threads: int | None = None, stage: bool = False) -> Artifact:
@@ -85,10 +88,23 @@ def load_artifact(path: Path, verify: bool = True, threads: int | None = None, s
     library = load_library(path / LIBRARY_NAME)
     vm = VirtualMachine(library, dev)
     _check_library(path / LIBRARY_NAME, manifest, vm)
-    params = _load_params(path / PARAMS_DIR, manifest, dev)
+    adapter_stacks = _adapter_stacks(manifest, dev)
+    params = _load_params(path / PARAMS_DIR, manifest, dev, adapter_stacks)
     has_tokenizer = (path / "tokenizer.json").exists()
     tokenizer = Tokenizer.from_dir(path, manifest.kv_cache["max_context"]) if has_tokenizer else None
-    return Artifact(path, manifest, vm, params, tokenizer, dev)
+    return Artifact(path, manifest, vm, params, tokenizer, dev, adapter_stacks)
+
+
+def _adapter_stacks(manifest: Manifest, dev: tvm_runtime.Device) -> dict[str, np.ndarray]:
+    """Zeroed arrays of the adapter parameters of an artifact with adapter slots (no slot holds an adapter yet),
+    each a view of a tensor TVM allocated, aligned as its kernels need."""
+    stacks = {}
+    for module in (manifest.lora or {"modules": {}})["modules"].values():
+        for name in (module["a"], module["b"]):
+            array = np.from_dlpack(tvm_runtime.empty(manifest.param_types[name]["shape"], "float32", device=dev))
+            array[...] = 0
+            stacks[name] = array
+    return stacks
 
 
 def load_library(path: Path) -> tvm_runtime.Module:
@@ -155,12 +171,12 @@ def _check_library(library: Path, manifest: Manifest, vm: VirtualMachine) -> Non
                                 f"not this artifact's; recompile the artifact")
     if _has_function(vm, BUILT_FOR_FUNCTION):
         built = json.loads(str(vm[BUILT_FOR_FUNCTION]()))
-        for field, given in built_for(manifest).items():
-            if field not in built:  # a fact this library does not record
+        for fact, given in built_for(manifest).items():
+            if fact not in built:  # a fact this library does not record
                 continue
-            fits = given <= built[field] if field == CONTEXT_FIELD else given == built[field]
+            fits = given <= built[fact] if fact == CONTEXT_FIELD else given == built[fact]
             if not fits:
-                raise ArtifactError(f"{library}: built for {field} {built[field]!r}, the manifest has {given!r}: the "
+                raise ArtifactError(f"{library}: built for {fact} {built[fact]!r}, the manifest has {given!r}: the "
                                     "manifest was changed after compile or the library is another artifact's; "
                                     "recompile the artifact")
 
@@ -216,8 +232,10 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device) -> list[tvm_runtime.Tensor]:
-    """Read tensor-cache shards one tensor at a time, in the graph's parameter order.
+def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device,
+                 adapter_stacks: dict[str, np.ndarray]) -> list[tvm_runtime.Tensor]:
+    """Read tensor-cache shards one tensor at a time, in the graph's parameter order, the adapter parameters being
+    `adapter_stacks`' arrays (a CPU artifact's), wrapped.
 
     On a CPU the weights are read straight into one huge-page arena (`_weight_arena`) and
     wrapped without a copy; on a GPU each tensor goes through a host buffer to the device.
@@ -235,7 +253,7 @@ def _load_params(params_dir: Path, manifest: Manifest, dev: tvm_runtime.Device) 
     _check_param_types(shards, manifest.param_types)
     records = [record for _, shard_records in shards for record in shard_records]
     arena = _weight_arena(sum(aligned(record["nbytes"]) for record in records)) if dev == tvm_runtime.cpu(0) else None
-    loaded: dict[str, tvm_runtime.Tensor] = {}
+    loaded = {name: tvm_runtime.from_dlpack(array) for name, array in adapter_stacks.items()}
     start = 0  # of the next tensor in the arena
     for shard_path, shard_records in shards:
         with open(shard_path, "rb") as f:

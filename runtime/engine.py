@@ -14,7 +14,7 @@ passes the length where the rotary factors switch (`runtime/longrope.py`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,6 +25,7 @@ from tvm import runtime as tvm_runtime
 from ember.core.errors import GenerationError
 from ember.runtime.artifact import Artifact
 from ember.runtime.longrope import LongropeKeys
+from ember.runtime.lora import AdapterSlots, check_adapter_choice
 
 if TYPE_CHECKING:
     from ember.core.manifest import Manifest
@@ -119,9 +120,13 @@ class SequenceEngine(Protocol):
     kv_capacity: int
     verify_tokens: int
     has_embeddings: bool
+    @property
+    def adapters(self) -> Mapping[str, Path]: ...
 
     @property
     def artifact(self) -> ArtifactView: ...
+
+    def set_adapter(self, seq_id: int, name: str | None, scale: float = 1.0) -> None: ...
 
     def add_sequence(self) -> int: ...
 
@@ -162,6 +167,11 @@ class Engine(SequenceChecks):
         self._longrope = LongropeKeys(int(long_above)) if long_above is not None else None
         self._vm = artifact.vm
         self._params = artifact.params
+        # Adapter slots (`ember compile --lora-rank`): `load_adapter` fills them; a sequence's (slot, scale) is fed
+        # to every call that runs it, (0, 0.0) being the base model.
+        lora = artifact.manifest.lora
+        self._slots = AdapterSlots(lora, artifact.adapter_stacks) if lora is not None else None
+        self._adapter_of: dict[int, tuple[int, float]] = {}
         # Every page is allocated now: max_batch full contexts, or fewer tokens in all
         # when that is what the artifact's memory budget holds.
         self.kv_capacity = min(self.context_window * self.max_batch, kv["max_total_tokens"])
@@ -178,6 +188,31 @@ class Engine(SequenceChecks):
         self._f_popn = _builtin("kv_state_popn")
         self._f_begin = _builtin("kv_state_begin_forward")
         self._f_end = _builtin("kv_state_end_forward")
+
+    @property
+    def adapters(self) -> Mapping[str, Path]:
+        """The LoRA adapters loaded, by name in slot order: each one's directory."""
+        if self._slots is None:
+            return {}
+        return {name: adapter.path for name, (_slot, adapter) in self._slots.adapters.items()}
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        """Load the PEFT LoRA adapter at `path` into a free adapter slot as `name` (`ember.runtime.lora`)."""
+        if self._slots is None:
+            raise GenerationError(f"LoRA adapter {name}: this artifact has no adapter slots; recompile it with "
+                                  "`ember compile --lora-rank R`")
+        self._slots.load(name, path)
+
+    def set_adapter(self, seq_id: int, name: str | None, scale: float = 1.0) -> None:
+        """Run `seq_id` from now on with the adapter loaded as `name` at `scale` (None: the base model). A prefix
+        cached under one adapter is another adapter's wrong context: the scheduler keys its cache on both."""
+        self._check_known(seq_id)
+        if name is None:
+            self._adapter_of.pop(seq_id, None)
+            return
+        check_adapter_choice(tuple(self.adapters), name, scale)
+        assert self._slots is not None
+        self._adapter_of[seq_id] = (self._slots.slot(name), float(scale))
 
     def add_sequence(self) -> int:
         """Start an empty sequence; returns its id."""
@@ -199,6 +234,8 @@ class Engine(SequenceChecks):
         self._lengths[child] = length
         if self._longrope is not None:
             self._longrope.fork(parent, child, length)
+        if parent in self._adapter_of:
+            self._adapter_of[child] = self._adapter_of[parent]
         return child
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -206,6 +243,7 @@ class Engine(SequenceChecks):
         self._check_known(seq_id)
         self._f_remove(self.kv_cache, seq_id)
         del self._lengths[seq_id]
+        self._adapter_of.pop(seq_id, None)
         if self._longrope is not None:
             self._longrope.remove(seq_id)
 
@@ -330,6 +368,10 @@ class Engine(SequenceChecks):
         On a CPU the logits are the VM's own output buffer, viewed, not copied: each call returns a new
         buffer, which the array keeps alive. A copy of a batch's logits was a measurable share of a small
         model's decode step (docs/benchmarks.md#schedule-measurements)."""
+        if self._slots is not None:  # each token's adapter slot and scale, its sequence's
+            adapters = [self._adapter_of.get(seq_id, (0, 0.0)) for seq_id in seq_ids]
+            inputs += (np.repeat(np.array([slot for slot, _ in adapters], np.int32), counts),
+                       np.repeat(np.array([scale for _, scale in adapters], np.float32), counts))
         self._f_begin(self.kv_cache, _ShapeTuple(seq_ids), _ShapeTuple(counts))
         out = self._vm[function](*(tvm_runtime.tensor(x, self.artifact.device) for x in inputs), self.kv_cache,
                                  *self._params)

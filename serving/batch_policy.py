@@ -12,8 +12,8 @@ data (tests/test_batch_policy.py).
   so a large request is never starved by small ones. The cache can never fill up under a running request.
 - **Cache entries never make a request wait.** A finished request's sequence kept by the prefix cache is evicted,
   least recently used first, as soon as a slot or pages are needed. A prompt that starts with tokens a running or
-  cached sequence holds forks its pages; when the matched entry alone stands in the way, the request takes that
-  entry over, cut to the shared part.
+  cached sequence of the same LoRA adapter holds forks its pages; when the matched entry alone stands in the way,
+  the request takes that entry over, cut to the shared part.
 - **A long prompt holds running streams back by one bounded chunk.** Each step reads one chunk of the oldest
   prompt not yet read, then decodes every request with a token to feed (one whose prompt that chunk completed
   included). While others decode, the chunk is cut to the whole pages prefill reads in `max_decode_stall` seconds
@@ -52,8 +52,10 @@ class Limits:
 class PlannedRequest:
     """A request's scheduling state; the scheduler's own request type adds its decoding and delivery."""
 
-    def __init__(self, prompt_ids: list[int], reserve: int, index: int = 0) -> None:
+    def __init__(self, prompt_ids: list[int], reserve: int, index: int = 0,
+                 adapter: tuple[str, float] | None = None) -> None:
         self.prompt_ids = prompt_ids
+        self.adapter = adapter  # the LoRA adapter (name, scale) it runs with; None: the base model
         self.reserve = reserve  # KV tokens held for it: prompt + max_new_tokens within the context, page-rounded
         self.index = index  # the choice it is, of a request for several
         self.followers: list[Self] = []  # choices 1..n-1: they fork this one's pages once its prompt is read
@@ -123,7 +125,7 @@ class BatchPolicy(Generic[R]):
         if len(self.running) + sequences > self.limits.max_batch or self.reserved + reserve > self.limits.kv_capacity:
             return None
         self.waiting.popleft()
-        parent, shared = self.prefix.match(request.prompt_ids) if self.prefix else (None, 0)
+        parent, shared = self.prefix.match(request.prompt_ids, request.adapter) if self.prefix else (None, 0)
         take_over = (parent is not None and self.prefix is not None and self.prefix.is_finished(parent)
                      and not self._fits(reserve, parent, sequences))
         if take_over:
@@ -138,7 +140,7 @@ class BatchPolicy(Generic[R]):
         if admission.parent is not None:
             request.prefilled = request.reused = admission.shared
         if self.prefix:
-            self.prefix.add(seq_id, request.prompt_ids[:admission.shared])
+            self.prefix.add(seq_id, request.prompt_ids[:admission.shared], request.adapter)
         self.reserved += request.reserve * len(request.group)
         self.running.extend(request.group)
 
@@ -147,7 +149,7 @@ class BatchPolicy(Generic[R]):
         follower.seq_id = seq_id
         follower.prefilled = len(follower.prompt_ids)
         if self.prefix:
-            self.prefix.add(seq_id, follower.prompt_ids)
+            self.prefix.add(seq_id, follower.prompt_ids, follower.adapter)
 
     def room_for(self, tokens: int) -> list[int] | None:
         """The cache entries to free (least recently used first) for a sequence of `tokens` that no admitted request

@@ -7,6 +7,9 @@ request whose prompt starts with tokens some sequence holds forks that sequence'
 and prefills only the rest. Finished entries are evicted least recently used first when
 a request needs their sequence slot or KV pages.
 
+A sequence run with a LoRA adapter holds that adapter's keys and values: it matches only prompts
+for the same adapter at the same scale (`adapter`, None for the base model).
+
 A flat table, not a radix tree: every entry is an engine sequence, and the engine holds
 at most `max_batch` of them (running ones included), so a lookup compares the prompt with
 a handful of token lists, vectorised, in microseconds next to a prefill. A tree would pay
@@ -17,7 +20,7 @@ node bookkeeping on every step for no faster lookup at this size; what it would 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -28,11 +31,14 @@ class PrefixCache:
     def __init__(self, min_prefix: int) -> None:
         self.min_prefix = max(min_prefix, 1)  # shorter shared prefixes are not worth a fork
         self._tokens: dict[int, list[int]] = {}
+        self._adapters: dict[int, Hashable] = {}  # the adapter each sequence runs with, where it has one
         self._finished: OrderedDict[int, None] = OrderedDict()  # least recently used first
 
-    def add(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Register a running sequence that holds `tokens`."""
+    def add(self, seq_id: int, tokens: Sequence[int], adapter: Hashable = None) -> None:
+        """Register a running sequence that holds `tokens`, run with `adapter`."""
         self._tokens[seq_id] = list(tokens)
+        if adapter is not None:
+            self._adapters[seq_id] = adapter
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Record tokens just written to a running sequence's KV cache."""
@@ -45,6 +51,7 @@ class PrefixCache:
     def remove(self, seq_id: int) -> None:
         """Forget a sequence (freed, evicted, or taken over by a new request)."""
         self._tokens.pop(seq_id, None)
+        self._adapters.pop(seq_id, None)
         self._finished.pop(seq_id, None)
 
     def is_finished(self, seq_id: int) -> bool:
@@ -59,9 +66,9 @@ class PrefixCache:
         """Cache entries, least recently used first."""
         return list(self._finished)
 
-    def match(self, prompt: Sequence[int]) -> tuple[int | None, int]:
-        """(sequence, length) of the longest prefix of `prompt` minus its last token that a sequence
-        holds, at least `min_prefix` tokens; (None, 0) if none. A matched entry becomes the most
+    def match(self, prompt: Sequence[int], adapter: Hashable = None) -> tuple[int | None, int]:
+        """(sequence, length) of the longest prefix of `prompt` minus its last token that a sequence run with
+        `adapter` holds, at least `min_prefix` tokens; (None, 0) if none. A matched entry becomes the most
         recently used. The last prompt token is always left to prefill: it gives the first logits."""
         usable = len(prompt) - 1
         if usable < self.min_prefix or not self._tokens:
@@ -70,7 +77,7 @@ class PrefixCache:
         best, best_length = None, 0
         for seq_id, tokens in self._tokens.items():
             n = min(len(tokens), usable)
-            if n <= best_length:
+            if n <= best_length or self._adapters.get(seq_id) != adapter:
                 continue
             differ = np.flatnonzero(np.asarray(tokens[:n], dtype=np.int64) != target[:n])
             length = int(differ[0]) if differ.size else n

@@ -42,6 +42,7 @@ NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledE
 MAX_CHOICES = 16  # `n`, as llama-server bounds it; the artifact's --max-batch may bound it lower
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, OpenAI's limit
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: each is a request of the scheduler's queue
+MAX_LORA_SCALE = 10.0  # a request's adapter scale, either sign: beyond it an adapter swamps the model it adapts
 
 
 class ApiError(Exception):
@@ -109,6 +110,13 @@ class StreamOptions(ApiModel):
     include_usage: bool = False
 
 
+class LoraScale(ApiModel):
+    """One entry of llama-server's per-request `lora` list: an adapter by its id (`GET /lora-adapters`) and scale."""
+
+    id: int = Field(ge=0)
+    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
 class SamplingFields(ApiModel):
     """Fields common to both completion endpoints, with OpenAI's ranges."""
 
@@ -127,6 +135,7 @@ class SamplingFields(ApiModel):
     stream_options: StreamOptions | None = None
     response_format: JsonObject | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    lora: list[LoraScale] | None = None  # an extension, as in llama-server: the adapter and its scale
 
     def token_limit(self) -> int | None:
         """The most tokens to generate, if the request set it."""
@@ -224,11 +233,33 @@ def parse_request(body: bytes, schema: type[Request]) -> Request:
         raise ApiError(400, f"{where or 'body'}: {worst['msg']}", param=param, code="invalid_value") from None
 
 
-def check_model(name: str, served: str) -> None:
-    """Refuse a model name other than the one served, with OpenAI's 404."""
-    if name != served:
-        raise ApiError(404, f"the model {name!r} does not exist; this server has {served!r}",
+def check_model(name: str, served: str, adapters: Sequence[str] = ()) -> None:
+    """Refuse a model name other than the one served or one of its LoRA adapters', with OpenAI's 404."""
+    if name != served and name not in adapters:
+        also = f" and its LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise ApiError(404, f"the model {name!r} does not exist; this server has {served!r}{also}",
                        param="model", code="model_not_found")
+
+
+def adapter_choice(fields: SamplingFields, adapters: Sequence[str]) -> tuple[str, float] | None:
+    """The LoRA adapter (name, scale) a request runs with, or None for the base model: the adapter its `model`
+    names (as vLLM's clients pick one), at scale 1 or at the scale of its `lora` entry; or the one adapter of
+    non-zero scale its `lora` list names by id (llama-server's form). One adapter a request."""
+    named = fields.model if fields.model in adapters else None
+    chosen = [entry for entry in fields.lora or () if entry.scale != 0]
+    if len(chosen) > 1:
+        raise ApiError(400, f"lora: {len(chosen)} adapters of non-zero scale; ember applies one adapter a request",
+                       param="lora", code="invalid_value")
+    if not chosen:
+        return None if named is None or fields.lora else (named, 1.0)
+    entry = chosen[0]
+    if entry.id >= len(adapters):
+        raise ApiError(400, f"lora: no adapter has id {entry.id}; this server has {len(adapters)} (GET /lora-adapters)",
+                       param="lora", code="invalid_value")
+    if named is not None and adapters[entry.id] != named:
+        raise ApiError(400, f"lora: id {entry.id} is the adapter {adapters[entry.id]!r}, the request's model is "
+                            f"{named!r}", param="lora", code="invalid_value")
+    return adapters[entry.id], entry.scale
 
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
@@ -391,9 +422,10 @@ def logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, fl
     return parsed
 
 
-def model_card(name: str, created: int, context_window: int) -> JsonObject:
-    """The model object of GET /v1/models/NAME."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "ember", "max_model_len": context_window}
+def model_card(name: str, created: int, context_window: int, parent: str | None = None) -> JsonObject:
+    """The model object of GET /v1/models/NAME; a LoRA adapter's names its base model as `parent` (as vLLM's)."""
+    card = {"id": name, "object": "model", "created": created, "owned_by": "ember", "max_model_len": context_window}
+    return card if parent is None else {**card, "parent": parent}
 
 
 def usage(lasts: Sequence[StreamEvent], choices: int = 1) -> dict[str, int]:

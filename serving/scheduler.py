@@ -46,6 +46,7 @@ import numpy as np
 from ember.core.errors import GenerationError
 from ember.runtime.engine import SequenceEngine
 from ember.runtime.generate import Decoding, LogitsProcessor
+from ember.runtime.lora import check_adapter_choice
 from ember.runtime.sampling import MAX_SEED, SamplingParams, TokenLogprob
 from ember.runtime.speculative import Speculation
 from ember.serving.batch_policy import DEFAULT_MAX_DECODE_STALL, Admission, BatchPolicy, Limits, PlannedRequest
@@ -153,8 +154,9 @@ class _Request(PlannedRequest):
     """A request as the engine loop sees it: its scheduling state, decoding and delivery."""
 
     def __init__(self, prompt_ids: list[int], decoding: Decoding, reserve: int,
-                 emit: Callable[[StreamEvent | BaseException], None], index: int = 0) -> None:
-        super().__init__(prompt_ids, reserve, index)
+                 emit: Callable[[StreamEvent | BaseException], None], index: int = 0,
+                 adapter: tuple[str, float] | None = None) -> None:
+        super().__init__(prompt_ids, reserve, index, adapter)
         self.decoding = decoding
         self.emit = emit
         self.submitted = time.monotonic()
@@ -215,10 +217,11 @@ class Scheduler:
 
     async def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                      logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None = None,
-                     n: int = 1) -> TokenStream:
-        """Queue a request for `n` choices (with n > 1, a logits processor is one per choice); iterate the
-        returned stream for the events of all. Raises `GenerationError` for a request that can never run,
-        `QueueFullError` when the queue is full."""
+                     n: int = 1, adapter: tuple[str, float] | None = None) -> TokenStream:
+        """Queue a request for `n` choices (with n > 1, a logits processor is one per choice), run with the LoRA
+        `adapter` (name, scale) the engine loaded, or the base model; iterate the returned stream for the events
+        of all. Raises `GenerationError` for a request that can never run, `QueueFullError` when the queue is
+        full."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
 
@@ -227,15 +230,16 @@ class Scheduler:
             # event loop for the whole batch's events, not one per request.
             self._outbox.setdefault(loop, []).append((request, events, item))
 
-        request = self._enqueue(prompt_ids, params, logits_processor, emit, n)
+        request = self._enqueue(prompt_ids, params, logits_processor, emit, n, adapter)
         return TokenStream(self, request, events)
 
     def submit_sync(self, prompt_ids: Sequence[int], params: SamplingParams,
-                    logits_processor: LogitsProcessor | None = None) -> Iterator[StreamEvent]:
+                    logits_processor: LogitsProcessor | None = None,
+                    adapter: tuple[str, float] | None = None) -> Iterator[StreamEvent]:
         """`submit` for synchronous code: queue the request now, iterate for its events
         (closing the iterator early cancels the request)."""
         events: queue.SimpleQueue[StreamEvent | BaseException] = queue.SimpleQueue()
-        request = self._enqueue(prompt_ids, params, logits_processor, events.put)
+        request = self._enqueue(prompt_ids, params, logits_processor, events.put, adapter=adapter)
 
         def iterate() -> Iterator[StreamEvent]:
             try:
@@ -322,7 +326,8 @@ class Scheduler:
 
     def _enqueue(self, prompt_ids: Sequence[int], params: SamplingParams,
                  logits_processor: LogitsProcessor | Sequence[LogitsProcessor | None] | None,
-                 emit: Callable[[StreamEvent | BaseException], None], n: int = 1) -> _Request:
+                 emit: Callable[[StreamEvent | BaseException], None], n: int = 1,
+                 adapter: tuple[str, float] | None = None) -> _Request:
         engine = self.engine
         prompt = [int(token) for token in prompt_ids]
         if not prompt:
@@ -333,13 +338,15 @@ class Scheduler:
             raise GenerationError(f"the prompt is {len(prompt)} tokens, more than the context window of "
                                   f"{engine.context_window} tokens")
         processors = self._choice_processors(logits_processor, n)
+        if adapter is not None:
+            check_adapter_choice(tuple(engine.adapters), *adapter)
         reserve = self._policy.limits.pages(min(len(prompt) + params.max_new_tokens, engine.context_window))
         if reserve * n > engine.kv_capacity:
             raise GenerationError(f"the prompt and max_new_tokens need {reserve * n} KV cache tokens"
                                   f"{f' for {n} choices' if n > 1 else ''}; the cache holds {engine.kv_capacity}")
         request, *followers = [
             _Request(prompt, Decoding(engine, prompt, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-                                      processors[i]), reserve, emit, index=i) for i in range(n)]
+                                      processors[i]), reserve, emit, index=i, adapter=adapter) for i in range(n)]
         request.followers = followers
         for follower in followers:
             follower.leader = request
@@ -475,7 +482,10 @@ class Scheduler:
         for seq_id in admission.evicted:
             engine.remove_sequence(seq_id)
         if parent is None:
-            return engine.add_sequence()
+            seq = engine.add_sequence()
+            if admission.request.adapter is not None:  # a fork or a taken-over entry has the parent's already
+                engine.set_adapter(seq, *admission.request.adapter)
+            return seq
         if admission.take_over:
             engine.truncate(parent, admission.shared)
             return parent

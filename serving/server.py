@@ -71,6 +71,7 @@ from ember.serving.protocol import (
     FieldNames,
     Reply,
     ReplyShape,
+    adapter_choice,
     chat_messages,
     chat_tools,
     check_choices,
@@ -227,7 +228,12 @@ class _Api:
         self.api_key = api_key
         self.tokenizer: Tokenizer | None = self.engine.artifact.tokenizer
         self.constraints = JsonConstraints(self.engine.artifact, self.engine.vocab_size)
-        self.card = model_card(model_name, int(time.time()), self.engine.context_window)
+        created = int(time.time())
+        self.card = model_card(model_name, created, self.engine.context_window)
+        # The LoRA adapters the engine loaded (`ember serve --lora`), each a model of its own name.
+        self.adapters = tuple(self.engine.adapters)
+        self.adapter_cards = {name: model_card(name, created, self.engine.context_window, parent=model_name)
+                              for name in self.adapters}
         self.page = chat_page_html(api_key is not None)
 
     def authorize(self, request: HttpRequest) -> None:
@@ -248,7 +254,7 @@ class _Api:
         fields = parse_request(await read_body(request), schema)
         model = getattr(fields, "model", None)
         if isinstance(model, str):
-            check_model(model, self.model_name)
+            check_model(model, self.model_name, self.adapters)
         return fields
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -256,7 +262,7 @@ class _Api:
         fields = await self.read(request, ChatRequest)
         chat = await self._chat_prompt(fields, chat_messages(fields), CHAT_FIELDS)
         stream = await self._generate(chat.fields, [chat.prompt_ids], CHAT_FIELDS, chat.tools)
-        reply = Reply.to(chat.fields, self.model_name, self._token_text, chat.tools)
+        reply = Reply.to(chat.fields, chat.fields.model, self._token_text, chat.tools)
         return _with_dropped_turns(await _respond(request, stream, reply), chat)
 
     async def responses(self, request: HttpRequest) -> Response:
@@ -265,7 +271,7 @@ class _Api:
         fields = responses.chat_request(body)
         chat = await self._chat_prompt(fields, template_messages(fields.messages), RESPONSES_FIELDS)
         stream = await self._generate(chat.fields, [chat.prompt_ids], RESPONSES_FIELDS, chat.tools)
-        return _with_dropped_turns(await _respond(request, stream, ResponsesReply(body, self.model_name, chat.tools)),
+        return _with_dropped_turns(await _respond(request, stream, ResponsesReply(body, body.model, chat.tools)),
                                    chat)
 
     async def messages(self, request: HttpRequest) -> Response:
@@ -273,7 +279,7 @@ class _Api:
         body = await self.read(request, MessagesRequest)
         fields = anthropic_messages.chat_request(body)
         chat = await self._chat_prompt(fields, template_messages(fields.messages), CHAT_FIELDS)
-        reply = MessagesReply(body, self.model_name, chat.tools, len(chat.prompt_ids), self._need_tokenizer().decode)
+        reply = MessagesReply(body, body.model, chat.tools, len(chat.prompt_ids), self._need_tokenizer().decode)
         return await _respond(request, await self._generate(chat.fields, [chat.prompt_ids], CHAT_FIELDS, chat.tools),
                               reply)
 
@@ -298,7 +304,7 @@ class _Api:
 
         prompt_ids, echo = await _off_loop(tokenized, "prompt")
         stream = await self._generate(fields, prompt_ids, COMPLETION_FIELDS)
-        reply = Reply.to(fields, self.model_name, self._token_text, echo=echo, prompts=len(prompt_ids))
+        reply = Reply.to(fields, fields.model, self._token_text, echo=echo, prompts=len(prompt_ids))
         return await _respond(request, stream, reply)
 
     async def embeddings(self, request: HttpRequest) -> Response:
@@ -371,13 +377,17 @@ class _Api:
             tokenizer.eos_token if tokenizer else None))
 
     async def models(self) -> Response:
-        """GET /v1/models."""
-        return JSONResponse({"object": "list", "data": [self.card]})
+        """GET /v1/models: the model, then its LoRA adapters."""
+        return JSONResponse({"object": "list", "data": [self.card, *self.adapter_cards.values()]})
 
     async def model(self, model: str) -> Response:
         """GET /v1/models/NAME: the openai client's models.retrieve(name) (a name may hold a slash)."""
-        check_model(model, self.model_name)
-        return JSONResponse(self.card)
+        check_model(model, self.model_name, self.adapters)
+        return JSONResponse(self.adapter_cards.get(model, self.card))
+
+    async def lora_adapters(self) -> Response:
+        """GET /lora-adapters (llama-server's): the adapters loaded, by id, with their paths."""
+        return JSONResponse(utilities.lora_adapters(self.engine.adapters))
 
     async def chat_page(self) -> Response:
         """GET /: the chat page, which holds no secret and asks for the API key when the API wants one."""
@@ -437,7 +447,8 @@ class _Api:
         try:
             for ids, prompt_params in zip(prompts, params):
                 processors = await self._processors(fields, tools, names)
-                streams.append(await self.scheduler.submit(ids, prompt_params, processors, n=fields.n))
+                streams.append(await self.scheduler.submit(ids, prompt_params, processors, n=fields.n,
+                                                           adapter=adapter_choice(fields, self.adapters)))
         except BaseException as err:
             for stream in streams:
                 stream.cancel()

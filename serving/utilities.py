@@ -1,5 +1,6 @@
 """llama.cpp's utility endpoints as llama-server names them, for the tools written against it: `/tokenize`,
-`/detokenize`, `/apply-template` and `/props` (no HTTP here: the request bodies, their checks, and the answers).
+`/detokenize`, `/apply-template`, `/props` and `/lora-adapters` (no HTTP here: the request bodies, their checks,
+and the answers).
 
 Where ember differs, it says so rather than pretend: `/detokenize` drops special tokens (the tokenizer's decode, as
 every reply's text is made); `/props` reports only what holds for ember.
@@ -7,7 +8,7 @@ every reply's text is made); `/props` reports only what holds for ember.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,10 @@ def props(model_name: str, artifact_path: Path, context_window: int, max_batch: 
         "total_slots": max_batch, "model_alias": model_name, "model_path": str(artifact_path),
         "chat_template": chat_template or "", "bos_token": bos_token, "eos_token": eos_token,
         "modalities": {"vision": False, "audio": False}, "build_info": f"ember {metadata.version('ember')}"}
+
+
+def lora_adapters(adapters: Mapping[str, Path]) -> list[JsonObject]:
+    """GET /lora-adapters: each loaded adapter's id (what a request's `lora` list names), name and directory, at the
+    scale a request that names it by `model` runs it with, as llama-server lists its adapters."""
+    return [{"id": index, "name": name, "path": str(path), "scale": 1.0}
+            for index, (name, path) in enumerate(adapters.items())]

@@ -240,7 +240,8 @@ class Served:
     `openai` client for it. Needs the serve extra and the `openai` client: skip on them before using it."""
 
     def __init__(self, artifact_dir: Path, api_key: str | None = None, max_queue: int = 256,
-                 kv_capacity: int | None = None, speculation=None, pooling: str = "mean") -> None:
+                 kv_capacity: int | None = None, speculation=None, pooling: str = "mean",
+                 adapters: dict[str, Path] | None = None) -> None:
         import openai
 
         from ember.runtime import Engine, load_artifact
@@ -248,6 +249,8 @@ class Served:
         from ember.serving.server import Server
 
         engine = Engine(load_artifact(artifact_dir))
+        for name, path in (adapters or {}).items():  # LoRA adapters, as `ember serve --lora NAME=PATH` loads them
+            engine.load_adapter(name, path)
         if kv_capacity is not None:  # the scheduler admits by this figure: a smaller cache, as far as it knows
             engine.kv_capacity = kv_capacity
         self.scheduler = Scheduler(engine, max_queue=max_queue, speculation=speculation)

@@ -304,8 +304,8 @@ def _set_path(data, path: tuple, value):
 def test_tokenizer_files(checkpoint, edits, config_edits, whole):
     """What compile checks of tokenizer.json and tokenizer_config.json: refused naming the file, or
     files the runtime loads, whose encoding of text holds only ids inside the model's vocabulary."""
+    from ember.core.files import optional_checkpoint_file
     from ember.frontend.config import load_model_config
-    from ember.frontend.files import optional_checkpoint_file
     from ember.frontend.hf import TOKENIZER_FILES, check_tokenizer_files
     from ember.runtime.tokenizer import Tokenizer
 

@@ -10,6 +10,7 @@ from ember.cli.options import (
     add_graph_arguments,
     checkpoint_dir,
     mib,
+    name_list,
     parse_bytes,
 )
 from ember.core.errors import EmberError
@@ -60,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_graph_arguments(parser)
     _add_weight_arguments(parser)
     _add_cache_arguments(parser)
+    _add_lora_arguments(parser)
     parser.add_argument("--tuning-db", type=Path, metavar="DIR",
                         help="apply the records `ember tune` wrote on this machine; the rules schedule the rest")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -79,6 +81,17 @@ def _add_weight_arguments(parser: argparse.ArgumentParser) -> None:
                         help="q8f32/q4f32: keep the projections' activations in float. By default, on CPUs with "
                              "an int8 dot product (AVX2 and up, ARM dotprod), they are rounded to int8 per group of "
                              "32, as llama.cpp does, and multiplied in integers, which is faster")
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                        help="leave room for LoRA adapters of rank up to R, which `ember serve --lora` loads and "
+                             "each request picks (float32 compute: --quant q0f32, q8f32 or q4f32; CPU targets)")
+    parser.add_argument("--lora-slots", type=int, default=4, metavar="N",
+                        help="with --lora-rank: adapters loaded at once (default 4)")
+    parser.add_argument("--lora-targets", type=name_list, default=None, metavar="NAMES",
+                        help="with --lora-rank: the projections adapters may change, by module name as PEFT's "
+                             "target_modules (default q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
 
 
 def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from ember.schedules.tuning import describe_schedule_sources
 
     options = CompileOptions(
+        lora=_lora_slots(args),
         target=args.target,
         quantization=args.quant,
         keep_embedding=args.keep_embedding,
@@ -158,6 +172,18 @@ def run(args: argparse.Namespace) -> int:
     if args.dump_ir is not None:
         print(f"  the module after each phase of the pipeline: {args.dump_ir}")
     return 0
+
+
+def _lora_slots(args: argparse.Namespace):
+    """The adapter slots --lora-rank, --lora-slots and --lora-targets ask for, or None."""
+    if args.lora_rank is None:
+        if args.lora_targets is not None or args.lora_slots != 4:
+            raise EmberError(f"{'--lora-targets' if args.lora_targets is not None else '--lora-slots'}: applies only "
+                             "with --lora-rank R")
+        return None
+    from ember.ir_passes.add_lora_slots import DEFAULT_TARGETS, LoraSlots
+
+    return LoraSlots(args.lora_rank, args.lora_slots, tuple(args.lora_targets or DEFAULT_TARGETS))
 
 
 def _check_dump_dir(path: Path) -> None:

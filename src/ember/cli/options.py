@@ -136,6 +136,23 @@ def text(value: str) -> str:
     return value
 
 
+def name_list(value: str) -> list[str]:
+    """A comma-separated list of names (`--lora-targets q_proj,v_proj`), none empty."""
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of names, none empty")
+    return names
+
+
+def lora_adapter(value: str) -> tuple[str, Path]:
+    """`NAME=PATH`: a LoRA adapter's directory and the model name requests pick it by (`ember serve --lora`)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: give NAME=PATH, a model name for the adapter and its PEFT "
+                                         "directory")
+    return name.strip(), Path(path)
+
+
 def stop_string(value: str) -> str:
     """An argparse type: a non-empty stop string of valid UTF-8."""
     if not value:
@@ -146,7 +163,7 @@ def stop_string(value: str) -> str:
 def checkpoint_dir(argument: str) -> Path:
     """MODEL as given to compile or tune: `demo`, a checkpoint directory, a GGUF or an ONNX file; a hub id is told
     what to do."""
-    from ember.frontend.files import is_onnx_file
+    from ember.core.files import is_onnx_file
     from ember.frontend.gguf import check_gguf_header, is_gguf_file
 
     if argument in ("demo", "demo-draft"):

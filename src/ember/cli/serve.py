@@ -13,6 +13,7 @@ from pathlib import Path
 from ember.cli.options import (
     add_speculation_arguments,
     add_threads_argument,
+    lora_adapter,
     positive_int,
     seconds,
     speculation,
@@ -41,6 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="a Jinja chat template to render chats with instead of the artifact's own (e.g. one "
                              "that knows tool calls: Llama 3.1, Qwen2.5/Hermes or Mistral syntax)")
+    parser.add_argument("--lora", type=lora_adapter, action="append", default=[], metavar="NAME=PATH",
+                        help="load the PEFT LoRA adapter in directory PATH as the model NAME: a request naming NAME "
+                             "runs with it (or picks it by id and scale in llama-server's `lora` field), batched "
+                             "with the others; repeat for more, up to the artifact's --lora-slots (compiled with "
+                             "--lora-rank)")
     _add_access_arguments(parser)
     _add_scheduling_arguments(parser)
     _add_cluster_arguments(parser)
@@ -108,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     from ember.serving.assembly import serve_engine
 
     settings = _serve_settings(args, api_key)
+    _check_adapter_names(args.lora, settings.model_name)
     engine = Engine(load_artifact(args.artifact, threads=args.threads))
+    for name, path in args.lora:
+        engine.load_adapter(name, path)
     server = serve_engine(engine, settings, args.host, args.port, speculation(args, engine))
     with server.scheduler:
         print(f"ember: serving {server.model_name} at {server.url}, chat page at {server.page_url} (Ctrl-C stops)",
@@ -117,6 +126,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"ember: warning: {warning}", file=sys.stderr, flush=True)
         server.run()
     return 0
+
+
+def _check_adapter_names(adapters: list[tuple[str, Path]], model_name: str) -> None:
+    """Refuse --lora names that clash: with the model's own name, or with each other."""
+    names = [name for name, _ in adapters]
+    for name in names:
+        if name == model_name:
+            raise EmberError(f"--lora {name}=...: {name} is the model's own name (the artifact directory's); "
+                             "give the adapter another")
+        if names.count(name) > 1:
+            raise EmberError(f"--lora {name}=...: two adapters named {name}")
 
 
 def _serve_settings(args: argparse.Namespace, api_key: str | None):
@@ -140,6 +160,8 @@ def _run_cluster(args: argparse.Namespace, api_key: str | None) -> int:
         raise EmberError("--replicas 0: a cluster needs at least one replica")
     if args.speculate is not None or args.draft is not None:
         raise EmberError("--speculate/--draft: not available with --ray yet; serve without them")
+    if args.lora:
+        raise EmberError("--lora: not available with --ray yet; serve LoRA adapters without it")
     if not (args.artifact / "manifest.json").is_file():
         raise EmberError(f"{args.artifact}: not an artifact directory (no manifest.json)")
     from ember.core.manifest import check_whole_model, read_manifest

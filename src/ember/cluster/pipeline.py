@@ -23,9 +23,10 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -248,6 +249,7 @@ class PipelineEngine(SequenceChecks):
 
     verify_tokens = 0  # no speculation: `verify` goes through prefill
     has_embeddings = False
+    adapters: Mapping[str, Path] = MappingProxyType({})  # no adapter slots (`compile --lora-rank` refuses a split)
     # With max_batch and context_window, the stages' smallest figures (`_SIZES`), set once they are loaded.
     prefill_chunk: int
     page_size: int
@@ -364,6 +366,11 @@ class PipelineEngine(SequenceChecks):
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """Not available: the stages have no embed entry."""
         raise GenerationError("a pipeline artifact has no embed function")
+
+    def set_adapter(self, seq_id: int, name: str | None, scale: float = 1.0) -> None:
+        """Not available: a split model has no adapter slots."""
+        if name is not None:
+            raise GenerationError("a pipeline artifact has no LoRA adapter slots")
 
     def health(self) -> list[dict]:
         """Each stage's layers, node, pid and restarts."""

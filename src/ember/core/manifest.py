@@ -108,6 +108,27 @@ class KeptFloat(TypedDict):
     lm_head: bool
 
 
+class LoraModule(TypedDict):
+    """One projection with room for adapters: its weight parameters A [slots, rank, in] and B transposed
+    [slots, rank, out] (`schedules/lora.py`), and its sizes."""
+
+    a: str
+    b: str
+    input: int
+    output: int
+
+
+class LoraRecord(TypedDict):
+    """`lora`: room for LoRA adapters (`ember compile --lora-rank`): `slots` adapters at once, each of rank up to
+    `rank`, on the projections of `modules` (by checkpoint module name, as PEFT names them). The entries take each
+    row's adapter slot and scale (`adapter_slots`, `adapter_scales`); the adapters' parameters are not in the
+    weight shards: the runtime allocates them as zeros and fills a slot per adapter it loads."""
+
+    rank: int
+    slots: int
+    modules: dict[str, LoraModule]
+
+
 class EntryArg(TypedDict, total=False):
     """One argument or result of an entry function: a tensor's name, shape (sizes, and dimensions named where the
     call decides them, such as "seq_len") and dtype; a runtime object (the KV cache, a cache setting) by name alone."""
@@ -178,6 +199,7 @@ class Manifest:
     # One stage's: {"index": i, "count": K, "layers": [begin, end], "input": "token_ids" | "hidden",
     # "output": "hidden" | "logits", "hidden_size": H}; None (and absent) for a whole model.
     pipeline_stage: dict[str, Any] | None = None
+    lora: LoraRecord | None = None  # an artifact with adapter slots; None (and absent from the JSON) otherwise
     manifest_sha256: str = ""  # `manifest_digest` of every other field, set by `write_manifest`
 
     def entry_inputs(self, function: str) -> list[str]:
@@ -186,15 +208,15 @@ class Manifest:
         return [arg["name"] for arg in entry["inputs"]] if entry else []
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON data (the pipeline fields only where set)."""
+        """The manifest as JSON data (the pipeline and lora fields only where set)."""
         data = asdict(self)
-        for key in _PIPELINE_FIELDS:
+        for key in _OPTIONAL_FIELDS:
             if data[key] is None:
                 del data[key]
         return data
 
 
-_PIPELINE_FIELDS = ("pipeline", "pipeline_stage")
+_OPTIONAL_FIELDS = ("pipeline", "pipeline_stage", "lora")
 
 
 def required_files(data: dict[str, Any]) -> list[str]:
@@ -250,6 +272,7 @@ def read_manifest(artifact_dir: Path) -> Manifest:
                             f"manifest_sha256); recompile the artifact with `ember compile`")
     _check_fields(path, data, SCHEMA, "")
     _check_pipeline_fields(path, data)
+    _check_lora_field(path, data)
     _check_file_list(path, data["files"], required_files(data))
     _check_cpu_features(path, data["target"])
     _check_expert_bytes(path, data["memory"])
@@ -610,6 +633,30 @@ def _check_pipeline_fields(path: Path, data: dict[str, Any]) -> None:
         if stage["index"] >= stage["count"]:
             raise ArtifactError(f"{path}: manifest field pipeline_stage.index {stage['index']} is not below its "
                                 f"count {stage['count']}")
+
+
+def _check_lora_field(path: Path, data: dict[str, Any]) -> None:
+    """Refuse a `lora` field (where present) of another shape than `compile --lora-rank` writes, or naming
+    parameters the artifact does not take."""
+    lora = data.get("lora")
+    if lora is None:
+        return
+    if not isinstance(lora, dict):
+        raise ArtifactError(f"{path}: manifest field lora must be an object, got {reprlib.repr(lora)}")
+    _check_fields(path, lora, _LORA_SCHEMA, "lora.")
+    params = set(data["params"]) if isinstance(data.get("params"), list) else set()
+    for module, entry in lora["modules"].items():
+        if not isinstance(entry, dict):
+            raise ArtifactError(f"{path}: manifest field lora.modules.{module} must be an object")
+        _check_fields(path, entry, _LORA_MODULE_SCHEMA, f"lora.modules.{module}.")
+        for part in ("a", "b"):
+            if entry[part] not in params:
+                raise ArtifactError(f"{path}: manifest field lora.modules.{module}.{part} names "
+                                    f"{reprlib.repr(entry[part])}, not a parameter of the artifact")
+
+
+_LORA_SCHEMA = {"rank": _POSITIVE, "slots": _POSITIVE, "modules": _OBJECT}
+_LORA_MODULE_SCHEMA = {"a": _TEXT, "b": _TEXT, "input": _POSITIVE, "output": _POSITIVE}
 
 
 def _check_file_list(path: Path, files: dict[str, Any], required: list[str]) -> None:

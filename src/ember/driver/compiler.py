@@ -32,7 +32,10 @@ from ember.core.manifest import (
     LIBRARY_NAME,
     PARAMS_DIR,
     PROMPT_END_INPUT,
+    EntryArg,
     EntryFunction,
+    LoraModule,
+    LoraRecord,
     Manifest,
     object_arg,
     tensor_arg,
@@ -52,6 +55,7 @@ from ember.ir.quant_formats import FORMATS, QuantFormat
 from ember.ir.tvmscript import stacks_from_linecache
 from ember.ir.weight_recipes import get_recipes, weight_params
 from ember.ir_passes import pipeline
+from ember.ir_passes.add_lora_slots import ADAPTER_OP, SCALES_INPUT, SLOTS_INPUT, LoraSlots
 from ember.ir_passes.memory_report import MemoryReport, memory_report
 from ember.ir_passes.split_pipeline_stages import split_pipeline_stage, stage_layers
 from ember.runtime.artifact import BUILT_FOR_FUNCTION, CONTEXT_FIELD, PARAM_TYPES_FUNCTION, built_for
@@ -89,6 +93,7 @@ class CompileOptions:
     kv_quant: str | None = None
     embeddings: bool = False  # the `embed` entry, for `ember serve`'s /v1/embeddings (Llama family, builtin frontend)
     pipeline_stages: int | None = None  # split the layers into this many stage artifacts (OUT/stage-i)
+    lora: LoraSlots | None = None  # room for LoRA adapters that `ember serve --lora` loads
     show_progress: bool = True
 
 
@@ -130,6 +135,7 @@ def compile_model(model_dir: Path, output_dir: Path, options: CompileOptions,
         raise EmberError(f"--quant {options.quantization!r} is not supported; choose one of {', '.join(FORMATS)}")
     check_sizes(options.prefill_chunk, options.max_batch)
     _check_kv_quant(options, target)
+    _check_lora(options, target)
     check_pipeline_options(options)
     check_output_dir(output_dir)
     tuning = TuningDatabase.for_compiling(options.tuning_db) if options.tuning_db is not None else None
@@ -182,7 +188,8 @@ class _Build:
         lower_options = pipeline.LowerOptions(self.quantization, prefill_chunk, options.max_batch,
                                               options.keep_embedding, options.keep_lm_head, self.tuning,
                                               int8_activations=not options.float_activations,
-                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant)
+                                              tensor_formats=tensor_formats, kv_quant=options.kv_quant,
+                                              lora=options.lora)
         with tvm_warnings_hidden():
             lowered = pipeline.lower(mod, target, lower_options, dump_ir)
         schedules = schedule_sources(lowered)
@@ -210,6 +217,7 @@ class _Build:
                              activations(lowered), _long_factors_above(lowered))
         manifest.param_types = {p.name: {"shape": [int(n) for n in p.ty.shape], "dtype": str(p.ty.dtype)}
                                 for p in weights}
+        manifest.lora = _lora_record(options.lora, recipes, manifest.param_types)
         _add_json_function(lowered, PARAM_TYPES_FUNCTION, manifest.param_types)
         _add_json_function(lowered, BUILT_FOR_FUNCTION, {**built_for(manifest), CONTEXT_FIELD: config.context_window})
         staging.mkdir(exist_ok=True)
@@ -217,7 +225,9 @@ class _Build:
             stage("copied the library built before from an equal module (EMBER_LIBRARY_CACHE=0 builds it anew)",
                   detail=True)
         stage(f"converting weights to {_formats_used(quantized, options.quantization)}")
-        write_params(params, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
+        # Adapter slots are the runtime's to allocate (`manifest.lora`): no bytes of theirs in the shards.
+        stored = [(name, dtype) for name, dtype in params if recipes[name]["op"] != ADAPTER_OP]
+        write_params(stored, recipes, imported.weights, staging / PARAMS_DIR, options.show_progress)
         for path in imported.tokenizer_files:
             shutil.copyfile(path, staging / path.name)
         if pipeline_stage is not None:
@@ -335,6 +345,43 @@ def _attention_as_built(mod: tvm.IRModule, config: ModelConfig) -> ModelConfig:
         sliding_window=max(windows, default=0) or None, layer_windows=windows)
 
 
+def _check_lora(options: CompileOptions, target: TargetSpec) -> None:
+    """Refuse adapter slots this compile cannot build: a rank or slot count below 1, a GPU target, a float16
+    model, a split model."""
+    lora = options.lora
+    if lora is None:
+        return
+    if lora.rank < 1 or lora.slots < 1:
+        raise EmberError(f"--lora-rank {lora.rank} --lora-slots {lora.slots}: both must be at least 1")
+    if not lora.targets:
+        raise EmberError("--lora-targets: name at least one projection (e.g. q_proj,v_proj)")
+    if target.is_gpu:
+        raise EmberError(f"--lora-rank: the adapter kernel is a CPU kernel; {target.describe()} is a GPU target")
+    if FORMATS[options.quantization].dtype != "float32":
+        raise EmberError(f"--lora-rank: --quant {options.quantization} computes in "
+                         f"{FORMATS[options.quantization].dtype}; adapters are added to float32 projections "
+                         "(--quant q0f32, q8f32 or q4f32)")
+    if options.pipeline_stages is not None:
+        raise EmberError("--lora-rank cannot be combined with --pipeline-stages: adapters are not split by layers")
+
+
+def _lora_record(lora: LoraSlots | None, recipes: dict[str, dict],
+                 param_types: dict[str, dict[str, Any]]) -> LoraRecord | None:
+    """The manifest's `lora` field: each targeted module's adapter parameters and sizes, from their recipes."""
+    if lora is None:
+        return None
+    modules: dict[str, LoraModule] = {}
+    for name, recipe in recipes.items():
+        if recipe["op"] == ADAPTER_OP:
+            entry = modules.setdefault(recipe["module"], {"a": "", "b": "", "input": 0, "output": 0})
+            size = param_types[name]["shape"][2]
+            if recipe["part"] == "A":
+                entry.update(a=name, input=size)
+            else:
+                entry.update(b=name, output=size)
+    return {"rank": lora.rank, "slots": lora.slots, "modules": modules}
+
+
 def _check_kv_quant(options: CompileOptions, target: TargetSpec) -> None:
     """Refuse a --kv-quant this compile cannot build: an unknown one, a GPU target, a float16 model."""
     if options.kv_quant is None:
@@ -423,6 +470,13 @@ def _long_factors_above(lowered: tvm.IRModule) -> int | None:
     return None if switch is None else int(switch)
 
 
+def _adapter_inputs(lora: LoraSlots | None, tokens: str) -> list[EntryArg]:
+    """The entries' inputs naming each token's adapter slot and scale, in an artifact with adapter slots."""
+    if lora is None:
+        return []
+    return [tensor_arg(SLOTS_INPUT, [tokens], "int32"), tensor_arg(SCALES_INPUT, [tokens], "float32")]
+
+
 def _manifest(imported, config, target, options, prefill_chunk, params, memory, model_dir, source,
               activations, long_factors_above: int | None) -> Manifest:
     max_context = memory.max_context(options.memory_budget) if options.memory_budget else config.context_window
@@ -431,6 +485,7 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
     kv_tokens = (memory.kv_capacity(options.memory_budget, options.max_batch) if options.memory_budget
                  else options.max_batch * config.context_window)
     ends = [tensor_arg(PROMPT_END_INPUT, [1], "int32")] if long_factors_above is not None else []
+    adapters = {tokens: _adapter_inputs(options.lora, tokens) for tokens in ("seq_len", "batch_size", "n")}
     cache = object_arg("kv_cache")
     switch = {"long_factors_above": long_factors_above} if long_factors_above is not None else {}
     return Manifest(
@@ -445,15 +500,16 @@ def _manifest(imported, config, target, options, prefill_chunk, params, memory, 
         target=target.to_json(),
         entry_functions={
             "prefill": {"inputs": [tensor_arg("input_ids", [1, "seq_len"], "int32"),
-                                   tensor_arg("logit_positions", ["num_logits"], "int32"), *ends, cache],
+                                   tensor_arg("logit_positions", ["num_logits"], "int32"), *ends,
+                                   *adapters["seq_len"], cache],
                         "outputs": [tensor_arg("logits", [1, "num_logits", "vocab"], "float32"), cache]},
-            "decode": {"inputs": [tensor_arg("input_ids", ["batch_size", 1], "int32"), cache],
+            "decode": {"inputs": [tensor_arg("input_ids", ["batch_size", 1], "int32"), *adapters["batch_size"], cache],
                        "outputs": [tensor_arg("logits", ["batch_size", 1, "vocab"], "float32"), cache]},
-            "verify": {"inputs": [tensor_arg("input_ids", [1, "n"], "int32"), *ends, cache],
+            "verify": {"inputs": [tensor_arg("input_ids", [1, "n"], "int32"), *ends, *adapters["n"], cache],
                        "outputs": [tensor_arg("logits", [1, "n", "vocab"], "float32"), cache],
                        # Like a prefill chunk, no more tokens than a window.
                        "max_tokens": min(VERIFY_TOKENS, config.sliding_window or VERIFY_TOKENS)},
-            **({"embed": {"inputs": [tensor_arg("input_ids", [1, "seq_len"], "int32"), cache],
+            **({"embed": {"inputs": [tensor_arg("input_ids", [1, "seq_len"], "int32"), *adapters["seq_len"], cache],
                           "outputs": [tensor_arg("hidden", [1, "seq_len", "hidden_size"], "float32"), cache]}}
                if options.embeddings else {}),
             "create_paged_kv_cache": {"inputs": [object_arg(name) for name in CREATE_ARGUMENTS]},

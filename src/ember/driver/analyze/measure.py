@@ -46,6 +46,7 @@ from tvm import runtime as tvm_runtime
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from ember.core.errors import ArtifactError, EmberError, ModelError
+from ember.core.files import read_json_object
 from ember.core.manifest import LIBRARY_NAME, Manifest
 from ember.driver.analyze.operators import (
     Architecture,
@@ -60,7 +61,6 @@ from ember.driver.analyze.operators import (
 from ember.driver.analyze.roofline import Point, StageResult, evaluate, place
 from ember.driver.tvm_log import tvm_warnings_hidden
 from ember.frontend.config import ModelConfig
-from ember.frontend.files import read_json_object
 from ember.frontend.hf import build_module
 from ember.frontend.records import recorded_config_dir, recorded_formats, recorded_frontend
 from ember.frontend.source import import_model

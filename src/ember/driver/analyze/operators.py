@@ -36,8 +36,8 @@ from pathlib import Path
 
 from ember import DEMO_MODEL_DIR
 from ember.core.errors import ModelError
+from ember.core.files import read_json_object
 from ember.frontend.config import SUPPORTED_MODEL_TYPES, ModelConfig, imported_config, parse_model_config
-from ember.frontend.files import read_json_object
 from ember.frontend.gguf import gguf_config, is_gguf_file, open_gguf, read_through_transformers
 from ember.frontend.gguf_traced import transformers_config
 from ember.ir.quant_formats import FORMATS

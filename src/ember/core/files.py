@@ -1,6 +1,6 @@
-"""The files of a checkpoint directory, opened as if a stranger wrote them.
+"""The files of a checkpoint or adapter directory, opened as if a stranger wrote them.
 
-Every file the frontend reads goes through `checkpoint_file`: a name from a
+Every file the frontend (and the runtime, for a LoRA adapter) reads goes through `checkpoint_file`: a name from a
 config or an index (`../../etc/passwd`, an absolute path) or a symlink
 (`tokenizer.json -> /etc/passwd`, which would be copied into the artifact) must
 not reach outside the model directory, and a FIFO or device must not be opened
