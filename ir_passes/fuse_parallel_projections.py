@@ -10,6 +10,8 @@ rewrites them into
     y   = matmul(x, permute_dims(W_fused))    W_fused = concat(W_1 .. W_n, axis=0)
     y_i = split(y, [N_1, N_1 + N_2, ...], axis=-1)[i]
 
+(`W_fused`'s recipe records each member's rows, N_1 .. N_n.)
+
 Why: decode reads the activation once and runs one GEMV with N_1 + ... + N_n rows
 to divide among cores instead of n small ones; prefill gets one wider GEMM. The
 model definition keeps Hugging Face's separate projections; only the graph changes.
@@ -64,13 +66,16 @@ def fuse_parallel_projections(tensor_formats: Mapping[str, Any] | None = None) -
 def _fuse(mod: tvm.IRModule, names: list[str], recipes: dict, groups: list[tuple[str, ...]]) -> tvm.IRModule:
     """`mod` with each group's weights one parameter (and recipe) in the functions `names`."""
     fused_name = {group: _fused_param_name(group) for group in groups}
+    rows = {p.name: int(p.ty.shape[0]) for p in weight_params(mod[names[0]])}
     new_recipes = {}
     for name, recipe in recipes.items():
         group = next((g for g in groups if name in g), None)
         if group is None:
             new_recipes[name] = recipe
         elif name == group[0]:
-            new_recipes[fused_name[group]] = {"op": "concat", "axis": 0, "inputs": [recipes[m] for m in group]}
+            # `rows`: each member's, so later passes know which rows (output features) are whose.
+            new_recipes[fused_name[group]] = {"op": "concat", "axis": 0, "inputs": [recipes[m] for m in group],
+                                              "rows": [rows[m] for m in group]}
     rewritten = {name: _rewrite_function(mod[name], groups, fused_name) for name in names}
     return set_recipes(replace_functions(mod, rewritten), new_recipes)
 

@@ -95,10 +95,10 @@ def graph_passes(target: TargetSpec, options: LowerOptions) -> list[tvm.transfor
         fold_permute_chains,
         # An imported graph's RMSNorm, written out as elementwise operators, becomes one operator.
         fuse_rms_norm,
-        # With --lora-rank, each targeted projection adds its row's adapter term; before fusion, which keeps them.
-        *([add_lora_slots(options.lora, target.vector_bits)] if options.lora else []),
         # q/k/v and gate/up become one projection each: fewer, wider GEMVs.
         fuse_parallel_projections(tensor_formats),
+        # With --lora-rank, each targeted projection (fused or not) adds its tokens' adapter terms in one kernel.
+        *([add_lora_slots(options.lora, target.vector_bits)] if options.lora else []),
         # The fused q/k/v output, split and concatenated again for the KV cache: a reshape;
         # then chains of reshapes (heads views around attention) become one each.
         fold_split_concat,

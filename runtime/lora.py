@@ -4,10 +4,10 @@ written into a slot that sequences then name.
 A PEFT LoRA adapter is a directory of `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `rank_pattern`,
 `alpha_pattern`, ...) and `adapter_model.safetensors`, holding per module `base_model.model.<module>.lora_A.weight`
 [r, in] and `...lora_B.weight` [out, r]. PEFT computes y + lora_B(lora_A(x)) * scaling, scaling being
-lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). A slot holds A with zero rows past its rank, up to the
-artifact's, and scaling * B transposed, padded alike (`schedules/lora.py` reads B as [rank, out]); a sequence's
-scale (1 by default, llama-server's per-request `scale`) multiplies the whole term. Modules the adapter does not
-target stay zero in its slot.
+lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). A slot holds each module's A, with zero rows past its rank
+up to the artifact's, and scaling * B transposed, padded alike, in that module's rows and columns of its
+projection's stacks (`schedules/lora.py`, `LoraModule`); a sequence's scale (1 by default, llama-server's
+per-request `scale`) multiplies the whole term. Modules the adapter does not target stay zero in its slot.
 
 Refused when loaded, in one line naming the adapter and what differs: files missing or malformed; another PEFT
 type, DoRA, trained biases, or modules_to_save (weights an adapter replaces outright); a tensor this reading does
@@ -172,14 +172,17 @@ class AdapterSlots:
                              f"all taken; recompile with a larger --lora-slots")
         adapter = read_adapter(name, path, self.lora)
         slot = len(self.adapters)
+        rank = self.lora["rank"]
         for module, entry in self.lora["modules"].items():
+            rows = slice(entry["a_row"], entry["a_row"] + rank)
+            columns = slice(entry["b_column"], entry["b_column"] + entry["output"])
             a_stack, b_stack = self._stacks[entry["a"]], self._stacks[entry["b"]]
-            a_stack[slot] = 0
-            b_stack[slot] = 0
+            a_stack[slot, rows] = 0
+            b_stack[slot, :, columns] = 0
             if module in adapter.modules:
                 a, b = adapter.modules[module]
-                a_stack[slot, :a.shape[0]] = a
-                b_stack[slot, :b.shape[1]] = b.T
+                a_stack[slot, entry["a_row"]:entry["a_row"] + a.shape[0]] = a
+                b_stack[slot, :b.shape[1], columns] = b.T
         self.adapters[name] = (slot, adapter)
         return slot
 

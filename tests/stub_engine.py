@@ -54,6 +54,7 @@ class StubEngine(Engine):
         self.verify_tokens, self.has_embeddings = 0, False
         self.kv_cache = None
         self._longrope = None  # no longrope switch: sequences never computed again
+        self._slots, self._adapter_of = None, {}  # no adapter slots
         self._lengths: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}
         self._ids = itertools.count()

@@ -143,6 +143,24 @@ def test_a_prompt_starting_as_a_running_sequence_forks_it_and_reads_only_the_res
     assert policy.next_prefill() == (second, 64)
 
 
+def test_a_prefix_is_shared_only_by_requests_of_the_same_adapter_and_scale():
+    """A sequence run with a LoRA adapter holds that adapter's keys and values: a prompt for the base model, another
+    adapter or another scale of it reads its own; one for the same adapter and scale forks it."""
+    policy, sequences = _policy(max_batch=6, kv_capacity=512), _Sequences()
+    first = _request(policy, _prompt(40))
+    first.adapter = ("sql", 1.0)
+    sequences.admit_all(policy)
+    _run_to_end_prompt(policy, first)
+    for adapter, parent in ((None, None), (("poet", 1.0), None), (("sql", 0.5), None), (("sql", 1.0), first.seq)):
+        request = _request(policy, _prompt(40) + [7])
+        request.adapter = adapter
+        admission = policy.next_admission()
+        assert admission is not None and admission.request is request
+        assert admission.parent == parent, adapter
+        policy.started(admission, sequences.next_id)
+        sequences.next_id += 1
+
+
 def test_a_shared_prefix_shorter_than_a_page_is_not_worth_a_fork():
     policy, sequences = _policy(), _Sequences()
     first = _request(policy, _prompt(40))

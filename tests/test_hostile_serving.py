@@ -123,6 +123,10 @@ FIELD_VALUES = {
     "add_special": JSON_VALUES, "with_pieces": JSON_VALUES,
     "stop": JSON_VALUES, "seed": JSON_VALUES, "logit_bias": JSON_VALUES, "parallel_tool_calls": JSON_VALUES,
     "encoding_format": st.sampled_from(["float", "base64", "hex"]), "model": JSON_VALUES,
+    # llama-server's per-request adapters, on a server with none loaded.
+    "lora": st.sampled_from([[], [{"id": 0}], [{"id": 0, "scale": 0}], [{"id": -1}], [{"id": 0, "scale": 1e9}],
+                             [{"id": 0, "scale": 0.5}, {"id": 1}], [{"id": 10**30}], [{}], [{"id": "0"}]])
+    | JSON_VALUES,
 }
 # Whole bodies that are not what a JSON parser should let through.
 RAW_BODIES = st.sampled_from([b"", b"{", b"[" * 100_000, b'{"a": ' * 50_000, b'{"model": 1e99999}',

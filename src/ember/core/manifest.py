@@ -109,11 +109,14 @@ class KeptFloat(TypedDict):
 
 
 class LoraModule(TypedDict):
-    """One projection with room for adapters: its weight parameters A [slots, rank, in] and B transposed
-    [slots, rank, out] (`schedules/lora.py`), and its sizes."""
+    """One module with room for adapters: the parameters holding them, A [slots, members * rank, in] and B
+    transposed [slots, rank, out] (`schedules/lora.py`; shared by the modules of a fused projection), the module's
+    first row of A and first column of B, and its sizes."""
 
     a: str
     b: str
+    a_row: int
+    b_column: int
     input: int
     output: int
 
@@ -656,7 +659,8 @@ def _check_lora_field(path: Path, data: dict[str, Any]) -> None:
 
 
 _LORA_SCHEMA = {"rank": _POSITIVE, "slots": _POSITIVE, "modules": _OBJECT}
-_LORA_MODULE_SCHEMA = {"a": _TEXT, "b": _TEXT, "input": _POSITIVE, "output": _POSITIVE}
+_LORA_MODULE_SCHEMA = {"a": _TEXT, "b": _TEXT, "a_row": _COUNT, "b_column": _COUNT, "input": _POSITIVE,
+                       "output": _POSITIVE}
 
 
 def _check_file_list(path: Path, files: dict[str, Any], required: list[str]) -> None:

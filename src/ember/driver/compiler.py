@@ -367,18 +367,16 @@ def _check_lora(options: CompileOptions, target: TargetSpec) -> None:
 
 def _lora_record(lora: LoraSlots | None, recipes: dict[str, dict],
                  param_types: dict[str, dict[str, Any]]) -> LoraRecord | None:
-    """The manifest's `lora` field: each targeted module's adapter parameters and sizes, from their recipes."""
+    """The manifest's `lora` field: where each targeted module's adapters lie, from the adapter stacks' recipes."""
     if lora is None:
         return None
     modules: dict[str, LoraModule] = {}
-    for name, recipe in recipes.items():
-        if recipe["op"] == ADAPTER_OP:
-            entry = modules.setdefault(recipe["module"], {"a": "", "b": "", "input": 0, "output": 0})
-            size = param_types[name]["shape"][2]
-            if recipe["part"] == "A":
-                entry.update(a=name, input=size)
-            else:
-                entry.update(b=name, output=size)
+    for a, recipe in recipes.items():
+        if recipe["op"] == ADAPTER_OP and recipe["part"] == "A":
+            b = a.removesuffix("lora_A") + "lora_B_t"
+            for member in recipe["members"]:
+                modules[member["module"]] = {"a": a, "b": b, "a_row": member["a_row"], "b_column": member["b_column"],
+                                             "input": param_types[a]["shape"][2], "output": member["output"]}
     return {"rank": lora.rank, "slots": lora.slots, "modules": modules}
 
 
