@@ -8,7 +8,7 @@ every TVM pass), keyed by the Relax parameter name:
 
     {"op": "load", "name": "model.layers.0.self_attn.q_proj.weight"}
     {"op": "concat", "axis": 0, "inputs": [<recipe>, <recipe>, ...], "rows": [N_1, N_2, ...]}  (rows: each's)
-    {"op": "adapter", "module": "...", "part": "A" | "B", "shape": [...]}  LoRA slots (`ir_passes/add_lora_slots.py`)
+    {"op": "adapter", "part": "A" | "B", "shape": [...], "members": [...]}  LoRA slots (`ir_passes/add_lora_slots.py`)
     {"op": "quantize", "format": "q4f32", "part": "packed", "layout": "rows", "input": <recipe>}
     {"op": "transpose", "input": <recipe>}          a 2-D weight stored [in, out] (transformers' Conv1D)
     {"op": "reshape", "shape": [..], "input": <recipe>}  stacked experts (`frontend/fused_experts.py`)

@@ -41,7 +41,9 @@ from ember.ir.module_utils import bindings, is_op, is_weight_transpose, replace_
 from ember.ir.weight_recipes import Recipe, entry_functions_with_weights, get_recipes, set_recipes, weight_params
 from ember.schedules import lora
 
-ADAPTER_OP = "adapter"  # the recipe of an adapter stack: {"op", "module", "part": "A" | "B", "shape"}
+# The recipe of an adapter stack: {"op", "part": "A" | "B", "shape", "members": [{"module", "a_row", "b_column",
+# "output"}]}, where each targeted module's adapter lies in it.
+ADAPTER_OP = "adapter"
 SLOTS_INPUT, SCALES_INPUT = "adapter_slots", "adapter_scales"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

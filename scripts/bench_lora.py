@@ -12,7 +12,8 @@ over `--repeats` rounds:
 - one adapter: every stream on the same adapter;
 - no slots: the artifact compiled without adapter slots (the cost of having them).
 
-Per setting: the median step time and tokens/s, and each over base's. The issue's bar: mixed >= 0.8x base.
+Per setting: the median over rounds of each round's median step time, the rounds' range, tokens/s, and each over
+base's. The issue's bar: mixed >= 0.8x base.
 
     python scripts/bench_lora.py --model /tmp/llama1b --shape 1b --quant q4f32 --rank 16 --threads 2
 """
@@ -132,19 +133,22 @@ def main() -> None:
         runs["no slots"] = (plain, plain_seqs)
     for run_engine, run_seqs in runs.values():
         step_times(run_engine, run_seqs, args.prompt, 2)  # warm-up
-    samples: dict[str, list[float]] = {setting: [] for setting in runs}
+    rounds: dict[str, list[float]] = {setting: [] for setting in runs}  # each round's median step
     for _ in range(args.repeats):
         for setting, (run_engine, seqs) in runs.items():
             for seq, adapter in zip(seqs, settings.get(setting, ())):
                 run_engine.set_adapter(seq, adapter)
-            samples[setting] += step_times(run_engine, seqs, args.prompt, args.steps)
-    median = {setting: statistics.median(times) for setting, times in samples.items()}
+            rounds[setting].append(statistics.median(step_times(run_engine, seqs, args.prompt, args.steps)))
+    median = {setting: statistics.median(times) for setting, times in rounds.items()}
     print(bench_cpu.host_line())
+    print(f"read bandwidth after the runs: {bench_cpu.read_bandwidth() / 1e9:.1f} GB/s")
     print(f"{args.shape} shape, {args.quant}, adapters of rank {args.rank} on q/k/v/o/gate/up/down, {args.streams} "
           f"streams, {args.prompt}-token prompts; median of {args.repeats} x {args.steps} decode steps, round-robin")
-    print(f"{'setting':<12} {'step ms':>8} {'tok/s':>8} {'x base':>7}")
+    print(f"{'setting':<12} {'step ms':>8} {'rounds ms':>13} {'tok/s':>8} {'x base':>7}")
     for setting, seconds in median.items():
-        print(f"{setting:<12} {seconds * 1e3:>8.1f} {args.streams / seconds:>8.1f} {median['base'] / seconds:>7.2f}")
+        spread = f"{min(rounds[setting]) * 1e3:.1f}-{max(rounds[setting]) * 1e3:.1f}"
+        print(f"{setting:<12} {seconds * 1e3:>8.1f} {spread:>13} {args.streams / seconds:>8.1f} "
+              f"{median['base'] / seconds:>7.2f}")
 
 
 if __name__ == "__main__":

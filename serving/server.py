@@ -310,6 +310,9 @@ class _Api:
     async def embeddings(self, request: HttpRequest) -> Response:
         """POST /v1/embeddings."""
         fields = await self.read(request, EmbeddingRequest)
+        if fields.model in self.adapters:
+            raise ApiError(400, f"the model {fields.model!r} is a LoRA adapter of {self.model_name!r}; embeddings are "
+                                f"the base model's: ask {self.model_name!r}", param="model", code="unsupported_value")
         if not self.engine.has_embeddings:
             raise ApiError(400, f"the model {self.model_name!r} has no embed function: recompile it with "
                                 "`ember compile --embeddings`", param="model", code="unsupported_value")

@@ -68,8 +68,19 @@ def _rows(artifact: Path, manifest) -> list[tuple[str, str]]:
                        f"; experts {mib(memory['expert_weight_bytes'])}, {mib(memory['active_weight_bytes'])} "
                        "of weights read per decoded token" if memory.get("expert_weight_bytes") else "")),
         ("weights", f"{len(manifest.params)} tensors"),
+        *_lora_rows(manifest),
         ("files", ", ".join(f"{name} ({entry['sha256'][:12]})" for name, entry in manifest.files.items())),
     ]
+
+
+def _lora_rows(manifest) -> list[tuple[str, str]]:
+    """An artifact with adapter slots: what `ember serve --lora` can load into it."""
+    lora = manifest.lora
+    if lora is None:
+        return []
+    kinds = sorted({module.rsplit(".", 1)[-1] for module in lora["modules"]})
+    return [("LoRA slots", f"{lora['slots']} adapters of rank up to {lora['rank']} on {len(lora['modules'])} modules "
+                           f"({', '.join(kinds)})")]
 
 
 def _signature(entry: EntryFunction) -> str:

@@ -33,8 +33,8 @@ from typing import Any, BinaryIO, Required, TypedDict
 from ember.core.errors import ArtifactError
 
 # Format versions: 4: quantized weights store float16 scales; 5: kv_cache.quantization; 6: model.layer_windows;
-# 7: entry functions' arguments as records ({name, shape, dtype}), not text.
-FORMAT_VERSION = 7
+# 7: entry functions' arguments as records ({name, shape, dtype}), not text; 8: `lora` (adapter slots).
+FORMAT_VERSION = 8
 MANIFEST_NAME = "manifest.json"
 LIBRARY_NAME = "model.so"
 PARAMS_DIR = "params"
