@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu  # noqa: E402
 import peers  # noqa: E402
+from bench_decode_batch import step_times  # noqa: E402
 
 from ember.runtime import Engine, load_artifact  # noqa: E402
 
@@ -74,20 +74,6 @@ def compile_artifact(model: Path, out: Path, quant: str, rank: int | None) -> Pa
     lora = LoraSlots(rank, ADAPTERS) if rank else None
     compile_model(model, out, CompileOptions(quantization=quant, max_batch=8, lora=lora))
     return out
-
-
-def step_times(engine: Engine, seq_ids: list[int], prompt: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` decode steps of `seq_ids`, which are then cut back to `prompt` tokens."""
-    rng = np.random.default_rng(len(seq_ids))
-    times = []
-    for _ in range(steps):
-        tokens = rng.integers(3, engine.vocab_size, len(seq_ids)).tolist()
-        start = time.perf_counter()
-        engine.decode(seq_ids, tokens)
-        times.append(time.perf_counter() - start)
-    for seq_id in seq_ids:
-        engine.truncate(seq_id, prompt)
-    return times
 
 
 def main() -> None:
