@@ -350,20 +350,23 @@ class Engine(SequenceChecks):
         tokens = self._check_tokens(token_ids)
         for seq_id in seq_ids:
             self._rotate_for(seq_id, self._lengths[seq_id] + 1)
-        order = self._by_adapter(seq_ids)
-        logits = self._forward("decode", [seq_ids[i] for i in order], [1] * len(seq_ids), tokens[order, None])[:, 0, :]
-        if not np.array_equal(order, np.arange(len(order))):
-            logits = logits[np.argsort(order)]
+        if self._slots is None:
+            logits = self._forward("decode", list(seq_ids), [1] * len(seq_ids), tokens[:, None])[:, 0, :]
+        else:
+            logits = self._decode_by_adapter(list(seq_ids), tokens)
         if self._longrope is not None:
             for seq_id, token in zip(seq_ids, tokens):
                 self._longrope.appended(seq_id, [token])
         return logits
 
-    def _by_adapter(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """The order to run `seq_ids` in: grouped by adapter slot (the base first), so that the adapter kernel's
-        threads, each on a contiguous run of the batch, read each adapter's bytes once (`schedules/lora.py`)."""
-        slots = [self._adapter_of.get(seq_id, (-1, 0.0))[0] for seq_id in seq_ids]
-        return np.argsort(np.asarray(slots), kind="stable")
+    def _decode_by_adapter(self, seq_ids: list[int], tokens: np.ndarray) -> np.ndarray:
+        """`decode`'s step with the batch grouped by adapter slot (the base first), so that the adapter kernel's
+        threads, each on a contiguous run of the batch, read each adapter's bytes once (`schedules/lora.py`); the
+        logits in `seq_ids`' order."""
+        order = np.argsort([self._adapter_of.get(seq_id, (-1, 0.0))[0] for seq_id in seq_ids], kind="stable")
+        logits = self._forward("decode", [seq_ids[i] for i in order], [1] * len(seq_ids), tokens[order, None])[:, 0, :]
+        # The VM's own buffer, viewed (`_forward`): copied back into order only where the batch was reordered.
+        return logits if np.array_equal(order, np.arange(len(order))) else logits[np.argsort(order)]
 
     def _prompt_end(self, new_length: int) -> tuple[np.ndarray, ...]:
         """The `prompt_end` input of prefill and verify where the artifact takes one (longrope): the sequence's

@@ -30,6 +30,7 @@ from ember.core.errors import GenerationError, ModelError
 from ember.core.files import checkpoint_file, read_json_object, short_repr
 from ember.core.manifest import LoraRecord
 from ember.core.safetensors_header import TensorRecord, read_header, read_tensor
+from ember.runtime.sampling import is_finite_number
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _TENSOR_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
@@ -98,7 +99,7 @@ def _check_config(where: str, config: dict[str, Any]) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ModelError(f"{where}: {CONFIG_FILE} field r must be a positive integer, got {short_repr(rank)}")
     alpha = config.get("lora_alpha", 8)
-    if not _is_number(alpha):
+    if not is_finite_number(alpha):
         raise ModelError(f"{where}: {CONFIG_FILE} field lora_alpha must be a number, got {short_repr(alpha)}")
     for flag, what in (("use_dora", "DoRA (weight-decomposed) adapters"), ("lora_bias", "trained LoRA biases")):
         if config.get(flag):
@@ -125,7 +126,7 @@ def _pattern_value(where: str, patterns: Any, module: str, default: float) -> An
         except re.error as err:
             raise ModelError(f"{where}: pattern {short_repr(key)} is not a regular expression: {err}") from None
         if matched:
-            if not _is_number(value) or value <= 0:
+            if not is_finite_number(value) or value <= 0:
                 raise ModelError(f"{where}: pattern {short_repr(key)} maps to {short_repr(value)}, not a positive "
                                  "number")
             return value
@@ -142,16 +143,12 @@ def _float_tensor(where: str, record: TensorRecord) -> np.ndarray:
     return tensor
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def check_adapter_choice(loaded: tuple[str, ...], name: str, scale: float) -> None:
     """Refuse a request's adapter that is not among the `loaded` ones, or a scale that is no finite number."""
     if name not in loaded:
         raise GenerationError(f"no LoRA adapter {name!r} is loaded"
                               + (f" (loaded: {', '.join(loaded)})" if loaded else " (start `ember serve --lora`)"))
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if not is_finite_number(scale):
         raise GenerationError(f"LoRA adapter {name}: scale must be a finite number, got {scale!r}")
 
 

@@ -44,24 +44,24 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise `GenerationError` naming the first bad option."""
         checks = (
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("temperature", is_finite_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
             ("top_k", _is_whole(self.top_k) and self.top_k >= 0, "a whole number >= 0"),
-            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            ("top_p", is_finite_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("repetition_penalty", is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a finite number > 0"),
             ("max_new_tokens", _is_whole(self.max_new_tokens) and self.max_new_tokens >= 1, "a whole number >= 1"),
             ("seed", self.seed is None or _is_whole(self.seed) and -MAX_SEED <= self.seed < MAX_SEED,
              "a whole number in [-2**63, 2**63)"),
             ("stop_strings", all(isinstance(stop, str) and stop for stop in self.stop_strings),
              "non-empty strings"),
-            ("presence_penalty", _is_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
+            ("presence_penalty", is_finite_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
              "a number in [-2, 2]"),
-            ("frequency_penalty", _is_number(self.frequency_penalty) and abs(self.frequency_penalty) <= 2,
+            ("frequency_penalty", is_finite_number(self.frequency_penalty) and abs(self.frequency_penalty) <= 2,
              "a number in [-2, 2]"),
             ("logprobs", self.logprobs is None or _is_whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
              f"a whole number in [0, {MAX_LOGPROBS}]"),
             ("logit_bias", self.logit_bias is None or all(
-                _is_whole(token) and token >= 0 and _is_number(bias) and abs(bias) <= MAX_LOGIT_BIAS
+                _is_whole(token) and token >= 0 and is_finite_number(bias) and abs(bias) <= MAX_LOGIT_BIAS
                 for token, bias in self.logit_bias.items()),
              f"token ids >= 0 mapped to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
         )
@@ -75,7 +75,8 @@ MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value
 
 
-def _is_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """A real number, finite, and not a bool: a request's temperature, a bias, an adapter's scale."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -12,6 +12,10 @@ from tvm.target import Target
 
 from ember.ir.module_utils import upper_bounds
 
+# The attributes of a kernel written as loops already scheduled for CPUs (`moe.py`, `lora.py`): no rule touches it,
+# and operator fusion leaves it alone (8: TVM's opaque pattern).
+SCHEDULED_OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}
+
 
 class CPURule(ScheduleRule):
     """A rule for llvm targets; `schedule` sees a normalized PrimFunc's blocks and its size bounds."""
@@ -62,6 +66,15 @@ def const_extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:
     """The loop's extent if it is a compile-time constant."""
     extent = sch.get(loop).extent
     return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def float_lanes(sizes: tuple[int, ...], vector_bits: int) -> int:
+    """float32 lanes of a hand-written kernel's rows: the target's vector width where every size is whole vectors
+    of it."""
+    lanes = vector_bits // 32
+    while any(size % lanes for size in sizes):
+        lanes //= 2
+    return lanes
 
 
 def reduction_lanes(extent: int | None, vector_bits: int, dtype: str) -> int | None:

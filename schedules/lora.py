@@ -28,15 +28,7 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-_OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}  # 8: opaque, never fused
-
-
-def _lanes(sizes: tuple[int, ...], vector_bits: int) -> int:
-    """float32 lanes along rows: the target's vector width where every size is whole vectors of it."""
-    lanes = vector_bits // 32
-    while any(size % lanes for size in sizes):
-        lanes //= 2
-    return lanes
+from ember.schedules.common import SCHEDULED_OPAQUE, float_lanes
 
 
 def _member_of(column, segments: tuple[tuple[int, int, int], ...]):
@@ -53,14 +45,14 @@ def lora_apply(k: int, n: int, rank: int, slots: int, segments: tuple[tuple[int,
     """The kernel adding each token's adapter term into a [batch, seq, n] float32 projection (in place) of a
     [batch, seq, k] input; `segments`: its members' (first column, columns, index among the targeted or -1) (see
     the module docstring)."""
-    lanes_k = _lanes((k,), vector_bits)
-    lanes_n = _lanes(tuple(size for segment in segments for size in segment[:2]), vector_bits)
+    lanes_k = float_lanes((k,), vector_bits)
+    lanes_n = float_lanes(tuple(size for segment in segments for size in segment[:2]), vector_bits)
     downs = rank * sum(index >= 0 for _, _, index in segments)
 
     @T.prim_func(s_tir=True, private=True)
     def apply(x_handle: T.handle, y_handle: T.handle, a: T.Buffer((slots, downs, k), "float32"),
               b_t: T.Buffer((slots, rank, n), "float32"), slot_handle: T.handle, scale_handle: T.handle):
-        T.func_attr(_OPAQUE)
+        T.func_attr(SCHEDULED_OPAQUE)
         batch, seq = T.int64(), T.int64()
         x = T.match_buffer(x_handle, (batch, seq, k), "float32")
         y = T.match_buffer(y_handle, (batch, seq, n), "float32")

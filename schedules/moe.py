@@ -36,8 +36,8 @@ from tvm.script import tirx as T
 
 from ember.ir.module_utils import is_op
 from ember.ir.quant_formats import SCALE_DTYPE, QuantFormat
+from ember.schedules.common import SCHEDULED_OPAQUE, float_lanes
 
-_OPAQUE = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8}  # 8: opaque, never fused
 # Attributes on the kernels, so passes find them: `moe_matmul`'s {"experts", "n", "k"} (an expert projection's
 # weight), `moe_route`'s {"experts", "top_k"} (the router's logits).
 MOE_MATMUL_ATTR, MOE_ROUTE_ATTR = "ember.moe_matmul", "ember.moe_route"
@@ -50,7 +50,7 @@ def moe_route(experts: int, top_k: int, softmax_first: bool, index_dtype: str) -
 
     @T.prim_func(s_tir=True, private=True)
     def route(logits_handle: T.handle, weights_handle: T.handle, ids_handle: T.handle):
-        T.func_attr(_OPAQUE)
+        T.func_attr(SCHEDULED_OPAQUE)
         tokens = T.int64()
         logits = T.match_buffer(logits_handle, (tokens, experts), "float32")
         weights = T.match_buffer(weights_handle, (tokens, top_k), "float32")
@@ -96,7 +96,7 @@ def moe_group(experts: int, index_dtype: str) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True, private=True)
     def group(ids_handle: T.handle, order_handle: T.handle, offsets_handle: T.handle):
-        T.func_attr(_OPAQUE)
+        T.func_attr(SCHEDULED_OPAQUE)
         pairs = T.int64()
         ids = T.match_buffer(ids_handle, (pairs,), index_dtype)
         order = T.match_buffer(order_handle, (pairs,), "int32")
@@ -124,20 +124,12 @@ def _tile_rows(n: int) -> int:
     return next(rows for rows in (4, 2, 1) if n % rows == 0)
 
 
-def _lanes(k: int, vector_bits: int) -> int:
-    """float32 lanes of the dot products: the target's vector width where K is whole vectors of it."""
-    lanes = vector_bits // 32
-    while k % lanes:
-        lanes //= 2
-    return lanes
-
-
 @functools.cache
 def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bits: int) -> tirx.PrimFunc:
     """The expert projection y[p] = w_e @ x[p] (see the module docstring) for a [experts * n, k] weight, float32
     (`fmt` None) or stored in `fmt`'s rows layout. Parameters: x [P, k] float32, the weight (or its parts), order,
     offsets, y [P, n] float32."""
-    rows, lanes = _tile_rows(n), _lanes(k, vector_bits)
+    rows, lanes = _tile_rows(n), float_lanes((k,), vector_bits)
 
     @T.macro
     def project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle):
@@ -176,7 +168,7 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
         @T.prim_func(s_tir=True, private=True)
         def float_weights(x_handle: T.handle, weight: T.Buffer((experts * n, k), "float32"),
                           order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
-            T.func_attr(_OPAQUE)
+            T.func_attr(SCHEDULED_OPAQUE)
             project(x_handle, weight, None, None, order_handle, offsets_handle, y_handle)
 
         return float_weights.with_attrs(attrs)
@@ -189,7 +181,7 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
         def with_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
                           scale: T.Buffer(scale_shape, SCALE_DTYPE), low: T.Buffer(scale_shape, SCALE_DTYPE),
                           order_handle: T.handle, offsets_handle: T.handle, y_handle: T.handle):
-            T.func_attr(_OPAQUE)
+            T.func_attr(SCHEDULED_OPAQUE)
             project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle)
 
         return with_minimums.with_attrs(attrs)
@@ -198,7 +190,7 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
     def without_minimums(x_handle: T.handle, packed: T.Buffer(packed_shape, packed_dtype),
                          scale: T.Buffer(scale_shape, SCALE_DTYPE), order_handle: T.handle,
                          offsets_handle: T.handle, y_handle: T.handle):
-        T.func_attr(_OPAQUE)
+        T.func_attr(SCHEDULED_OPAQUE)
         project(x_handle, packed, scale, None, order_handle, offsets_handle, y_handle)
 
     return without_minimums.with_attrs(attrs)
