@@ -92,7 +92,10 @@ Members = list[tuple[str, int, bool]]
 def _projections(func: relax.Function, recipes: dict[str, Recipe]) -> dict[relax.Var, Members]:
     """Each [N, K] weight parameter `func` projects with whose rows are checkpoint tensors `<module>.weight` (one, or
     several fused), with its members (none targeted yet)."""
-    weights = set(weight_params(func))
+    # A tied head projects with the embedding table, whose PEFT adapter is an embedding's (lora_embedding_A/B),
+    # not a projection's: it gets no slot.
+    tables = {b.value.args[0] for b in bindings(func) if is_op(b.value, "relax.take")}
+    weights = set(weight_params(func)) - tables
     transposed = {b.var: b.value.args[0] for b in bindings(func) if is_weight_transpose(b.value, weights)}
     projections = {}
     for binding in bindings(func):

@@ -345,3 +345,12 @@ def test_inspect_shows_the_adapter_slots(lora_models):
     assert "3 adapters of rank up to 8 on 14 modules (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, " \
            "v_proj)" in result.stdout
     assert "adapter_slots[batch_size] int32, adapter_scales[batch_size] float32, kv_cache" in result.stdout
+
+
+def test_a_tied_head_is_no_adapter_target(lora_models, tmp_path):
+    """A tied head projects with the embedding table, whose PEFT adapter is an embedding's: no slot is offered."""
+    model = lora_models("qwen2")
+    result = run_ember("compile", str(model.checkpoint), "-o", str(tmp_path / "out"), "--no-progress",
+                       "--lora-rank", "8", "--lora-targets", "embed_tokens")
+    assert_one_line_error(result, "--lora-targets embed_tokens: no projection")
+    assert not (tmp_path / "out").exists()
