@@ -63,6 +63,8 @@ class StubEngine(Engine):
         self.forks: list[tuple[int, int]] = []  # (parent, tokens shared)
         self._lock = threading.Lock()
         self.step_seconds = step_seconds  # how long each forward takes, to let requests arrive mid-stream
+        self.released = threading.Event()  # cleared, every forward waits until it is set: requests queue meanwhile
+        self.released.set()
 
     # The KV cache's builtins, as `Engine`'s sequence methods call them (their checks and lengths are Engine's own):
     # here they keep each sequence's tokens, which the stub's logits are computed from.
@@ -87,6 +89,7 @@ class StubEngine(Engine):
         """Rows of logits for the positions the entry returns: prefill's `positions` (its second input) or each
         token; each row one-hot at `next_token` of the token read there."""
         tokens = inputs[0].reshape(-1)
+        self.released.wait(timeout=30)
         if self.step_seconds:
             time.sleep(self.step_seconds)
         with self._lock:

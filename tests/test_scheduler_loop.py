@@ -33,7 +33,9 @@ def test_tokens_do_not_depend_on_what_runs_beside_them():
     engine = StubEngine()
     prompts = [_prompt(5 + i, start=i * 11) for i in range(4)]
     with Scheduler(engine, prefix_cache=False) as scheduler:
+        engine.released.clear()  # all four queued before any forward ends, so they decode in one batch
         streams = [scheduler.submit_sync(p, _greedy(12)) for p in prompts]
+        engine.released.set()
         results = [_tokens(stream) for stream in streams]
     assert results == [expected_tokens(p, 12) for p in prompts]
     assert any(call.entry == "decode" and len(call.seq_ids) > 1 for call in engine.calls), "never batched"
