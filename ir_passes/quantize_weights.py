@@ -95,10 +95,12 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
         chosen: set[str] | None = None
         projected: set[str] = set()
         routers: set[str] = set()
+        experts: dict[str, int] = {}
         for name in names:
             uses = _WeightUses(mod, mod[name])
             projected |= uses.projected
             routers |= uses.routers
+            experts |= uses.experts
             # A router's weight stays in float, as llama.cpp keeps `ffn_gate_inp` in F32 in every quantized file:
             # E x K values a layer (under 1% of its experts'), and rounded to 4 bits (8.6% RMS error) it chooses
             # other experts than the model's own where two are close, a different answer rather than noise.
@@ -111,8 +113,8 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
             chosen = found if chosen is None else chosen & found
         if not chosen:
             return mod
-        interleaved = projected - routers if int8_dot is not None else set()
-        rewriter = _Rewriter(mod, {name: formats[name] for name in chosen}, int8_dot, vector_bits)
+        interleaved = (projected - routers) | set(experts) if int8_dot is not None else set()
+        rewriter = _Rewriter(mod, {name: formats[name] for name in chosen}, int8_dot, vector_bits, experts)
         for name in names:
             rewriter.builder_.update_func(mod.get_global_var(name),
                                           rewriter.rewrite_function(mod[name], interleaved))
@@ -127,6 +129,15 @@ def quantize_weights(fmt: QuantFormat, keep_embedding: bool = False, keep_lm_hea
         return set_recipes(rewriter.builder_.get(), new_recipes)
 
     return transform
+
+
+def _few_tokens(rows: tirx.PrimExpr) -> bool:
+    """Whether a projection's `rows` (its activations' last leading dimension, or an expert projection's pairs)
+    are decode's or a verify step's few: one token per sequence (1 or the batch size, times the experts a token
+    chooses), or the few tokens a verify step checks; not a prompt's."""
+    if isinstance(rows, tirx.IntImm):
+        return int(rows) == 1
+    return any(var.name in (BATCH_SIZE, VERIFY_LEN) for var in tirx.analysis.undefined_vars(rows))
 
 
 def _format_of(recipe: Recipe, fmt: QuantFormat, tensor_formats: Mapping[str, QuantFormat]) -> QuantFormat:
@@ -144,6 +155,7 @@ class _WeightUses:
         transposed: dict[relax.Var, relax.Var] = {}
         self.embeddings: set[str] = set()
         self.routers: set[str] = set()  # weights projecting a MoE router's logits
+        self.experts: dict[str, int] = {}  # expert weights, by name: how many experts
         projections: dict[relax.Var, str] = {}
         readable: dict[str, bool] = {name: True for name in weights.values()}
         for binding in bindings(func):
@@ -157,8 +169,10 @@ class _WeightUses:
             elif is_op(value, "relax.take") and value.args[0] in weights and _is_row_gather(value):
                 self.embeddings.add(weights[value.args[0]])
                 others = list(value.args[1:])
-            elif expert_projection(mod, value) is not None:
-                x, _weight, *grouping = value.args[1].fields
+            elif (count := expert_projection(mod, value)) is not None:
+                x, weight, *grouping = value.args[1].fields
+                if weight in weights:
+                    self.experts[weights[weight]] = count
                 others = [x, *grouping]
             elif is_routing(mod, value):
                 self.routers |= {projections[var] for var in value.args[1].fields if var in projections}
@@ -183,14 +197,15 @@ class _Rewriter(relax.PyExprMutator):
     """Replaces projections and gathers of chosen weights by dequantizing kernels."""
 
     def __init__(self, mod: tvm.IRModule, formats: dict[str, QuantFormat], int8_dot: Int8Dot | None,
-                 vector_bits: int) -> None:
+                 vector_bits: int, experts: Mapping[str, int]) -> None:
         super().__init__(mod)
         self.mod = mod
+        self.experts = experts  # expert weights ([experts * N, K]), by name: how many experts
         self.formats = formats  # the chosen weights' formats, by parameter name
         self.int8_dot = int8_dot
         self.vector_bits = vector_bits
         self.int8_kernels: dict[tuple[str, int, int, bool], relax.GlobalVar] = {}
-        self._moe_kernels: dict[tuple[str, int, int, int], relax.GlobalVar] = {}
+        self._moe_kernels: dict[tuple[str, int, int, int, str, bool], relax.GlobalVar] = {}
         self.parts_of: dict[relax.Var, tuple[QuantFormat, dict[str, relax.Var], int, str]] = {}
         self.transposed: dict[relax.Var, relax.Var] = {}
         self.layouts: dict[str, str] = {}  # weight name -> the layout its parts are stored in
@@ -205,7 +220,8 @@ class _Rewriter(relax.PyExprMutator):
                 new_params.append(param)
                 continue
             n, k = (int(d) for d in param.ty.shape)
-            int8 = param.name in interleaved and int8_matmul.supports(fmt, n, k)
+            # An expert weight's rows are each expert's [N, K] weight in turn: the kernel takes each as a weight.
+            int8 = param.name in interleaved and int8_matmul.supports(fmt, n // self.experts.get(param.name, 1), k)
             layout = self.layouts.setdefault(param.name, INTERLEAVED if int8 else ROWS)
             parts = {
                 part: relax.Var(f"{param.name}.{part}", relax.TensorType(shape, dtype))
@@ -235,11 +251,16 @@ class _Rewriter(relax.PyExprMutator):
         if (experts := expert_projection(self.mod, value)) is not None and (
                 value.args[1].fields[1] in self.parts_of):
             x, weight, order, offsets = (self.visit_expr(arg) for arg in value.args[1].fields)
-            fmt, parts, k, _layout = self.parts_of[value.args[1].fields[1]]
+            fmt, parts, k, layout = self.parts_of[value.args[1].fields[1]]
             n = int(binding.var.ty.shape[-1])
-            kernel = self._moe_kernels.setdefault((fmt.name, experts, n, k), self.builder_.add_func(
-                moe.moe_matmul(fmt, experts, n, k, self.vector_bits).with_attr(KERNEL_SOURCE_ATTR, moe.__name__),
-                "moe_matmul"))
+            int8_dot = self.int8_dot if layout == INTERLEAVED else None
+            many_tokens = int8_dot is not None and not _few_tokens(binding.var.ty.shape[0])
+            key = (fmt.name, experts, n, k, layout, many_tokens)
+            if key not in self._moe_kernels:
+                kernel = moe.moe_matmul(fmt, experts, n, k, self.vector_bits, int8_dot, many_tokens)
+                self._moe_kernels[key] = self.builder_.add_func(kernel.with_attr(KERNEL_SOURCE_ATTR, moe.__name__),
+                                                                "moe_matmul")
+            kernel = self._moe_kernels[key]
             self._emit_as(binding.var, self.builder_.emit(
                 relax.call_tir(kernel, [x, *parts.values(), order, offsets], binding.var.ty)))
             return
@@ -259,9 +280,7 @@ class _Rewriter(relax.PyExprMutator):
         prefill get their own variants; a verify step (x is [1, verify_len, k], a few rows) takes decode's.
         A model's activations are [batch, seq, k] already: no reshape (each one a VM call)."""
         *lead, _ = x.ty.shape
-        few = lead and (isinstance(lead[-1], tirx.IntImm) and int(lead[-1]) == 1 or
-                        isinstance(lead[-1], tirx.Var) and lead[-1].name in (BATCH_SIZE, VERIFY_LEN))
-        many_tokens = not few
+        many_tokens = not (lead and _few_tokens(lead[-1]))
         key = (fmt.name, n, k, many_tokens)
         if key not in self.int8_kernels:
             tiles = self.int8_dot.tiles if many_tokens else ""  # prefill on AMX tiles; decode on the vector dot

@@ -96,6 +96,7 @@ Q4_1 and Q8_0 dot products. `ember compile --float-activations` keeps the float 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tvm import tirx
@@ -359,14 +360,35 @@ def matmul_prim_func(name: str, fmt: QuantFormat, n: int, k: int, compute) -> ti
     return without_minimums.with_attr("global_symbol", name)
 
 
-def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0):
-    """The macro `quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)`: group mg % groups of activation row mg // groups
-    quantized (llama.cpp's Q8_0 rounding) into xq's 8 words, its scale, its bias (-offset * sum(q); none written
-    where offset is None) and, with a zero point, x_scale * sum(q). The int8 and the AMX kernels both call it, so
-    their q are the same to the bit. xq is [rows, groups * 8] words, or with `tile_rows`, tiles of that many rows'
-    group, each contiguous: row m's group g at xq[(m // tile_rows * groups + g) * tile_rows + m % tile_rows, 0:8]."""
+def dense_rows(seq, m) -> list:
+    """A projection's activation row m as indices of its [batch, seq, ...] activations and results."""
+    return [m // seq, m % seq]
+
+
+def pair_rows(order, m) -> list:
+    """An expert projection's row m, its pairs sorted by expert, as the index of its [pairs, ...] activations and
+    results: pair order[m] (`schedules/moe.py`)."""
+    return [order[m]]
+
+
+def _row(buffer, rows, where, m, ramp):
+    """`buffer`'s vector `ramp` of activation row m, the row indexed by `rows` (`dense_rows`, `pair_rows`)."""
+    return tirx.BufferLoad(buffer, [*rows(where, m), ramp])
+
+
+def _row_index(rows, where, m, ramp) -> list:
+    return [*rows(where, m), ramp]
+
+
+def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0, rows=dense_rows):
+    """The macro `quantize(mg, where, x, xq, x_scale, x_bias, x_sum)`: group mg % groups of activation row mg // groups
+    (x's row `rows(where, m)`) quantized (llama.cpp's Q8_0 rounding) into xq's 8 words, its scale, its bias
+    (-offset * sum(q); none written where offset is None) and, with a zero point, x_scale * sum(q). The int8 and
+    the AMX kernels both call it, so their q are the same to the bit. xq is [rows, groups * 8] words, or with
+    `tile_rows`, tiles of that many rows' group, each contiguous: row m's group g at
+    xq[(m // tile_rows * groups + g) * tile_rows + m % tile_rows, 0:8]."""
     @T.macro
-    def quantize(mg, seq, x, xq, x_scale, x_bias, x_sum):
+    def quantize(mg, where, x, xq, x_scale, x_bias, x_sum):
         with T.sblock("quantize"):
             T.reads()
             T.writes()
@@ -374,11 +396,11 @@ def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: 
             m: T.let[T.int64] = mg // groups
             g: T.let[T.int64] = mg % groups
             top: T.let[T.float32] = T.call_llvm_pure_intrin(
-                "float32", "llvm.vector.reduce.fmax", T.fabs(x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)]))
+                "float32", "llvm.vector.reduce.fmax", T.fabs(_row(x, rows, where, m, T.Ramp(g * 32, 1, 32))))
             inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
                                                        T.float32(0))
             q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
-                x[m // seq, m % seq, T.Ramp(g * 32, 1, 32)] * T.Broadcast(inverse, 32)))
+                _row(x, rows, where, m, T.Ramp(g * 32, 1, 32)) * T.Broadcast(inverse, 32)))
             total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
                                                             q[T.Ramp(0, 1, 32)])
             x_scale[m, g] = top / T.float32(_LEVELS)
@@ -406,6 +428,149 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
     y [batch, seq, n] float32."""
     if not supports(fmt, n, k):
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
+    plan = _tiles(fmt, n, k, dot, many_tokens, vector_bits, knobs, n, dense_rows)
+    tokens, row_blocks, groups, zero_point = plan.tokens, plan.row_blocks, plan.groups, fmt.zero_point
+    whole, halving_tails, quantize = plan.whole, plan.halving_tails, plan.quantize
+    whole_tiles, halving_tail, tiled_rows = plan.whole_tiles, plan.halving_tail, plan.tiled_rows
+    lanes = INTERLEAVED_ROWS
+
+    @T.macro
+    def compute(batch, seq, x, packed, scale, low, y):
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            # The rows the tiles read: a padded tail's missing ones too (`padded_tail_rows`).
+            xq = T.sblock_alloc_buffer((tiled_rows(batch * seq), k // 4), "int32")  # 4 int8 activations per word
+            x_scale = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "float32")
+            x_bias = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "int32")
+            # With a zero point: x_scale * sum(q), what the group's minimum multiplies (llama.cpp's Q8_1 `s`).
+            x_sum = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups) if zero_point else (1, 1), "float32")
+            if many_tokens or batch * seq >= PARALLEL_QUANTIZE_ROWS:
+                for mg in T.parallel(batch * seq * groups):
+                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
+            else:
+                for mg in T.serial(batch * seq * groups):
+                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
+            if plan.pad_from is not None:  # the missing rows' products, never stored, start from scales of 0
+                for m, g in T.grid(tiled_rows(batch * seq) - batch * seq, groups):
+                    x_scale[batch * seq + m, g] = T.float32(0)
+                    if zero_point:
+                        x_sum[batch * seq + m, g] = T.float32(0)
+            for tile_n in T.parallel(n // (lanes * row_blocks)):
+                for tile_m in T.serial(whole_tiles(batch * seq)):
+                    whole(tile_m * tokens, tokens, batch * seq - 1, 0, tile_n * row_blocks, seq, packed, scale, low,
+                          xq, x_scale, x_bias, x_sum, y)
+                if halving_tail(batch * seq):
+                    halving_tails(0, batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
+                                  x_sum, y)
+
+    return compute
+
+
+def int8_dot_experts(fmt: QuantFormat, experts: int, n: int, k: int, dot: Int8Dot, many_tokens: bool,
+                     vector_bits: int):
+    """The macro `project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle)` of a mixture of
+    experts' projection (`schedules/moe.py`'s `moe_matmul`) in integer dot products: y[p] = w_e @ x[p] for each
+    (token, expert) pair p, x [pairs, k] and y [pairs, n] float32, the [experts * n, k] weight's parts stored
+    `interleaved` (expert e's rows are its n / 8 blocks from block e * n / 8).
+
+    The pairs' activation rows are quantized in the order `order` sorts them by expert, so that expert e's are the
+    rows offsets[e] .. offsets[e + 1] - 1 of the quantized activations: the projection of the dense kernel's
+    register tiles (`int8_dot_compute`, the rule's knobs for an [n, k] weight), expert by expert (those some pair
+    chose), parallel over its row tiles, its rows' tiles each storing to its pair's row. A decode step's single
+    pair per expert streams the expert's blocks as one prefetched run, as a dense decode streams its weight."""
+    if not supports(fmt, n, k):
+        raise ValueError(f"the int8 dot-product matmul does not compute experts of [{n}, {k}] {fmt.name} weights")
+    plan = _tiles(fmt, n, k, dot, many_tokens, vector_bits, None, experts * n, pair_rows)
+    tokens, row_blocks, groups, zero_point = plan.tokens, plan.row_blocks, plan.groups, fmt.zero_point
+    whole, halving_tails, quantize = plan.whole, plan.halving_tails, plan.quantize
+    whole_tiles, halving_tail = plan.whole_tiles, plan.halving_tail
+    lanes = INTERLEAVED_ROWS
+    # A padded tile of an expert's last rows reads up to `tokens` rows past all pairs' (`padded_tail_rows`).
+    past = 0 if plan.pad_from is None else tokens
+
+    @T.macro
+    def project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle):
+        pairs = T.int64()
+        x = T.match_buffer(x_handle, (pairs, k), "float32")
+        y = T.match_buffer(y_handle, (pairs, n), "float32")
+        order = T.match_buffer(order_handle, (pairs,), "int32")
+        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            xq = T.sblock_alloc_buffer((pairs + past, k // 4), "int32")
+            x_scale = T.sblock_alloc_buffer((pairs + past, groups), "float32")
+            x_bias = T.sblock_alloc_buffer((pairs + past, groups), "int32")
+            x_sum = T.sblock_alloc_buffer((pairs + past, groups) if zero_point else (1, 1), "float32")
+            if many_tokens or pairs >= PARALLEL_QUANTIZE_ROWS:
+                for mg in T.parallel(pairs * groups):
+                    quantize(mg, order, x, xq, x_scale, x_bias, x_sum)
+            else:
+                for mg in T.serial(pairs * groups):
+                    quantize(mg, order, x, xq, x_scale, x_bias, x_sum)
+            if past > 0:
+                for m, g in T.grid(past, groups):
+                    x_scale[pairs + m, g] = T.float32(0)
+                    if zero_point:
+                        x_sum[pairs + m, g] = T.float32(0)
+            for e in T.serial(experts):
+                if offsets[e + 1] > offsets[e]:
+                    for tile_n in T.parallel(n // (lanes * row_blocks)):
+                        for tile_m in T.serial(whole_tiles(offsets[e + 1] - offsets[e])):
+                            whole(offsets[e] + tile_m * tokens, tokens, offsets[e + 1] - 1, offsets[e],
+                                  e * (n // lanes) + tile_n * row_blocks, order, packed, scale, low, xq, x_scale,
+                                  x_bias, x_sum, y)
+                        if halving_tail(offsets[e + 1] - offsets[e]):
+                            halving_tails(offsets[e], offsets[e + 1] - offsets[e],
+                                          e * (n // lanes) + tile_n * row_blocks, order, packed, scale, low, xq,
+                                          x_scale, x_bias, x_sum, y)
+
+    return project
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """The register tiles of an int8 matmul, as macros over its quantized activations (`_tiles`):
+
+    whole(first, count, last, base, first_block, where, packed, scale, low, xq, x_scale, x_bias, x_sum, y)
+        a tile of `count` activation rows from `first` (with `pad_from`, storing none past `last`) against
+        `row_blocks` weight row blocks from `first_block`; `base`: the first row of the tiles of these blocks
+        (the first tile prefetches their weight);
+    halving_tails(base, total, first_block, where, ...)
+        the rows of `total` from `base` past the whole tiles, in tiles of 4, 2, 1;
+    quantize(mg, where, x, xq, x_scale, x_bias, x_sum)
+        `quantize_rows`' macro."""
+
+    tokens: int
+    row_blocks: int
+    groups: int
+    pad_from: int | None  # `padded_tail_rows`
+    whole: Any
+    halving_tails: Any
+    quantize: Any
+
+    def whole_tiles(self, rows):
+        """Whole tiles of `rows` activation rows: with `pad_from`, a tail of pad_from rows or more is one. (An
+        expression inline in the loop: bound to a TIR name, it made the 8- and 16-sequence steps slower.)"""
+        if self.pad_from is None:
+            return rows // self.tokens
+        return (rows + self.tokens - self.pad_from) // self.tokens
+
+    def halving_tail(self, rows):
+        """Whether the rows past `rows`' whole tiles take the halving tiles: always, or below pad_from rows."""
+        return True if self.pad_from is None else rows % self.tokens < self.pad_from
+
+    def tiled_rows(self, rows):
+        """`rows` activation rows, or with `pad_from` rounded up to whole tiles."""
+        return rows if self.pad_from is None else (rows + self.tokens - 1) // self.tokens * self.tokens
+
+
+def _tiles(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool, vector_bits: int,
+           knobs: Sequence[int] | None, weight_rows: int, rows_of) -> _Tiles:
+    """The register tiles of the int8 matmul of an [n, k] weight (see `int8_dot_compute` for the arguments), its
+    activation and result rows indexed by `rows_of(where, m)` (`dense_rows`, `pair_rows`), its weight buffer holding
+    `weight_rows` rows (the [n, k] weight, or every expert's: a result's columns are then its rows' modulo n)."""
     target_dot, dot = dot, kernel_dot(dot, n, many_tokens)
     space = knob_space(n, target_dot, many_tokens, vector_bits, fmt.bits)
     knobs = space[0] if knobs is None else [int(knob) for knob in knobs]
@@ -425,6 +590,11 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
     wide = tirx.Ramp(0, 1, 2 * lanes)  # int16 pairs
     # int4 on vpmaddubsw: a group's products add up in int16 (`sums`), widened once per group.
     int16_sums = int4 and not dot.accumulates
+
+    def column(block):
+        """The result column of weight row block `block`'s first row."""
+        return block * lanes if weight_rows == n else block * lanes % n
+
     def tile_of(dot: Int8Dot, blocks: int, guarded: bool = False):
         """The register tile macro of `blocks` weight row blocks multiplied with `dot`; `guarded`, it stores no
         row past `last` (`padded_tail_rows`)."""
@@ -487,8 +657,9 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
             return acc
 
         @T.macro
-        def tile(first, count, last, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
-            # y for activation rows first .. first + count - 1 and the weight rows of `blocks` blocks from first_block.
+        def tile(first, count, last, base, first_block, where, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+            # y for activation rows first .. first + count - 1 and the weight rows of `blocks` blocks from first_block
+            # (the tiles of these blocks start at row `base`).
             with T.sblock("tile"):
                 T.reads()
                 T.writes()
@@ -501,15 +672,15 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
                     # The lines `ahead` words past the group's, in each block (the last block of the weight: its own
                     # end), by the block's first tile only: the tiles after it read the same words.
                     if ahead > 0:
-                        if first == 0:
-                            packed_flat = T.decl_buffer((n * block_words,), "uint32", data=packed.data)
+                        if first == base:
+                            packed_flat = T.decl_buffer((weight_rows * block_words,), "uint32", data=packed.data)
                             for b in T.unroll(blocks):
                                 for line in T.unroll(max(words // line_words, 1)):
                                     # (The index inline: bound to a name first, it made the 4-sequence step
                                     # slower.)
                                     T.evaluate(prefetch(T.address_of(packed_flat[
                                         T.min((first_block + b) * block_words + g * words + line * line_words + ahead,
-                                              n // lanes * block_words - 1) * lanes])))
+                                              weight_rows // lanes * block_words - 1) * lanes])))
                     for t in T.unroll(count):
                         for u in T.unroll(units):
                             dots[t, u, vec] = T.Broadcast(x_bias[first + t, g], rows)
@@ -541,12 +712,12 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
                     for t in T.unroll(count):
                         if first + t <= last:
                             for u in T.unroll(units):
-                                y[(first + t) // seq, (first + t) % seq,
-                                  T.Ramp(first_block * lanes + u * rows, 1, rows)] = acc[t, u, vec]
+                                T.buffer_store(y, acc[t, u, vec], _row_index(
+                                    rows_of, where, first + t, T.Ramp(column(first_block) + u * rows, 1, rows)))
                 else:
                     for t, u in T.grid(count, units):
-                        y[(first + t) // seq, (first + t) % seq, T.Ramp(first_block * lanes + u * rows, 1, rows)] = (
-                            acc[t, u, vec])
+                        T.buffer_store(y, acc[t, u, vec], _row_index(
+                            rows_of, where, first + t, T.Ramp(column(first_block) + u * rows, 1, rows)))
 
         return tile
 
@@ -561,70 +732,27 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
     else:
         whole = rest  # the same tile
 
-    def whole_tiles(rows):
-        """Whole tiles of `rows` activation rows: with `padded_tail_rows`, a tail of pad_from rows or more is one.
-        (An expression inline in the loop: bound to a TIR name, it made the 8- and 16-sequence steps slower.)"""
-        return rows // tokens if pad_from is None else (rows + tokens - pad_from) // tokens
-
-    def halving_tail(rows):
-        """Whether the rows past `rows`' whole tiles take the halving tiles: always, or below pad_from rows."""
-        return True if pad_from is None else rows % tokens < pad_from
-
-    def tiled_rows(rows):
-        """`rows` activation rows, or with `padded_tail_rows` rounded up to whole tiles."""
-        return rows if pad_from is None else (rows + tokens - 1) // tokens * tokens
-
     @T.macro
-    def last_rows(size, total, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
-        # A tile of `size` rows where the `total` rows end `size` or more past a multiple of 2 * size, for tiles of
-        # more than `size` rows. Sizes 4, 2 and 1 in turn cover every tile `knob_space` takes (at most 8 rows).
+    def last_rows(size, base, total, first_block, where, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+        # A tile of `size` rows where the `total` rows from `base` end `size` or more past a multiple of 2 * size,
+        # for tiles of more than `size` rows. Sizes 4, 2 and 1 in turn cover every tile `knob_space` takes (at most
+        # 8 rows).
         if tokens > size:
             if total % (2 * size) >= size:
-                rest(total // (2 * size) * (2 * size), size, total - 1, first_block, seq, packed, scale, low, xq,
-                     x_scale, x_bias, x_sum, y)
+                rest(base + total // (2 * size) * (2 * size), size, base + total - 1, base, first_block, where,
+                     packed, scale, low, xq, x_scale, x_bias, x_sum, y)
 
     @T.macro
-    def halving_tails(total, first_block, seq, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
+    def halving_tails(base, total, first_block, where, packed, scale, low, xq, x_scale, x_bias, x_sum, y):
         # The last rows, fewer than a tile, in tiles of halving sizes: of 8 tokens, 7 rows take 4, 2 and 1
         # (with `wide_decode_tiles`, for one block and then the next).
         for part in T.serial(row_blocks // rest_blocks):
-            last_rows(4, total, first_block + part * rest_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                      x_sum, y)
-            last_rows(2, total, first_block + part * rest_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                      x_sum, y)
-            last_rows(1, total, first_block + part * rest_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                      x_sum, y)
+            last_rows(4, base, total, first_block + part * rest_blocks, where, packed, scale, low, xq, x_scale,
+                      x_bias, x_sum, y)
+            last_rows(2, base, total, first_block + part * rest_blocks, where, packed, scale, low, xq, x_scale,
+                      x_bias, x_sum, y)
+            last_rows(1, base, total, first_block + part * rest_blocks, where, packed, scale, low, xq, x_scale,
+                      x_bias, x_sum, y)
 
-    quantize = quantize_rows(groups, offset, zero_point)
-
-    @T.macro
-    def compute(batch, seq, x, packed, scale, low, y):
-        with T.sblock("root"):
-            T.reads()
-            T.writes()
-            # The rows the tiles read: a padded tail's missing ones too (`padded_tail_rows`).
-            xq = T.sblock_alloc_buffer((tiled_rows(batch * seq), k // 4), "int32")  # 4 int8 activations per word
-            x_scale = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "float32")
-            x_bias = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "int32")
-            # With a zero point: x_scale * sum(q), what the group's minimum multiplies (llama.cpp's Q8_1 `s`).
-            x_sum = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups) if zero_point else (1, 1), "float32")
-            if many_tokens or batch * seq >= PARALLEL_QUANTIZE_ROWS:
-                for mg in T.parallel(batch * seq * groups):
-                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
-            else:
-                for mg in T.serial(batch * seq * groups):
-                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
-            if pad_from is not None:  # the missing rows' products, never stored, start from scales of 0, not garbage
-                for m, g in T.grid(tiled_rows(batch * seq) - batch * seq, groups):
-                    x_scale[batch * seq + m, g] = T.float32(0)
-                    if zero_point:
-                        x_sum[batch * seq + m, g] = T.float32(0)
-            for tile_n in T.parallel(n // (lanes * row_blocks)):
-                for tile_m in T.serial(whole_tiles(batch * seq)):
-                    whole(tile_m * tokens, tokens, batch * seq - 1, tile_n * row_blocks, seq, packed, scale, low, xq,
-                          x_scale, x_bias, x_sum, y)
-                if halving_tail(batch * seq):
-                    halving_tails(batch * seq, tile_n * row_blocks, seq, packed, scale, low, xq, x_scale, x_bias,
-                                  x_sum, y)
-
-    return compute
+    quantize = quantize_rows(groups, offset, zero_point, rows=rows_of)
+    return _Tiles(tokens, row_blocks, groups, pad_from, whole, halving_tails, quantize)

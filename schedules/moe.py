@@ -24,6 +24,10 @@ already scheduled for CPUs (their loop bounds are data: how many rows an expert 
         row is read once per call and only for the experts some pair chose: a decode step
         streams the chosen experts' bytes, and a batch of sequences (or a prompt) reads each
         expert its tokens share once, from cache, not once per token.
+        On CPUs with an int8 dot product (`TargetSpec.int8_dot`) a quantized expert weight is
+        stored `interleaved` and its pairs' activations are quantized to int8, as a dense
+        projection's are: the dense kernel's register tiles, expert by expert, over the pairs
+        sorted by expert (`int8_matmul.int8_dot_experts`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from ember.ir.module_utils import is_op
-from ember.ir.quant_formats import SCALE_DTYPE, QuantFormat
+from ember.ir.quant_formats import INTERLEAVED, ROWS, SCALE_DTYPE, QuantFormat
 from ember.schedules.common import SCHEDULED_OPAQUE, float_lanes
+from ember.schedules.int8_matmul import int8_dot_experts
+from ember.targets.int8_dot import Int8Dot
 
 # Attributes on the kernels, so passes find them: `moe_matmul`'s {"experts", "n", "k"} (an expert projection's
 # weight), `moe_route`'s {"experts", "top_k"} (the router's logits).
@@ -125,10 +131,13 @@ def _tile_rows(n: int) -> int:
 
 
 @functools.cache
-def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bits: int) -> tirx.PrimFunc:
+def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bits: int,
+               int8_dot: Int8Dot | None = None, many_tokens: bool = False) -> tirx.PrimFunc:
     """The expert projection y[p] = w_e @ x[p] (see the module docstring) for a [experts * n, k] weight, float32
-    (`fmt` None) or stored in `fmt`'s rows layout. Parameters: x [P, k] float32, the weight (or its parts), order,
-    offsets, y [P, n] float32."""
+    (`fmt` None) or stored in `fmt`'s rows layout; with `int8_dot` (the target's dot product), stored `interleaved`
+    and computed in integer dot products (`int8_matmul.int8_dot_experts`: `many_tokens` for prefill's register
+    tiles, else decode's). Parameters: x [P, k] float32, the weight (or its parts), order, offsets, y [P, n]
+    float32."""
     rows, lanes = _tile_rows(n), float_lanes((k,), vector_bits)
 
     @T.macro
@@ -161,7 +170,10 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
                                     acc[j, 0] = acc[j, 0] + acc[j, v + 1]
                                 y[p, tile * rows + j] = acc[j, 0]
 
-    if fmt is not None and k % fmt.group_size == 0 and fmt.group_size % lanes == 0:
+    layout = ROWS
+    if int8_dot is not None and fmt is not None:
+        project, layout = int8_dot_experts(fmt, experts, n, k, int8_dot, many_tokens, vector_bits), INTERLEAVED
+    elif fmt is not None and k % fmt.group_size == 0 and fmt.group_size % lanes == 0:
         project = _grouped_project(fmt, experts, n, k, rows, lanes)
     attrs = {MOE_MATMUL_ATTR: {"experts": experts, "n": n, "k": k}}
     if fmt is None:
@@ -173,7 +185,7 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
 
         return float_weights.with_attrs(attrs)
 
-    shapes = fmt.part_shapes(experts * n, k)
+    shapes = fmt.part_shapes(experts * n, k, layout)
     packed_shape, packed_dtype = shapes["packed"]
     scale_shape = shapes["scale"][0]
     if fmt.zero_point:

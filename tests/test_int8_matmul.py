@@ -377,3 +377,44 @@ def test_knobs_outside_the_space_are_refused():
     for knobs in ([4, 4, 0], [4, 2, 1], [1, 4, 0], decode):  # over 4 tile entries; 4 blocks of 6; decode: 4 rows
         with pytest.raises(ValueError, match="not among"):
             int8_matmul.int8_dot_matmul(fmt, 48, 64, target.int8_dot, knobs != decode, target.vector_bits, knobs)
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS)
+@pytest.mark.parametrize("name", ["q8f32", "q4f32", "q4f32_zp"])
+@pytest.mark.parametrize("many_tokens", [False, True])
+def test_expert_projection_is_the_dense_kernel_on_each_experts_pairs(level, name, many_tokens):
+    """`moe_matmul` with the int8 dot product (`int8_matmul.int8_dot_experts`): each pair's row equals, to the bit,
+    the dense kernel's on that expert's weight, and llama.cpp's arithmetic. The pairs come in any order and the
+    experts get 0, 1, 3, 5, 7, 8, 9 and 17 of them (whole register tiles, halving and padded tails: 5 and 7 are
+    where decode's padded tiles start), so a tile reading past its expert's rows is seen."""
+    from ember.schedules.moe import moe_matmul
+
+    target = level_target(level)
+    fmt = FORMATS[name]
+    counts = [3, 0, 1, 9, 5, 17, 7, 8]
+    experts, n, k = len(counts), 48, 96
+    rng = np.random.default_rng(len(name) + many_tokens)
+    pair_experts = rng.permutation(np.repeat(np.arange(experts), counts))
+    order = np.argsort(pair_experts, kind="stable").astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    x = rng.standard_normal((pair_experts.size, k)).astype(np.float32) * rng.uniform(
+        0.1, 10, (pair_experts.size, 1)).astype(np.float32)
+    parts = fmt.quantize(rng.standard_normal((experts * n, k)).astype(np.float32), INTERLEAVED)
+    kernel = moe_matmul(fmt, experts, n, k, target.vector_bits, target.int8_dot, many_tokens)
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target.target)
+    y = tvm.runtime.tensor(np.zeros((pair_experts.size, n), np.float32))
+    lib["main"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(parts[p]) for p in fmt.parts), tvm.runtime.tensor(order),
+                tvm.runtime.tensor(offsets), y)
+    actual = y.numpy()
+    dense = _compile(target, fmt, n, k, many_tokens)
+    blocks = n // 8
+    for expert in range(experts):
+        pairs = np.flatnonzero(pair_experts == expert)
+        if not pairs.size:
+            continue
+        own = {part: value[expert * blocks:(expert + 1) * blocks] for part, value in parts.items()}
+        rows = x[pairs]
+        np.testing.assert_array_equal(actual[pairs], call_matmul_kernel(dense, fmt, own, rows, n, rows.shape[0]),
+                                      err_msg=f"expert {expert}")
+        expected, _exact = llama_cpp_matmul_reference(fmt, own, rows, k)
+        np.testing.assert_allclose(actual[pairs], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
