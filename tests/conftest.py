@@ -149,7 +149,11 @@ class TinyModel:
         `amx_bf16_matmul.VNNI_BELOW_ROWS` rows or more run on bfloat16 tiles instead, which round the input and
         the (dequantized) weight to bfloat16 and sum in float32: the rows of a prefill chunk that long are
         computed so here. A forward over n tokens is read as ember's prefill of them (chunks of the artifact's
-        `prefill_chunk`); a forward of one token is a decode step, on the int8 kernel."""
+        `prefill_chunk`); a forward of one token is a decode step, on the int8 kernel. A mixture of experts'
+        stacked expert weights ([experts, N, K], each expert's rows a projection ember's int8 kernel computes:
+        `int8_matmul.int8_dot_experts`) see each (token, expert) pair's input rounded the same way: transformers'
+        eager experts code, whose `linear` on an expert's slice of the stacked weight rounds its input while
+        active."""
         import torch
 
         from ember.core.manifest import read_manifest
@@ -184,11 +188,25 @@ class TinyModel:
         hooks = [module.register_forward_hook(rounded) for module in self.reference.modules()
                  if (isinstance(module, torch.nn.Linear) or _is_conv1d(module))
                  and int8_matmul.supports(fmt, *_rows_and_columns(module))]
+        experts = {id(param) for param in self.reference.parameters()
+                   if param.ndim == 3 and int8_matmul.supports(fmt, param.shape[1], param.shape[2])}
+        linear, implementation = torch.nn.functional.linear, self.reference.config._experts_implementation
+
+        def expert_linear(x, weight, bias=None):
+            if weight._base is not None and id(weight._base) in experts:
+                x = quantize_activations(x)
+            return linear(x, weight, bias)
+
+        if experts:
+            self.reference.config._experts_implementation = "eager"
+            torch.nn.functional.linear = expert_linear
         try:
             yield
         finally:
             for hook in hooks:
                 hook.remove()
+            torch.nn.functional.linear = linear
+            self.reference.config._experts_implementation = implementation
 
     def reference_greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         """transformers' `generate` with greedy search and end-of-sequence stopping disabled."""

@@ -52,15 +52,18 @@ def test_four_sequences_choosing_different_experts_batch_as_they_run_alone(tiny_
 @pytest.mark.parametrize("quantization", ["q8f32", "q4f32"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_quantized_experts_match_transformers_on_the_same_rounded_weights(tiny_models, name, quantization):
-    """Bound: logits within 2% of their range, and the same top token at >= 95% of positions (the rounding left is
-    the attention projections' int8 activations, which the reference applies, and float sums in another order)."""
+    """Bound: logits within 1% of their range, and the same top token at >= 95% of positions. On a CPU with an int8
+    dot product every projection's activations are rounded to int8, the experts' included, and the reference
+    rounds them as ember's kernels do (`int8_rounding`); what is left is float sums in another order, which can
+    move a router's near tie (Qwen3-MoE: 2e-7 of the range, Mixtral q8f32: 0.5%; without the experts' rounding in
+    the reference, 1-20%)."""
     model = tiny_models.exported(name, quantization)
     ids = prompt_ids(48, seed=31)
     expected = model.reference_logits(ids)
     engine = model.engine()
     got = engine.prefill(engine.add_sequence(), ids, all_logits=True)
     spread = float(expected.max() - expected.min())
-    assert np.abs(got - expected).max() <= 0.02 * spread, np.abs(got - expected).max()
+    assert np.abs(got - expected).max() <= 0.01 * spread, np.abs(got - expected).max()
     assert (got.argmax(1) == expected.argmax(1)).mean() >= 0.95
 
 
