@@ -371,18 +371,19 @@ def pair_rows(order, m) -> list:
     return [order[m]]
 
 
-def _row(buffer, rows, where, m, ramp):
-    """`buffer`'s vector `ramp` of activation row m, the row indexed by `rows` (`dense_rows`, `pair_rows`)."""
-    return tirx.BufferLoad(buffer, [*rows(where, m), ramp])
+def _row(buffer, rows_of, where, m, ramp):
+    """`buffer`'s vector `ramp` of activation row m, the row indexed by `rows_of` (`dense_rows`, `pair_rows`)."""
+    return tirx.BufferLoad(buffer, _row_index(rows_of, where, m, ramp))
 
 
-def _row_index(rows, where, m, ramp) -> list:
-    return [*rows(where, m), ramp]
+def _row_index(rows_of, where, m, ramp) -> list:
+    """The indices of vector `ramp` of activation row m, the row indexed by `rows_of`."""
+    return [*rows_of(where, m), ramp]
 
 
-def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0, rows=dense_rows):
+def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: int = 0, rows_of=dense_rows):
     """The macro `quantize(mg, where, x, xq, x_scale, x_bias, x_sum)`: group mg % groups of activation row mg // groups
-    (x's row `rows(where, m)`) quantized (llama.cpp's Q8_0 rounding) into xq's 8 words, its scale, its bias
+    (x's row `rows_of(where, m)`) quantized (llama.cpp's Q8_0 rounding) into xq's 8 words, its scale, its bias
     (-offset * sum(q); none written where offset is None) and, with a zero point, x_scale * sum(q). The int8 and
     the AMX kernels both call it, so their q are the same to the bit. xq is [rows, groups * 8] words, or with
     `tile_rows`, tiles of that many rows' group, each contiguous: row m's group g at
@@ -396,11 +397,11 @@ def quantize_rows(groups: int, offset: int | None, zero_point: bool, tile_rows: 
             m: T.let[T.int64] = mg // groups
             g: T.let[T.int64] = mg % groups
             top: T.let[T.float32] = T.call_llvm_pure_intrin(
-                "float32", "llvm.vector.reduce.fmax", T.fabs(_row(x, rows, where, m, T.Ramp(g * 32, 1, 32))))
+                "float32", "llvm.vector.reduce.fmax", T.fabs(_row(x, rows_of, where, m, T.Ramp(g * 32, 1, 32))))
             inverse: T.let[T.float32] = T.if_then_else(top > T.float32(0), T.float32(_LEVELS) / top,
                                                        T.float32(0))
             q[T.Ramp(0, 1, 32)] = T.Cast("int32x32", T.nearbyint(
-                _row(x, rows, where, m, T.Ramp(g * 32, 1, 32)) * T.Broadcast(inverse, 32)))
+                _row(x, rows_of, where, m, T.Ramp(g * 32, 1, 32)) * T.Broadcast(inverse, 32)))
             total: T.let[T.int32] = T.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
                                                             q[T.Ramp(0, 1, 32)])
             x_scale[m, g] = top / T.float32(_LEVELS)
@@ -754,5 +755,5 @@ def _tiles(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool, ve
             last_rows(1, base, total, first_block + part * rest_blocks, where, packed, scale, low, xq, x_scale,
                       x_bias, x_sum, y)
 
-    quantize = quantize_rows(groups, offset, zero_point, rows=rows_of)
+    quantize = quantize_rows(groups, offset, zero_point, rows_of=rows_of)
     return _Tiles(tokens, row_blocks, groups, pad_from, whole, halving_tails, quantize)
