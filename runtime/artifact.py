@@ -220,11 +220,17 @@ def _check_host_memory(path: Path, manifest: Manifest) -> None:
     needed = memory["weight_bytes"] + memory["peak_workspace_bytes"] + kv_bytes
     available = available_memory()
     if available is not None and needed > available[0]:
+        # A mixture of experts keeps every expert resident, though a token reads only some of them.
+        experts = memory.get("expert_weight_bytes", 0)
+        of_which = f" of which experts {_mib(experts)}" if experts else ""
+        weights_fit = memory["weight_bytes"] + memory["peak_workspace_bytes"] <= available[0]
+        advice = ("recompile with a smaller --max-batch or --memory-budget" if weights_fit else
+                  "its weights alone do not fit: recompile with a smaller --quant, or run it on a larger machine")
         raise ArtifactError(
-            f"{path}: needs {_mib(needed)} of memory (weights {_mib(memory['weight_bytes'])}, workspace "
+            f"{path}: needs {_mib(needed)} of memory (weights {_mib(memory['weight_bytes'])}{of_which}, workspace "
             f"{_mib(memory['peak_workspace_bytes'])}, KV cache of {kv['max_total_tokens']} tokens "
             f"{_mib(kv_bytes)}), this machine has {_mib(available[0])} available (limited by {available[1]}); "
-            f"recompile with a smaller --max-batch or --memory-budget"
+            f"{advice}"
         )
 
 

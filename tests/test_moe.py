@@ -91,6 +91,32 @@ def test_the_memory_plan_says_how_much_is_experts(tiny_models, tmp_path):
         read_manifest(forged)
 
 
+def test_loading_counts_every_expert_against_the_memory_left(tiny_models, monkeypatch):
+    """A machine with room for the weights a token reads (the active experts) and the workspace, but not for every
+    expert, refuses the artifact at load in one line naming the experts' share: all of them stay resident. With
+    room for the weights but not the KV cache, the advice is the KV cache's; with room for all three, it loads."""
+    from ember.core.errors import ArtifactError
+    from ember.core.manifest import read_manifest
+    from ember.runtime import artifact as loader
+
+    model = tiny_models.exported("qwen3_moe", "q8f32")
+    manifest = read_manifest(model.artifact_dir)
+    memory = manifest.memory
+    kv_bytes = manifest.kv_cache["max_total_tokens"] * memory["kv_bytes_per_token"]
+    active_room = memory["active_weight_bytes"] + memory["peak_workspace_bytes"]
+    assert active_room < memory["weight_bytes"] + memory["peak_workspace_bytes"]
+    monkeypatch.setattr(loader, "available_memory", lambda: (active_room, "a test's limit"))
+    experts = f"of which experts {memory['expert_weight_bytes'] / 2**20:.1f} MiB"
+    with pytest.raises(ArtifactError, match=f"{experts}.*a test's limit.*its weights alone do not fit"):
+        loader.load_artifact(model.artifact_dir)
+    room = memory["weight_bytes"] + memory["peak_workspace_bytes"]
+    monkeypatch.setattr(loader, "available_memory", lambda: (room, "a test's limit"))
+    with pytest.raises(ArtifactError, match="smaller --max-batch or --memory-budget"):
+        loader.load_artifact(model.artifact_dir)
+    monkeypatch.setattr(loader, "available_memory", lambda: (room + kv_bytes, "a test's limit"))
+    assert loader.load_artifact(model.artifact_dir).manifest.memory == memory
+
+
 def test_moe_kernels_match_numpy():
     """Routing both ways, the grouping, and the expert projection in every weight format, on odd sizes."""
     import tvm
