@@ -470,10 +470,10 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
 
 def int8_dot_experts(fmt: QuantFormat, experts: int, n: int, k: int, dot: Int8Dot, many_tokens: bool,
                      vector_bits: int):
-    """The macro `project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle)` of a mixture of
-    experts' projection (`schedules/moe.py`'s `moe_matmul`) in integer dot products: y[p] = w_e @ x[p] for each
-    (token, expert) pair p, x [pairs, k] and y [pairs, n] float32, the [experts * n, k] weight's parts stored
-    `interleaved` (expert e's rows are its n / 8 blocks from block e * n / 8).
+    """The macro `project(pairs, x, packed, scale, low, order, offsets, y)` of a mixture of experts' projection
+    (`schedules/moe.py`'s `moe_matmul`) in integer dot products: y[p] = w_e @ x[p] for each (token, expert) pair p,
+    x [pairs, k] and y [pairs, n] float32 (buffers), the [experts * n, k] weight's parts stored `interleaved` (expert
+    e's rows are its n / 8 blocks from block e * n / 8).
 
     The pairs' activation rows are quantized in the order `order` sorts them by expert, so that expert e's are the
     rows offsets[e] .. offsets[e + 1] - 1 of the quantized activations: the projection of the dense kernel's
@@ -491,12 +491,7 @@ def int8_dot_experts(fmt: QuantFormat, experts: int, n: int, k: int, dot: Int8Do
     past = 0 if plan.pad_from is None else tokens
 
     @T.macro
-    def project(x_handle, packed, scale, low, order_handle, offsets_handle, y_handle):
-        pairs = T.int64()
-        x = T.match_buffer(x_handle, (pairs, k), "float32")
-        y = T.match_buffer(y_handle, (pairs, n), "float32")
-        order = T.match_buffer(order_handle, (pairs,), "int32")
-        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+    def project(pairs, x, packed, scale, low, order, offsets, y):
         with T.sblock("root"):
             T.reads()
             T.writes()

@@ -139,42 +139,14 @@ def moe_matmul(fmt: QuantFormat | None, experts: int, n: int, k: int, vector_bit
     tiles, else decode's). Parameters: x [P, k] float32, the weight (or its parts), order, offsets, y [P, n]
     float32."""
     rows, lanes = _tile_rows(n), float_lanes((k,), vector_bits)
-
-    @T.macro
-    def project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle):
-        pairs = T.int64()
-        x = T.match_buffer(x_handle, (pairs, k), "float32")
-        y = T.match_buffer(y_handle, (pairs, n), "float32")
-        order = T.match_buffer(order_handle, (pairs,), "int32")
-        offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
-        for e in T.serial(experts):
-            if offsets[e + 1] > offsets[e]:
-                for tile in T.parallel(n // rows):
-                    for r in T.serial(offsets[e + 1] - offsets[e]):
-                        with T.sblock("project"):
-                            T.reads()
-                            T.writes()
-                            acc = T.sblock_alloc_buffer((rows, lanes), "float32")
-                            p: T.let[T.int32] = order[offsets[e] + r]
-                            first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
-                            for j in T.unroll(rows):
-                                for v in T.vectorized(lanes):
-                                    acc[j, v] = T.float32(0)
-                            for c in T.serial(k // lanes):
-                                for j in T.unroll(rows):
-                                    for v in T.vectorized(lanes):
-                                        acc[j, v] = acc[j, v] + x[p, c * lanes + v] * _weight(
-                                            fmt, weight, scale, low, first + j, c * lanes + v)
-                            for j in T.unroll(rows):
-                                for v in T.serial(lanes - 1):
-                                    acc[j, 0] = acc[j, 0] + acc[j, v + 1]
-                                y[p, tile * rows + j] = acc[j, 0]
-
     layout = ROWS
     if int8_dot is not None and fmt is not None:
-        project, layout = int8_dot_experts(fmt, experts, n, k, int8_dot, many_tokens, vector_bits), INTERLEAVED
+        body, layout = int8_dot_experts(fmt, experts, n, k, int8_dot, many_tokens, vector_bits), INTERLEAVED
     elif fmt is not None and k % fmt.group_size == 0 and fmt.group_size % lanes == 0:
-        project = _grouped_project(fmt, experts, n, k, rows, lanes)
+        body = _float_loops(experts, n, rows, lanes, _by_group(fmt, k, rows, lanes))
+    else:
+        body = _float_loops(experts, n, rows, lanes, _by_weight(fmt, k, rows, lanes))
+    project = _over_pairs(experts, n, k, body)
     attrs = {MOE_MATMUL_ATTR: {"experts": experts, "n": n, "k": k}}
     if fmt is None:
         @T.prim_func(s_tir=True, private=True)
@@ -229,15 +201,10 @@ def _kernel_attr(mod: tvm.IRModule, value: relax.Expr, attr: str):
     return (func.attrs or {}).get(attr) if isinstance(func, tirx.PrimFunc) else None
 
 
-def _grouped_project(fmt: QuantFormat, experts: int, n: int, k: int, rows: int, lanes: int):
-    """`moe_matmul`'s loops for a quantized weight, a quantization group at a time: the group's integer levels are
-    multiplied with the activations unscaled, and the sums scaled once a group,
-
-        y[p, row] = sum_g scale[row, g] * sum_{c in g} x[p, c] * level[row, c]  (+ min[row, g] * sum_{c in g} x[p, c])
-
-    so a weight costs a widening, a convert and an FMA; unpacking each weight to its float value took a scale load,
-    a convert and a multiply more, and kept the expert projections compute-bound below the host's bandwidth."""
-    group = fmt.group_size
+def _over_pairs(experts: int, n: int, k: int, body):
+    """The macro `project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle)` of every expert
+    projection's PrimFunc: x [P, k], y [P, n] and the grouping matched to their shapes, then the macro
+    `body(pairs, x, weight, scale, low, order, offsets, y)`."""
 
     @T.macro
     def project(x_handle, weight, scale, low, order_handle, offsets_handle, y_handle):
@@ -246,6 +213,18 @@ def _grouped_project(fmt: QuantFormat, experts: int, n: int, k: int, rows: int, 
         y = T.match_buffer(y_handle, (pairs, n), "float32")
         order = T.match_buffer(order_handle, (pairs,), "int32")
         offsets = T.match_buffer(offsets_handle, (experts + 1,), "int32")
+        body(pairs, x, weight, scale, low, order, offsets, y)
+
+    return project
+
+
+def _float_loops(experts: int, n: int, rows: int, lanes: int, accumulate):
+    """`moe_matmul`'s loops in float32 (see the module docstring): each pair against a tile of `rows` weight rows
+    into float32 x `lanes` accumulators, `accumulate(acc, x, p, weight, scale, low, first)` adding the products of
+    pair p's row and the rows from `first`, then each row's lanes summed."""
+
+    @T.macro
+    def loops(pairs, x, weight, scale, low, order, offsets, y):
         for e in T.serial(experts):
             if offsets[e + 1] > offsets[e]:
                 for tile in T.parallel(n // rows):
@@ -254,36 +233,68 @@ def _grouped_project(fmt: QuantFormat, experts: int, n: int, k: int, rows: int, 
                             T.reads()
                             T.writes()
                             acc = T.sblock_alloc_buffer((rows, lanes), "float32")
-                            part = T.sblock_alloc_buffer((rows, lanes), "float32")
-                            xsum = T.sblock_alloc_buffer((lanes,), "float32")
                             p: T.let[T.int32] = order[offsets[e] + r]
                             first: T.let[T.int64] = T.Cast("int64", e) * n + tile * rows
                             for j in T.unroll(rows):
                                 for v in T.vectorized(lanes):
                                     acc[j, v] = T.float32(0)
-                            for g in T.serial(k // group):
-                                for j in T.unroll(rows):
-                                    for v in T.vectorized(lanes):
-                                        part[j, v] = T.float32(0)
-                                for v in T.vectorized(lanes):
-                                    xsum[v] = T.float32(0)
-                                for c in T.serial(group // lanes):
-                                    for v in T.vectorized(lanes):
-                                        xsum[v] = xsum[v] + x[p, g * group + c * lanes + v]
-                                    for j in T.unroll(rows):
-                                        for v in T.vectorized(lanes):
-                                            part[j, v] = part[j, v] + x[p, g * group + c * lanes + v] * T.Cast(
-                                                "float32", fmt.level_expr(weight, first + j, g * group + c * lanes + v))
-                                for j in T.unroll(rows):
-                                    for v in T.vectorized(lanes):
-                                        acc[j, v] = acc[j, v] + part[j, v] * T.Cast("float32", scale[first + j, g]) + \
-                                            _group_minimum(low, first + j, g) * xsum[v]
+                            accumulate(acc, x, p, weight, scale, low, first)
                             for j in T.unroll(rows):
                                 for v in T.serial(lanes - 1):
                                     acc[j, 0] = acc[j, 0] + acc[j, v + 1]
                                 y[p, tile * rows + j] = acc[j, 0]
 
-    return project
+    return loops
+
+
+def _by_weight(fmt: QuantFormat | None, k: int, rows: int, lanes: int):
+    """`_float_loops`' products for a float weight (or a quantized one whose K is not whole groups of whole vectors):
+    each weight unpacked to its float value and multiplied."""
+
+    @T.macro
+    def accumulate(acc, x, p, weight, scale, low, first):
+        for c in T.serial(k // lanes):
+            for j in T.unroll(rows):
+                for v in T.vectorized(lanes):
+                    acc[j, v] = acc[j, v] + x[p, c * lanes + v] * _weight(fmt, weight, scale, low, first + j,
+                                                                          c * lanes + v)
+
+    return accumulate
+
+
+def _by_group(fmt: QuantFormat, k: int, rows: int, lanes: int):
+    """`_float_loops`' products for a quantized weight, a quantization group at a time: the group's integer levels
+    are multiplied with the activations unscaled, and the sums scaled once a group,
+
+        y[p, row] = sum_g scale[row, g] * sum_{c in g} x[p, c] * level[row, c]  (+ min[row, g] * sum_{c in g} x[p, c])
+
+    so a weight costs a widening, a convert and an FMA; unpacking each weight to its float value took a scale load,
+    a convert and a multiply more, and kept the expert projections compute-bound below the host's bandwidth."""
+    group = fmt.group_size
+
+    @T.macro
+    def accumulate(acc, x, p, weight, scale, low, first):
+        part = T.sblock_alloc_buffer((rows, lanes), "float32")
+        xsum = T.sblock_alloc_buffer((lanes,), "float32")
+        for g in T.serial(k // group):
+            for j in T.unroll(rows):
+                for v in T.vectorized(lanes):
+                    part[j, v] = T.float32(0)
+            for v in T.vectorized(lanes):
+                xsum[v] = T.float32(0)
+            for c in T.serial(group // lanes):
+                for v in T.vectorized(lanes):
+                    xsum[v] = xsum[v] + x[p, g * group + c * lanes + v]
+                for j in T.unroll(rows):
+                    for v in T.vectorized(lanes):
+                        part[j, v] = part[j, v] + x[p, g * group + c * lanes + v] * T.Cast(
+                            "float32", fmt.level_expr(weight, first + j, g * group + c * lanes + v))
+            for j in T.unroll(rows):
+                for v in T.vectorized(lanes):
+                    acc[j, v] = acc[j, v] + part[j, v] * T.Cast("float32", scale[first + j, g]) + \
+                        _group_minimum(low, first + j, g) * xsum[v]
+
+    return accumulate
 
 
 def _group_minimum(low, row, group):
