@@ -646,6 +646,7 @@ def test_measure_cli_refuses_what_does_not_apply(tiny_llama, tmp_path):
         measure(tmp_path, hardware=GENEROUS)
 
 
+@pytest.mark.slow
 def test_measure_counts_the_experts_a_step_reads(tiny_models):
     """A q8f32 Qwen3-MoE artifact (8 experts, 2 a token): the expert kernels implement the experts' projections, and
     a batch-1 decode step's read 2 experts' weights, a 16-token prefill's more of them; every share of the roof is

@@ -59,6 +59,7 @@ def dry_run(bundle_dir: Path, out: Path, *args: str) -> subprocess.CompletedProc
                            str(out), *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_bundle_fits_one_upload_and_carries_no_weights(bundle):
     """Under 64 MiB; no checkpoint, no params shard, no TVM compiler library; the runtime libraries are there."""
     bundle_dir, _ = bundle

@@ -339,6 +339,7 @@ def test_shapes_it_does_not_take_fall_back_to_the_float_path(level, name, n, k, 
 
 @pytest.mark.parametrize("level", ["avx2", "avx512vnni"])
 @pytest.mark.parametrize("name", ["q8f32", "q4f32"])
+@pytest.mark.slow
 def test_every_tuning_knob_tuple_matches_llama_cpp_arithmetic(level, name):
     """Each knob tuple `ember tune` may choose (register tile, row blocks, word loop unrolled or not),
     prefill at 7 tokens (partial tiles) and decode at 11 sequences (tiles and a tail), equals the numpy reference."""

@@ -36,6 +36,7 @@ CASES = [("q8", "llama", "builtin"), ("q8", "llama3_rope", "builtin"), ("q8", "q
 
 
 @pytest.mark.parametrize("kv_quant,name,frontend", CASES)
+@pytest.mark.slow
 def test_cache_decode_tracks_transformers(tiny_models, kv_quant, name, frontend):
     """100 prompt tokens (two prefill chunks: the second attends to cached rows), then 64 decode steps, against
     transformers' float forward and cached decoding. The builtin models have the cache rotate keys (the pass moves

@@ -30,6 +30,7 @@ def _onnxruntime_logits(path: Path, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ONNX_MODELS)
+@pytest.mark.slow
 def test_onnxruntime_ember_and_transformers_agree_on_the_full_sequence(tiny_models, name):
     """onnxruntime on the file equals transformers (the export is right), and ember's prefill equals both."""
     model = tiny_models.onnx(name)

@@ -76,6 +76,7 @@ def _compare(whole, pipeline, prompts: list[list[int]]) -> float:
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", list(FRONTENDS))
+@pytest.mark.slow
 def test_chained_stages_compute_the_whole_models_logits(compiled, name, stages):
     """One sequence, then four decoded together: the chain's logits equal the whole artifact's within 1e-5."""
     from ember.runtime import Engine, load_artifact

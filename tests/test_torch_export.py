@@ -28,6 +28,7 @@ DECODE_STEPS = 16
 
 
 @pytest.mark.parametrize("name", EXPORTED + MORE_FAMILIES)
+@pytest.mark.slow
 def test_exported_prefill_and_decode_match_transformers(tiny_models, name):
     """100 prompt tokens (two prefill chunks) at every position against transformers' forward, then 16 decode
     steps on the paged cache against transformers' own cached decoding."""

@@ -53,6 +53,7 @@ def imported(checkpoint: Path, context_window: int | None = None):
     return build_exported_module(checkpoint, config, "float32", CheckpointWeights(checkpoint).records)
 
 
+@pytest.mark.slow
 def test_a_second_import_takes_the_kept_graph(traces, checkpoint, tmp_path, monkeypatch):
     """Kept, then loaded without torch.export; a damaged entry is traced again and replaced; an entry whose time of
     use cannot be marked still loads; with the cache off, the kept entry is neither read nor replaced."""
@@ -84,6 +85,7 @@ def test_a_second_import_takes_the_kept_graph(traces, checkpoint, tmp_path, monk
     assert len(traces) == 3 and entries(tmp_path) == [entry] and entry.read_bytes() == kept
 
 
+@pytest.mark.slow
 def test_another_config_or_context_window_is_traced_anew(traces, checkpoint, tmp_path):
     first_mod, _ = imported(checkpoint)
     shorter, _ = imported(checkpoint, context_window=64)
