@@ -431,7 +431,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
         raise ValueError(f"the int8 dot-product matmul does not compute a [{n}, {k}] {fmt.name} weight")
     plan = _tiles(fmt, n, k, dot, many_tokens, vector_bits, knobs, n, dense_rows)
     tokens, row_blocks, groups, zero_point = plan.tokens, plan.row_blocks, plan.groups, fmt.zero_point
-    whole, halving_tails, quantize = plan.whole, plan.halving_tails, plan.quantize
+    whole, halving_tails, quantize_all = plan.whole, plan.halving_tails, plan.quantize_all
     whole_tiles, halving_tail, tiled_rows = plan.whole_tiles, plan.halving_tail, plan.tiled_rows
     lanes = INTERLEAVED_ROWS
 
@@ -446,17 +446,7 @@ def int8_dot_compute(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens
             x_bias = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups), "int32")
             # With a zero point: x_scale * sum(q), what the group's minimum multiplies (llama.cpp's Q8_1 `s`).
             x_sum = T.sblock_alloc_buffer((tiled_rows(batch * seq), groups) if zero_point else (1, 1), "float32")
-            if many_tokens or batch * seq >= PARALLEL_QUANTIZE_ROWS:
-                for mg in T.parallel(batch * seq * groups):
-                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
-            else:
-                for mg in T.serial(batch * seq * groups):
-                    quantize(mg, seq, x, xq, x_scale, x_bias, x_sum)
-            if plan.pad_from is not None:  # the missing rows' products, never stored, start from scales of 0
-                for m, g in T.grid(tiled_rows(batch * seq) - batch * seq, groups):
-                    x_scale[batch * seq + m, g] = T.float32(0)
-                    if zero_point:
-                        x_sum[batch * seq + m, g] = T.float32(0)
+            quantize_all(batch * seq, tiled_rows(batch * seq), seq, x, xq, x_scale, x_bias, x_sum)
             for tile_n in T.parallel(n // (lanes * row_blocks)):
                 for tile_m in T.serial(whole_tiles(batch * seq)):
                     whole(tile_m * tokens, tokens, batch * seq - 1, 0, tile_n * row_blocks, seq, packed, scale, low,
@@ -484,7 +474,7 @@ def int8_dot_experts(fmt: QuantFormat, experts: int, n: int, k: int, dot: Int8Do
         raise ValueError(f"the int8 dot-product matmul does not compute experts of [{n}, {k}] {fmt.name} weights")
     plan = _tiles(fmt, n, k, dot, many_tokens, vector_bits, None, experts * n, pair_rows)
     tokens, row_blocks, groups, zero_point = plan.tokens, plan.row_blocks, plan.groups, fmt.zero_point
-    whole, halving_tails, quantize = plan.whole, plan.halving_tails, plan.quantize
+    whole, halving_tails, quantize_all = plan.whole, plan.halving_tails, plan.quantize_all
     whole_tiles, halving_tail = plan.whole_tiles, plan.halving_tail
     lanes = INTERLEAVED_ROWS
     # A padded tile of an expert's last rows reads up to `tokens` rows past all pairs' (`padded_tail_rows`).
@@ -499,17 +489,7 @@ def int8_dot_experts(fmt: QuantFormat, experts: int, n: int, k: int, dot: Int8Do
             x_scale = T.sblock_alloc_buffer((pairs + past, groups), "float32")
             x_bias = T.sblock_alloc_buffer((pairs + past, groups), "int32")
             x_sum = T.sblock_alloc_buffer((pairs + past, groups) if zero_point else (1, 1), "float32")
-            if many_tokens or pairs >= PARALLEL_QUANTIZE_ROWS:
-                for mg in T.parallel(pairs * groups):
-                    quantize(mg, order, x, xq, x_scale, x_bias, x_sum)
-            else:
-                for mg in T.serial(pairs * groups):
-                    quantize(mg, order, x, xq, x_scale, x_bias, x_sum)
-            if past > 0:
-                for m, g in T.grid(past, groups):
-                    x_scale[pairs + m, g] = T.float32(0)
-                    if zero_point:
-                        x_sum[pairs + m, g] = T.float32(0)
+            quantize_all(pairs, pairs + past, order, x, xq, x_scale, x_bias, x_sum)
             for e in T.serial(experts):
                 if offsets[e + 1] > offsets[e]:
                     for tile_n in T.parallel(n // (lanes * row_blocks)):
@@ -535,8 +515,9 @@ class _Tiles:
         (the first tile prefetches their weight);
     halving_tails(base, total, first_block, where, ...)
         the rows of `total` from `base` past the whole tiles, in tiles of 4, 2, 1;
-    quantize(mg, where, x, xq, x_scale, x_bias, x_sum)
-        `quantize_rows`' macro."""
+    quantize_all(rows, padded, where, x, xq, x_scale, x_bias, x_sum)
+        `rows` activation rows quantized (`quantize_rows`), in parallel for prefill or a few sequences; with
+        `pad_from`, rows `rows` .. `padded` - 1, which padded tiles read and never store, given scales of 0."""
 
     tokens: int
     row_blocks: int
@@ -544,7 +525,7 @@ class _Tiles:
     pad_from: int | None  # `padded_tail_rows`
     whole: Any
     halving_tails: Any
-    quantize: Any
+    quantize_all: Any
 
     def whole_tiles(self, rows):
         """Whole tiles of `rows` activation rows: with `pad_from`, a tail of pad_from rows or more is one. (An
@@ -751,4 +732,19 @@ def _tiles(fmt: QuantFormat, n: int, k: int, dot: Int8Dot, many_tokens: bool, ve
                       x_bias, x_sum, y)
 
     quantize = quantize_rows(groups, offset, zero_point, rows_of=rows_of)
-    return _Tiles(tokens, row_blocks, groups, pad_from, whole, halving_tails, quantize)
+
+    @T.macro
+    def quantize_all(rows, padded, where, x, xq, x_scale, x_bias, x_sum):
+        if many_tokens or rows >= PARALLEL_QUANTIZE_ROWS:
+            for mg in T.parallel(rows * groups):
+                quantize(mg, where, x, xq, x_scale, x_bias, x_sum)
+        else:
+            for mg in T.serial(rows * groups):
+                quantize(mg, where, x, xq, x_scale, x_bias, x_sum)
+        if pad_from is not None:  # the missing rows' products, never stored, start from scales of 0
+            for m, g in T.grid(padded - rows, groups):
+                x_scale[rows + m, g] = T.float32(0)
+                if zero_point:
+                    x_sum[rows + m, g] = T.float32(0)
+
+    return _Tiles(tokens, row_blocks, groups, pad_from, whole, halving_tails, quantize_all)
