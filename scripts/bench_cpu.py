@@ -1,25 +1,30 @@
 """ember on CPU next to llama.cpp, onnxruntime(-genai) and PyTorch eager: same weights, one run.
 
-Builds (or reuses) a Llama-shaped random checkpoint and, for each `--isa` level this host
-can execute, compiles it with ember in each requested `--quant` format for that level's
-`--target` and builds llama.cpp for the same level (`build_llama_cpp.py`, cached); the
-GGUF files for llama.cpp's requested types are written once from the same weights. Then
-every runtime of every level runs in its own fresh process, one after another and
-round-robin over the repeats, waiting for a quiet machine before each run: prefill
-tok/s over the prompt, decode tok/s over the new tokens (greedy), peak RSS. The header
-gives the host's ISA flags and the read bandwidth measured in the same run, and says
-which levels were skipped; then one table per level (the float32 peers, which choose
-their kernels at run time, in a table of their own) with the median of `--repeats`
-runs, decode as a share of the memory-bandwidth roofline (bytes of weights read per
-decoded token, every weight but the embedding table of which one row is read, times
-tok/s, over the bandwidth), ember/llama.cpp ratios per format (q0f32/F32, q8f32/Q8_0,
-q4f32/Q4_0) and each runtime's q4/q8 decode ratio. Greedy tokens are compared with
-PyTorch's where it ran.
+Builds (or reuses) a Llama-shaped random checkpoint (`--shape`: 110m and 1b in float32; 8b, Llama-3.1-8B's shape,
+in bfloat16 shards, as its float32 weights do not fit a 24 GB machine) and, for each `--isa` level this host can
+execute, compiles it with ember in each requested `--quant` format for that level's `--target` and builds llama.cpp
+for the same level (`build_llama_cpp.py`, cached); the GGUF files for llama.cpp's requested types are written once
+from the same weights, tensor by tensor. Then every runtime of every level runs in its own fresh process, one after
+another and round-robin over the repeats, waiting for a quiet machine before each run: prefill tok/s over the
+prompt, decode tok/s over the new tokens (greedy), peak RSS.
+
+The read bandwidth is measured before the first run and after every run, so that each run is judged against the
+bandwidth the host gave beside it (the mean of the two): a shared host's bandwidth moves by half within minutes,
+and a weight-streaming decode moves with it. Each run's decode is shown with its share of that bandwidth (bytes of
+weights read per decoded token, every weight but the embedding table of which one row is read, times tok/s); a run
+whose two measurements differ by more than `STEADY_SPREAD` is marked unsteady, and a runtime with fewer than half
+of its runs steady is reported as too unsteady to judge. The header gives the host's ISA flags and the range of the
+bandwidths, and says which levels were skipped; then one table per level (the float32 peers, which choose their
+kernels at run time, in a table of their own) with the median of `--repeats` runs and the median roofline share,
+ember/llama.cpp ratios per format (q0f32/F32, q8f32/Q8_0, q4f32/Q4_0), of the medians and round by round, and
+each runtime's q4/q8 decode ratio. Greedy tokens are compared with PyTorch's where it ran.
 
     python scripts/bench_cpu.py --model /tmp/llama110m --isa avx2,avx512,native --ember q0f32,q8f32,q4f32 \\
         --llama-cpp F32,Q8_0,Q4_0 --peers pytorch,onnxruntime,onnxruntime-genai --threads 2 --repeats 3
     python scripts/bench_cpu.py --model /tmp/llama1b --shape 1b --isa avx2,native --ember q8f32,q4f32 \\
         --llama-cpp Q8_0,Q4_0 --peers ""
+    python scripts/bench_cpu.py --model /tmp/llama8b --shape 8b --isa avx512-vnni --ember q8f32,q4f32 \\
+        --llama-cpp Q8_0,Q4_0 --peers "" --repeats 5
     python scripts/bench_cpu.py --isa avx512-vnni,amx --ember q8f32,q4f32 --llama-cpp Q8_0,Q4_0 --peers ""
 """
 
@@ -29,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,6 +104,14 @@ SHAPES = {
     "110m": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=32000),
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
 }
+# Shapes whose float32 weights do not fit a 24 GB machine: written shard by shard in bfloat16
+# (`peers.write_random_llama_shards`), measured in the quantized formats only. 8b is Llama-3.1-8B's.
+BF16_SHAPES = {
+    "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+}
+# A run is judged against the bandwidth measured beside it only when the measurements just before and just after
+# it differ by at most this fraction; fewer than half of a runtime's runs so judged: the host was too unsteady.
+STEADY_SPREAD = 0.15
 
 
 def ember_bytes_per_token(artifact: Path) -> int:
@@ -115,6 +129,28 @@ def gguf_bytes_per_token(path: Path) -> int:
     tensors = gguf.GGUFReader(str(path)).tensors
     untied = any(t.name == "output.weight" for t in tensors)
     return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+
+
+@dataclasses.dataclass
+class JudgedRun:
+    """One run and the read bandwidth measured just before and just after it, bytes/s."""
+
+    measurement: peers.Measurement
+    bandwidth_before: float
+    bandwidth_after: float
+
+    @property
+    def bandwidth(self) -> float:
+        return (self.bandwidth_before + self.bandwidth_after) / 2
+
+    @property
+    def steady(self) -> bool:
+        low, high = sorted((self.bandwidth_before, self.bandwidth_after))
+        return high <= low * (1 + STEADY_SPREAD)
+
+    def share(self, bytes_per_token: int) -> float:
+        """Decode's bytes/s over the bandwidth measured beside this run."""
+        return self.measurement.decode_tokens_per_s * bytes_per_token / self.bandwidth
 
 
 def read_bandwidth() -> float:
@@ -137,27 +173,47 @@ def host_line() -> str:
     flags = build_llama_cpp.host_flags()
     return f"host: {cpu_fingerprint()['cpu']}; ISA flags: {' '.join(f for f in SHOWN_FLAGS if f in flags)}"
 
-def print_table(title: str, rows: dict[str, peers.Measurement], bytes_per_token: dict[str, int | None],
-                bandwidth: float, reference: list[int] | None) -> None:
-    """One ISA level's table, then its ember/llama.cpp ratios per format and q4/q8 decode ratios."""
+def print_table(title: str, rows: dict[str, list[JudgedRun]], bytes_per_token: dict[str, int | None],
+                reference: list[int] | None) -> None:
+    """One ISA level's table (medians of the runs; decode's share of the bandwidth measured beside each run, their
+    median), then each runtime's runs, ember/llama.cpp ratios per format and q4/q8 decode ratios."""
     print(f"\n{title}")
     print(f"{'runtime':<17} {'prefill tok/s':>13} {'decode tok/s':>12} {'MB/token':>9} {'% roofline':>10} "
           f"{'peak RSS MB':>11} {'tokens = torch':>14}")
-    for name, row in rows.items():
+    summary = {name: peers.summarize([run.measurement for run in runs]) for name, runs in rows.items()}
+    for name, row in summary.items():
         per_token = bytes_per_token.get(name)
-        roofline = f"{row.decode_tokens_per_s * per_token / bandwidth:>10.0%}" if per_token else f"{'-':>10}"
+        shares = [run.share(per_token) for run in rows[name]] if per_token else []
+        roofline = f"{statistics.median(shares):>10.0%}" if shares else f"{'-':>10}"
         mb = f"{per_token / 1e6:>9.1f}" if per_token else f"{'-':>9}"
         same = str(row.token_ids[:16] == reference[:16]) if reference else "-"
         print(f"{name:<17} {row.prefill_tokens_per_s:>13.1f} {row.decode_tokens_per_s:>12.2f} {mb} {roofline} "
               f"{row.peak_rss_mb:>11.0f} {same:>14}")
+    for name, runs in rows.items():
+        per_token = bytes_per_token.get(name)
+        print(f"  {name} decode runs: " + ", ".join(
+            f"{run.measurement.decode_tokens_per_s:.2f}" + (f" ({run.share(per_token):.0%} of "
+                                                            f"{run.bandwidth / 1e9:.1f} GB/s)" if per_token else "")
+            + ("" if run.steady else " unsteady") for run in runs))
+        steady = sum(run.steady for run in runs)
+        if per_token and steady * 2 < len(runs):
+            print(f"  {name}: host too unsteady to judge: {len(runs) - steady} of {len(runs)} runs had bandwidths "
+                  f"before and after differing by more than {STEADY_SPREAD:.0%}")
+        elif per_token:
+            shares = [run.share(per_token) for run in runs if run.steady]
+            print(f"  {name}: {statistics.median(shares):.0%} of the bandwidth beside it, median of its {steady} "
+                  f"steady runs")
     for ours, theirs in FORMAT_PAIRS:
         a, b = rows.get(f"ember {ours}"), rows.get(f"llama.cpp {theirs}")
         if a and b:
+            x, y = summary[f"ember {ours}"], summary[f"llama.cpp {theirs}"]
+            per_round = [p.measurement.decode_tokens_per_s / q.measurement.decode_tokens_per_s for p, q in zip(a, b)]
             print(f"  ember {ours} / llama.cpp {theirs}: prefill "
-                  f"{a.prefill_tokens_per_s / b.prefill_tokens_per_s:.2f}x, decode "
-                  f"{a.decode_tokens_per_s / b.decode_tokens_per_s:.2f}x")
+                  f"{x.prefill_tokens_per_s / y.prefill_tokens_per_s:.2f}x, decode "
+                  f"{x.decode_tokens_per_s / y.decode_tokens_per_s:.2f}x (each round's: "
+                  f"{', '.join(f'{r:.2f}' for r in per_round)}; their median {statistics.median(per_round):.2f}x)")
     for runtime, q4, q8 in (("ember", "q4f32", "q8f32"), ("llama.cpp", "Q4_0", "Q8_0")):
-        a, b = rows.get(f"{runtime} {q4}"), rows.get(f"{runtime} {q8}")
+        a, b = summary.get(f"{runtime} {q4}"), summary.get(f"{runtime} {q8}")
         if a and b:
             print(f"  {runtime} decode {q4} / {q8}: {a.decode_tokens_per_s / b.decode_tokens_per_s:.2f}x")
 
@@ -169,7 +225,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("/tmp/llama110m"),
                         help="checkpoint dir; created with random weights of --shape if missing")
-    parser.add_argument("--shape", choices=SHAPES, default="110m")
+    parser.add_argument("--shape", choices={**SHAPES, **BF16_SHAPES}, default="110m",
+                        help="the random checkpoint's shape: 110m, 1b (float32), 8b (Llama-3.1-8B's, bfloat16 "
+                             "shards: quantized formats only)")
     parser.add_argument("--isa", default="native",
                         help=f"ISA levels ({', '.join(ISA_LEVELS)}), comma-separated: per level, ember compiled "
                              "for that level's --target next to llama.cpp built for it (amx: ember's AMX build next "
@@ -195,8 +253,18 @@ def main() -> None:
         else:
             levels.append(ISA_LEVELS[name])
 
+    if args.shape in BF16_SHAPES:
+        floats = [f for f in split(args.ember) if f == "q0f32"] + [t for t in split(args.llama_cpp) if t in
+                                                                   ("F32", "F16")] + split(args.peers)
+        if floats:
+            parser.error(f"--shape {args.shape}: its float weights do not fit this benchmark's machines; measure "
+                         f"quantized formats only (drop {', '.join(floats)}: --ember q8f32,q4f32 --llama-cpp "
+                         "Q8_0,Q4_0 --peers '')")
     if not (args.model / "config.json").exists():
-        peers.make_random_llama(args.model, **SHAPES[args.shape])
+        if args.shape in BF16_SHAPES:
+            peers.write_random_llama_shards(args.model, **BF16_SHAPES[args.shape])
+        else:
+            peers.make_random_llama(args.model, **SHAPES[args.shape])
     from ember.driver.compiler import CompileOptions, compile_model
 
     prompt = np.random.default_rng(0).integers(0, 32000, args.prompt_len).tolist()
@@ -235,30 +303,35 @@ def main() -> None:
     # Round-robin: every runtime once, then again. A shared machine's memory bandwidth drifts
     # over minutes (decode of one artifact measured 76-111 tok/s within a minute), and the
     # drift then lands on every runtime's median alike instead of on whichever ran last.
-    runs: dict[tuple[str, str], list[peers.Measurement]] = {key: [] for key in runners}
+    # The read bandwidth is measured between consecutive runs, so that each run is judged
+    # against the bandwidth the host gave just before and just after it.
+    runs: dict[tuple[str, str], list[JudgedRun]] = {key: [] for key in runners}
     busy = 0
+    peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
+    bandwidths = [read_bandwidth()]
     for _ in range(args.repeats):
         for key, run in runners.items():
             busy += not peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
-            runs[key].append(run())
+            measurement = run()
+            bandwidths.append(read_bandwidth())
+            runs[key].append(JudgedRun(measurement, bandwidths[-2], bandwidths[-1]))
     for qtype in split(args.llama_cpp):
         gguf_bytes = gguf_bytes_per_token(args.model / "gguf" / f"model-{qtype}.gguf")
         bytes_per_token.update({(level.name, f"llama.cpp {qtype}"): gguf_bytes for level in levels})
-    peers.wait_for_quiet_machine(timeout_s=args.quiet_wait)
-    bandwidth = read_bandwidth()
 
-    summary = {key: peers.summarize(measured) for key, measured in runs.items()}
+    def table_of(table: str) -> tuple[dict[str, list[JudgedRun]], dict[str, int | None]]:
+        keys = [key for key in runs if key[0] == table]
+        return {key[1]: runs[key] for key in keys}, {key[1]: bytes_per_token.get(key) for key in keys}
 
-    def table_of(table: str) -> tuple[dict[str, peers.Measurement], dict[str, int | None]]:
-        keys = [key for key in summary if key[0] == table]
-        return {key[1]: summary[key] for key in keys}, {key[1]: bytes_per_token.get(key) for key in keys}
-
-    reference = summary.get(("peers", "pytorch-eager"))
+    torch_runs = runs.get(("peers", "pytorch-eager"))
+    reference = torch_runs[0].measurement.token_ids if torch_runs else None
     flags = build_llama_cpp.host_flags()
     print(f"\n{args.model} ({args.shape} shape)   threads: {args.threads}   prompt {args.prompt_len} + "
-          f"{args.new_tokens} new tokens, median of {args.repeats}, round-robin   "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured in this run: the best of numpy's dot and a "
-          "compiled read)")
+          f"{args.new_tokens} new tokens, median of {args.repeats}, round-robin")
+    print(f"read bandwidth measured before the first run and after every run (the best of numpy's dot and a "
+          f"compiled read): {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s, median "
+          f"{statistics.median(bandwidths) / 1e9:.1f}; a run's roofline share is over the mean of the two beside it, "
+          f"and a run whose two differ by more than {STEADY_SPREAD:.0%} is unsteady")
     print(f"{host_line()}; "
           f"lacks: {' '.join(f for f in SHOWN_FLAGS if f not in flags) or 'none of these'}")
     for line in skipped:
@@ -274,10 +347,9 @@ def main() -> None:
                       f"; objdump: {counts['zmm']} zmm instructions, {counts['vpdpbusd']} vpdpbusd")
             if level is AMX_LEVEL:
                 title += "\n  llama.cpp without AMX: its AMX build segfaults on Q8_0/Q4_0 on this host"
-        print_table(title, *table_of(level.name), bandwidth, reference and reference.token_ids)
-    if any(table == "peers" for table, _ in summary):
-        print_table("float32 peers (each dispatches to this host's ISA at run time)", *table_of("peers"), bandwidth,
-                    reference and reference.token_ids)
+        print_table(title, *table_of(level.name), reference)
+    if any(table == "peers" for table, _ in runs):
+        print_table("float32 peers (each dispatches to this host's ISA at run time)", *table_of("peers"), reference)
 
 
 if __name__ == "__main__":

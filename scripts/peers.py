@@ -31,6 +31,7 @@ Run as a script for a table of the peers::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -352,6 +353,106 @@ def add_placeholder_vocabulary(writer: Any, vocab: int) -> None:
     writer.add_eos_token_id(2)
 
 
+def write_random_llama_shards(
+    out_dir: str | os.PathLike,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    seed: int = 0,
+    context: int = 8192,
+    rope_theta: float = 500000.0,
+    shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write a random Llama checkpoint in bfloat16, shard by shard, for models whose float32 weights do not fit memory.
+
+    The weights follow transformers' initialiser as `make_random_llama`'s do (matrices normal with std 0.02, norms
+    one), each tensor drawn from its own generator (`seed`, its index) and written as soon as its shard is full, so
+    memory holds one shard (``shard_bytes``) and one float32 tensor at a time. The layout is Hugging Face's: shards
+    ``model-0000i-of-0000n.safetensors``, their index ``model.safetensors.index.json`` and ``config.json``.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden // heads
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        shapes += [(prefix + "input_layernorm.weight", (hidden,)),
+                   (prefix + "self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                   (prefix + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+                   (prefix + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+                   (prefix + "self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                   (prefix + "post_attention_layernorm.weight", (hidden,)),
+                   (prefix + "mlp.gate_proj.weight", (ffn, hidden)), (prefix + "mlp.up_proj.weight", (ffn, hidden)),
+                   (prefix + "mlp.down_proj.weight", (hidden, ffn))]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+    weight_map: dict[str, str] = {}
+    shard: dict[str, Any] = {}
+    shard_size = total = 0
+    partials: list[Path] = []
+
+    def flush() -> None:
+        partials.append(out / f"shard-{len(partials) + 1}.partial")
+        save_file(shard, str(partials[-1]), metadata={"format": "pt"})
+        weight_map.update({name: partials[-1].name for name in shard})
+        shard.clear()
+
+    for index, (name, shape) in enumerate(shapes):
+        if len(shape) == 1:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        if shard and shard_size + tensor.numel() * 2 > shard_bytes:
+            flush()
+            shard_size = 0
+        shard[name] = tensor
+        shard_size += tensor.numel() * 2
+        total += tensor.numel() * 2
+        print(f"\r  {out.name}: {index + 1}/{len(shapes)} tensors", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    flush()
+    finals = {p.name: f"model-{number:05d}-of-{len(partials):05d}.safetensors" for number, p in
+              enumerate(partials, 1)}
+    for partial in partials:
+        partial.rename(out / finals[partial.name])
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": {k: finals[v] for k, v in weight_map.items()}}, indent=2))
+    LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=False,
+                max_position_embeddings=context, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                dtype="bfloat16").save_pretrained(out)  # config.json last: its presence marks a complete checkpoint
+    return out
+
+
+def _checkpoint_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """Each tensor of a safetensors checkpoint (one file or an index of shards): its shape, read from the file's
+    header, and a function that reads it as float32, so that a converter holds one tensor at a time."""
+    from safetensors import safe_open
+
+    def read(path: Path, name: str) -> np.ndarray:
+        with safe_open(str(path), framework="pt") as opened:
+            return opened.get_tensor(name).float().numpy()
+
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+    tensors = {}
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as shard:
+            for name in shard.keys():
+                shape = tuple(shard.get_slice(name).get_shape())
+                tensors[name] = (shape, functools.partial(read, model_dir / file, name))
+    return tensors
+
+
 def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype: str) -> Path:
     """Write the Llama checkpoint at ``model_dir`` as a llama.cpp GGUF file, 2-D weights as ``qtype``.
 
@@ -360,17 +461,22 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype:
     in F32. Q and K rows are permuted from Hugging Face's rotate-half RoPE layout to
     llama.cpp's interleaved one, as its ``convert_hf_to_gguf.py`` does. The
     vocabulary is placeholder text (the benchmark feeds token ids, never text).
+    Streamed: the tensors' descriptions are written first, then each tensor is read
+    (in any float dtype, from one file or shards), converted and written in turn, so
+    an 8B checkpoint converts in the memory of its largest tensor.
     """
     import gguf
-    from safetensors.numpy import load_file
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = _checkpoint_tensors(model_dir)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope_theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta") or 10000.0
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out_path), "llama")
+    partial = out_path.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(partial), "llama")
     writer.add_name("ember benchmark llama")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -380,7 +486,7 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    writer.add_rope_freq_base(float(rope_theta))
     writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[qtype])
     add_placeholder_vocabulary(writer, config["vocab_size"])
 
@@ -390,27 +496,44 @@ def write_gguf(model_dir: str | os.PathLike, out_path: str | os.PathLike, qtype:
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
-               "output_norm.weight": weights["model.norm.weight"],
-               "output.weight": weights.get("lm_head.weight", weights["model.embed_tokens.weight"])}
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    sources = {"token_embd.weight": ("model.embed_tokens.weight", 0), "output_norm.weight": ("model.norm.weight", 0),
+               "output.weight": (head, 0)}
     for layer in range(config["num_hidden_layers"]):
         for hf, short in names.items():
-            w = weights[f"model.layers.{layer}.{hf}.weight"]
-            if short == "attn_q":
-                w = permute_rope(w, heads)
-            elif short == "attn_k":
-                w = permute_rope(w, kv_heads)
-            tensors[f"blk.{layer}.{short}.weight"] = w
-    for name, w in tensors.items():
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        kind = getattr(gguf.GGMLQuantizationType, qtype) if w.ndim == 2 else gguf.GGMLQuantizationType.F32
-        data = w.astype(np.float16) if kind == gguf.GGMLQuantizationType.F16 else (
-            w if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, kind))
-        writer.add_tensor(name, data, raw_dtype=kind)
+            rope_heads = {"attn_q": heads, "attn_k": kv_heads}.get(short, 0)
+            sources[f"blk.{layer}.{short}.weight"] = (f"model.layers.{layer}.{hf}.weight", rope_heads)
+    missing = [source for source, _ in sources.values() if source not in tensors]
+    if missing:
+        raise ValueError(f"{model_dir}: no tensor {missing[0]!r} in the checkpoint")
+
+    def kind_of(ndim: int) -> gguf.GGMLQuantizationType:
+        return getattr(gguf.GGMLQuantizationType, qtype) if ndim == 2 else gguf.GGMLQuantizationType.F32
+
+    for name, (source, _) in sources.items():
+        shape = tensors[source][0]
+        kind = kind_of(len(shape))
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.dtype(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
+            writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=kind)
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kind)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for count, (source, rope_heads) in enumerate(sources.values(), 1):
+        w = tensors[source][1]()
+        if rope_heads:
+            w = permute_rope(w, rope_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        kind = kind_of(w.ndim)
+        writer.write_tensor_data(w.astype(np.float16) if kind == gguf.GGMLQuantizationType.F16 else (
+            w if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, kind)))
+        print(f"\r  {out_path.name}: {count}/{len(sources)} tensors", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
     writer.close()
+    partial.rename(out_path)
     return out_path
 
 
