@@ -108,13 +108,30 @@ class CacheShape:
     # ALiBi: every layer's head h adds alibi_slopes[h] * (key position - query position) to its scores (one slope:
     # every head alike; empty: no such bias).
     alibi_slopes: tuple[float, ...] = ()
+    # Attention sinks (gpt-oss): every layer's heads have a learned logit that joins their softmax's denominator
+    # (a key no value comes with). The graph hands each layer's sinks to the kernels as extra query heads, one per
+    # KV head after the model's (`cache_heads`), whose first `num_heads // num_kv_heads` values are the sinks of
+    # that KV head's query heads and whose next value is the layer's window (0: none). The kernels add a sink once
+    # per query, in the part of the attention that holds the query's own key, so that the runtime's merge of
+    # partial attentions counts it once; that needs each part's exact key positions, which TVM's sliding-window
+    # slots do not give, so every layer is a plain one and the kernels mask each by the window it carries.
+    sinks: bool = False
 
     def __post_init__(self) -> None:
+        if self.sinks and self.num_heads // self.num_kv_heads >= self.head_dim:
+            raise ModelError(f"attention sinks with {self.num_heads // self.num_kv_heads} query heads per key/value "
+                             f"head of {self.head_dim} values: ember's kernels carry a KV head's sinks and its "
+                             "layer's window in one query head")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if len(set(self.layer_windows) - {0}) > 1:
             raise ModelError(f"attention layers read through windows of {sorted(set(self.layer_windows) - {0})} "
                              "tokens; ember's KV cache holds one window size for all windowed layers")
+
+    @property
+    def cache_heads(self) -> int:
+        """The query heads the runtime's attention takes: the model's, and the sinks' carriers where it has them."""
+        return self.num_heads + (self.num_kv_heads if self.sinks else 0)
 
     @property
     def window(self) -> int:
@@ -126,7 +143,7 @@ class CacheShape:
         """Windowed layers are handed only their window's pages: where some layers have no window (TVM's
         "mha_sliding" kind, whose kernels are separate). Where every layer has one, all are plain layers whose
         kernels see through the window (TVM's cache allocates no workspace for a model of sliding layers alone)."""
-        return bool(self.window) and 0 in self.layer_windows
+        return bool(self.window) and 0 in self.layer_windows and not self.sinks
 
 
 def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size: tirx.Var,
@@ -141,8 +158,9 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
     if shape.window and not shape.window_pages and "cpu" not in target.keys:
         raise ModelError(f"every attention layer reads through a sliding window of {shape.window} tokens, which "
                          f"ember's CPU kernels compute and TVM's {target.kind.name} kernels do not; compile for a CPU")
-    if (shape.softcap or shape.alibi_slopes) and "cpu" not in target.keys:
-        what = f"soft-capped at {shape.softcap:g}" if shape.softcap else "biased by distance (ALiBi)"
+    if (shape.softcap or shape.alibi_slopes or shape.sinks) and "cpu" not in target.keys:
+        what = (f"soft-capped at {shape.softcap:g}" if shape.softcap else "biased by distance (ALiBi)"
+                if shape.alibi_slopes else "with attention sinks")
         raise ModelError(f"attention scores {what}, which ember's CPU kernels compute and TVM's {target.kind.name} "
                          "kernels do not; compile for a CPU")
     return TIRPagedKVCache(
@@ -154,7 +172,7 @@ def paged_kv_cache(shape: CacheShape, dtype: str, target: Target, max_batch_size
         support_sliding_window=support_sliding_window,
         layer_partition=relax.ShapeExpr([0, shape.num_layers]),
         num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
+        num_attention_heads=shape.cache_heads,
         num_key_value_heads=shape.num_kv_heads,
         qk_head_dim=shape.head_dim,
         v_head_dim=shape.head_dim,
@@ -251,7 +269,7 @@ def with_cache_shape(mod: tvm.IRModule, shape: CacheShape) -> tvm.IRModule:
     return mod.with_attr(KV_CACHE_ATTR, {"num_layers": shape.num_layers, "num_heads": shape.num_heads,
                                          "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                                          "layer_windows": list(shape.layer_windows), "softcap": shape.softcap,
-                                         "alibi_slopes": list(shape.alibi_slopes)})
+                                         "alibi_slopes": list(shape.alibi_slopes), "sinks": shape.sinks})
 
 
 def recorded_layer_windows(mod: tvm.IRModule) -> tuple[int, ...]:
@@ -266,9 +284,17 @@ def recorded_scores(mod: tvm.IRModule) -> tuple[float, tuple[float, ...]]:
     return float(recorded.get("softcap", 0.0)), tuple(float(s) for s in recorded.get("alibi_slopes", []))
 
 
+def recorded_sinks(mod: tvm.IRModule) -> bool:
+    """Whether the attention recorded on `mod` has sinks (`CacheShape.sinks`)."""
+    return bool((mod.attrs or {}).get(KV_CACHE_ATTR, {}).get("sinks", False))
+
+
 def cache_window(mod: tvm.IRModule) -> tuple[int, bool]:
-    """(the window of the windowed layers, 0 if none; whether their kernels are handed only the window's pages,
+    """(the window the attention kernels mask keys by, 0 if no layer has one or if each layer's window reaches
+    them with its sinks; whether windowed layers' kernels are handed only the window's pages,
     `CacheShape.window_pages`) as recorded on `mod`."""
+    if recorded_sinks(mod):
+        return 0, False
     windows = recorded_layer_windows(mod)
     window = max(windows, default=0)
     return window, bool(window) and 0 in windows

@@ -10,7 +10,8 @@ every TVM pass), keyed by the Relax parameter name:
     {"op": "concat", "axis": 0, "inputs": [<recipe>, <recipe>, ...], "rows": [N_1, N_2, ...]}  (rows: each's)
     {"op": "adapter", "part": "A" | "B", "shape": [...], "members": [...]}  LoRA slots (`ir_passes/add_lora_slots.py`)
     {"op": "quantize", "format": "q4f32", "part": "packed", "layout": "rows", "input": <recipe>}
-    {"op": "transpose", "input": <recipe>}          a 2-D weight stored [in, out] (transformers' Conv1D)
+    {"op": "transpose", "input": <recipe>}          a weight stored [..., in, out] (transformers' Conv1D, gpt-oss's
+                                                    experts): its last two axes swapped
     {"op": "reshape", "shape": [..], "input": <recipe>}  stacked experts (`frontend/fused_experts.py`)
     {"op": "panels", "rows": 16, "input": <recipe>} `ir_passes/pack_float_panels.py`
 

@@ -7,15 +7,18 @@ Input: the traced `forward` of a model whose experts transformers ran as `batche
     softmax -> topk(k) (-> / sum)     or     topk(k) -> softmax        the routing
     ids = reshape(top-k indices, [T * k])
     h = squeeze(take(W_gate_up, ids) @ expand_dims(rows, -1))        [T * k, N] per (token, expert) pair
-    ... activation, the down projection the same way, weights, sum over k
+      or squeeze(expand_dims(rows, 1) @ take(W_gate_up, ids), 1)      W stored [E, K, N] (gpt-oss)
+    ... (a gathered bias), activation, the down projection the same way, weights, sum over k
 
 Output: the routing as one `moe_route` kernel (softmax and top-k fused, nothing left
 for `specialize_attention` to mistake for attention), and each gathered projection as
 `moe_matmul` over the expert weight seen as [E * N, K] rows, with the pairs grouped by
 expert once per block (`moe_group`); see `schedules/moe.py`. What is around them (the
 activation, a renormalisation, the routing weights, the sum over k, shared experts)
-stays as traced. The gathered form reads every pair's whole expert weight into a
-[T * k, N, K] tensor; the kernels read each chosen expert's rows once.
+stays as traced, as does the gather of each pair's expert bias (a row per pair). An expert
+weight stored [E, K, N] is transposed as it is loaded (its recipe). The gathered form reads
+every pair's whole expert weight into a [T * k, N, K] tensor; the kernels read each chosen
+expert's rows once.
 
 Refused in one line naming the operator: a top-k that is not a router's (smallest, on
 another axis, not fed by a softmax nor feeding one), an expert weight read any other way,
@@ -48,16 +51,19 @@ def lower_moe(vector_bits: int) -> tvm.transform.Pass:
         rewriter = _Rewriter(mod, func, vector_bits)
         rewriter.builder_.update_func(mod.get_global_var(FORWARD), rewriter.rewrite())
         recipes = get_recipes(mod)
-        for name, experts in rewriter.flattened.items():
-            recipes[name] = _flattened(recipes[name], experts)
+        for name, (experts, transposed) in rewriter.flattened.items():
+            recipes[name] = _flattened(recipes[name], experts, transposed)
         return set_recipes(rewriter.builder_.get(), recipes)
 
     return transform
 
 
-def _flattened(recipe: Recipe, shape: list[int]) -> Recipe:
-    """`recipe` of a stacked [E, N, K] expert weight giving it as [E * N, K] rows."""
+def _flattened(recipe: Recipe, shape: list[int], transposed: bool) -> Recipe:
+    """`recipe` of a stacked [E, N, K] expert weight (stored [E, K, N] if `transposed`) giving it as [E * N, K]
+    rows."""
     rows = [shape[0] * shape[1], shape[2]]
+    if transposed:
+        return {"op": "reshape", "shape": rows, "input": {"op": "transpose", "input": recipe}}
     if recipe["op"] == "reshape":
         return {**recipe, "shape": rows}
     return {"op": "reshape", "shape": rows, "input": recipe}
@@ -75,11 +81,9 @@ class _Rewriter(relax.PyExprMutator):
             for read in relax.analysis.free_vars(value):
                 self.readers.setdefault(read, []).append(var)
         weights = weight_params(func)
-        self.stacked = {p for p in weights if len(p.ty.shape) == 3}  # [E, N, K] expert weights
-        self.flattened: dict[str, list[int]] = {}  # name -> the [E, N, K] shape it had
-        self.rows_of = {p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[1]),
-                                                               int(p.ty.shape[2])], p.ty.dtype))
-                        for p in self.stacked}
+        self.stacked = {p for p in weights if len(p.ty.shape) == 3}  # [E, N, K] (or [E, K, N]) expert weights
+        self.layouts: dict[relax.Var, bool] = {}  # stacked weight -> whether stored [E, K, N] (gpt-oss)
+        self.flattened: dict[str, tuple[list[int], bool]] = {}  # name -> the [E, N, K] shape it had, transposed?
         self.routers: dict[relax.Var, tuple[relax.Var, int, tvm.tirx.PrimFunc]] = {}  # topk -> (logits, k, kernel)
         self.routed: dict[relax.Var, tuple[relax.Var, int]] = {}  # a routing result -> (its topk, field of the route)
         self.projections: dict[relax.Var, tuple[relax.Var, relax.Var, relax.Var]] = {}  # squeeze var -> (x, W, ids)
@@ -87,6 +91,13 @@ class _Rewriter(relax.PyExprMutator):
         self.groups: dict[relax.Var, relax.Var] = {}  # ids var -> its (order, offsets)
         self.kernels: dict[str, relax.GlobalVar] = {}
         self._match()
+        self.transposed = {weight for weight, transposed in self.layouts.items() if transposed}
+        self.rows_of = {p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[1]),
+                                                               int(p.ty.shape[2])], p.ty.dtype))
+                        for p in self.stacked - self.transposed}
+        self.rows_of.update({p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[2]),
+                                                                    int(p.ty.shape[1])], p.ty.dtype))
+                             for p in self.transposed})
 
     def rewrite(self) -> relax.Function:
         params = [self.rows_of.get(p, p) for p in self.func.params]
@@ -142,20 +153,28 @@ class _Rewriter(relax.PyExprMutator):
         self.routed[fields[1]] = (var, 1)
 
     def _match_projection(self, var: relax.Var, take: relax.Call) -> None:
+        """squeeze(take(W, ids) @ expand_dims(x, -1)) with W [E, N, K], or squeeze(expand_dims(x, 1) @ take(W, ids),
+        1) with W [E, K, N] (gpt-oss stores its experts so): each pair's row of x times its expert's matrix."""
         weight, ids = take.args
         where = f"{FORWARD}: {var.name} = take({weight.name})"
         readers = self.readers.get(var, [])
         product = readers[0] if len(readers) == 1 else None
         value = self.values.get(product)
-        column = self.values.get(value.args[1]) if is_op(value, "relax.matmul") and value.args[0].same_as(var) else None
-        squeeze = self.readers.get(product, [None])[0] if column is not None else None
-        if (int(take.attrs.axis) != 0 or ids.ty.ndim != 1 or not is_op(column, "relax.expand_dims")
-                or [int(a) for a in column.attrs.axis] not in ([-1], [2]) or len(self.readers[product]) != 1
-                or not is_op(self.values.get(squeeze), "relax.squeeze")):
+        row, transposed = None, False
+        if is_op(value, "relax.matmul"):
+            transposed = value.args[1].same_as(var)
+            row = self.values.get(value.args[0] if transposed else value.args[1])
+        squeeze = self.readers.get(product, [None])[0] if row is not None else None
+        if (int(take.attrs.axis) != 0 or ids.ty.ndim != 1 or not is_op(row, "relax.expand_dims")
+                or [int(a) for a in row.attrs.axis] not in (([1], [-2]) if transposed else ([-1], [2]))
+                or len(self.readers[product]) != 1 or not is_op(self.values.get(squeeze), "relax.squeeze")
+                or self.layouts.get(weight, transposed) != transposed):
             raise ModelError(f"{where}: an expert weight read other than as the gathered projection "
-                             "squeeze(take(W, ids) @ expand_dims(x, -1)) ember knows")
+                             "squeeze(take(W, ids) @ expand_dims(x, -1)) or squeeze(expand_dims(x, 1) @ take(W, ids)) "
+                             "ember knows")
+        self.layouts[weight] = transposed
         self.skipped |= {var, product}
-        self.projections[squeeze] = (column.args[0], weight, ids)
+        self.projections[squeeze] = (row.args[0], weight, ids)
 
     # -- rewriting ------------------------------------------------------------------------------------------
 
@@ -178,7 +197,9 @@ class _Rewriter(relax.PyExprMutator):
         if var in self.projections:
             x, weight, ids = self.projections[var]
             experts, n, k = (int(d) for d in weight.ty.shape)
-            self.flattened[weight.name] = [experts, n, k]
+            if weight in self.transposed:
+                n, k = k, n
+            self.flattened[weight.name] = ([experts, n, k], weight in self.transposed)
             order, offsets = self._grouped(self.visit_expr(ids), experts)
             kernel = self._kernel(moe.moe_matmul(None, experts, n, k, self.vector_bits), "moe_matmul")
             pairs = x.ty.shape[0]

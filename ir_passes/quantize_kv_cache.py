@@ -44,6 +44,7 @@ from ember.ir.kv_cache import (
     KVRows,
     cache_window,
     recorded_scores,
+    recorded_sinks,
 )
 from ember.ir.module_utils import calls_packed
 from ember.schedules import quantized_kv_cache as kernels
@@ -135,22 +136,25 @@ class _Rewriter(relax.PyExprMutator):
         window, sliding_slots = cache_window(self.mod)
         plain_window = 0 if sliding_slots else window
         softcap, slopes = recorded_scores(self.mod)
+        sinks = recorded_sinks(self.mod)
         args[CreateArg.RAGGED] = attention("ragged", partial(ragged_prefill_attention, kv_heads, qo_heads, head_dim,
                                                              dtype, self.lanes, rows=rows, softcap=softcap,
-                                                             slopes=slopes))
+                                                             slopes=slopes, sinks=sinks))
         args[CreateArg.PREFILL] = attention("prefill", partial(paged_prefill_attention, kv_heads, qo_heads, head_dim,
                                                                dtype, page_size, self.lanes, storage=storage,
-                                                               window=plain_window, softcap=softcap, slopes=slopes))
+                                                               window=plain_window, softcap=softcap, slopes=slopes,
+                                                               sinks=sinks))
         args[CreateArg.DECODE] = attention("decode", partial(paged_decode_attention, kv_heads, qo_heads, head_dim,
                                                              dtype, page_size, self.lanes, storage=storage,
-                                                             window=plain_window, softcap=softcap, slopes=slopes))
+                                                             window=plain_window, softcap=softcap, slopes=slopes,
+                                                             sinks=sinks))
         if sliding_slots:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = attention("prefill_window", partial(
                 paged_prefill_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True, softcap=softcap, slopes=slopes))
+                window=window, window_pages=True, softcap=softcap, slopes=slopes, sinks=sinks))
             args[CreateArg.DECODE_SLIDING_WINDOW] = attention("decode_window", partial(
                 paged_decode_attention, kv_heads, qo_heads, head_dim, dtype, page_size, self.lanes, storage=storage,
-                window=window, window_pages=True, softcap=softcap, slopes=slopes))
+                window=window, window_pages=True, softcap=softcap, slopes=slopes, sinks=sinks))
         else:
             args[CreateArg.PREFILL_SLIDING_WINDOW] = args[CreateArg.DECODE_SLIDING_WINDOW] = relax.Tuple([])
         for index in NEVER_CALLED_ATTENTION:

@@ -31,6 +31,10 @@ sequence. Three rewrites make that true:
    and v as [1, n, heads, d] (the tensors the graph permuted them from, where it did)
    are concatenated and handed to the cache (`attention_with_fused_qkv`: append k/v to
    the sequence's pages, attend over them). Attention layers are numbered in graph order.
+   Soft-capped scores (Gemma 2), ALiBi's distance bias and gpt-oss's attention sinks (a
+   weight of one logit per head, as a column concatenated to the scores before the
+   softmax and dropped after it) go to the cache's kernels, the sinks as one extra query
+   head per KV head that carries them (`CacheShape.sinks`).
 2. **Positions.** `arange(0, n)` (the positions of a sequence's tokens when the graph
    sees one whole sequence) becomes the cache's query positions, each token's place
    in its own sequence, and `cumsum(ones[1, n], axis=1)` (OPT counts an all-ones
@@ -45,11 +49,11 @@ sequence. Three rewrites make that true:
    reads only the rows at `logit_positions`.
 
 Anything else is refused with the path of operators where recognition stopped, never
-compiled into something wrong: attention with an additive bias or without a causal
-mask (a bidirectional encoder, ALiBi), a mask that is neither causal nor a sliding
-window, or that disagrees with the config (naming the layer and both), scores
-transformed before the softmax (Gemma 2's soft-capping), keys or values that are not
-per-token projections of the sequence, a graph without attention.
+compiled into something wrong: attention with a learned bias or without a causal mask
+(a bidirectional encoder), a mask that is neither causal nor a sliding window, or that
+disagrees with the config (naming the layer and both), a bias not linear in the
+distance, a column beside the scores other than one sink per head, keys or values
+that are not per-token projections of the sequence, a graph without attention.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
@@ -88,8 +93,13 @@ def _cache_shape(found: list[_Attention], context_window: int) -> CacheShape:
     if len(softcaps) > 1 or len(slopes) > 1:
         what = "soft-cap their scores" if len(softcaps) > 1 else "bias their scores by distance"
         raise ModelError(f"{FORWARD}: attention layers {what} differently; ember's kernels take one way for all")
+    sinks = {a.sinks is not None for a in found}
+    if len(sinks) > 1:
+        with_sinks = [layer for layer, a in enumerate(found) if a.sinks is not None]
+        raise ModelError(f"{FORWARD}: attention layers {with_sinks} have attention sinks and the others none; "
+                         "ember's kernels take one way for all")
     return CacheShape(len(found), heads, kv_heads, head_dim, context_window, layer_windows=windows if any(windows)
-                      else (), softcap=softcaps.pop(), alibi_slopes=slopes.pop())
+                      else (), softcap=softcaps.pop(), alibi_slopes=slopes.pop(), sinks=sinks.pop())
 
 
 def _config_windows(mod: tvm.IRModule, layers: int, context_window: int) -> list[int]:
@@ -184,7 +194,7 @@ def specialized_entries(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRM
     long_above: set[int] = set()  # longrope: the lengths past which its choices take the long factors
     for entry, size in ENTRIES.items():
         count = tirx.Var(size, "int64")
-        rewriter = _Entry(mod, entry, count)
+        rewriter = _Entry(mod, entry, count, [a.window for a in found])
         # Each entry its own variables: a Relax variable belongs to one function.
         functions[entry] = copy_with_new_vars(rewriter.rewrite(func.bind_symbolic_vars({seq: count})))
         long_above.update(rewriter.longest.values())
@@ -226,6 +236,7 @@ class _Attention:
     window: int = 0
     softcap: float = 0.0  # scores become softcap * tanh(scores / softcap) before the mask (0: not capped)
     slopes: tuple[float, ...] = ()  # ALiBi: each head's scores gain slope * (key position - query position)
+    sinks: relax.Var | None = None  # gpt-oss: a weight [heads] of per-head logits joining each softmax's denominator
 
     @property
     def num_heads(self) -> int:
@@ -272,7 +283,8 @@ class _Graph:
         eager attention writes it (the scale on q, k or the product; soft-capping, cap * tanh(scores / cap), as
         Gemma 2 writes it; biases added in the scores' views, a mask and BLOOM's ALiBi, say)."""
         where = [f"{softmax.var.name} = softmax"]
-        scores, biases = self._biased(softmax.value.args[0])
+        logits, sinks = self._sinks_of(softmax.value.args[0], where)
+        scores, biases = self._biased(logits)
         product, post_scale, softcap = self._scores_of(scores, where)
         if product is None:
             raise ModelError(f"{' <- '.join(where)}: a softmax over something other than q @ k^T (attention "
@@ -288,9 +300,10 @@ class _Graph:
             raise ModelError(f"{' <- '.join(where)}: attention without a causal mask (a bidirectional encoder?) "
                              "cannot use a KV cache; ember compiles causal decoders")
         window, slopes = self._mask_kind(biases, " <- ".join(where))
-        probabilities = self._consumer(softmax.var)
+        probabilities = self._consumer(softmax.var, sinks is not None)
         if probabilities is None or not is_op(probabilities.value, "relax.matmul"):
-            raise ModelError(f"{' <- '.join(where)}: the attention weights are not multiplied by the values")
+            raise ModelError(f"{' <- '.join(where)}: the attention weights are not multiplied by the values"
+                             + (" once the sinks' column is dropped" if sinks is not None else ""))
         values_view, _ = self._strip(probabilities.value.args[1], where)
         v = self._unrepeat(values_view, " <- ".join(where))
         output = probabilities.var
@@ -298,11 +311,33 @@ class _Graph:
         if len(users) == 1 and is_op(users[0].value, "relax.reshape") and len(users[0].var.ty.shape) == 4:
             output = users[0].var
         scale = q_scale * k_scale * more_scale * post_scale
-        attention = _Attention(q, k, v, scale, output, where[0], window, softcap, slopes)
+        attention = _Attention(q, k, v, scale, output, where[0], window, softcap, slopes, sinks)
         if len(slopes) not in (0, 1, attention.num_heads):
             raise ModelError(f"{' <- '.join(where)}: a position bias of {len(slopes)} slopes for "
                              f"{attention.num_heads} heads")
+        if sinks is not None and int(np.prod([int(d) for d in sinks.ty.shape])) != attention.num_heads:
+            raise ModelError(f"{' <- '.join(where)}: attention sinks {sinks.name} of shape {list(sinks.ty.shape)} "
+                             f"for {attention.num_heads} heads; ember takes one sink per head")
         return self._checked(attention, " <- ".join(where))
+
+    def _sinks_of(self, x: relax.Expr, where: list[str]) -> tuple[relax.Expr, relax.Var | None]:
+        """(the logits, the sinks) where `x` is concat([logits, sinks viewed as [1, heads, n, 1]], last axis), as
+        gpt-oss writes its attention sinks: a learned logit per head that joins the softmax's denominator and whose
+        column is dropped after it; (x, None) for any other `x`. The sinks must be a weight, one per head, the same
+        at every query (a view of [heads]); anything else in that place is refused."""
+        value = self.values.get(x)
+        if not (is_op(value, "relax.concat") and isinstance(value.args[0], relax.Tuple)
+                and len(value.args[0].fields) == 2 and int(value.attrs.axis) % 4 == 3 and x.ty.ndim == 4):
+            return x, None
+        logits, column = value.args[0].fields
+        if not self._leads_to_scores(logits):
+            return x, None
+        where.append("concat (attention sinks)")
+        sinks, factor = self._strip(column, where)
+        if sinks not in self.func.params[1:] or factor != 1.0 or int(column.ty.shape[3]) != 1:
+            raise ModelError(f"{' <- '.join(where)}: a column joined to the attention scores that is not a weight "
+                             "of one logit per head (gpt-oss's sinks); ember knows no other")
+        return logits, sinks
 
     def _checked(self, attention: _Attention, where: str) -> _Attention:
         for x, name in ((attention.q, "queries"), (attention.k, "keys"), (attention.v, "values")):
@@ -378,10 +413,15 @@ class _Graph:
             where.append(value.op.name.removeprefix("relax."))
         return x, scale
 
-    def _consumer(self, var: relax.Var) -> relax.VarBinding | None:
+    def _consumer(self, var: relax.Var, sinks: bool = False) -> relax.VarBinding | None:
         """The matmul reading `var` through views and a guard for rows masked out entirely
         (where(all masked, 0, softmax), which transformers' sdpa decomposition adds; where(isnan(softmax), 0,
-        softmax), as ONNX exporters write it)."""
+        softmax), as ONNX exporters write it); with `sinks`, first the slice dropping the sinks' last column."""
+        if sinks:
+            users = self.users.get(var, [])
+            if len(users) != 1 or not _drops_last_column(users[0].value):
+                return None
+            var = users[0].var
         while True:
             users = [b for b in self.users.get(var, [])
                      if not (is_op(b.value, "relax.full_like") or is_op(b.value, "relax.isnan"))]
@@ -550,9 +590,10 @@ def _values(func: relax.Function) -> dict[relax.Var, relax.Expr]:
 class _Entry(relax.PyExprMutator):
     """Rewrites one bound copy of `forward` into an entry over the KV cache."""
 
-    def __init__(self, mod: tvm.IRModule, entry: str, count: tirx.Var) -> None:
+    def __init__(self, mod: tvm.IRModule, entry: str, count: tirx.Var, windows: list[int]) -> None:
         super().__init__(mod)
         self.entry, self.count = entry, count
+        self.windows = windows  # each attention layer's, as proven on `forward` (a bound copy's are not evaluated)
         self.cache = relax.Var("kv_cache", relax.ObjectType())
         self.layer = 0
         self.attentions: dict[relax.Var, _Attention] = {}
@@ -658,13 +699,28 @@ class _Entry(relax.PyExprMutator):
         emit = self.builder_.emit
         # [1, heads, n, d] -> [1, n, heads, d]: the cache takes each token's heads together.
         q, k, v = (self._tokens_first(x) for x in (attention.q, attention.k, attention.v))
-        d, heads = attention.head_dim, attention.num_heads
+        d, heads, kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
+        cache_heads = heads
+        if attention.sinks is not None:
+            # The sinks ride in query heads of their own after the model's (`CacheShape.sinks`): one per KV head,
+            # its first `group` values the sinks of the query heads sharing that KV head, the next the layer's window.
+            group = heads // kv_heads
+            window = np.zeros([kv_heads, d - group], str(q.ty.dtype))
+            window[:, 0] = self.windows[self.layer]
+            carriers = emit(relax.op.concat([relax.op.reshape(self.visit_expr(attention.sinks), [kv_heads, group]),
+                                             relax.const(window)], axis=1))
+            carriers = emit(relax.op.broadcast_to(relax.op.reshape(carriers, [1, 1, kv_heads, d]),
+                                                  [1, self.count, kv_heads, d]))
+            q = emit(relax.op.concat([q, carriers], axis=2))
+            cache_heads = heads + kv_heads
         qkv = emit(relax.op.concat([q, k, v], axis=2))
-        qkv = emit(relax.op.reshape(qkv, [self.count, heads + 2 * attention.num_kv_heads, d]))
+        qkv = emit(relax.op.reshape(qkv, [self.count, cache_heads + 2 * kv_heads, d]))
         scale = relax.prim_value(tirx.FloatImm("float64", attention.scale))
         out = emit(relax.call_dps_packed(KV_ATTENTION, [self.cache, relax.prim_value(self.layer), scale, qkv],
-                                         out_ty=relax.TensorType([self.count, heads, d], q.ty.dtype)))
+                                         out_ty=relax.TensorType([self.count, cache_heads, d], q.ty.dtype)))
         self.layer += 1
+        if cache_heads != heads:
+            out = emit(relax.op.strided_slice(out, axes=[1], begin=[0], end=[heads]))
         self.tokens_first_outputs[attention.output] = out = emit(relax.op.reshape(out, [1, self.count, heads, d]))
         return emit(relax.op.permute_dims(out, _HEADS_FIRST))
 
@@ -683,6 +739,20 @@ def _scaled(value: relax.Expr | None) -> tuple[relax.Expr | None, float]:
         constant = scalar_constant(value.args[1])
         return value.args[0], constant if is_op(value, "relax.divide") else 1 / constant
     return None, 1.0
+
+
+def _drops_last_column(value: relax.Expr) -> bool:
+    """strided_slice(x, [last axis], [0], [-1 or its extent - 1], [1]): x without its last column."""
+    if not is_op(value, "relax.strided_slice"):
+        return False
+    x, axes, begin, end, *strides = value.args
+    rank = x.ty.ndim
+    fields = [[int(f.value) for f in arg.fields] for arg in (axes, begin, end, *strides)]
+    if [a % rank for a in fields[0]] != [rank - 1] or fields[1] != [0] or (strides and fields[3] != [1]):
+        return False
+    extent = x.ty.shape[rank - 1]
+    kept = value.ty.shape[rank - 1]
+    return fields[2] == [-1] or tvm_ffi.structural_equal(tvm.arith.Analyzer().simplify(extent - 1), kept)
 
 
 def _swaps_last_two(permute: relax.Call) -> bool:

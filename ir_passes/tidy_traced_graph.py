@@ -1,4 +1,4 @@
-"""An imported `forward` loses two habits of tracers that ember's later passes would trip on.
+"""An imported `forward` loses habits of tracers that ember's later passes would trip on.
 
 Matches only the `forward` function an importer writes (`frontend/torch_export.py`,
 `frontend/onnx.py`: one whole sequence in, logits out); a module a frontend built with
@@ -28,6 +28,11 @@ its entries already is left as it is.
 6. **Indices from the end.** `x[..., [-2], :]` (Falcon splits its multi-query heads so)
    becomes `take(x, [-2], axis)` in TVM's importer, whose `fast` mode reads before the
    tensor's start: constant indices are counted from the start of the (static) axis.
+7. **A softmax's input less its own maximum.** `softmax(x - max(x))` over the same axis
+   (gpt-oss writes it so before its attention sinks; torch's `max(dim, keepdim=True)`
+   traces as a top-1 `topk`) is `softmax(x)`: a softmax subtracts the maximum itself.
+   The top-1 would otherwise be a reduction over the tokens that no later pass knows
+   (`lower_moe` would refuse it as a router it does not know).
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class _Tidy(relax.PyExprMutator):
         root = self.values.get(call.args[1]) if len(call.args) > 1 else None
         if is_op(call, "relax.divide") and scalar_constant(call.args[0]) == 1.0 and is_op(root, "relax.sqrt"):
             return relax.op.rsqrt(self.visit_expr(root.args[0]))
+        if is_op(call, "relax.nn.softmax") and (shifted := self._less_own_max(call)) is not None:
+            return relax.op.nn.softmax(self.visit_expr(shifted), call.attrs.axis)
         if is_op(call, "relax.reshape") and (rows := self._projected_rows(call)) is not None:
             x, weight, product, bias = rows
             projected = relax.op.matmul(self.visit_expr(x), self.visit_expr(weight), product.attrs.out_dtype)
@@ -99,6 +106,23 @@ class _Tidy(relax.PyExprMutator):
             return _without_empty_operands(call)
         return call
 
+    def _less_own_max(self, softmax: relax.Call) -> relax.Expr | None:
+        """x where `softmax` is softmax(x - m) with m the values of a top-1 topk of x over the softmax's axis (torch's
+        `max(dim, keepdim=True)`, through the tuples it traces as); None otherwise."""
+        difference = self.values.get(softmax.args[0])
+        if not is_op(difference, "relax.subtract"):
+            return None
+        x, m = difference.args
+        value = self.values.get(m)
+        while isinstance(value, relax.TupleGetItem) and int(value.index) == 0:
+            source = self.values.get(value.tuple_value)
+            value = self.values.get(source.fields[0]) if isinstance(source, relax.Tuple) else source
+        if not is_op(value, "relax.topk"):
+            return None
+        rank, attrs = x.ty.ndim, value.attrs
+        same = (value.args[0].same_as(x) and int(attrs.k) == 1 and bool(attrs.largest)
+                and int(attrs.axis) % rank == int(softmax.attrs.axis) % rank)
+        return x if same else None
 
     def _projected_rows(
         self, reshape: relax.Call,

@@ -84,26 +84,49 @@ def distance_biased(score, slopes: tuple[float, ...], head, distance):
     return score + slope * T.Cast("float32", distance)
 
 
-def first_visible(query_position, first_key_position, window: int):
+def starting_max(queries, token, carrier, g, holds_own_key, sinks: bool):
+    """The running maximum an online softmax starts from, with a denominator of one term of that score: without
+    `sinks`, TVM's -5e4 (a term nothing is weighed against); with them, where the keys handed `holds_own_key`, the
+    sink logit of query head `g` of the group (`carrier`'s value `g`, in base 2), so that the sink joins the
+    denominator once, in the partial attention the runtime's merge then weighs with the rest."""
+    if not sinks:
+        return T.float32(_START_MAX)
+    sink = T.Cast("float32", queries[token, carrier, g]) * T.float32(math.log2(math.e))
+    return T.if_then_else(holds_own_key, sink, T.float32(_START_MAX))
+
+
+def first_visible(query_position, first_key_position, window):
     """The index (in the keys handed) of the first key a query at `query_position` sees through `window`
-    (0 without one)."""
-    return T.max(query_position - window + 1 - first_key_position, 0) if window else T.int32(0)
+    (0 without one): a constant, or the window a layer's sinks carry (`carried_window`), 0 for none."""
+    if isinstance(window, int):
+        return T.max(query_position - window + 1 - first_key_position, 0) if window else T.int32(0)
+    return T.if_then_else(window > 0, T.max(query_position - window + 1 - first_key_position, 0), 0)
+
+
+def carried_window(queries, token, carrier, group: int):
+    """The window of the layer whose sinks `carrier` carries (`CacheShape.sinks`: the value after the sinks)."""
+    return T.Cast("int32", queries[token, carrier, group])
 
 
 @parsed_once
 def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
                            page_size: int, lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
                            window: int = 0, window_pages: bool = False, softcap: float = 0.0,
-                           slopes: tuple[float, ...] = ()):
+                           slopes: tuple[float, ...] = (), sinks: bool = False):
     """The decode attention PrimFunc for these sizes; `lanes` is the float32 vector width.
 
     `symbol` is the exported name the KV cache runtime looks up (TVM's kernel's); `storage`
     the page layout (`kv_storage.py`), TVM's float pages by default; `window` the sliding window
     of the layers it serves (0: the whole context), `window_pages` whether it is handed only the
     window's pages (TVM's sliding-window slot); `softcap` the soft-cap of the scores (0: none), `slopes` the heads'
-    ALiBi slopes (none: no distance bias)."""
+    ALiBi slopes (none: no distance bias); `sinks` whether the last `num_kv_heads` query heads carry attention
+    sinks (`CacheShape.sinks`): each KV head's first values, its query heads' sink logits, then the layer's
+    window, which the kernel masks keys by."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-    group = num_qo_heads // num_kv_heads
+    if sinks and (window or window_pages):
+        raise ValueError("with sinks, each layer's window comes with them; the kernel takes no window of its own")
+    heads = num_qo_heads - num_kv_heads if sinks else num_qo_heads  # the model's query heads
+    group = heads // num_kv_heads
     lanes = 1 << (min(lanes, head_dim, 16).bit_length() - 1)  # a power of two, at most 16
     while head_dim % lanes:
         lanes //= 2
@@ -173,9 +196,13 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                 length: T.let[T.int32] = T.if_then_else(
                     num_pages > 0,
                     (num_pages - 1) * page_size + last_page_length(length_info, b, window_pages) - skipped, 0)
-                begin: T.let[T.int32] = first_visible(query_positions[b], key_positions[b], window)
+                begin: T.let[T.int32] = first_visible(
+                    query_positions[b], key_positions[b],
+                    carried_window(query_heads, b, heads + h, group) if sinks else window)
                 for g in T.serial(group):
-                    m[g] = T.float32(_START_MAX)
+                    # d starts at one term of score m: a sink where these keys hold the query's own, else nothing.
+                    m[g] = starting_max(query_heads, b, heads + h, g, query_positions[b] - key_positions[b] < length,
+                                        sinks)
                     d[g] = T.float32(1.0)
                     for i in T.vectorized(head_dim):
                         q[g, i] = T.Cast("float32", query_heads[b, h * group + g, i]) * sm_scale * T.float32(log2e)
@@ -226,5 +253,9 @@ def paged_decode_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, 
                     for i in T.vectorized(head_dim):
                         output[b, h * group + g, i] = T.Cast(dtype, o[g, i] / d[g])
                     lse[b, h * group + g] = m[g] + T.log2(d[g])
+                if sinks:  # the carrier's own output: nothing (the graph drops it)
+                    for i in T.vectorized(head_dim):
+                        output[b, heads + h, i] = T.Cast(dtype, T.float32(0))
+                    lse[b, heads + h] = T.float32(_START_MAX)
 
     return decode_attention

@@ -53,10 +53,12 @@ from ember.ir.kv_cache import KVRows
 from ember.ir.tvmscript import parsed_once
 from ember.schedules.decode_attention import (
     capped,
+    carried_window,
     distance_biased,
     last_page_length,
     length_info_shape,
     skipped_slots,
+    starting_max,
 )
 from ember.schedules.kv_storage import FloatPages, PackedPageRows
 from ember.schedules.vector_math import MAX_REDUCED_LANES, exp2, reduce_lanes
@@ -89,16 +91,25 @@ def _padded(rows: int, row_tile: int) -> int:
 
 
 def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int, block: int, softcap: float,
-            slopes: tuple[float, ...]):
-    """The parts both kernels share, as TVMScript macros; `block` is a task's (row, head) pairs in whole tiles."""
+            slopes: tuple[float, ...], sinks: int):
+    """The parts both kernels share, as TVMScript macros; `block` is a task's (row, head) pairs in whole tiles,
+    `sinks` the first query head that carries attention sinks (`CacheShape.sinks`; 0: none)."""
     log2e = math.log2(math.e)
 
     @T.macro
-    def start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d):
+    def start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d, q_pos, first_key_position, kv_len):
         # Every pair of the block's tiles starts clean: a last tile's pairs past the rows score zeros, unused.
+        # A row's sink joins its denominator as one term where the keys handed hold the row's own key.
         for rg in T.serial(block):
-            m[rg] = T.float32(_START_MAX)
-            d[rg] = T.float32(0.0)
+            if sinks > 0:
+                with_sink: T.let[T.bool] = (rg < rows * group) & (
+                    q_pos[q_start + row0 + T.min(rg, rows * group - 1) // group] - first_key_position < kv_len)
+                m[rg] = starting_max(q, q_start + row0 + T.min(rg, rows * group - 1) // group, sinks + h,
+                                     rg % group, with_sink, True)
+                d[rg] = T.if_then_else(with_sink, T.float32(1.0), T.float32(0.0))
+            else:
+                m[rg] = T.float32(_START_MAX)
+                d[rg] = T.float32(0.0)
             for i in T.vectorized(head_dim):
                 qs[rg, i] = T.if_then_else(rg < rows * group, T.Cast("float32", q[
                     q_start + row0 + T.min(rg, rows * group - 1) // group, h * group + rg % group, i]), T.float32(0)
@@ -152,6 +163,11 @@ def _macros(group: int, head_dim: int, dtype: str, row_tile: int, key_chunk: int
             for i in T.vectorized(head_dim):
                 output[q_start + row0 + rg // group, h * group + rg % group, i] = T.Cast(dtype, o[rg, i] / total)
             lse[q_start + row0 + rg // group, h * group + rg % group] = m[rg] + T.log2(total)
+        if sinks > 0:  # the carrier's own output: nothing (the graph drops it)
+            for r in T.serial(rows):
+                for i in T.vectorized(head_dim):
+                    output[q_start + row0 + r, sinks + h, i] = T.Cast(dtype, T.float32(0))
+                lse[q_start + row0 + r, sinks + h] = T.float32(_START_MAX)
 
     return start_rows, attend, finish_rows
 
@@ -234,32 +250,45 @@ class _Paged:
         return self.storage.scale(kv[4], page, part, slot, h)
 
 
-def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, lanes: int,
+def _attention_tasks(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, lanes: int,
                      source: _Ragged | _Paged, window: int = 0, softcap: float = 0.0,
-                     slopes: tuple[float, ...] = ()):
+                     slopes: tuple[float, ...] = (), sinks: bool = False):
     """The kernels' parallel loop as a macro: every (sequence, query block, KV head) task; with a `window`,
-    each row sees the keys within it of its query's position (and none after it), by the positions given."""
+    each row sees the keys within it of its query's position (and none after it), by the positions given; with
+    `sinks`, the last `num_kv_heads` of the `num_qo_heads` carry attention sinks (`CacheShape.sinks`)."""
+    if sinks and window:
+        raise ValueError("with sinks, each layer's window comes with them; the kernel takes no window of its own")
+    heads = num_qo_heads - num_kv_heads if sinks else num_qo_heads  # the model's query heads
+    group = heads // num_kv_heads
     row_tile, key_chunk = prefill_tile(lanes, head_dim)
     block = _padded(BLOCK_ROWS * group, row_tile)  # a task's (row, head) pairs, in whole register tiles
-    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block, softcap, slopes)
+    start_rows, attend, finish_rows = _macros(group, head_dim, dtype, row_tile, key_chunk, block, softcap, slopes,
+                                              heads if sinks else 0)
 
-    def _limit_base(kv_len, q_len, row0, first_position, first_key_position):
+    def _limit_base(kv_len, q_len, row0, first_position, first_key_position, layer_window):
         """Row r of the block sees keys before limit_base + r + 1: causally from the end of the keys, or, with a
         window, up to its own position."""
-        if window:
-            return first_position - first_key_position
-        return kv_len - q_len + row0
+        if isinstance(layer_window, int):
+            return first_position - first_key_position if layer_window else kv_len - q_len + row0
+        return T.if_then_else(layer_window > 0, first_position - first_key_position, kv_len - q_len + row0)
 
-    def _low_base(first_position, first_key_position):
+    def _low_base(first_position, first_key_position, layer_window):
         """Row r of the block sees keys from low_base + r (a chain's rows are consecutive positions): none before
-        its window, or all (0)."""
-        if window:
-            return first_position - window + 1 - first_key_position
-        return T.int32(0)
+        its window, or all (the constant 0; a window carried with sinks: one far before every key)."""
+        if isinstance(layer_window, int):
+            return first_position - layer_window + 1 - first_key_position if layer_window else T.int32(0)
+        return T.if_then_else(layer_window > 0, first_position - layer_window + 1 - first_key_position,
+                              T.int32(-(1 << 30)))
 
-    def _causal(causal):
+    def _window(q, token, h):
+        """The window the rows of KV head `h` see through: the kernel's, or the one their sinks carry."""
+        return carried_window(q, token, heads + h, group) if sinks else window
+
+    def _causal(causal, layer_window):
         """Windowed rows are bounded by their own positions: causal whatever the runtime says."""
-        return T.int32(1) if window else causal
+        if isinstance(layer_window, int):
+            return T.int32(1) if layer_window else causal
+        return T.if_then_else(layer_window > 0, T.int32(1), causal)
 
     @T.macro
     def attention_tasks(q, q_indptr, kv, output, lse, causal, sm_scale, batch_size, qo_len, q_pos, k_pos):
@@ -290,11 +319,13 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                     row0: T.let[T.int32] = _balanced_block(position, own_blocks) * BLOCK_ROWS
                     rows: T.let[T.int32] = T.min(BLOCK_ROWS, q_len - row0)
                     # Row r sees keys from low_base + r and before limit_base + r + 1 (key indices).
-                    limit_base: T.let[T.int32] = _limit_base(kv_len, q_len, row0, q_pos[q_start + row0], k_pos[b])
-                    begin: T.let[T.int32] = T.max(_low_base(q_pos[q_start + row0], k_pos[b]), 0)
-                    end: T.let[T.int32] = T.if_then_else(_causal(causal) > 0,
+                    limit_base: T.let[T.int32] = _limit_base(kv_len, q_len, row0, q_pos[q_start + row0], k_pos[b],
+                                                             _window(q, q_start + row0, h))
+                    begin: T.let[T.int32] = T.max(_low_base(q_pos[q_start + row0], k_pos[b],
+                                                            _window(q, q_start + row0, h)), 0)
+                    end: T.let[T.int32] = T.if_then_else(_causal(causal, _window(q, q_start + row0, h)) > 0,
                                                          T.max(T.min(kv_len, limit_base + rows), 0), kv_len)
-                    start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d)
+                    start_rows(q, q_start, row0, rows, h, sm_scale, qs, o, m, d, q_pos, k_pos[b], kv_len)
                     for chunk in T.serial((end - begin + key_chunk - 1) // key_chunk):
                         first: T.let[T.int32] = begin + chunk * key_chunk
                         keys: T.let[T.int32] = T.min(key_chunk, end - first)
@@ -310,8 +341,9 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
                                 vc[j, i] = source.row(kv, kv_start, first + j, h, i, 1) * value_scale
                         # A key's distance from its row's query: key index + distance_base - the row (in the block).
                         attend(qs, o, m, d, kt, vc, s, p, red, rows, keys, first,
-                               _low_base(q_pos[q_start + row0], k_pos[b]), limit_base,
-                               _causal(causal), kv_len, h, k_pos[b] - q_pos[q_start + row0])
+                               _low_base(q_pos[q_start + row0], k_pos[b], _window(q, q_start + row0, h)), limit_base,
+                               _causal(causal, _window(q, q_start + row0, h)), kv_len, h,
+                               k_pos[b] - q_pos[q_start + row0])
                     finish_rows(output, lse, q_start, row0, rows, h, o, m, d)
 
     return attention_tasks
@@ -320,19 +352,19 @@ def _attention_tasks(num_kv_heads: int, group: int, head_dim: int, dtype: str, l
 @parsed_once
 def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, lanes: int,
                              symbol: str, rows: KVRows | None = None, softcap: float = 0.0,
-                             slopes: tuple[float, ...] = ()):
+                             slopes: tuple[float, ...] = (), sinks: bool = False):
     """Replacement for TVM's `batch_prefill_ragged_kv`: new tokens' q, k, v in [tokens, heads, dim]; with `rows`,
     a `--kv-quant` cache's: k and v rows as it stores them, q and the output at the front of its word rows.
     `lanes` is the float32 vector width, `softcap` the soft-cap of the scores (0: none), `slopes` the heads' ALiBi
-    slopes."""
+    slopes, `sinks` whether the last `num_kv_heads` query heads carry attention sinks."""
     source = _PackedRagged(rows) if rows else _Ragged()
     q_heads, q_dim = (rows.stored_qo_heads, 1) if rows else (num_qo_heads, head_dim)
     kv_shape = (rows.stored_kv_heads, 1) if rows else (num_kv_heads, head_dim)
     # The new tokens' keys and values as the kernel reads them: as given, or the rows' values and float32 scales.
     kv_values = ((rows.row_values,), rows.value_dtype) if rows else ((num_kv_heads, head_dim), dtype)
     kv_scales = ((rows.stored_kv_heads,), "float32") if rows else ((num_kv_heads, head_dim), dtype)
-    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes, source,
-                                       softcap=softcap, slopes=slopes)
+    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads, head_dim, dtype, lanes, source,
+                                       softcap=softcap, slopes=slopes, sinks=sinks)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -388,15 +420,16 @@ def ragged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
 def paged_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int,
                             lanes: int, symbol: str, storage: FloatPages | PackedPageRows | None = None,
                             window: int = 0, window_pages: bool = False, softcap: float = 0.0,
-                            slopes: tuple[float, ...] = ()):
+                            slopes: tuple[float, ...] = (), sinks: bool = False):
     """Replacement for TVM's `batch_prefill_paged_kv_cpu` (and, with `window_pages`, its sliding-window variant):
     keys and values in cache pages, laid out as `storage` says (`kv_storage.py`; TVM's float pages by default),
     seen through `window` if given, scores soft-capped at `softcap` and biased by distance with `slopes` (ALiBi)
-    if given. `lanes` is the float32 vector width."""
+    if given, with attention sinks if `sinks` (the last `num_kv_heads` query heads carry them). `lanes` is the
+    float32 vector width."""
     storage = storage or FloatPages(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
     q_heads, q_dim = storage.q_heads, storage.q_dim
-    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads // num_kv_heads, head_dim, dtype, lanes,
-                                       _Paged(storage, window_pages), window, softcap, slopes)
+    attention_tasks = _attention_tasks(num_kv_heads, num_qo_heads, head_dim, dtype, lanes,
+                                       _Paged(storage, window_pages), window, softcap, slopes, sinks)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(

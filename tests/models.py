@@ -151,6 +151,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("olmoe", dict(_GQA, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True)),  # not renormalised
     "qwen2_moe": ("qwen2_moe", dict(_GQA, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_experts=6, num_experts_per_tok=3, norm_topk_prob=False)),
+    # gpt-oss: attention sinks (a learned logit per head in each softmax's denominator) with alternating windows,
+    # biased projections, a router with a bias choosing top-k then softmax, experts stored [E, in, out] with biases
+    # and a clamped SwiGLU over interleaved gate/up columns, YaRN rotary embeddings.
+    "gpt_oss": ("gpt_oss", dict(_GQA, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=WINDOW, layer_types=[_LOCAL, _GLOBAL])),
+    # Its attention with one key/value head for eight query heads of 16 (a sink carrier full of sinks), untied.
+    "gpt_oss_mqa": ("gpt_oss", dict(_EXPORTED_SHAPES, num_attention_heads=8, num_key_value_heads=1, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=1, sliding_window=WINDOW,
+                                    layer_types=[_GLOBAL, _LOCAL], tie_word_embeddings=False)),
 }
 
 

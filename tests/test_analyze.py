@@ -179,6 +179,8 @@ def test_mixture_of_experts_reads_only_the_experts_it_routes_to():
     ("mixtral", (4, 2, 128, 0)),       # intermediate_size is the experts' width
     ("olmoe", (8, 2, 128, 0)),
     ("granitemoe", (4, 2, 128, 0)),
+    ("gpt_oss", (4, 2, 128, 0)),
+    ("gpt_oss_mqa", (4, 1, 128, 0)),
 ])
 def test_every_moe_family_is_read_with_its_experts_sizes(name, expected):
     """Each family's config as transformers writes it: the experts' count, how many a token uses, their width and a

@@ -5,7 +5,9 @@ config names and accepts only a causal mask or a causal sliding window, the same
 equal to what the config says of that layer. These tests feed it masks that are almost right (a
 window off by one, a band without its causal part, a window the config does not name, a config
 window the graph does not apply) and check each is refused in one line naming the layer, and that a
-window compiled off by one would fail the comparison with transformers: the checks can fail.
+window compiled off by one would fail the comparison with transformers: the checks can fail. The same for
+gpt-oss's attention sinks: a column beside the scores other than one learned logit per head is refused, and sinks
+moved to other heads or dropped fail the comparison.
 """
 
 from __future__ import annotations
@@ -246,6 +248,95 @@ def test_alibi_slopes_off_by_a_little_fail_the_comparison(tiny_models, tmp_path,
         assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "steeper")
 
 
+def _sink_decoder(column_of):
+    """A one-layer decoder whose causal attention joins `column_of(self, n)` ([1, heads, n, 1]) to its scores as
+    gpt-oss joins its sinks: the column in the softmax, its probabilities dropped after it."""
+    import torch
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(32, 16)
+            self.qkv = torch.nn.Linear(16, 48)
+            self.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
+            self.shared_sink = torch.nn.Parameter(torch.tensor([0.25]))
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, use_cache=False):
+            n = input_ids.shape[1]
+            q, k, v = (t.view(1, n, 2, 8).transpose(1, 2) for t in self.qkv(self.embed(input_ids)).split(16, -1))
+            positions = torch.arange(n)
+            causal = torch.where(positions[None, :] <= positions[:, None], 0.0, float("-inf"))
+            logits = torch.cat([q @ k.transpose(2, 3) / 8**0.5 + causal, column_of(self, n)], dim=-1)
+            probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+            return self.head((probs @ v).transpose(1, 2).reshape(1, n, 16))
+
+    return Decoder().eval()
+
+
+def test_sinks_written_as_gpt_oss_writes_them_reach_the_cache():
+    """The sinks' column, the maximum subtracted before the softmax and the slice after it become attention over
+    the cache with the sinks in a carrier head per KV head (2 query heads + 2 carriers)."""
+    from ember.frontend.torch_export import import_module
+    from ember.ir.kv_cache import recorded_sinks
+    from ember.ir.module_utils import bindings, is_op
+    from ember.ir_passes.specialize_attention import KV_ATTENTION, specialize_attention
+    from ember.ir_passes.tidy_traced_graph import tidy_traced_graph
+
+    mod, _shapes = import_module(_sink_decoder(lambda self, n: self.sinks.reshape(1, -1, 1, 1).expand(1, -1, n, -1)),
+                                 max_seq_len=64)
+    specialized = specialize_attention(tvm.target.Target("llvm"))(tidy_traced_graph(mod))
+    assert recorded_sinks(specialized)
+    calls = [b.value for b in bindings(specialized["decode"]) if is_op(b.value, "relax.call_dps_packed")
+             and b.value.args[0].global_symbol == KV_ATTENTION]
+    assert [int(c.ty.shape[1]) for c in calls] == [4]
+
+
+@pytest.mark.parametrize("column_of, words", [
+    (lambda self, n: self.sinks.new_zeros(1, 2, n, 1), "not a weight of one logit per head"),
+    (lambda self, n: 2.0 * self.sinks.reshape(1, -1, 1, 1).expand(1, -1, n, -1), "not a weight of one logit per head"),
+    (lambda self, n: self.shared_sink.reshape(1, 1, 1, 1).expand(1, 2, n, -1), "for 2 heads; ember takes one sink "),
+], ids=["constant column", "scaled sinks", "one sink for all heads"])
+def test_a_column_beside_the_scores_that_is_not_per_head_sinks_is_refused(column_of, words):
+    from ember.frontend.torch_export import import_module
+    from ember.ir_passes.specialize_attention import specialize_attention
+    from ember.ir_passes.tidy_traced_graph import tidy_traced_graph
+
+    mod, _shapes = import_module(_sink_decoder(column_of), max_seq_len=64)
+    with pytest.raises(ModelError, match=words):
+        specialize_attention(tvm.target.Target("llvm"))(tidy_traced_graph(mod))
+
+
+def _sinks_moved(model_dir, out_dir, move) -> None:
+    """A copy of the checkpoint at `model_dir` in `out_dir` with every layer's sinks replaced by `move(sinks)`."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("self_attn.sinks")]:
+        weights[name] = np.ascontiguousarray(move(weights[name]))
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_sinks_moved_to_other_heads_fail_the_comparison(tiny_models, tmp_path):
+    """The families' bound detects gpt-oss's sinks moved one head over (the check can fail): compiled from a copy
+    whose sinks are so moved, the logits leave transformers' (on the original weights) by more than the bound."""
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.runtime import Engine, load_artifact
+
+    model = tiny_models.exported("gpt_oss")
+    _sinks_moved(model.model_dir, tmp_path / "moved", lambda sinks: np.roll(sinks, 1))
+    compile_model(tmp_path / "moved", tmp_path / "artifact", CompileOptions(
+        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
+    engine = Engine(load_artifact(tmp_path / "artifact"))
+    ids = prompt_ids(3 * WINDOW, seed=21)
+    seq = engine.add_sequence()
+    with pytest.raises(AssertionError, match="max abs diff"):
+        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "sinks moved")
+
+
 @pytest.mark.slow
 def test_a_config_naming_a_window_its_code_ignores_is_refused(tiny_models, tmp_path):
     """Llama's code applies no window whatever its config says: a `sliding_window` in a Llama config is a window
@@ -282,3 +373,15 @@ def test_a_model_built_of_what_ember_does_not_compile_is_refused_by_name(tmp_pat
                        "--no-progress")
     assert_one_line_error(result, f"model_type '{model_type}' is {construct}", "ember does not compile")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (dict(sinks=True), "attention scores with attention sinks"),
+    (dict(softcap=5.0), "attention scores soft-capped at 5"),
+    (dict(alibi_slopes=(0.5, 0.25)), r"attention scores biased by distance \(ALiBi\)"),
+])
+def test_gpu_targets_refuse_what_only_the_cpu_kernels_compute(extra, words):
+    from ember.ir.kv_cache import CacheShape, cache_functions
+
+    with pytest.raises(ModelError, match=f"{words}, which ember's CPU kernels compute and TVM's cuda kernels do not"):
+        cache_functions(CacheShape(2, 2, 2, 16, 64, **extra), "float32", tvm.target.Target("cuda"))

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_batched_equals_solo, prompt_ids, run_ember
+from helpers import assert_batched_equals_solo, assert_logits_close, prompt_ids, run_ember
 from models import FAMILIES, write_config_checkpoint
 
 from ember.core.errors import ModelError
-
-MOE = ["qwen3_moe", "mixtral", "granitemoe", "olmoe", "qwen2_moe"]
 
 
 def _chosen_experts(model, ids: list[int]) -> set[tuple[int, ...]]:
@@ -46,6 +44,29 @@ def test_four_sequences_choosing_different_experts_batch_as_they_run_alone(tiny_
     per_sequence = [_chosen_experts(model, prompt + tokens) for prompt, tokens in zip(prompts, steps)]
     assert len(set.union(*per_sequence)) >= 4, per_sequence
     assert_batched_equals_solo(model, prompts, steps, f"{name}: ")
+
+
+@pytest.mark.slow
+def test_sinks_join_a_forked_sequences_softmax_once(tiny_models):
+    """gpt-oss's attention sinks through the runtime's partial attentions: a sequence forked from another decodes
+    over its parent's pages and its own (two parts the runtime merges), and its logits are transformers' at every
+    step, as are the parent's. The sink joins the part that holds the query's own key; counted in both parts, the
+    logits would move."""
+    model = tiny_models.exported("gpt_oss")
+    prompt, parent_steps, child_steps = prompt_ids(24, seed=81), prompt_ids(6, seed=82), prompt_ids(6, seed=83)
+    engine = model.engine()
+    parent = engine.add_sequence()
+    engine.prefill(parent, prompt)
+    child = engine.fork_sequence(parent)
+    parent_rows, child_rows = [], []
+    for a, b in zip(parent_steps, child_steps):
+        rows = engine.decode([parent, child], [a, b])
+        parent_rows.append(rows[0])
+        child_rows.append(rows[1])
+    for what, steps, rows in (("parent", parent_steps, parent_rows), ("child", child_steps, child_rows)):
+        expected = model.reference_logits(prompt + steps)[len(prompt):]
+        for step, (row, reference) in enumerate(zip(rows, expected)):
+            assert_logits_close(row, reference, f"gpt_oss {what}, step {step} after the fork")
 
 
 @pytest.mark.slow

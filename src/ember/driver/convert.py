@@ -50,7 +50,7 @@ class RecipeEvaluator:
         if op == "concat":
             return np.concatenate([self(r) for r in recipe["inputs"]], axis=recipe["axis"])
         if op == "transpose":
-            return self(recipe["input"]).T
+            return np.swapaxes(self(recipe["input"]), -1, -2)
         if op == "reshape":
             return self(recipe["input"]).reshape(recipe["shape"])
         if op == "quantize":
