@@ -86,6 +86,15 @@ def _decoder(mask_of):
     builds it) to its scores."""
     import torch
 
+    return _one_layer(lambda _model, q, k, v, n: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask_of(n)))
+
+
+def _one_layer(attend, **weights):
+    """A one-layer decoder (2 heads of 8) whose attention is `attend(model, q, k, v, n)` ([1, heads, n, 8] each),
+    with the extra `weights` (name: values) as parameters."""
+    import torch
+
     class Decoder(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -93,12 +102,13 @@ def _decoder(mask_of):
             self.embed = torch.nn.Embedding(32, 16)
             self.qkv = torch.nn.Linear(16, 48)
             self.head = torch.nn.Linear(16, 32)
+            for name, values in weights.items():
+                self.register_parameter(name, torch.nn.Parameter(torch.tensor(values)))
 
         def forward(self, input_ids, use_cache=False):
             n = input_ids.shape[1]
             q, k, v = (t.view(1, n, 2, 8).transpose(1, 2) for t in self.qkv(self.embed(input_ids)).split(16, -1))
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(n))
-            return self.head(out.transpose(1, 2).reshape(1, n, 16))
+            return self.head(attend(self, q, k, v, n).transpose(1, 2).reshape(1, n, 16))
 
     return Decoder().eval()
 
@@ -203,76 +213,63 @@ def test_a_reduction_over_the_tokens_outside_attention_is_refused():
         _specialize(model, None)
 
 
+def _prefill_leaves_transformers(model, model_dir, out_dir, what: str):
+    """The checkpoint at `model_dir` compiled (q0f32, through torch.export) into `out_dir`: at a prompt of three
+    windows its logits leave transformers' on `model`'s weights by more than the families' bound. Its engine."""
+    from ember.driver.compiler import CompileOptions, compile_model
+    from ember.runtime import Engine, load_artifact
+
+    compile_model(model_dir, out_dir, CompileOptions(
+        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
+    engine = Engine(load_artifact(out_dir))
+    ids = prompt_ids(3 * WINDOW, seed=21)
+    seq = engine.add_sequence()
+    with pytest.raises(AssertionError, match="max abs diff"):
+        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), what)
+    return engine
+
+
 @pytest.mark.slow
 def test_a_window_compiled_off_by_one_fails_the_comparison(tiny_models, tmp_path, monkeypatch):
     """The families' bound detects a window one token too long: with the graph's and the config's reading both
     moved by one (so the compile accepts it), the logits at a prompt of three windows leave transformers' by more
     than the bound."""
-    from ember.driver.compiler import CompileOptions, compile_model
     from ember.frontend import config
     from ember.ir_passes import specialize_attention
-    from ember.runtime import Engine, load_artifact
 
     model = tiny_models.exported("starcoder2")
     read_window, read_mask = config.layer_windows, specialize_attention.mask_window
     monkeypatch.setattr(config, "layer_windows", lambda *args: tuple(w + 1 if w else 0 for w in read_window(*args)))
     monkeypatch.setattr(specialize_attention, "mask_window",
                         lambda values: (lambda w: w + 1 if w else w)(read_mask(values)))
-    compile_model(model.model_dir, tmp_path / "off-by-one", CompileOptions(
-        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
-    engine = Engine(load_artifact(tmp_path / "off-by-one"))
+    engine = _prefill_leaves_transformers(model, model.model_dir, tmp_path / "off-by-one", "off by one")
     assert engine.artifact.manifest.model["layer_windows"] == [WINDOW + 1, WINDOW + 1]
-    ids = prompt_ids(3 * WINDOW, seed=21)
-    seq = engine.add_sequence()
-    with pytest.raises(AssertionError, match="max abs diff"):
-        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "off by one")
 
 
 @pytest.mark.slow
 def test_alibi_slopes_off_by_a_little_fail_the_comparison(tiny_models, tmp_path, monkeypatch):
     """The families' bound detects ALiBi slopes 2% too steep (the check can fail)."""
-    from ember.driver.compiler import CompileOptions, compile_model
     from ember.ir_passes import specialize_attention
-    from ember.runtime import Engine, load_artifact
 
     model = tiny_models.exported("bloom")
     read = specialize_attention.distance_slopes
     monkeypatch.setattr(specialize_attention, "distance_slopes",
                         lambda *args: tuple(1.02 * s for s in read(*args) or ()) or read(*args))
-    compile_model(model.model_dir, tmp_path / "steeper", CompileOptions(
-        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
-    engine = Engine(load_artifact(tmp_path / "steeper"))
-    ids = prompt_ids(3 * WINDOW, seed=21)
-    seq = engine.add_sequence()
-    with pytest.raises(AssertionError, match="max abs diff"):
-        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "steeper")
+    _prefill_leaves_transformers(model, model.model_dir, tmp_path / "steeper", "steeper")
 
 
 def _sink_decoder(column_of):
-    """A one-layer decoder whose causal attention joins `column_of(self, n)` ([1, heads, n, 1]) to its scores as
+    """A one-layer decoder whose causal attention joins `column_of(model, n)` ([1, heads, n, 1]) to its scores as
     gpt-oss joins its sinks: the column in the softmax, its probabilities dropped after it."""
     import torch
 
-    class Decoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.embed = torch.nn.Embedding(32, 16)
-            self.qkv = torch.nn.Linear(16, 48)
-            self.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
-            self.shared_sink = torch.nn.Parameter(torch.tensor([0.25]))
-            self.head = torch.nn.Linear(16, 32)
+    def attend(model, q, k, v, n):
+        positions = torch.arange(n)
+        causal = torch.where(positions[None, :] <= positions[:, None], 0.0, float("-inf"))
+        logits = torch.cat([q @ k.transpose(2, 3) / 8**0.5 + causal, column_of(model, n)], dim=-1)
+        return torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1] @ v
 
-        def forward(self, input_ids, use_cache=False):
-            n = input_ids.shape[1]
-            q, k, v = (t.view(1, n, 2, 8).transpose(1, 2) for t in self.qkv(self.embed(input_ids)).split(16, -1))
-            positions = torch.arange(n)
-            causal = torch.where(positions[None, :] <= positions[:, None], 0.0, float("-inf"))
-            logits = torch.cat([q @ k.transpose(2, 3) / 8**0.5 + causal, column_of(self, n)], dim=-1)
-            probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-            return self.head((probs @ v).transpose(1, 2).reshape(1, n, 16))
-
-    return Decoder().eval()
+    return _one_layer(attend, sinks=[0.5, -1.0], shared_sink=[0.25])
 
 
 def test_sinks_written_as_gpt_oss_writes_them_reach_the_cache():
@@ -323,18 +320,9 @@ def _sinks_moved(model_dir, out_dir, move) -> None:
 def test_sinks_moved_to_other_heads_fail_the_comparison(tiny_models, tmp_path):
     """The families' bound detects gpt-oss's sinks moved one head over (the check can fail): compiled from a copy
     whose sinks are so moved, the logits leave transformers' (on the original weights) by more than the bound."""
-    from ember.driver.compiler import CompileOptions, compile_model
-    from ember.runtime import Engine, load_artifact
-
     model = tiny_models.exported("gpt_oss")
     _sinks_moved(model.model_dir, tmp_path / "moved", lambda sinks: np.roll(sinks, 1))
-    compile_model(tmp_path / "moved", tmp_path / "artifact", CompileOptions(
-        quantization="q0f32", prefill_chunk=64, max_batch=1, frontend="torch-export", show_progress=False))
-    engine = Engine(load_artifact(tmp_path / "artifact"))
-    ids = prompt_ids(3 * WINDOW, seed=21)
-    seq = engine.add_sequence()
-    with pytest.raises(AssertionError, match="max abs diff"):
-        assert_logits_close(engine.prefill(seq, ids, all_logits=True), model.reference_logits(ids), "sinks moved")
+    _prefill_leaves_transformers(model, tmp_path / "moved", tmp_path / "artifact", "sinks moved")
 
 
 @pytest.mark.slow
