@@ -27,6 +27,11 @@ of the query's, so its cost stays flat past the window. Where only some layers h
 (`window_pages`), the runtime hands their kernels the pages of the last `window` tokens,
 with length info as [3, batch] (last page's length, slots of the first page before the
 window, sinks: none here); where all do, every page, as for a model without a window.
+
+With attention sinks (`CacheShape.sinks`, gpt-oss's learned logit per head), the last KV-head count
+of query heads carry each KV head's sinks and the layer's window, which the kernel masks by; a
+query's running max and denominator start from its sink (one term of that score) where the keys
+handed hold its own key, which in a forked sequence's decode only the part of its own pages does.
 """
 
 from __future__ import annotations

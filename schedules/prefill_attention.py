@@ -40,6 +40,12 @@ positions the runtime passes, and a block reads only the keys its rows can see (
 every page, or, `window_pages`, those of each sequence's last `window` cached tokens). The ragged kernel stays
 causal: the compiler keeps prefill chunks no longer than the window, so no new token can
 fall out of a newer one's window.
+
+With attention sinks (`CacheShape.sinks`), the last KV-head count of query heads carry each KV
+head's sinks and the layer's window: a row's online softmax starts from its sink (one term of that
+score) where the keys handed hold the row's own key (the ragged kernel's always do, the paged one's
+never in a prefill), so the runtime's merge counts it once; and every row sees through the window
+its carrier holds, by position.
 """
 
 from __future__ import annotations

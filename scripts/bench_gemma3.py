@@ -18,7 +18,7 @@ the machine, the table how busy during each runtime's worst kept run (`--json FI
 llama.cpp runs as its own tools run it (llama-cli, llama-server): the windowed layers in a cache of their
 window (`swa_full` off; its Python binding's default is the full-size one), flash attention as
 `--llama-flash-attn` says (default on: what its `auto` picks on CPUs), its default float16 KV cache. ember's
-KV cache is float32 (its default for a float32 model).
+KV cache is float32 (its default for a float32 model), or what `--kv-quant` names (`f16`: llama.cpp's).
 
 `--sweep` shows the windowed layers' decode cost against the context: one process per artifact prefills the
 prompt up to each context in turn and times `--sweep-tokens` decode steps there, for ember's `--sweep-quant`
@@ -155,12 +155,14 @@ def write_gguf(model_dir: str, out_path: str, qtype: str) -> dict:
     return {}
 
 
-def compile_ember(model_dir: Path, out: Path, quant: str, target: str) -> float:
-    """`ember compile` in a fresh process (torch-export frontend, one sequence); its wall seconds (0 if reused)."""
+def compile_ember(model_dir: Path, out: Path, quant: str, target: str, kv_quant: str | None) -> float:
+    """`ember compile` in a fresh process (torch-export frontend, one sequence, `--kv-quant kv_quant` if given); its
+    wall seconds (0 if reused)."""
     if (out / "manifest.json").exists():
         return 0.0
     command = [sys.executable, "-m", "ember", "compile", str(model_dir), "-o", str(out), "--quant", quant,
-               "--target", target, "--frontend", "torch-export", "--max-batch", "1", "--no-progress"]
+               "--target", target, "--frontend", "torch-export", "--max-batch", "1", "--no-progress",
+               *(["--kv-quant", kv_quant] if kv_quant else [])]
     start = time.perf_counter()
     subprocess.run(command, check=True)
     return time.perf_counter() - start
@@ -302,6 +304,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,4096", help="prompt lengths, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--llama-flash-attn", choices=("on", "off"), default="on")
+    parser.add_argument("--kv-quant", choices=("f16", "q8"),
+                        help="ember's KV cache format (default: float32; f16 is llama.cpp's default cache type)")
     parser.add_argument("--sweep", default="128,512,1024,2048,4096",
                         help="contexts of the decode sweep, comma-separated (empty: no sweep)")
     parser.add_argument("--sweep-quant", default="q4f32")
@@ -348,8 +352,10 @@ def main() -> None:
     if sweep:
         variants.append((f"{args.sweep_quant}-global", all_global(args.model)))
     for name, model_dir in variants:
-        artifacts[name] = args.model.with_name(f"{args.model.name}-ember-{name}-{level.name}")
-        compile_s[name] = compile_ember(model_dir, artifacts[name], name.split("-")[0], level.ember_target)
+        kv = f"-kv-{args.kv_quant}" if args.kv_quant else ""
+        artifacts[name] = args.model.with_name(f"{args.model.name}-ember-{name}-{level.name}{kv}")
+        compile_s[name] = compile_ember(model_dir, artifacts[name], name.split("-")[0], level.ember_target,
+                                        args.kv_quant)
     package = build_llama_cpp.ensure_built(level)
     counts = build_llama_cpp.check_isa(level, build_llama_cpp.package_libraries(package))
     llama_options = {"swa_full": False, "flash_attn": args.llama_flash_attn == "on"}
@@ -391,7 +397,8 @@ def main() -> None:
           f"{sum(load > args.max_others for load in loads)} of {len(loads)} runs kept above --max-others "
           f"{args.max_others} after {args.retries} reruns")
     compiled = ", ".join(f"{name} {s:.0f} s" for name, s in compile_s.items() if s) or "artifacts reused"
-    print(f"ember --target {level.ember_target}, --frontend torch-export, --max-batch 1, float32 KV cache; "
+    print(f"ember --target {level.ember_target}, --frontend torch-export, --max-batch 1, "
+          f"{args.kv_quant or 'float32'} KV cache; "
           f"compile: {compiled}")
     print(f"llama.cpp {package.name}: CMAKE_ARGS {build_llama_cpp.cmake_args(level)}; objdump: {counts['zmm']} zmm, "
           f"{counts['vpdpbusd']} vpdpbusd; Llama(swa_full=False, flash_attn={llama_options['flash_attn']}), "
