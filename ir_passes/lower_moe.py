@@ -92,12 +92,8 @@ class _Rewriter(relax.PyExprMutator):
         self.kernels: dict[str, relax.GlobalVar] = {}
         self._match()
         self.transposed = {weight for weight, transposed in self.layouts.items() if transposed}
-        self.rows_of = {p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[1]),
-                                                               int(p.ty.shape[2])], p.ty.dtype))
-                        for p in self.stacked - self.transposed}
-        self.rows_of.update({p: relax.Var(p.name, relax.TensorType([int(p.ty.shape[0]) * int(p.ty.shape[2]),
-                                                                    int(p.ty.shape[1])], p.ty.dtype))
-                             for p in self.transposed})
+        self.rows_of = {p: relax.Var(p.name, relax.TensorType(_rows(p, p in self.transposed), p.ty.dtype))
+                        for p in self.stacked}
 
     def rewrite(self) -> relax.Function:
         params = [self.rows_of.get(p, p) for p in self.func.params]
@@ -196,9 +192,8 @@ class _Rewriter(relax.PyExprMutator):
             return
         if var in self.projections:
             x, weight, ids = self.projections[var]
-            experts, n, k = (int(d) for d in weight.ty.shape)
-            if weight in self.transposed:
-                n, k = k, n
+            (rows, k), experts = _rows(weight, weight in self.transposed), int(weight.ty.shape[0])
+            n = rows // experts
             self.flattened[weight.name] = ([experts, n, k], weight in self.transposed)
             order, offsets = self._grouped(self.visit_expr(ids), experts)
             kernel = self._kernel(moe.moe_matmul(None, experts, n, k, self.vector_bits), "moe_matmul")
@@ -237,6 +232,14 @@ class _Rewriter(relax.PyExprMutator):
         stacked = [p.name for p in func.params if len(p.ty.shape) == 3 and p.name not in self.flattened]
         if stacked:
             raise ModelError(f"{FORWARD}: expert weight {stacked[0]} is read other than by a gathered projection")
+
+
+def _rows(weight: relax.Var, transposed: bool) -> list[int]:
+    """[E * N, K]: the rows the expert kernels read a stacked [E, N, K] weight (stored [E, K, N] if `transposed`) as."""
+    experts, n, k = (int(d) for d in weight.ty.shape)
+    if transposed:
+        n, k = k, n
+    return [experts * n, k]
 
 
 def _last_axis(softmax: relax.Call) -> bool:
